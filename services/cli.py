@@ -1,0 +1,127 @@
+"""The `pcpstack` command: serve a service, check a config, inspect the cluster, run benchmarks.
+
+Each service ships `services/<name>/main.py` with `add_arguments(parser)` and `run(args) -> int`; each
+benchmark area ships `bench/<area>.py` with `add_arguments(parser)` and `run(args) -> dict`. This module
+only wires them into subcommands, importing a service's code when its subcommand is used.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import json
+import sys
+from pathlib import Path
+
+from services.common.config import ConfigError, load_config_file, parse_overrides
+
+SERVICES = ("registry", "prefill", "decode", "kvstore")
+BENCHES = ("engine", "registry", "kv", "prefill", "e2e")
+RESULTS_DIR = Path("bench") / "results"
+
+
+def _module_or_none(name: str):
+    try:
+        return importlib.import_module(name)
+    except ModuleNotFoundError as exc:
+        if exc.name == name:
+            return None
+        raise
+
+
+def _config_check(args: argparse.Namespace) -> int:
+    try:
+        configs = load_config_file(args.file, parse_overrides(args.set))
+    except (ConfigError, OSError) as exc:
+        print(f"config error: {exc}", file=sys.stderr)
+        return 2
+    resolved = {}
+    for role, config in configs.items():
+        resolved[role] = {
+            **{k: v for k, v in vars(config).items() if k != "num_kv_heads"},
+            "world_size": config.world_size,
+            "pcp_ranks_per_node": config.pcp_ranks_per_node,
+            "nodes_required": config.nodes_required,
+        }
+    print(json.dumps(resolved, indent=2))
+    return 0
+
+
+def _bench(args: argparse.Namespace) -> int:
+    areas = BENCHES if args.area == "all" else (args.area,)
+    results = {}
+    for area in areas:
+        module = importlib.import_module(f"bench.{area}")
+        results[area] = module.run(args)
+    payload = results if args.area == "all" else results[args.area]
+    RESULTS_DIR.mkdir(parents=True, exist_ok=True)
+    (RESULTS_DIR / f"{args.area}.json").write_text(json.dumps(payload, indent=2) + "\n")
+    if args.json:
+        print(json.dumps(payload, indent=2))
+    else:
+        for area, result in results.items():
+            print(f"{area}: {json.dumps(result)}")
+    return 0
+
+
+def build_parser(argv: list[str]) -> argparse.ArgumentParser:
+    """The argument parser. A service's or benchmark's module (and so torch) is imported only when argv
+    names it, so `pcpstack serve registry` stays light."""
+    wanted = set(argv[:3])
+    parser = argparse.ArgumentParser(prog="pcpstack", description=__doc__.splitlines()[0])
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    serve = sub.add_parser("serve", help="run one service in the foreground")
+    serve_sub = serve.add_subparsers(dest="service", required=True)
+    for name in SERVICES:
+        service_parser = serve_sub.add_parser(name, help=f"run the {name} service")
+        module = _module_or_none(f"services.{name}.main") if name in wanted else None
+        if module is not None:
+            module.add_arguments(service_parser)
+            service_parser.set_defaults(handler=module.run)
+
+    config = sub.add_parser("config", help="configuration tools")
+    config_sub = config.add_subparsers(dest="config_command", required=True)
+    check = config_sub.add_parser(
+        "check", help="validate a seed-style config file and print what it resolves to"
+    )
+    check.add_argument(
+        "file", help="JSON file with motor_engine_prefill_config and/or motor_engine_decode_config"
+    )
+    check.add_argument(
+        "--set", action="append", default=[], metavar="KEY=VALUE", help="override an engine_config key"
+    )
+    check.set_defaults(handler=_config_check)
+
+    for command, module_name in (("status", "services.registry.status"),):
+        module = _module_or_none(module_name)
+        if module is not None:
+            command_parser = sub.add_parser(command, help=(module.__doc__ or command).splitlines()[0])
+            module.add_arguments(command_parser)
+            command_parser.set_defaults(handler=module.run)
+
+    bench = sub.add_parser("bench", help="benchmarks; JSON results go to bench/results/")
+    bench_sub = bench.add_subparsers(dest="area", required=True)
+    for area in (*BENCHES, "all"):
+        area_parser = bench_sub.add_parser(area, help=f"benchmark {area}")
+        area_parser.add_argument("--json", action="store_true", help="print the results as JSON")
+        area_parser.set_defaults(handler=_bench)
+        if area in wanted or "all" in wanted:
+            module = _module_or_none(f"bench.{area}")
+            if module is not None:
+                module.add_arguments(area_parser)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Entry point of the `pcpstack` console script."""
+    argv = sys.argv[1:] if argv is None else argv
+    args = build_parser(argv).parse_args(argv)
+    if not hasattr(args, "handler"):
+        print(f"pcpstack: {' '.join(argv[:2])} is not available in this build", file=sys.stderr)
+        return 2
+    return int(args.handler(args) or 0)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,1 @@
+"""Runtime shared by every pcpstack service: servers, channels, telemetry, logging and configuration."""

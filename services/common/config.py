@@ -1,0 +1,326 @@
+"""Typed engine configuration read from the seed-style JSON, with DESIGN.md's rules enforced.
+
+A config file looks like the seed orchestrator's:
+
+    {"motor_engine_prefill_config": {"engine_type": "vllm", "engine_config": {
+        "model": "...", "tensor_parallel_size": 1, "data_parallel_size": 2,
+        "prefill-context-parallel-size": 2, "cp-kv-cache-interleave-size": 128,
+        "nnodes": 2, "master-port": 7001}}}
+
+engine_config keys may use hyphens or underscores. Command-line overrides (`key=value`) are applied on
+top. Every rule violation raises ConfigError naming the keys, their values and the rule, so a user knows
+what to change.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import asdict, dataclass, fields, replace
+from pathlib import Path
+from typing import Any
+
+from services.proto.pcpstack.v1 import common_pb2
+
+ROLE_SECTIONS = {
+    "prefill": "motor_engine_prefill_config",
+    "decode": "motor_engine_decode_config",
+}
+DEFAULT_BLOCK_SIZE = 128
+TRANSFER_MODES = ("whole", "layerwise")
+
+
+class ConfigError(ValueError):
+    """A configuration that breaks a rule. `keys` are the offending keys, `rule` the rule's statement."""
+
+    def __init__(self, message: str, keys: tuple[str, ...] = (), rule: str = "") -> None:
+        super().__init__(message)
+        self.keys = keys
+        self.rule = rule
+
+
+def _key(name: str) -> str:
+    return name.strip().replace("-", "_")
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    """The engine configuration of one node. Sizes are >= 1; call validate() (done by every constructor
+    in this module) before use."""
+
+    role: str = "prefill"
+    engine_type: str = "pcpstack"
+    model: str = ""
+    tensor_parallel_size: int = 1
+    data_parallel_size: int = 1
+    prefill_context_parallel_size: int = 1
+    decode_context_parallel_size: int = 1
+    cp_kv_cache_interleave_size: int = DEFAULT_BLOCK_SIZE
+    nnodes: int = 1
+    master_port: int = 7001
+    block_size: int = DEFAULT_BLOCK_SIZE
+    kv_transfer_mode: str = "whole"
+    # KV heads of the model; needed by the DCP rule for GQA models. 0 = unknown (rule checked later,
+    # once the model is loaded).
+    num_kv_heads: int = 0
+
+    @property
+    def pcp_size(self) -> int:
+        """Global PCP degree of one set."""
+        return self.prefill_context_parallel_size
+
+    @property
+    def pcp_ranks_per_node(self) -> int:
+        """PCP ranks each node of a set contributes."""
+        return self.prefill_context_parallel_size // self.nnodes
+
+    @property
+    def world_size(self) -> int:
+        """Ranks of one set: tp x pcp."""
+        return self.tensor_parallel_size * self.prefill_context_parallel_size
+
+    @property
+    def nodes_required(self) -> int:
+        """Prefill nodes the registry waits for before assembling: dp x nnodes."""
+        return self.data_parallel_size * self.nnodes
+
+    def validate(self) -> EngineConfig:
+        """Raises ConfigError on the first rule this config breaks; returns self otherwise."""
+        if self.role not in ("prefill", "decode"):
+            raise ConfigError(f"role={self.role!r} is not one of prefill, decode", ("role",), "known role")
+        for name in (
+            "tensor_parallel_size",
+            "data_parallel_size",
+            "prefill_context_parallel_size",
+            "decode_context_parallel_size",
+            "nnodes",
+            "block_size",
+            "cp_kv_cache_interleave_size",
+        ):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+                raise ConfigError(f"{name}={value!r} must be an integer >= 1", (name,), "sizes are >= 1")
+        if not 0 < self.master_port < 65536:
+            raise ConfigError(
+                f"master_port={self.master_port} must be a TCP port in 1..65535",
+                ("master_port",),
+                "valid port",
+            )
+        if self.kv_transfer_mode not in TRANSFER_MODES:
+            raise ConfigError(
+                f"kv_transfer_mode={self.kv_transfer_mode!r} is not one of {', '.join(TRANSFER_MODES)}",
+                ("kv_transfer_mode",),
+                "known transfer mode",
+            )
+        pcp, dcp, tp = (
+            self.prefill_context_parallel_size,
+            self.decode_context_parallel_size,
+            self.tensor_parallel_size,
+        )
+        if pcp > 1 and dcp > 1:
+            raise ConfigError(
+                f"prefill_context_parallel_size={pcp} and decode_context_parallel_size={dcp}: PCP and DCP "
+                "cannot both be > 1; set one of them to 1",
+                ("prefill_context_parallel_size", "decode_context_parallel_size"),
+                "PCP and DCP cannot both be > 1",
+            )
+        if self.role == "decode" and pcp != 1:
+            raise ConfigError(
+                f"prefill_context_parallel_size={pcp} on a decode instance: a decode (KV consumer) instance "
+                "must have prefill_context_parallel_size == 1",
+                ("prefill_context_parallel_size",),
+                "decode requires PCP == 1",
+            )
+        if self.cp_kv_cache_interleave_size != self.block_size:
+            raise ConfigError(
+                f"cp_kv_cache_interleave_size={self.cp_kv_cache_interleave_size} but block_size="
+                f"{self.block_size}: when KV is transferred, cp_kv_cache_interleave_size must equal the KV "
+                "block_size",
+                ("cp_kv_cache_interleave_size", "block_size"),
+                "interleave size == block size",
+            )
+        if dcp > 1:
+            if tp % dcp != 0 or tp < dcp:
+                raise ConfigError(
+                    f"tensor_parallel_size={tp}, decode_context_parallel_size={dcp}: DCP needs "
+                    "tp % dcp == 0 and tp >= dcp",
+                    ("tensor_parallel_size", "decode_context_parallel_size"),
+                    "tp % dcp == 0 and tp >= dcp",
+                )
+            if self.num_kv_heads > 0:
+                per_head = tp // self.num_kv_heads
+                if per_head < dcp or per_head % dcp != 0:
+                    raise ConfigError(
+                        f"tensor_parallel_size={tp}, num_kv_heads={self.num_kv_heads}, "
+                        f"decode_context_parallel_size={dcp}: for GQA models (tp // num_kv_heads)={per_head} "
+                        "must be >= dcp and divisible by dcp",
+                        ("tensor_parallel_size", "num_kv_heads", "decode_context_parallel_size"),
+                        "(tp // num_kv_heads) >= dcp and (tp // num_kv_heads) % dcp == 0",
+                    )
+        if pcp % self.nnodes != 0:
+            raise ConfigError(
+                f"prefill_context_parallel_size={pcp} is not divisible by nnodes={self.nnodes}: every node "
+                "of a set must contribute the same number of PCP ranks",
+                ("prefill_context_parallel_size", "nnodes"),
+                "pcp % nnodes == 0",
+            )
+        if self.kv_transfer_mode == "layerwise" and pcp > 1:
+            raise ConfigError(
+                f"kv_transfer_mode='layerwise' with prefill_context_parallel_size={pcp}: layerwise KV "
+                "transfer is incompatible with PCP (its block split does not match CP); use 'whole'",
+                ("kv_transfer_mode", "prefill_context_parallel_size"),
+                "no layerwise transfer with PCP",
+            )
+        return self
+
+    # --- conversions -------------------------------------------------------------------------------
+
+    @classmethod
+    def from_mapping(
+        cls, engine_config: dict[str, Any], role: str, engine_type: str = "pcpstack"
+    ) -> EngineConfig:
+        """Builds from an engine_config mapping (hyphen or underscore keys); unknown keys are refused."""
+        known = {f.name for f in fields(cls)} - {"role", "engine_type"}
+        values: dict[str, Any] = {}
+        for raw_key, value in engine_config.items():
+            key = _key(raw_key)
+            if key not in known:
+                raise ConfigError(
+                    f"unknown engine_config key {raw_key!r}; known keys: {', '.join(sorted(known))}",
+                    (raw_key,),
+                    "known keys only",
+                )
+            if key in values:
+                raise ConfigError(
+                    f"engine_config key {raw_key!r} is given twice", (raw_key,), "no duplicates"
+                )
+            values[key] = value
+        if "cp_kv_cache_interleave_size" not in values and "block_size" in values:
+            values["cp_kv_cache_interleave_size"] = values["block_size"]
+        if "block_size" not in values and "cp_kv_cache_interleave_size" in values:
+            values["block_size"] = values["cp_kv_cache_interleave_size"]
+        for key, value in values.items():
+            expected = type(getattr(cls(), key))
+            if expected is int and isinstance(value, str) and value.strip().lstrip("-").isdigit():
+                values[key] = int(value)
+            elif not isinstance(values[key], expected) or isinstance(values[key], bool):
+                raise ConfigError(
+                    f"engine_config {key}={value!r} must be of type {expected.__name__}",
+                    (key,),
+                    "typed values",
+                )
+        return cls(role=role, engine_type=engine_type, **values).validate()
+
+    def with_overrides(self, overrides: dict[str, Any]) -> EngineConfig:
+        """A copy with `key=value` overrides applied (hyphen or underscore keys), validated."""
+        merged = {k: v for k, v in asdict(self).items() if k not in ("role", "engine_type")}
+        for raw_key, value in overrides.items():
+            key = _key(raw_key)
+            if key not in merged:
+                raise ConfigError(f"unknown override key {raw_key!r}", (raw_key,), "known keys only")
+            merged[key] = value
+        return EngineConfig.from_mapping(merged, role=self.role, engine_type=self.engine_type)
+
+    def to_proto(self) -> common_pb2.EngineConfig:
+        """The wire form sent to the registry."""
+        return common_pb2.EngineConfig(
+            engine_type=self.engine_type,
+            model=self.model,
+            tensor_parallel_size=self.tensor_parallel_size,
+            data_parallel_size=self.data_parallel_size,
+            prefill_context_parallel_size=self.prefill_context_parallel_size,
+            decode_context_parallel_size=self.decode_context_parallel_size,
+            cp_kv_cache_interleave_size=self.cp_kv_cache_interleave_size,
+            nnodes=self.nnodes,
+            master_port=self.master_port,
+            block_size=self.block_size,
+            kv_transfer_mode=(
+                common_pb2.KV_TRANSFER_MODE_LAYERWISE
+                if self.kv_transfer_mode == "layerwise"
+                else common_pb2.KV_TRANSFER_MODE_WHOLE
+            ),
+        )
+
+    @classmethod
+    def from_proto(cls, msg: common_pb2.EngineConfig, role: str, num_kv_heads: int = 0) -> EngineConfig:
+        """Reads the wire form (0 means default for every size) and validates it."""
+        block = msg.block_size or DEFAULT_BLOCK_SIZE
+        config = cls(
+            role=role,
+            engine_type=msg.engine_type or "pcpstack",
+            model=msg.model,
+            tensor_parallel_size=msg.tensor_parallel_size or 1,
+            data_parallel_size=msg.data_parallel_size or 1,
+            prefill_context_parallel_size=msg.prefill_context_parallel_size or 1,
+            decode_context_parallel_size=msg.decode_context_parallel_size or 1,
+            cp_kv_cache_interleave_size=msg.cp_kv_cache_interleave_size or block,
+            nnodes=msg.nnodes or 1,
+            master_port=msg.master_port or 7001,
+            block_size=block,
+            kv_transfer_mode="layerwise"
+            if msg.kv_transfer_mode == common_pb2.KV_TRANSFER_MODE_LAYERWISE
+            else "whole",
+            num_kv_heads=num_kv_heads,
+        )
+        return config.validate()
+
+    def with_model_shape(self, num_kv_heads: int) -> EngineConfig:
+        """Re-validates once the model's KV head count is known (the GQA DCP rule needs it)."""
+        return replace(self, num_kv_heads=num_kv_heads).validate()
+
+
+def parse_overrides(pairs: list[str]) -> dict[str, Any]:
+    """Parses `key=value` strings; values are JSON when they parse as JSON, strings otherwise."""
+    overrides: dict[str, Any] = {}
+    for pair in pairs:
+        key, sep, raw = pair.partition("=")
+        if not sep or not key.strip():
+            raise ConfigError(f"override {pair!r} is not of the form key=value", (pair,), "key=value")
+        try:
+            overrides[key.strip()] = json.loads(raw)
+        except json.JSONDecodeError:
+            overrides[key.strip()] = raw
+    return overrides
+
+
+def load_configs(
+    document: dict[str, Any], overrides: dict[str, Any] | None = None
+) -> dict[str, EngineConfig]:
+    """Reads every role section of a seed-style document into a validated EngineConfig per role."""
+    if not isinstance(document, dict):
+        raise ConfigError("the config file must hold a JSON object", (), "JSON object")
+    unknown = set(document) - set(ROLE_SECTIONS.values())
+    if unknown:
+        raise ConfigError(
+            f"unknown top-level keys {sorted(unknown)}; expected {sorted(ROLE_SECTIONS.values())}",
+            tuple(sorted(unknown)),
+            "known sections only",
+        )
+    configs = {}
+    for role, section_key in ROLE_SECTIONS.items():
+        if section_key not in document:
+            continue
+        section = document[section_key]
+        if not isinstance(section, dict) or not isinstance(section.get("engine_config", {}), dict):
+            raise ConfigError(
+                f"{section_key} must be an object with an engine_config object", (section_key,), "shape"
+            )
+        config = EngineConfig.from_mapping(
+            section.get("engine_config", {}), role=role, engine_type=section.get("engine_type", "pcpstack")
+        )
+        configs[role] = config.with_overrides(overrides) if overrides else config
+    if not configs:
+        raise ConfigError(
+            f"no engine section found; expected one of {sorted(ROLE_SECTIONS.values())}",
+            tuple(ROLE_SECTIONS.values()),
+            "at least one section",
+        )
+    return configs
+
+
+def load_config_file(path: str | Path, overrides: dict[str, Any] | None = None) -> dict[str, EngineConfig]:
+    """Reads a seed-style JSON file; see load_configs."""
+    try:
+        document = json.loads(Path(path).read_text())
+    except json.JSONDecodeError as exc:
+        raise ConfigError(f"{path}: not valid JSON: {exc}", (), "valid JSON") from exc
+    return load_configs(document, overrides)

@@ -1,0 +1,129 @@
+"""The one way a pcpstack service starts its gRPC server.
+
+Every server gets the standard health service, server reflection, a bind address that defaults to
+loopback, a configurable message size limit, and a graceful shutdown on SIGTERM/SIGINT (stop taking new
+calls, let running ones finish within a grace period, then cancel the rest).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import signal
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass
+
+import grpc
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+from grpc_health.v1.health import aio as health_aio
+from grpc_reflection.v1alpha import reflection
+
+log = logging.getLogger(__name__)
+
+DEFAULT_MAX_MESSAGE_BYTES = 64 * 1024 * 1024
+
+
+@dataclass(frozen=True)
+class ServerOptions:
+    """Where and how a service listens."""
+
+    host: str = "127.0.0.1"
+    port: int = 0
+    max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES
+    grace_seconds: float = 5.0
+
+    def channel_options(self) -> list[tuple[str, int]]:
+        """gRPC options that apply the message size limit in both directions."""
+        return [
+            ("grpc.max_send_message_length", self.max_message_bytes),
+            ("grpc.max_receive_message_length", self.max_message_bytes),
+        ]
+
+
+class RunningServer:
+    """A started server: its bound port, its health servicer, and a way to stop it."""
+
+    def __init__(
+        self, server: grpc.aio.Server, host: str, port: int, health: health_aio.HealthServicer, grace: float
+    ):
+        self.server = server
+        self.host = host
+        self.port = port
+        self.health = health
+        self._grace = grace
+        self._stopped = asyncio.Event()
+
+    @property
+    def address(self) -> str:
+        """host:port clients dial."""
+        return f"{self.host}:{self.port}"
+
+    async def set_serving(self, service: str, serving: bool) -> None:
+        """Reports one service (or "" for the whole server) as SERVING or NOT_SERVING."""
+        status = (
+            health_pb2.HealthCheckResponse.SERVING if serving else health_pb2.HealthCheckResponse.NOT_SERVING
+        )
+        await self.health.set(service, status)
+
+    async def stop(self, grace: float | None = None) -> None:
+        """Stops taking calls, waits up to grace seconds for running ones, then cancels them."""
+        if self._stopped.is_set():
+            return
+        self._stopped.set()
+        await self.health.enter_graceful_shutdown()
+        await self.server.stop(self._grace if grace is None else grace)
+
+    async def wait_for_termination(self) -> None:
+        """Returns when the server has stopped."""
+        await self.server.wait_for_termination()
+
+
+async def start_server(
+    register: Callable[[grpc.aio.Server], None],
+    service_names: Iterable[str],
+    options: ServerOptions = ServerOptions(),
+) -> RunningServer:
+    """Builds, binds and starts a server; `register` adds the service's servicers to it.
+
+    service_names are the full proto names (e.g. "pcpstack.v1.KvStoreService"); they are published in
+    reflection and marked SERVING in health.
+    """
+    server = grpc.aio.server(options=options.channel_options())
+    register(server)
+    health = health_aio.HealthServicer()
+    health_pb2_grpc.add_HealthServicer_to_server(health, server)
+    names = list(service_names)
+    reflection.enable_server_reflection(
+        [*names, health_pb2.DESCRIPTOR.services_by_name["Health"].full_name, reflection.SERVICE_NAME], server
+    )
+    port = server.add_insecure_port(f"{options.host}:{options.port}")
+    if port == 0:
+        raise OSError(f"could not bind {options.host}:{options.port}")
+    await server.start()
+    running = RunningServer(server, options.host, port, health, options.grace_seconds)
+    for name in ["", *names]:
+        await running.set_serving(name, True)
+    return running
+
+
+async def serve_until_signalled(running: RunningServer, on_stop: Callable[[], object] | None = None) -> None:
+    """Serves until SIGTERM or SIGINT, then shuts down gracefully. on_stop runs first (sync or async)."""
+    loop = asyncio.get_running_loop()
+    stop = asyncio.Event()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, stop.set)
+    waiter = asyncio.ensure_future(running.wait_for_termination())
+    stopper = asyncio.ensure_future(stop.wait())
+    await asyncio.wait([waiter, stopper], return_when=asyncio.FIRST_COMPLETED)
+    if stop.is_set():
+        log.info("signal received; shutting down", extra={"address": running.address})
+        if on_stop is not None:
+            result = on_stop()
+            if asyncio.iscoroutine(result):
+                await result
+        await running.stop()
+    for task in (waiter, stopper):
+        task.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await task
