@@ -18,6 +18,7 @@ ROOT = Path(__file__).resolve().parent.parent
 PROTO_ROOT = ROOT / "protos"
 DEFAULT_OUT = ROOT / "services" / "proto"
 _IMPORT_FROM = re.compile(r"^from pcpstack\.v1 import ", re.MULTILINE)
+_INIT_DOC = '"""Generated from protos/ by tools/gen_protos.py; do not edit."""\n'
 _DOTTED = re.compile(r"\bpcpstack\.v1\.(\w+_pb2(?:_grpc)?)\b")
 
 
@@ -46,7 +47,7 @@ def generate(out_dir: Path) -> list[Path]:
         path.write_text(text)
         written.append(path)
     for package in [out_dir, *(p for p in out_dir.rglob("*") if p.is_dir())]:
-        (package / "__init__.py").write_text('"""Generated from protos/ by tools/gen_protos.py; do not edit."""\n')
+        (package / "__init__.py").write_text(_INIT_DOC)
     return written
 
 

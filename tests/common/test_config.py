@@ -1,0 +1,149 @@
+"""Configuration: seed-style JSON in, typed config out, and every DESIGN.md rule enforced both ways."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+from services.common.config import ConfigError, EngineConfig, load_configs, parse_overrides
+
+SEED = {
+    "motor_engine_prefill_config": {
+        "engine_type": "vllm",
+        "engine_config": {
+            "model": "/mnt/weight/your_model",
+            "tensor_parallel_size": 1,
+            "data_parallel_size": 2,
+            "prefill-context-parallel-size": 2,
+            "cp-kv-cache-interleave-size": 128,
+            "nnodes": 2,
+            "master-port": 7001,
+        },
+    }
+}
+
+
+def prefill(**values) -> EngineConfig:
+    return EngineConfig.from_mapping(values, role="prefill")
+
+
+def refused(role: str = "prefill", **values) -> ConfigError:
+    with pytest.raises(ConfigError) as info:
+        EngineConfig.from_mapping(values, role=role)
+    return info.value
+
+
+def test_seed_document_resolves_hyphen_and_underscore_keys() -> None:
+    config = load_configs(SEED)["prefill"]
+    assert config.prefill_context_parallel_size == 2
+    assert config.master_port == 7001
+    assert config.data_parallel_size == 2 and config.nnodes == 2
+    assert config.block_size == 128  # taken from the interleave size
+    assert config.nodes_required == 4 and config.pcp_ranks_per_node == 1 and config.world_size == 2
+
+
+def test_rule_pcp_and_dcp_not_both_above_one() -> None:
+    assert prefill(prefill_context_parallel_size=2, decode_context_parallel_size=1)
+    error = refused(prefill_context_parallel_size=2, decode_context_parallel_size=2, tensor_parallel_size=2)
+    assert "prefill_context_parallel_size=2" in str(error) and "decode_context_parallel_size=2" in str(error)
+    assert error.rule == "PCP and DCP cannot both be > 1"
+
+
+def test_rule_decode_instance_requires_pcp_one() -> None:
+    assert EngineConfig.from_mapping({"prefill_context_parallel_size": 1}, role="decode")
+    error = refused(role="decode", prefill_context_parallel_size=2)
+    assert "decode" in str(error) and "prefill_context_parallel_size=2" in str(error)
+
+
+def test_rule_interleave_size_equals_block_size() -> None:
+    assert prefill(block_size=64, cp_kv_cache_interleave_size=64)
+    error = refused(block_size=64, cp_kv_cache_interleave_size=128)
+    assert "cp_kv_cache_interleave_size=128" in str(error) and "block_size=64" in str(error)
+
+
+def test_rule_dcp_divides_tp_and_tp_at_least_dcp() -> None:
+    assert prefill(tensor_parallel_size=4, decode_context_parallel_size=2)
+    assert "tp % dcp == 0" in refused(tensor_parallel_size=3, decode_context_parallel_size=2).rule
+    assert "tp >= dcp" in refused(tensor_parallel_size=1, decode_context_parallel_size=2).rule
+
+
+def test_rule_dcp_for_gqa_models_uses_tp_per_kv_head() -> None:
+    assert prefill(tensor_parallel_size=8, decode_context_parallel_size=2, num_kv_heads=4)
+    error = refused(tensor_parallel_size=8, decode_context_parallel_size=2, num_kv_heads=8)
+    assert "num_kv_heads=8" in str(error) and "(tp // num_kv_heads)=1" in str(error)
+    base = prefill(tensor_parallel_size=8, decode_context_parallel_size=4)
+    with pytest.raises(ConfigError, match="num_kv_heads=4"):
+        base.with_model_shape(num_kv_heads=4)  # 8 // 4 = 2 < 4
+
+
+def test_rule_pcp_divisible_by_nnodes() -> None:
+    assert prefill(prefill_context_parallel_size=4, nnodes=2).pcp_ranks_per_node == 2
+    error = refused(prefill_context_parallel_size=3, nnodes=2)
+    assert "prefill_context_parallel_size=3" in str(error) and "nnodes=2" in str(error)
+    assert error.rule == "pcp % nnodes == 0"
+
+
+def test_world_size_is_tp_times_pcp() -> None:
+    assert prefill(tensor_parallel_size=2, prefill_context_parallel_size=3).world_size == 6
+
+
+def test_rule_layerwise_transfer_refused_with_pcp() -> None:
+    assert prefill(kv_transfer_mode="layerwise", prefill_context_parallel_size=1)
+    error = refused(kv_transfer_mode="layerwise", prefill_context_parallel_size=2)
+    assert "layerwise" in str(error) and "prefill_context_parallel_size=2" in str(error)
+
+
+@pytest.mark.parametrize(
+    ("values", "needle"),
+    [
+        ({"nnodes": 0}, "nnodes=0 must be an integer >= 1"),
+        ({"tensor_parallel_size": "two"}, "tensor_parallel_size='two' must be of type int"),
+        ({"pipeline_parallel_size": 2}, "unknown engine_config key 'pipeline_parallel_size'"),
+        ({"master_port": 70000}, "master_port=70000"),
+        ({"kv_transfer_mode": "magic"}, "kv_transfer_mode='magic'"),
+    ],
+)
+def test_malformed_values_are_refused_with_the_key_named(values: dict, needle: str) -> None:
+    assert needle in str(refused(**values))
+
+
+def test_overrides_apply_on_top_and_are_validated() -> None:
+    configs = load_configs(SEED, parse_overrides(["nnodes=1", "prefill-context-parallel-size=4"]))
+    assert configs["prefill"].nnodes == 1 and configs["prefill"].pcp_size == 4
+    with pytest.raises(ConfigError, match="nnodes=3"):
+        load_configs(SEED, parse_overrides(["nnodes=3"]))
+
+
+def test_proto_round_trip_keeps_every_value() -> None:
+    config = prefill(prefill_context_parallel_size=4, nnodes=2, block_size=64, master_port=7100)
+    assert EngineConfig.from_proto(config.to_proto(), role="prefill") == config
+
+
+def test_config_check_cli_prints_resolution_and_exits_2_on_violation(tmp_path, child_env) -> None:
+    good = tmp_path / "good.json"
+    good.write_text(json.dumps(SEED))
+    run = subprocess.run(
+        [sys.executable, "-m", "services.cli", "config", "check", str(good)],
+        capture_output=True,
+        text=True,
+        env=child_env,
+        timeout=60,
+    )
+    assert run.returncode == 0, run.stderr
+    assert json.loads(run.stdout)["prefill"]["nodes_required"] == 4
+    bad = tmp_path / "bad.json"
+    seed = json.loads(json.dumps(SEED))
+    seed["motor_engine_prefill_config"]["engine_config"]["nnodes"] = 3
+    bad.write_text(json.dumps(seed))
+    run = subprocess.run(
+        [sys.executable, "-m", "services.cli", "config", "check", str(bad)],
+        capture_output=True,
+        text=True,
+        env=child_env,
+        timeout=60,
+    )
+    assert run.returncode == 2
+    assert "pcp % nnodes" in run.stderr or "nnodes=3" in run.stderr

@@ -1,0 +1,129 @@
+"""The shared service runtime in real processes: health, reflection, limits, deadlines, shutdown, tracing."""
+
+from __future__ import annotations
+
+import asyncio
+import signal
+import subprocess
+import sys
+import time
+
+import grpc
+import pytest
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
+
+from services.common.channel import open_channel
+from services.common.telemetry import read_span_file
+from tests.common.echo_service import METHOD, SERVICE
+
+
+@pytest.fixture
+def echo_server(child_env):
+    """A real Echo server process with a 1 MiB message limit and a span file."""
+
+    def start(env_extra: dict[str, str] | None = None):
+        env = {**child_env, **(env_extra or {})}
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "tests.common.echo_service", "serve", str(1024 * 1024)],
+            stdout=subprocess.PIPE,
+            text=True,
+            env=env,
+        )
+        port = int(proc.stdout.readline())
+        started.append(proc)
+        return proc, f"127.0.0.1:{port}"
+
+    started: list[subprocess.Popen] = []
+    yield start
+    for proc in started:
+        proc.kill()
+        proc.wait()
+
+
+async def _health(address: str) -> int:
+    async with open_channel(address, default_deadline=5) as channel:
+        reply = await health_pb2_grpc.HealthStub(channel).Check(
+            health_pb2.HealthCheckRequest(service=SERVICE)
+        )
+        return reply.status
+
+
+async def _reflected_services(address: str) -> set[str]:
+    async with open_channel(address, default_deadline=5) as channel:
+        stub = reflection_pb2_grpc.ServerReflectionStub(channel)
+        request = reflection_pb2.ServerReflectionRequest(list_services="")
+        async for reply in stub.ServerReflectionInfo(iter([request])):
+            return {s.name for s in reply.list_services_response.service}
+    return set()
+
+
+def test_server_reports_serving_and_lists_its_services(echo_server) -> None:
+    _, address = echo_server()
+    assert asyncio.run(_health(address)) == health_pb2.HealthCheckResponse.SERVING
+    services = asyncio.run(_reflected_services(address))
+    assert SERVICE in services and "grpc.health.v1.Health" in services
+
+
+def test_message_size_limit_is_enforced(echo_server) -> None:
+    _, address = echo_server()
+
+    async def send(size: int) -> grpc.StatusCode | None:
+        async with open_channel(address, default_deadline=5) as channel:
+            try:
+                await channel.unary_unary(METHOD)(b"x" * size)
+            except grpc.aio.AioRpcError as exc:
+                return exc.code()
+        return None
+
+    assert asyncio.run(send(1000)) is None
+    assert asyncio.run(send(2 * 1024 * 1024)) == grpc.StatusCode.RESOURCE_EXHAUSTED
+
+
+def test_channel_applies_a_default_deadline(echo_server) -> None:
+    _, address = echo_server()
+
+    async def slow_call() -> tuple[grpc.StatusCode, float]:
+        async with open_channel(address, default_deadline=0.5) as channel:
+            start = time.monotonic()
+            with pytest.raises(grpc.aio.AioRpcError) as info:
+                await channel.unary_unary(METHOD)(b"sleep")
+            return info.value.code(), time.monotonic() - start
+
+    code, elapsed = asyncio.run(slow_call())
+    assert code == grpc.StatusCode.DEADLINE_EXCEEDED
+    assert elapsed < 5
+
+
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT])
+def test_server_shuts_down_gracefully_on_signal(echo_server, sig) -> None:
+    proc, address = echo_server()
+    assert asyncio.run(_health(address)) == health_pb2.HealthCheckResponse.SERVING
+    proc.send_signal(sig)
+    assert proc.wait(timeout=15) == 0
+    assert proc.stdout.read().strip() == "stopped"
+
+
+def test_client_and_server_spans_in_two_processes_share_a_trace(echo_server, child_env, tmp_path) -> None:
+    spans_file = tmp_path / "spans.jsonl"
+    proc, address = echo_server({"PCPSTACK_TRACE_FILE": str(spans_file)})
+    client = subprocess.run(
+        [sys.executable, "-m", "tests.common.echo_service", "call", address, "hello"],
+        capture_output=True,
+        text=True,
+        env={**child_env, "PCPSTACK_TRACE_FILE": str(spans_file)},
+        timeout=60,
+    )
+    assert client.returncode == 0, client.stderr
+    trace_id, reply = client.stdout.split()
+    assert reply == "hello"
+    proc.send_signal(signal.SIGTERM)
+    proc.wait(timeout=15)
+    spans = read_span_file(spans_file)
+    server_spans = [s for s in spans if s["service"] == "echo-serve" and s["kind"] == "SERVER"]
+    client_spans = [s for s in spans if s["service"] == "echo-call" and s["kind"] == "CLIENT"]
+    assert [s["trace_id"] for s in server_spans] == [trace_id]
+    assert [s["trace_id"] for s in client_spans] == [trace_id]
+    assert server_spans[0]["parent_span_id"] == client_spans[0]["span_id"]
+    # Health checks made by the fixture are filtered out of traces.
+    assert not [s for s in spans if "Health" in s["name"]]
