@@ -1,0 +1,122 @@
+"""Context-parallel prefill on one PCP rank: its DualChunkSwap share, with K/V all-gathered per layer.
+
+Each rank embeds and runs only its own tokens, at their true positions. In every attention layer the
+engine calls the seam `kv_exchange(k, v)`; here that is `KvAllGather`, which pads the local K/V to the
+largest share, all-gathers them over the PCP process group, and restores position order. Every rank then
+writes the whole prompt's K/V into its own cache (a complete replica) and attends its local queries to it
+under a causal mask on true positions. Only the rank holding the last prompt position computes logits.
+"""
+
+from __future__ import annotations
+
+import datetime
+import os
+
+import torch
+import torch.distributed as dist
+
+from services.engine.attention import AttentionMetadata
+from services.engine.kv_cache import PagedKVCache, slots_for
+from services.engine.model import Transformer
+from services.prefill.split import DualChunkSplit
+
+
+def distributed_backend(device: torch.device) -> str:
+    """hccl on NPUs (torch_npu), nccl on CUDA, gloo on CPU."""
+    return {"npu": "hccl", "cuda": "nccl"}.get(device.type, "gloo")
+
+
+def init_pcp_group(
+    master_addr: str,
+    master_port: int,
+    pcp_rank: int,
+    pcp_size: int,
+    device: torch.device,
+    timeout_seconds: float,
+) -> None:
+    """Joins this process to its set's PCP process group (tcp:// rendezvous at the master)."""
+    dist.init_process_group(
+        backend=distributed_backend(device),
+        init_method=f"tcp://{master_addr}:{master_port}",
+        rank=pcp_rank,
+        world_size=pcp_size,
+        timeout=datetime.timedelta(seconds=timeout_seconds),
+    )
+
+
+def gloo_interface_for(address: str) -> str | None:
+    """Name of the network interface holding IPv4 `address`, so gloo binds the right one on multi-homed hosts."""
+    import fcntl
+    import socket
+    import struct
+
+    siocgifaddr = 0x8915
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as probe:
+        for _, name in socket.if_nameindex():
+            try:
+                packed = fcntl.ioctl(probe.fileno(), siocgifaddr, struct.pack("256s", name.encode()[:15]))
+            except OSError:
+                continue
+            if socket.inet_ntoa(packed[20:24]) == address:
+                return name
+    return None
+
+
+def configure_gloo_interface(address: str) -> None:
+    """Points gloo at the interface of this node's advertised address unless the user already chose one."""
+    if "GLOO_SOCKET_IFNAME" not in os.environ and (name := gloo_interface_for(address)):
+        os.environ["GLOO_SOCKET_IFNAME"] = name
+
+
+class KvAllGather:
+    """The K/V exchange of one prefill: local K/V in, the whole prompt's K/V in position order out."""
+
+    def __init__(self, split: DualChunkSplit, group: dist.ProcessGroup | None = None) -> None:
+        self.split = split
+        self.group = group
+        self._index = split.gather_index
+
+    def __call__(self, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        pcp, width = self.split.pcp_size, self.split.max_local_tokens
+        local = torch.stack((k, v))  # [2, n_local, kv_heads, head_dim]
+        if local.shape[1] < width:
+            pad = local.new_zeros((2, width - local.shape[1], *local.shape[2:]))
+            local = torch.cat((local, pad), dim=1)
+        shares = [torch.empty_like(local) for _ in range(pcp)]
+        dist.all_gather(shares, local.contiguous(), group=self.group)
+        # [2, pcp * width, kv_heads, head_dim] rank-major -> [2, n, kv_heads, head_dim] in position order.
+        full = torch.cat(shares, dim=1).index_select(1, self._index.to(local.device))
+        return full[0], full[1]
+
+
+def prefill_share(
+    model: Transformer,
+    cache: PagedKVCache,
+    block_table: list[int],
+    token_ids: torch.Tensor,
+    split: DualChunkSplit,
+    pcp_rank: int,
+    exchange: KvAllGather | None,
+) -> torch.Tensor | None:
+    """Runs this rank's share of a prompt; fills the cache with the whole prompt's K/V.
+
+    token_ids: [n] the whole prompt (every rank has it). Returns the last position's logits [vocab] on the
+    rank that owns that position, None elsewhere.
+    """
+    device = cache.device
+    positions = torch.tensor(split.positions(pcp_rank), dtype=torch.long, device=device)
+    n = split.num_tokens
+    meta = AttentionMetadata(
+        positions=positions,
+        slot_mapping=slots_for(block_table, torch.arange(n, device=device), cache.block_size),
+        block_tables=torch.tensor([block_table], dtype=torch.long, device=device),
+        context_lens=torch.tensor([n], dtype=torch.long, device=device),
+        max_context_len=n,
+        kv_exchange=exchange,
+        fresh_context=True,
+    )
+    owner = split.last_position_owner() == pcp_rank
+    logits_indices = (positions == n - 1).nonzero().view(-1) if owner else positions[:0]
+    with torch.inference_mode():
+        logits = model(token_ids.to(device)[positions], positions, cache, meta, logits_indices)
+    return logits[0] if owner else None

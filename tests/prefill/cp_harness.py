@@ -1,0 +1,90 @@
+"""Runs context-parallel prefill in real processes joined by a real gloo group, for the exactness tests.
+
+`run_pcp(model, pcp_size, lengths)` spawns pcp_size processes; each loads the model, joins the group over
+tcp:// on loopback, prefills every prompt length with its DualChunkSwap share and returns its logits (on
+the rank owning the last position) and its complete KV replica for every length.
+"""
+
+from __future__ import annotations
+
+import socket
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+from services.engine.kv_cache import BlockAllocator, KvLayout, PagedKVCache, blocks_needed
+from services.engine.weights import load_model
+from services.prefill.context_parallel import KvAllGather, init_pcp_group, prefill_share
+from services.prefill.split import DualChunkSplit
+
+BLOCK_SIZE = 16
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def prompt(vocab_size: int, n: int) -> torch.Tensor:
+    return torch.randint(0, vocab_size, (n,), generator=torch.Generator().manual_seed(n))
+
+
+def prefill_all(model_name: str | None, pcp_rank: int, pcp_size: int, lengths: list[int], group: bool):
+    """[(logits or None, replica)] for every length, computed as rank pcp_rank of pcp_size."""
+    torch.set_num_threads(1)
+    loaded = load_model(model_name)
+    layout = KvLayout.for_model(loaded.model_id, loaded.args, torch.float32, BLOCK_SIZE)
+    cache = PagedKVCache(layout, blocks_needed(max(lengths), BLOCK_SIZE) + 1)
+    allocator = BlockAllocator(cache.num_blocks)
+    results = []
+    for n in lengths:
+        split = DualChunkSplit(n, pcp_size)
+        blocks = allocator.allocate(blocks_needed(n, BLOCK_SIZE))
+        exchange = KvAllGather(split) if group else None
+        logits = prefill_share(
+            loaded.model, cache, blocks, prompt(loaded.args.vocab_size, n), split, pcp_rank, exchange
+        )
+        results.append((logits, cache.export_sequence(blocks, n).clone()))
+        allocator.free(blocks)
+    return results
+
+
+def _child(
+    pcp_rank: int, pcp_size: int, port: int, model_name: str | None, lengths: list[int], queue
+) -> None:
+    init_pcp_group("127.0.0.1", port, pcp_rank, pcp_size, torch.device("cpu"), timeout_seconds=120)
+    try:
+        results = prefill_all(model_name, pcp_rank, pcp_size, lengths, group=True)
+        # numpy pickles by value; torch tensors would travel as shared-memory handles that die with this process.
+        queue.put((pcp_rank, [(None if lg is None else lg.numpy(), kv.numpy()) for lg, kv in results]))
+    finally:
+        dist.destroy_process_group()
+
+
+def run_pcp(model_name: str | None, pcp_size: int, lengths: list[int]) -> dict[int, list]:
+    """Results of every rank of a real pcp_size-process gloo group, by rank."""
+    ctx = mp.get_context("spawn")
+    queue = ctx.Queue()
+    port = free_port()
+    procs = [
+        ctx.Process(target=_child, args=(r, pcp_size, port, model_name, lengths, queue))
+        for r in range(pcp_size)
+    ]
+    for proc in procs:
+        proc.start()
+    try:
+        received = dict(queue.get(timeout=600) for _ in procs)
+        results = {
+            rank: [
+                (None if lg is None else torch.from_numpy(lg), torch.from_numpy(kv)) for lg, kv in per_length
+            ]
+            for rank, per_length in received.items()
+        }
+    finally:
+        for proc in procs:
+            proc.join(timeout=60)
+            if proc.is_alive():
+                proc.kill()
+    return results
