@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import datetime
 import os
+from collections.abc import Callable
 
 import torch
 import torch.distributed as dist
@@ -45,7 +46,7 @@ def init_pcp_group(
 
 
 def gloo_interface_for(address: str) -> str | None:
-    """Name of the network interface holding IPv4 `address`, so gloo binds the right one on multi-homed hosts."""
+    """The network interface holding IPv4 `address`, so gloo binds the right one on multi-homed hosts."""
     import fcntl
     import socket
     import struct
@@ -71,10 +72,17 @@ def configure_gloo_interface(address: str) -> None:
 class KvAllGather:
     """The K/V exchange of one prefill: local K/V in, the whole prompt's K/V in position order out."""
 
-    def __init__(self, split: DualChunkSplit, group: dist.ProcessGroup | None = None) -> None:
+    def __init__(
+        self,
+        split: DualChunkSplit,
+        group: dist.ProcessGroup | None = None,
+        on_progress: Callable[[], None] | None = None,
+    ) -> None:
         self.split = split
         self.group = group
         self._index = split.gather_index
+        # Called after every collective, so a node can tell a long prefill from a stuck group.
+        self._on_progress = on_progress
 
     def __call__(self, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         pcp, width = self.split.pcp_size, self.split.max_local_tokens
@@ -84,6 +92,8 @@ class KvAllGather:
             local = torch.cat((local, pad), dim=1)
         shares = [torch.empty_like(local) for _ in range(pcp)]
         dist.all_gather(shares, local.contiguous(), group=self.group)
+        if self._on_progress is not None:
+            self._on_progress()
         # [2, pcp * width, kv_heads, head_dim] rank-major -> [2, n, kv_heads, head_dim] in position order.
         full = torch.cat(shares, dim=1).index_select(1, self._index.to(local.device))
         return full[0], full[1]

@@ -1,0 +1,41 @@
+"""Typed client of the Prefill service, used by decode workers."""
+
+from __future__ import annotations
+
+from services.common.channel import open_channel
+from services.proto.pcpstack.v1 import common_pb2, prefill_pb2, prefill_pb2_grpc
+
+
+class PrefillClient:
+    """Calls Prefill on one PCP set's master."""
+
+    def __init__(self, address: str, default_deadline: float = 300.0) -> None:
+        self.address = address
+        self._channel = open_channel(address, default_deadline=default_deadline)
+        self._stub = prefill_pb2_grpc.PrefillServiceStub(self._channel)
+
+    async def prefill(
+        self,
+        request_id: str,
+        token_ids: list[int],
+        sampling: common_pb2.SamplingParams,
+        *,
+        kvstore_address: str = "",
+        kv_lease_ms: int = 0,
+        expected_fingerprint: str = "",
+        timeout: float | None = None,
+    ) -> prefill_pb2.PrefillResponse:
+        """Prefills one prompt; raises grpc.aio.AioRpcError with the service's status on failure."""
+        request = prefill_pb2.PrefillRequest(
+            request_id=request_id,
+            token_ids=token_ids,
+            sampling=sampling,
+            kvstore_address=kvstore_address,
+            kv_lease_ms=kv_lease_ms,
+            expected_fingerprint=expected_fingerprint,
+        )
+        return await self._stub.Prefill(request, timeout=timeout)
+
+    async def close(self) -> None:
+        """Closes the channel."""
+        await self._channel.close()

@@ -1,0 +1,257 @@
+"""A prefill node: the supervisor process of the PCP ranks one host contributes to a set.
+
+The node registers with the registry, waits for its assignment on the Session stream, then starts one
+process per local PCP rank (numbered from the assignment) and reports the set ready once every local rank
+has loaded the model and joined the process group. On the master node (node_rank 0) it serves Prefill by
+handing jobs to global rank 0. When a rank dies, or the group stops making progress, the node fails the
+requests in flight with UNAVAILABLE, tells the registry, stops its ranks and waits to be re-assigned.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import multiprocessing as mp
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import asdict, dataclass, field
+from multiprocessing.connection import Connection
+
+from services.engine.kv_cache import KvLayout
+from services.engine.weights import load_model
+from services.prefill.rank import PrefillJob, PrefillOutcome, RankReady, RankSpec, rank_main
+from services.proto.pcpstack.v1 import registry_pb2
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class ModelInfo:
+    """What the node knows of its model without running it: enough to validate requests and build handles."""
+
+    fingerprint: str
+    layout: dict
+    vocab_size: int
+    max_seq_len: int
+    num_kv_heads: int
+
+    @classmethod
+    def probe(cls, model: str | None, block_size: int) -> ModelInfo:
+        """Loads the model once in this process to read its shape and KV fingerprint, then drops the weights."""
+        loaded = load_model(model)
+        layout = KvLayout.for_model(loaded.model_id, loaded.args, loaded.dtype, block_size)
+        return cls(
+            layout.fingerprint(),
+            asdict(layout),
+            loaded.args.vocab_size,
+            loaded.args.max_seq_len,
+            loaded.args.n_kv_heads,
+        )
+
+
+class SetUnavailable(RuntimeError):
+    """The node has no ready set to run a job on (not assigned yet, starting, or failed)."""
+
+
+@dataclass(frozen=True)
+class NodeOptions:
+    """How a prefill node runs its ranks."""
+
+    model: str | None
+    block_size: int
+    advertised_host: str
+    local_ranks: int = 1
+    threads_per_rank: int = 1
+    collective_timeout_s: float = 120.0
+    idle_tick_s: float = 1.0
+    start_timeout_s: float = 600.0
+
+
+@dataclass
+class _RankProcess:
+    process: mp.Process  # type: ignore[name-defined]
+    conn: Connection
+    progress: object
+    pcp_rank: int
+    ready: bool = False
+
+
+@dataclass
+class RunningSet:
+    """The ranks this node runs for one assignment."""
+
+    assignment: registry_pb2.Assignment
+    ranks: list[_RankProcess]
+    ready: asyncio.Event = field(default_factory=asyncio.Event)
+    failed: str = ""
+    pending: asyncio.Future | None = None
+
+    @property
+    def is_master(self) -> bool:
+        """Whether global rank 0 (which takes jobs) is on this node."""
+        return 0 in [r.pcp_rank for r in self.ranks]
+
+
+class RankSupervisor:
+    """Starts, watches and stops the local rank processes of this node's current set."""
+
+    def __init__(
+        self, options: NodeOptions, info: ModelInfo, on_failure: Callable[[RunningSet, str], None]
+    ) -> None:
+        self.options = options
+        self.info = info
+        self.current: RunningSet | None = None
+        self._on_failure = on_failure
+        self._ctx = mp.get_context("spawn")
+        self._job_lock = asyncio.Lock()
+        self.waiting = 0
+
+    @property
+    def load(self) -> int:
+        """Jobs queued or running."""
+        return self.waiting
+
+    async def start(self, assignment: registry_pb2.Assignment) -> RunningSet:
+        """Starts the local ranks of `assignment` and waits until they have joined the group."""
+        await self.stop("re-assigned")
+        loop = asyncio.get_running_loop()
+        ranks = []
+        for pcp_rank in assignment.pcp_ranks:
+            spec = RankSpec(
+                model=self.options.model,
+                pcp_rank=pcp_rank,
+                pcp_size=assignment.pcp_size,
+                master_addr=assignment.master_addr,
+                master_port=assignment.master_port,
+                block_size=self.options.block_size,
+                advertised_host=self.options.advertised_host,
+                threads=self.options.threads_per_rank,
+                collective_timeout_s=self.options.collective_timeout_s,
+                idle_tick_s=self.options.idle_tick_s,
+            )
+            parent, child = self._ctx.Pipe()
+            progress = self._ctx.Value("d", 0.0, lock=False)
+            process = self._ctx.Process(target=rank_main, args=(spec, child, progress), daemon=True)
+            process.start()
+            child.close()
+            ranks.append(_RankProcess(process, parent, progress, pcp_rank))
+        running = RunningSet(assignment, ranks)
+        self.current = running
+        for rank in ranks:
+            threading.Thread(
+                target=self._read,
+                args=(loop, running, rank),
+                name=f"rank-{rank.pcp_rank}-reader",
+                daemon=True,
+            ).start()
+        try:
+            await asyncio.wait_for(running.ready.wait(), self.options.start_timeout_s)
+        except TimeoutError:
+            await self.stop("ranks did not start in time")
+            raise SetUnavailable(
+                f"ranks {list(assignment.pcp_ranks)} did not join set {assignment.set_id} within "
+                f"{self.options.start_timeout_s:.0f} s"
+            ) from None
+        if running.failed:
+            raise SetUnavailable(running.failed)
+        return running
+
+    def _read(self, loop: asyncio.AbstractEventLoop, running: RunningSet, rank: _RankProcess) -> None:
+        """Reader thread of one rank's pipe: readiness, outcomes, failures, and EOF when it dies."""
+        while True:
+            try:
+                message = rank.conn.recv()
+            except (EOFError, OSError):
+                message = f"rank {rank.pcp_rank} exited (code {rank.process.exitcode})"
+            loop.call_soon_threadsafe(self._on_message, running, rank, message)
+            if isinstance(message, str):
+                return
+
+    def _on_message(self, running: RunningSet, rank: _RankProcess, message: object) -> None:
+        if isinstance(message, RankReady):
+            if message.fingerprint != self.info.fingerprint:
+                self._fail(running, f"rank {rank.pcp_rank} loaded a model with another KV fingerprint")
+                return
+            rank.ready = True
+            if all(r.ready for r in running.ranks):
+                running.ready.set()
+        elif isinstance(message, PrefillOutcome):
+            if running.pending is not None and not running.pending.done():
+                running.pending.set_result(message)
+        elif isinstance(message, str):
+            self._fail(running, message)
+
+    def _fail(self, running: RunningSet, reason: str) -> None:
+        if running.failed or self.current is not running:
+            return
+        running.failed = reason
+        log.error("set %s failed: %s", running.assignment.set_id, reason)
+        if running.pending is not None and not running.pending.done():
+            running.pending.set_exception(SetUnavailable(reason))
+        running.ready.set()  # wakes a start() still waiting
+        self._on_failure(running, reason)
+
+    def check_progress(self, stale_after_s: float) -> None:
+        """Fails the set when a rank died or its group made no progress for stale_after_s seconds."""
+        running = self.current
+        if running is None or running.failed or not running.ready.is_set():
+            return
+        now = time.time()
+        for rank in running.ranks:
+            if not rank.process.is_alive():
+                self._fail(running, f"rank {rank.pcp_rank} exited (code {rank.process.exitcode})")
+                return
+            if now - rank.progress.value > stale_after_s and (
+                running.pending is None or running.pending.done()
+            ):
+                self._fail(
+                    running, f"rank {rank.pcp_rank} made no progress for {now - rank.progress.value:.1f} s"
+                )
+                return
+
+    async def run_job(self, job: PrefillJob, timeout: float | None) -> PrefillOutcome:
+        """Runs one job on the set (jobs queue one at a time); raises SetUnavailable if the set cannot."""
+        self.waiting += 1
+        try:
+            async with self._job_lock:
+                running = self.current
+                if running is None or not running.ready.is_set() or running.failed:
+                    raise SetUnavailable(
+                        "this node has no ready PCP set" + (f": {running.failed}" if running else "")
+                    )
+                if not running.is_master:
+                    raise SetUnavailable("this node is headless: send Prefill to its set's master")
+                running.pending = asyncio.get_running_loop().create_future()
+                master = next(r for r in running.ranks if r.pcp_rank == 0)
+                master.conn.send(job)
+                try:
+                    return await asyncio.wait_for(asyncio.shield(running.pending), timeout)
+                except TimeoutError:
+                    # The group is still busy with the job; the set stays consistent and finishes it.
+                    await asyncio.wait_for(running.pending, None)
+                    raise
+        finally:
+            self.waiting -= 1
+
+    async def stop(self, reason: str) -> None:
+        """Stops the local ranks (politely through rank 0 if possible, then by force)."""
+        running, self.current = self.current, None
+        if running is None:
+            return
+        log.info("stopping set %s: %s", running.assignment.set_id, reason)
+        if running.pending is not None and not running.pending.done():
+            running.pending.set_exception(SetUnavailable(f"set stopped: {reason}"))
+        for rank in running.ranks:
+            if rank.pcp_rank == 0 and rank.process.is_alive():
+                with contextlib.suppress(OSError):
+                    rank.conn.send(None)
+        deadline = time.monotonic() + 5
+        for rank in running.ranks:
+            while rank.process.is_alive() and time.monotonic() < deadline:
+                await asyncio.sleep(0.05)
+            if rank.process.is_alive():
+                rank.process.kill()
+            rank.process.join(timeout=5)
+            rank.conn.close()

@@ -1,0 +1,136 @@
+"""The Prefill servicer: turns a PrefillRequest into a job for the node's set and the outcome into a reply.
+
+Every check on the request happens here, before any rank works: an empty prompt, one longer than the
+model's context, token ids outside the vocabulary and bad sampling values are INVALID_ARGUMENT; a node
+that is not the master, or whose set is not ready, answers UNAVAILABLE/FAILED_PRECONDITION at once.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Awaitable, Callable
+
+import grpc
+
+from services.common.logs import request_id_var
+from services.common.telemetry import tracer
+from services.engine.sampling import SamplingParams
+from services.prefill.node import ModelInfo, RankSupervisor, SetUnavailable
+from services.prefill.rank import PrefillJob, kv_key
+from services.proto.pcpstack.v1 import common_pb2, prefill_pb2, prefill_pb2_grpc
+
+SERVICE_NAME = prefill_pb2.DESCRIPTOR.services_by_name["PrefillService"].full_name
+_tracer = tracer(__name__)
+
+
+def sampling_from_proto(msg: common_pb2.SamplingParams) -> SamplingParams:
+    """Engine sampling parameters from the wire form (0 means default for top_p and max_tokens)."""
+    return SamplingParams(
+        max_tokens=msg.max_tokens or 1,
+        temperature=msg.temperature,
+        top_k=msg.top_k,
+        top_p=msg.top_p or 1.0,
+        seed=msg.seed if msg.HasField("seed") else None,
+        stop=list(msg.stop),
+        stop_token_ids=list(msg.stop_token_ids),
+        ignore_eos=msg.ignore_eos,
+    ).validate()
+
+
+class PrefillServicer(prefill_pb2_grpc.PrefillServiceServicer):
+    """Serves Prefill on the master node of a PCP set."""
+
+    def __init__(
+        self,
+        supervisor: RankSupervisor,
+        info: ModelInfo,
+        default_kvstore: Callable[[], Awaitable[str]],
+        lease_ms: int = 0,
+    ) -> None:
+        self.supervisor = supervisor
+        self.info = info
+        self._default_kvstore = default_kvstore
+        self._lease_ms = lease_ms
+
+    async def Prefill(self, request: prefill_pb2.PrefillRequest, context: grpc.aio.ServicerContext):
+        request_id_var.set(request.request_id)
+        info = self.info
+        if not request.request_id:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "request_id: must not be empty")
+        if not request.token_ids:
+            await context.abort(
+                grpc.StatusCode.INVALID_ARGUMENT, "token_ids: the prompt must hold at least one token"
+            )
+        if len(request.token_ids) > info.max_seq_len:
+            await context.abort(
+                grpc.StatusCode.INVALID_ARGUMENT,
+                f"token_ids: {len(request.token_ids)} tokens exceed the model context ({info.max_seq_len})",
+            )
+        bad = next((i for i, t in enumerate(request.token_ids) if t >= info.vocab_size), None)
+        if bad is not None:
+            await context.abort(
+                grpc.StatusCode.INVALID_ARGUMENT,
+                f"token_ids[{bad}]={request.token_ids[bad]} is not below the vocabulary size {info.vocab_size}",
+            )
+        try:
+            sampling = sampling_from_proto(request.sampling)
+        except ValueError as exc:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"sampling: {exc}")
+        if request.expected_fingerprint and request.expected_fingerprint != info.fingerprint:
+            await context.abort(
+                grpc.StatusCode.FAILED_PRECONDITION,
+                f"expected_fingerprint={request.expected_fingerprint[:16]}… but this set produces KV with "
+                f"fingerprint {info.fingerprint[:16]}… (another model or KV layout)",
+            )
+        running = self.supervisor.current
+        if running is None or not running.ready.is_set() or running.failed:
+            await context.abort(grpc.StatusCode.UNAVAILABLE, "this node has no ready PCP set")
+        if not running.is_master:
+            await context.abort(
+                grpc.StatusCode.FAILED_PRECONDITION,
+                f"this node is headless in set {running.assignment.set_id}; send Prefill to its master at "
+                f"{running.assignment.master_addr}",
+            )
+        store = request.kvstore_address or await self._default_kvstore()
+        if not store:
+            await context.abort(grpc.StatusCode.UNAVAILABLE, "no KV store is known to push the replica to")
+        job = PrefillJob(
+            request_id=request.request_id,
+            token_ids=list(request.token_ids),
+            sampling=vars(sampling),
+            kvstore_address=store,
+            lease_ms=request.kv_lease_ms or self._lease_ms,
+        )
+        with _tracer.start_as_current_span("prefill.set") as span:
+            span.set_attribute("pcpstack.request_id", request.request_id)
+            span.set_attribute("pcpstack.prompt_tokens", len(job.token_ids))
+            span.set_attribute("pcpstack.pcp_size", running.assignment.pcp_size)
+            try:
+                outcome = await self.supervisor.run_job(job, context.time_remaining())
+            except SetUnavailable as exc:
+                await context.abort(grpc.StatusCode.UNAVAILABLE, str(exc))
+            except TimeoutError:
+                await context.abort(
+                    grpc.StatusCode.DEADLINE_EXCEEDED, "prefill did not finish within the deadline"
+                )
+            span.set_attribute("pcpstack.replica_rank", outcome.replica_rank)
+        if outcome.error:
+            await context.abort(grpc.StatusCode.UNAVAILABLE, outcome.error)
+        layout = info.layout
+        return prefill_pb2.PrefillResponse(
+            request_id=request.request_id,
+            first_token_id=outcome.first_token_id,
+            kv=common_pb2.KvHandle(
+                key=kv_key(request.request_id, info.fingerprint),
+                fingerprint=info.fingerprint,
+                layout=common_pb2.KvLayout(**layout),
+                num_tokens=len(job.token_ids),
+                source_pcp_rank=outcome.replica_rank,
+                store_address=store,
+                total_bytes=outcome.total_bytes,
+            ),
+            set_id=running.assignment.set_id,
+            generation=running.assignment.generation,
+            pcp_size=running.assignment.pcp_size,
+            forward_seconds=outcome.forward_seconds,
+            kv_push_seconds=outcome.push_seconds,
+        )
