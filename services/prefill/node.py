@@ -39,7 +39,7 @@ class ModelInfo:
 
     @classmethod
     def probe(cls, model: str | None, block_size: int) -> ModelInfo:
-        """Loads the model once in this process to read its shape and KV fingerprint, then drops the weights."""
+        """Loads the model once here to read its shape and KV fingerprint, then drops the weights."""
         loaded = load_model(model)
         layout = KvLayout.for_model(loaded.model_id, loaded.args, loaded.dtype, block_size)
         return cls(

@@ -69,7 +69,7 @@ class PrefillServicer(prefill_pb2_grpc.PrefillServiceServicer):
         if bad is not None:
             await context.abort(
                 grpc.StatusCode.INVALID_ARGUMENT,
-                f"token_ids[{bad}]={request.token_ids[bad]} is not below the vocabulary size {info.vocab_size}",
+                f"token_ids[{bad}]={request.token_ids[bad]} is not below the vocab size {info.vocab_size}",
             )
         try:
             sampling = sampling_from_proto(request.sampling)
