@@ -1,0 +1,203 @@
+"""Continuous batching: one thread runs decode steps over every active request at once.
+
+Requests join between steps as soon as their KV replica is loaded and leave as soon as they finish or are
+cancelled, so the batch changes every step. The engine is touched only from the loop thread; the asyncio
+side talks to it through a thread-safe inbox and gets tokens back through per-request callbacks.
+
+Admission is by KV blocks: a request is admitted only when the cache can hold its prompt and all of its
+max_tokens, so a running request never runs out of blocks half-way.
+"""
+
+from __future__ import annotations
+
+import logging
+import queue
+import threading
+from collections import deque
+from collections.abc import Callable, Hashable
+from dataclasses import dataclass, field
+
+import torch
+
+from services.engine.engine import Engine
+from services.engine.kv_cache import blocks_needed
+from services.engine.sampling import SamplingParams, StopChecker, make_generator, sample_batch
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class TokenEvent:
+    """One generated token (or the end of a request) as delivered to the request's callback."""
+
+    token_id: int | None
+    text: str
+    logprob: float | None = None
+    finish_reason: str | None = None
+    error: str | None = None
+
+
+@dataclass
+class DecodeRequest:
+    """A request ready to decode: its prompt's KV replica, the first token prefill sampled, and its limits."""
+
+    seq_id: Hashable
+    kv: torch.Tensor  # [layers, 2, prompt_tokens, kv_heads, head_dim]
+    num_tokens: int
+    first_token: int
+    params: SamplingParams
+    emit: Callable[[TokenEvent], None]
+    logprobs: bool = False
+    checker: StopChecker | None = field(default=None, repr=False)
+    generator: torch.Generator | None = field(default=None, repr=False)
+    last_token: int = -1
+    blocks: int = 0
+
+
+class Batcher:
+    """The decode loop of one worker; `submit` and `cancel` are safe to call from any thread."""
+
+    def __init__(self, engine: Engine, max_batch: int = 16) -> None:
+        self.engine = engine
+        self.max_batch = max_batch
+        self._inbox: queue.SimpleQueue[tuple[str, object]] = queue.SimpleQueue()
+        self._waiting: deque[DecodeRequest] = deque()
+        self._active: dict[Hashable, DecodeRequest] = {}
+        self._reserved_blocks = 0
+        self._wake = threading.Event()
+        self._stopped = False
+        self._thread = threading.Thread(target=self._run, name="decode-loop", daemon=True)
+        self._thread.start()
+
+    @property
+    def queue_depth(self) -> int:
+        """Requests waiting for blocks plus requests decoding."""
+        return len(self._waiting) + len(self._active)
+
+    @property
+    def active(self) -> int:
+        """Requests decoding now."""
+        return len(self._active)
+
+    def submit(self, request: DecodeRequest) -> None:
+        """Queues a request; its first token is emitted as soon as it is admitted."""
+        self._inbox.put(("submit", request))
+        self._wake.set()
+
+    def cancel(self, seq_id: Hashable) -> None:
+        """Stops a request and frees its blocks; unknown or finished ids are ignored."""
+        self._inbox.put(("cancel", seq_id))
+        self._wake.set()
+
+    def close(self) -> None:
+        """Stops the loop thread (requests still running are cancelled)."""
+        self._stopped = True
+        self._wake.set()
+        self._thread.join(timeout=10)
+
+    # --- loop thread ------------------------------------------------------------------------------------
+
+    def _run(self) -> None:
+        while not self._stopped:
+            self._drain_inbox()
+            self._admit()
+            if not self._active:
+                self._wake.wait(0.5)
+                self._wake.clear()
+                continue
+            try:
+                self._step()
+            except Exception as exc:  # a failed step fails its requests, never the worker
+                log.exception("decode step failed")
+                for request in list(self._active.values()):
+                    self._finish(request, TokenEvent(None, "", error=f"decode step failed: {exc}"))
+        for request in [*self._active.values(), *self._waiting]:
+            self._finish(request, TokenEvent(None, "", finish_reason="cancelled"))
+
+    def _drain_inbox(self) -> None:
+        while True:
+            try:
+                kind, item = self._inbox.get_nowait()
+            except queue.Empty:
+                return
+            if kind == "submit":
+                self._waiting.append(item)  # type: ignore[arg-type]
+            else:
+                self._cancel(item)
+
+    def _cancel(self, seq_id: Hashable) -> None:
+        request = self._active.get(seq_id)
+        if request is None:
+            request = next((r for r in self._waiting if r.seq_id == seq_id), None)
+            if request is None:
+                return
+            self._waiting.remove(request)
+        self._finish(request, TokenEvent(None, "", finish_reason="cancelled"))
+
+    def _admit(self) -> None:
+        capacity = self.engine.cache.num_blocks
+        while self._waiting:
+            request = self._waiting[0]
+            need = blocks_needed(request.num_tokens + request.params.max_tokens, self.engine.block_size)
+            if need > capacity:
+                self._waiting.popleft()
+                self._finish(
+                    request,
+                    TokenEvent(
+                        None,
+                        "",
+                        error=f"prompt plus max_tokens needs {need} KV blocks; the cache has {capacity}",
+                    ),
+                )
+                continue
+            if self._reserved_blocks + need > capacity:
+                return
+            self._waiting.popleft()
+            self._reserved_blocks += need
+            request.blocks = need
+            try:
+                self.engine.adopt_sequence(request.seq_id, request.kv, request.num_tokens)
+            except Exception as exc:
+                self._finish(request, TokenEvent(None, "", error=f"could not load the KV replica: {exc}"))
+                continue
+            request.kv = torch.empty(0)  # the cache holds it now
+            request.checker = StopChecker(
+                request.params, self.engine.args.eos_token_ids, self.engine.tokenizer
+            )
+            request.generator = make_generator(request.params.seed)
+            self._active[request.seq_id] = request
+            self._accept(request, request.first_token, None)
+
+    def _step(self) -> None:
+        batch = list(self._active.values())[: self.max_batch]
+        logits = self.engine.decode_step([r.seq_id for r in batch], [r.last_token for r in batch])
+        tokens = sample_batch(logits, [r.params for r in batch], [r.generator for r in batch])
+        want_logprobs = any(r.logprobs for r in batch)
+        logprobs = torch.log_softmax(logits.float(), dim=-1) if want_logprobs else None
+        for row, (request, token) in enumerate(zip(batch, tokens, strict=True)):
+            value = float(logprobs[row, token]) if logprobs is not None and request.logprobs else None
+            self._accept(request, token, value)
+        # Requests beyond max_batch go first next step, so none starves.
+        for request in batch:
+            if request.seq_id in self._active:
+                self._active[request.seq_id] = self._active.pop(request.seq_id)
+
+    def _accept(self, request: DecodeRequest, token: int, logprob: float | None) -> None:
+        checker = request.checker
+        assert checker is not None
+        kept_before = len(checker.token_ids)
+        text = checker.push(token)
+        request.last_token = token
+        # Stop and EOS tokens end the request without being part of the answer.
+        emitted = token if len(checker.token_ids) > kept_before else None
+        if emitted is not None or text:
+            request.emit(TokenEvent(emitted, text, logprob))
+        if checker.finish_reason is not None:
+            finished = checker.finish_reason
+            self._finish(request, TokenEvent(None, "", finish_reason=finished))
+
+    def _finish(self, request: DecodeRequest, event: TokenEvent) -> None:
+        if self._active.pop(request.seq_id, None) is not None:
+            self.engine.free(request.seq_id)
+            self._reserved_blocks -= request.blocks
+        request.emit(event)
