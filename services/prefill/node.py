@@ -211,27 +211,21 @@ class RankSupervisor:
                 )
                 return
 
-    async def run_job(self, job: PrefillJob, timeout: float | None) -> PrefillOutcome:
+    async def run_job(self, job: PrefillJob) -> PrefillOutcome:
         """Runs one job on the set (jobs queue one at a time); raises SetUnavailable if the set cannot."""
         self.waiting += 1
         try:
             async with self._job_lock:
                 running = self.current
                 if running is None or not running.ready.is_set() or running.failed:
-                    raise SetUnavailable(
-                        "this node has no ready PCP set" + (f": {running.failed}" if running else "")
-                    )
+                    detail = f": {running.failed}" if running is not None and running.failed else ""
+                    raise SetUnavailable(f"this node has no ready PCP set{detail}")
                 if not running.is_master:
                     raise SetUnavailable("this node is headless: send Prefill to its set's master")
                 running.pending = asyncio.get_running_loop().create_future()
                 master = next(r for r in running.ranks if r.pcp_rank == 0)
                 master.conn.send(job)
-                try:
-                    return await asyncio.wait_for(asyncio.shield(running.pending), timeout)
-                except TimeoutError:
-                    # The group is still busy with the job; the set stays consistent and finishes it.
-                    await asyncio.wait_for(running.pending, None)
-                    raise
+                return await running.pending
         finally:
             self.waiting -= 1
 

@@ -7,6 +7,8 @@ that is not the master, or whose set is not ready, answers UNAVAILABLE/FAILED_PR
 
 from __future__ import annotations
 
+import asyncio
+import logging
 from collections.abc import Awaitable, Callable
 
 import grpc
@@ -18,6 +20,7 @@ from services.prefill.node import ModelInfo, RankSupervisor, SetUnavailable
 from services.prefill.rank import PrefillJob, kv_key
 from services.proto.pcpstack.v1 import common_pb2, prefill_pb2, prefill_pb2_grpc
 
+log = logging.getLogger(__name__)
 SERVICE_NAME = prefill_pb2.DESCRIPTOR.services_by_name["PrefillService"].full_name
 _tracer = tracer(__name__)
 
@@ -48,8 +51,28 @@ class PrefillServicer(prefill_pb2_grpc.PrefillServiceServicer):
     ) -> None:
         self.supervisor = supervisor
         self.info = info
+        self._background: set[asyncio.Future] = set()
         self._default_kvstore = default_kvstore
         self._lease_ms = lease_ms
+
+    def _discard(self, done: asyncio.Future, fingerprint: str, job: PrefillJob) -> None:
+        """Deletes the replica of a job whose caller left: nobody will ever release it."""
+        if done.cancelled() or done.exception() is not None or done.result().error:
+            return
+        task = asyncio.ensure_future(self._delete(job.kvstore_address, kv_key(job.request_id, fingerprint)))
+        self._background.add(task)
+        task.add_done_callback(self._background.discard)
+
+    async def _delete(self, address: str, key: str) -> None:
+        from services.kvstore.client import KvStoreClient
+
+        client = KvStoreClient(address)
+        try:
+            await client.delete(key)
+        except Exception as exc:  # the store's lease reclaims it anyway
+            log.warning("could not delete abandoned replica %s: %s", key, exc)
+        finally:
+            await client.close()
 
     async def Prefill(self, request: prefill_pb2.PrefillRequest, context: grpc.aio.ServicerContext):
         request_id_var.set(request.request_id)
