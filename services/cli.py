@@ -93,6 +93,17 @@ def build_parser(argv: list[str]) -> argparse.ArgumentParser:
     )
     check.set_defaults(handler=_config_check)
 
+    from services import commands
+
+    up = sub.add_parser(
+        "up", help="start a local stack (registry, kvstore, prefill sets, decode) until Ctrl-C"
+    )
+    commands.add_up_arguments(up)
+    up.set_defaults(handler=commands.run_up)
+    generate = sub.add_parser("generate", help="stream one answer from a decode worker or a local stack")
+    commands.add_generate_arguments(generate)
+    generate.set_defaults(handler=commands.run_generate)
+
     for command, module_name in (("status", "services.registry.status"),):
         module = _module_or_none(module_name)
         if module is not None:

@@ -23,7 +23,7 @@ from services.decode.router import SetRouter
 from services.decode.server import SERVICE_NAME, DecodeServicer, DecodeSettings
 from services.engine.engine import Engine
 from services.engine.kv_cache import blocks_needed
-from services.proto.pcpstack.v1 import common_pb2, decode_pb2_grpc
+from services.proto.pcpstack.v1 import decode_pb2_grpc
 
 log = logging.getLogger(__name__)
 DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"
@@ -102,7 +102,7 @@ async def serve(args: argparse.Namespace, config: EngineConfig, engine: Engine) 
     registry = RegistryClient(
         args.registry,
         node_id=node_id,
-        role=common_pb2.NODE_ROLE_DECODE,
+        role="decode",
         advertised_address=address,
         engine_config=config,
         kv_fingerprint=fingerprint,

@@ -64,8 +64,14 @@ def gloo_interface_for(address: str) -> str | None:
 
 
 def configure_gloo_interface(address: str) -> None:
-    """Points gloo at the interface of this node's advertised address unless the user already chose one."""
-    if "GLOO_SOCKET_IFNAME" not in os.environ and (name := gloo_interface_for(address)):
+    """Points gloo at the interface of this node's advertised address unless the user already chose one.
+
+    Any 127.x address is on the loopback interface (local stacks give each set its own 127.0.0.x master).
+    """
+    if "GLOO_SOCKET_IFNAME" in os.environ:
+        return
+    name = "lo" if address.startswith("127.") else gloo_interface_for(address)
+    if name:
         os.environ["GLOO_SOCKET_IFNAME"] = name
 
 

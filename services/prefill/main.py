@@ -18,7 +18,7 @@ from services.common.server import ServerOptions, serve_until_signalled, start_s
 from services.common.telemetry import setup_telemetry, shutdown_telemetry
 from services.prefill.node import ModelInfo, NodeOptions, RankSupervisor, RunningSet, SetUnavailable
 from services.prefill.server import SERVICE_NAME, PrefillServicer
-from services.proto.pcpstack.v1 import common_pb2, prefill_pb2_grpc
+from services.proto.pcpstack.v1 import prefill_pb2_grpc
 
 log = logging.getLogger(__name__)
 
@@ -180,8 +180,9 @@ class PrefillNode:
         self.registry = self.registry_cls(
             self.args.registry,
             node_id=node_id,
-            role=common_pb2.NODE_ROLE_PREFILL,
+            role="prefill",
             advertised_address=address,
+            dist_host=self.options.advertised_host,
             engine_config=self.config,
             kv_fingerprint=self.info.fingerprint,
             device_count=self.options.local_ranks,

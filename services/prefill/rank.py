@@ -31,6 +31,7 @@ import torch.distributed as dist
 from services.engine.engine import Engine
 from services.engine.kv_cache import blocks_needed
 from services.engine.sampling import SamplingParams, make_generator, sample
+from services.kvstore.client import KvStoreClient, make_key
 from services.prefill.context_parallel import (
     KvAllGather,
     configure_gloo_interface,
@@ -104,24 +105,20 @@ class ReplicaPusher:
 
     def __init__(self) -> None:
         self._loop = asyncio.new_event_loop()
-        self._clients: dict[str, object] = {}
+        self._clients: dict[str, KvStoreClient] = {}
 
     def push(
         self, address: str, key: str, fingerprint: str, data: memoryview, lease_ms: int, metadata: bytes
-    ):
-        from services.kvstore.client import KvStoreClient
+    ) -> None:
+        """Stores one replica; raises the store's error."""
+        self._loop.run_until_complete(self._push(address, key, fingerprint, data, lease_ms, metadata))
 
-        if address not in self._clients:
+    async def _push(
+        self, address: str, key: str, fingerprint: str, data: memoryview, lease_ms: int, metadata: bytes
+    ) -> None:
+        if address not in self._clients:  # created inside the loop its channel belongs to
             self._clients[address] = KvStoreClient(address)
-        client = self._clients[address]
-        return self._loop.run_until_complete(
-            client.put(key, fingerprint, data, lease_ms=lease_ms, metadata=metadata)  # type: ignore[attr-defined]
-        )
-
-
-def kv_key(request_id: str, fingerprint: str) -> str:
-    """Store key of a request's replica: the request id and the layout fingerprint."""
-    return f"{request_id}/{fingerprint[:16]}"
+        await self._clients[address].put(key, fingerprint, data, lease_ms=lease_ms, metadata=metadata)
 
 
 class RankWorker:
@@ -193,7 +190,7 @@ class RankWorker:
                 try:
                     self.pusher.push(
                         request["kvstore_address"],
-                        kv_key(request["request_id"], self.fingerprint),
+                        make_key(request["request_id"], self.fingerprint),
                         self.fingerprint,
                         memoryview(replica.numpy()).cast("B"),
                         request["lease_ms"],

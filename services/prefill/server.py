@@ -16,8 +16,9 @@ import grpc
 from services.common.logs import request_id_var
 from services.common.telemetry import tracer
 from services.engine.sampling import SamplingParams
+from services.kvstore.client import make_key
 from services.prefill.node import ModelInfo, RankSupervisor, SetUnavailable
-from services.prefill.rank import PrefillJob, kv_key
+from services.prefill.rank import PrefillJob
 from services.proto.pcpstack.v1 import common_pb2, prefill_pb2, prefill_pb2_grpc
 
 log = logging.getLogger(__name__)
@@ -59,7 +60,7 @@ class PrefillServicer(prefill_pb2_grpc.PrefillServiceServicer):
         """Deletes the replica of a job whose caller left: nobody will ever release it."""
         if done.cancelled() or done.exception() is not None or done.result().error:
             return
-        task = asyncio.ensure_future(self._delete(job.kvstore_address, kv_key(job.request_id, fingerprint)))
+        task = asyncio.ensure_future(self._delete(job.kvstore_address, make_key(job.request_id, fingerprint)))
         self._background.add(task)
         task.add_done_callback(self._background.discard)
 
@@ -143,7 +144,7 @@ class PrefillServicer(prefill_pb2_grpc.PrefillServiceServicer):
             request_id=request.request_id,
             first_token_id=outcome.first_token_id,
             kv=common_pb2.KvHandle(
-                key=kv_key(request.request_id, info.fingerprint),
+                key=make_key(request.request_id, info.fingerprint),
                 fingerprint=info.fingerprint,
                 layout=common_pb2.KvLayout(**layout),
                 num_tokens=len(job.token_ids),

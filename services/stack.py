@@ -1,0 +1,265 @@
+"""A whole pcpstack on this machine: registry, KV store, prefill sets and decode workers as processes.
+
+`pcpstack up` runs one until Ctrl-C; `pcpstack generate --local` starts one for a single request. Every
+service is a separate `pcpstack serve ...` process on loopback, exactly as in a real deployment. Each PCP
+set gets its own 127.0.0.x master address, so several sets can use the same configured master port.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from services.common.channel import open_channel
+from services.proto.pcpstack.v1 import registry_pb2, registry_pb2_grpc
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    """A TCP port that was free a moment ago."""
+    with socket.socket() as s:
+        s.bind((host, 0))
+        return s.getsockname()[1]
+
+
+@dataclass
+class StackOptions:
+    """The shape of a local stack."""
+
+    pcp: int = 2
+    prefill_sets: int = 1
+    decode: int = 1
+    model: str | None = None
+    block_size: int = 128
+    threads_per_rank: int = 1
+    decode_threads: int = 0
+    kv_capacity_bytes: int = 2 * 1024**3
+    lease_ms: int = 3000
+    ready_timeout_s: float = 900.0
+    trace_file: str | None = None
+    log_dir: str | None = None
+    extra_env: dict[str, str] = field(default_factory=dict)
+
+
+@dataclass
+class Service:
+    """One running process of the stack."""
+
+    name: str
+    address: str
+    process: subprocess.Popen
+    log_path: Path
+
+    def tail(self, lines: int = 20) -> str:
+        """The end of the process's log, for error messages."""
+        with contextlib.suppress(OSError):
+            return "\n".join(self.log_path.read_text(errors="replace").splitlines()[-lines:])
+        return ""
+
+
+class LocalStack:
+    """Starts and stops a local stack; use as an async context manager."""
+
+    def __init__(self, options: StackOptions, progress=print) -> None:
+        self.options = options
+        self.services: list[Service] = []
+        self._progress = progress
+        self._log_dir = Path(options.log_dir or tempfile.mkdtemp(prefix="pcpstack-"))
+        self.registry_address = ""
+        self.kvstore_address = ""
+        self.decode_addresses: list[str] = []
+
+    def _env(self) -> dict[str, str]:
+        env = dict(os.environ)
+        root = str(Path(__file__).resolve().parent.parent)
+        env["PYTHONPATH"] = root + os.pathsep + env.get("PYTHONPATH", "")
+        env["PYTHONUNBUFFERED"] = "1"
+        env.setdefault("GLIBC_TUNABLES", "glibc.malloc.mmap_threshold=33554432")
+        if self.options.trace_file:
+            env["PCPSTACK_TRACE_FILE"] = self.options.trace_file
+        env.update(self.options.extra_env)
+        return env
+
+    def _spawn(self, name: str, address: str, args: list[str]) -> Service:
+        log_path = self._log_dir / f"{name}.log"
+        log = log_path.open("w")
+        process = subprocess.Popen(
+            [sys.executable, "-m", "services.cli", *args],
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            env=self._env(),
+            start_new_session=True,
+        )
+        service = Service(name, address, process, log_path)
+        self.services.append(service)
+        return service
+
+    def _model_args(self) -> list[str]:
+        return ["--model", self.options.model] if self.options.model else []
+
+    def _config_file(self, role: str) -> str:
+        o = self.options
+        section = {
+            "prefill": {
+                "prefill-context-parallel-size": o.pcp,
+                "nnodes": 1,
+                "data_parallel_size": o.prefill_sets,
+                "block_size": o.block_size,
+                "master-port": free_port(),
+            },
+            "decode": {"block_size": o.block_size},
+        }[role]
+        if o.model:
+            section["model"] = o.model
+        path = self._log_dir / f"{role}-config.json"
+        path.write_text(json.dumps({f"motor_engine_{role}_config": {"engine_config": section}}, indent=2))
+        return str(path)
+
+    async def start(self) -> None:
+        """Starts every service and waits until the stack can serve; raises RuntimeError if it cannot."""
+        o = self.options
+        started = time.monotonic()
+        port = free_port()
+        self.registry_address = f"127.0.0.1:{port}"
+        self._spawn(
+            "registry",
+            self.registry_address,
+            ["serve", "registry", "--port", str(port), "--lease-ms", str(o.lease_ms)],
+        )
+        port = free_port()
+        self.kvstore_address = f"127.0.0.1:{port}"
+        self._spawn(
+            "kvstore",
+            self.kvstore_address,
+            [
+                "serve",
+                "kvstore",
+                "--port",
+                str(port),
+                "--capacity-bytes",
+                str(o.kv_capacity_bytes),
+                "--registry",
+                self.registry_address,
+            ],
+        )
+        prefill_config = self._config_file("prefill")
+        for index in range(o.prefill_sets):
+            host = f"127.0.0.{10 + index}"
+            port = free_port(host)
+            self._spawn(
+                f"prefill-{index}",
+                f"{host}:{port}",
+                [
+                    "serve",
+                    "prefill",
+                    "--registry",
+                    self.registry_address,
+                    "--host",
+                    host,
+                    "--port",
+                    str(port),
+                    "--config",
+                    prefill_config,
+                    "--kvstore",
+                    self.kvstore_address,
+                    "--node-id",
+                    f"prefill-{index}",
+                    "--threads-per-rank",
+                    str(o.threads_per_rank),
+                ],
+            )
+        decode_config = self._config_file("decode")
+        for index in range(o.decode):
+            port = free_port()
+            address = f"127.0.0.1:{port}"
+            self.decode_addresses.append(address)
+            args = [
+                "serve",
+                "decode",
+                "--registry",
+                self.registry_address,
+                "--port",
+                str(port),
+                "--config",
+                decode_config,
+                "--node-id",
+                f"decode-{index}",
+            ]
+            if o.decode_threads:
+                args += ["--threads", str(o.decode_threads)]
+            self._spawn(f"decode-{index}", address, args)
+        self._progress(
+            f"starting registry, kvstore, {o.prefill_sets} prefill set(s) of PCP={o.pcp} and {o.decode} decode "
+            f"worker(s); logs in {self._log_dir}"
+        )
+        await self._wait_ready(started)
+
+    async def _wait_ready(self, started: float) -> None:
+        o = self.options
+        last_report = ""
+        channel = open_channel(self.registry_address, default_deadline=2.0)
+        try:
+            stub = registry_pb2_grpc.RegistryServiceStub(channel)
+            while True:
+                for service in self.services:
+                    if service.process.poll() is not None:
+                        raise RuntimeError(
+                            f"{service.name} exited with code {service.process.returncode}:\n{service.tail()}"
+                        )
+                elapsed = time.monotonic() - started
+                if elapsed > o.ready_timeout_s:
+                    raise RuntimeError(f"the stack was not ready after {o.ready_timeout_s:.0f} s")
+                try:
+                    answer = await stub.Resolve(registry_pb2.ResolveRequest())
+                except Exception:
+                    answer = None
+                ready_sets = len(answer.prefill_sets) if answer else 0
+                decoders = len(answer.decode) if answer else 0
+                report = (
+                    f"  ... {elapsed:5.1f} s: registry {'up' if answer else 'starting'}, "
+                    f"{ready_sets}/{o.prefill_sets} prefill sets ready, {decoders}/{o.decode} decode workers"
+                )
+                if ready_sets >= o.prefill_sets and decoders >= o.decode:
+                    self._progress(f"stack ready in {elapsed:.1f} s")
+                    return
+                if report != last_report:
+                    self._progress(report)
+                    last_report = report
+                await asyncio.sleep(0.5)
+        finally:
+            await channel.close()
+
+    async def stop(self) -> None:
+        """Stops every service: SIGTERM, then SIGKILL after a grace period."""
+        for service in reversed(self.services):
+            if service.process.poll() is None:
+                with contextlib.suppress(ProcessLookupError):
+                    os.killpg(service.process.pid, signal.SIGTERM)
+        deadline = time.monotonic() + 15
+        for service in self.services:
+            while service.process.poll() is None and time.monotonic() < deadline:
+                await asyncio.sleep(0.1)
+            if service.process.poll() is None:
+                with contextlib.suppress(ProcessLookupError):
+                    os.killpg(service.process.pid, signal.SIGKILL)
+                service.process.wait()
+
+    async def __aenter__(self) -> LocalStack:
+        try:
+            await self.start()
+        except BaseException:
+            await self.stop()
+            raise
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.stop()
