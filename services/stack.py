@@ -43,7 +43,7 @@ class StackOptions:
     threads_per_rank: int = 1
     decode_threads: int = 0
     kv_capacity_bytes: int = 2 * 1024**3
-    lease_ms: int = 3000
+    lease_s: float = 3.0
     ready_timeout_s: float = 900.0
     trace_file: str | None = None
     log_dir: str | None = None
@@ -74,6 +74,7 @@ class LocalStack:
         self.services: list[Service] = []
         self._progress = progress
         self._log_dir = Path(options.log_dir or tempfile.mkdtemp(prefix="pcpstack-"))
+        self._log_dir.mkdir(parents=True, exist_ok=True)
         self.registry_address = ""
         self.kvstore_address = ""
         self.decode_addresses: list[str] = []
@@ -133,23 +134,14 @@ class LocalStack:
         self._spawn(
             "registry",
             self.registry_address,
-            ["serve", "registry", "--port", str(port), "--lease-ms", str(o.lease_ms)],
+            ["serve", "registry", "--port", str(port), "--lease", str(o.lease_s), "--restore-grace", "0"],
         )
         port = free_port()
         self.kvstore_address = f"127.0.0.1:{port}"
         self._spawn(
             "kvstore",
             self.kvstore_address,
-            [
-                "serve",
-                "kvstore",
-                "--port",
-                str(port),
-                "--capacity-bytes",
-                str(o.kv_capacity_bytes),
-                "--registry",
-                self.registry_address,
-            ],
+            ["serve", "kvstore", "--port", str(port), "--capacity-bytes", str(o.kv_capacity_bytes)],
         )
         prefill_config = self._config_file("prefill")
         for index in range(o.prefill_sets):
@@ -198,14 +190,14 @@ class LocalStack:
                 args += ["--threads", str(o.decode_threads)]
             self._spawn(f"decode-{index}", address, args)
         self._progress(
-            f"starting registry, kvstore, {o.prefill_sets} prefill set(s) of PCP={o.pcp} and {o.decode} decode "
-            f"worker(s); logs in {self._log_dir}"
+            f"starting registry, kvstore, {o.prefill_sets} prefill set(s) of PCP={o.pcp} and "
+            f"{o.decode} decode worker(s); logs in {self._log_dir}"
         )
         await self._wait_ready(started)
 
     async def _wait_ready(self, started: float) -> None:
         o = self.options
-        last_report = ""
+        last_state, last_report_at = "", 0.0
         channel = open_channel(self.registry_address, default_deadline=2.0)
         try:
             stub = registry_pb2_grpc.RegistryServiceStub(channel)
@@ -224,16 +216,17 @@ class LocalStack:
                     answer = None
                 ready_sets = len(answer.prefill_sets) if answer else 0
                 decoders = len(answer.decode) if answer else 0
-                report = (
-                    f"  ... {elapsed:5.1f} s: registry {'up' if answer else 'starting'}, "
-                    f"{ready_sets}/{o.prefill_sets} prefill sets ready, {decoders}/{o.decode} decode workers"
+                state = (
+                    f"registry {'up' if answer else 'starting'}, {ready_sets}/{o.prefill_sets} prefill sets "
+                    f"ready, {decoders}/{o.decode} decode workers (models loading)"
                 )
                 if ready_sets >= o.prefill_sets and decoders >= o.decode:
                     self._progress(f"stack ready in {elapsed:.1f} s")
                     return
-                if report != last_report:
-                    self._progress(report)
-                    last_report = report
+                # Report changes at once, and a reminder every 10 s that it is still waiting.
+                if state != last_state or elapsed - last_report_at >= 10:
+                    self._progress(f"  ... {elapsed:5.1f} s: {state}")
+                    last_state, last_report_at = state, elapsed
                 await asyncio.sleep(0.5)
         finally:
             await channel.close()

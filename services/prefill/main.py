@@ -18,7 +18,7 @@ from services.common.server import ServerOptions, serve_until_signalled, start_s
 from services.common.telemetry import setup_telemetry, shutdown_telemetry
 from services.prefill.node import ModelInfo, NodeOptions, RankSupervisor, RunningSet, SetUnavailable
 from services.prefill.server import SERVICE_NAME, PrefillServicer
-from services.proto.pcpstack.v1 import prefill_pb2_grpc
+from services.proto.pcpstack.v1 import prefill_pb2_grpc, registry_pb2
 
 log = logging.getLogger(__name__)
 
@@ -124,9 +124,8 @@ class PrefillNode:
 
     async def _follow_commands(self) -> None:
         async for command in self.registry.commands():
-            kind = command.WhichOneof("body")
-            if kind == "assign":
-                assignment = command.assign.assignment
+            if isinstance(command, registry_pb2.AssignCommand):
+                assignment = command.assignment
                 current = self.supervisor.current
                 if (
                     current is not None
@@ -151,13 +150,13 @@ class PrefillNode:
                     continue
                 await self._set_health(True)
                 await self.registry.report_status(assignment.set_id, assignment.generation, ready=True)
-            elif kind == "stop":
+            elif isinstance(command, registry_pb2.StopCommand):
                 current = self.supervisor.current
-                if current is not None and current.assignment.set_id == command.stop.set_id:
+                if current is not None and current.assignment.set_id == command.set_id:
                     await self._set_health(False)
-                    await self.supervisor.stop(command.stop.reason)
-            elif kind == "assembly_timeout":
-                log.warning("assembly timed out: %s", command.assembly_timeout.reason)
+                    await self.supervisor.stop(command.reason)
+            else:
+                log.warning("assembly timed out: %s", command.reason)
 
     async def _watch_progress(self) -> None:
         while True:

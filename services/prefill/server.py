@@ -128,11 +128,16 @@ class PrefillServicer(prefill_pb2_grpc.PrefillServiceServicer):
             span.set_attribute("pcpstack.request_id", request.request_id)
             span.set_attribute("pcpstack.prompt_tokens", len(job.token_ids))
             span.set_attribute("pcpstack.pcp_size", running.assignment.pcp_size)
+            # The set finishes a job it started even if the caller leaves; then its replica is deleted.
+            task = asyncio.ensure_future(self.supervisor.run_job(job))
             try:
-                outcome = await self.supervisor.run_job(job, context.time_remaining())
+                outcome = await asyncio.wait_for(asyncio.shield(task), context.time_remaining())
             except SetUnavailable as exc:
                 await context.abort(grpc.StatusCode.UNAVAILABLE, str(exc))
-            except TimeoutError:
+            except (TimeoutError, asyncio.CancelledError) as exc:
+                task.add_done_callback(lambda done: self._discard(done, info.fingerprint, job))
+                if isinstance(exc, asyncio.CancelledError):
+                    raise
                 await context.abort(
                     grpc.StatusCode.DEADLINE_EXCEEDED, "prefill did not finish within the deadline"
                 )
