@@ -21,13 +21,15 @@ import os
 import struct
 import time
 from collections.abc import Callable
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from multiprocessing.connection import Connection
 from multiprocessing.sharedctypes import Synchronized
 
 import torch
 import torch.distributed as dist
+from opentelemetry.propagate import extract
 
+from services.common.telemetry import setup_telemetry, shutdown_telemetry, tracer
 from services.engine.engine import Engine
 from services.engine.kv_cache import blocks_needed
 from services.engine.sampling import SamplingParams, make_generator, sample
@@ -42,6 +44,7 @@ from services.prefill.replica import replica_owner
 from services.prefill.split import DualChunkSplit
 
 log = logging.getLogger(__name__)
+_tracer = tracer(__name__)
 
 OP_IDLE, OP_PREFILL, OP_STOP = 0, 1, 2
 _HEADER = 4  # int64: op, num_tokens, payload bytes, reserved
@@ -74,6 +77,8 @@ class PrefillJob:
     sampling: dict
     kvstore_address: str
     lease_ms: int
+    # W3C trace context of the caller's span, so every rank's work joins the request's trace.
+    trace_context: dict[str, str] = field(default_factory=dict)
 
 
 @dataclass(frozen=True)
@@ -163,9 +168,20 @@ class RankWorker:
         return op, self._prefill(tokens, request)
 
     def _prefill(self, tokens: torch.Tensor, request: dict) -> PrefillOutcome | None:
-        spec, engine = self.spec, self.engine
+        spec = self.spec
         split = DualChunkSplit(len(tokens), spec.pcp_size)
         owner = replica_owner(request["request_id"], spec.pcp_size)
+        with _tracer.start_as_current_span(
+            "prefill.rank", context=extract(request.get("trace_context", {}))
+        ) as span:
+            span.set_attribute("pcpstack.pcp_rank", spec.pcp_rank)
+            span.set_attribute("pcpstack.replica_owner", owner == spec.pcp_rank)
+            return self._run(tokens, request, split, owner)
+
+    def _run(
+        self, tokens: torch.Tensor, request: dict, split: DualChunkSplit, owner: int
+    ) -> PrefillOutcome | None:
+        spec, engine = self.spec, self.engine
         blocks = engine.allocator.allocate(blocks_needed(len(tokens), engine.block_size))
         first_token, push_failed, total_bytes, push_us, error = -1, 0, 0, 0, ""
         try:
@@ -227,6 +243,7 @@ class RankWorker:
 def rank_main(spec: RankSpec, conn: Connection, progress: Synchronized) -> None:
     """Entry point of a rank process (a multiprocessing target); exits on stop or when the group fails."""
     torch.set_num_threads(spec.threads)
+    setup_telemetry("prefill-rank")
     try:
         engine = Engine.load(spec.model, block_size=spec.block_size, num_blocks=None)
         configure_gloo_interface(spec.advertised_host)
@@ -268,5 +285,8 @@ def rank_main(spec: RankSpec, conn: Connection, progress: Synchronized) -> None:
         try:
             conn.send(f"rank {spec.pcp_rank} failed: {type(exc).__name__}: {exc}")
         finally:
+            shutdown_telemetry()
+            # Not sys.exit: a broken process group can hang in its destructor.
             os._exit(1)
+    shutdown_telemetry()
     os._exit(0)

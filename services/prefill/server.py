@@ -10,8 +10,10 @@ from __future__ import annotations
 import asyncio
 import logging
 from collections.abc import Awaitable, Callable
+from dataclasses import replace
 
 import grpc
+from opentelemetry.propagate import inject
 
 from services.common.logs import request_id_var
 from services.common.telemetry import tracer
@@ -125,6 +127,9 @@ class PrefillServicer(prefill_pb2_grpc.PrefillServiceServicer):
             lease_ms=request.kv_lease_ms or self._lease_ms,
         )
         with _tracer.start_as_current_span("prefill.set") as span:
+            carrier: dict[str, str] = {}
+            inject(carrier)
+            job = replace(job, trace_context=carrier)
             span.set_attribute("pcpstack.request_id", request.request_id)
             span.set_attribute("pcpstack.prompt_tokens", len(job.token_ids))
             span.set_attribute("pcpstack.pcp_size", running.assignment.pcp_size)
