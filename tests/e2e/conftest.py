@@ -1,0 +1,77 @@
+"""Fixtures for end-to-end tests: whole local stacks of real processes, and HF transformers as reference."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from services.stack import LocalStack, StackOptions
+
+
+class RunningStack:
+    """A LocalStack started in its own event loop, usable from synchronous tests."""
+
+    def __init__(self, options: StackOptions) -> None:
+        self.loop = asyncio.new_event_loop()
+        self.stack = LocalStack(options, progress=lambda message: None)
+
+    def start(self) -> RunningStack:
+        try:
+            self.loop.run_until_complete(self.stack.start())
+        except BaseException:
+            self.stop()
+            raise
+        return self
+
+    def run(self, coroutine):
+        """Runs a coroutine on the stack's loop."""
+        return self.loop.run_until_complete(coroutine)
+
+    def stop(self) -> None:
+        self.loop.run_until_complete(self.stack.stop())
+        self.loop.close()
+
+    @property
+    def decode(self) -> str:
+        return self.stack.decode_addresses[0]
+
+
+def start_stack(tmp: Path, **options) -> RunningStack:
+    options.setdefault("lease_s", 2.0)
+    return RunningStack(StackOptions(log_dir=str(tmp), **options)).start()
+
+
+@pytest.fixture(scope="session")
+def hf_reference():
+    """greedy(prompt_ids, n) -> n token ids from HF transformers on the same GGUF (eos ignored)."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from services.engine.weights import default_model_path
+
+    path = default_model_path()
+    model = AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name, dtype=torch.float32)
+    model.eval()
+
+    def greedy(prompt_ids: list[int], n: int) -> list[int]:
+        with torch.inference_mode():
+            out = model.generate(
+                torch.tensor([prompt_ids]),
+                max_new_tokens=n,
+                min_new_tokens=n,
+                do_sample=False,
+                pad_token_id=0,
+            )
+        return out[0, len(prompt_ids) :].tolist()
+
+    return greedy
+
+
+@pytest.fixture(scope="module")
+def smollm_stack_pcp2(tmp_path_factory) -> Iterator[RunningStack]:
+    stack = start_stack(tmp_path_factory.mktemp("stack-pcp2"), pcp=2)
+    yield stack
+    stack.stop()
