@@ -57,15 +57,14 @@ def hf_reference():
     model.eval()
 
     def greedy(prompt_ids: list[int], n: int) -> list[int]:
+        # A plain loop: generate()'s min_new_tokens would forbid EOS, while ignore_eos only keeps going past it.
+        tokens: list[int] = []
         with torch.inference_mode():
-            out = model.generate(
-                torch.tensor([prompt_ids]),
-                max_new_tokens=n,
-                min_new_tokens=n,
-                do_sample=False,
-                pad_token_id=0,
-            )
-        return out[0, len(prompt_ids) :].tolist()
+            out = model(torch.tensor([prompt_ids]), use_cache=True)
+            for _ in range(n):
+                tokens.append(int(out.logits[0, -1].argmax()))
+                out = model(torch.tensor([[tokens[-1]]]), past_key_values=out.past_key_values, use_cache=True)
+        return tokens
 
     return greedy
 
