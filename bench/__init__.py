@@ -1,1 +1,1 @@
-"""Benchmarks behind `pcpstack bench <area>`; each module offers add_arguments(parser) and run(args) -> dict."""
+"""Benchmarks behind `pcpstack bench <area>`: each module has add_arguments(parser) and run(args) -> dict."""

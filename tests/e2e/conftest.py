@@ -57,7 +57,7 @@ def hf_reference():
     model.eval()
 
     def greedy(prompt_ids: list[int], n: int) -> list[int]:
-        # A plain loop: generate()'s min_new_tokens would forbid EOS, while ignore_eos only keeps going past it.
+        # A plain loop: generate(min_new_tokens=n) would forbid EOS; ignore_eos only goes on past it.
         tokens: list[int] = []
         with torch.inference_mode():
             out = model(torch.tensor([prompt_ids]), use_cache=True)

@@ -57,7 +57,9 @@ def _child(
     init_pcp_group("127.0.0.1", port, pcp_rank, pcp_size, torch.device("cpu"), timeout_seconds=120)
     try:
         results = prefill_all(model_name, pcp_rank, pcp_size, lengths, group=True)
-        # numpy pickles by value; torch tensors would travel as shared-memory handles that die with this process.
+        logits = prefill_share(
+            loaded.model, cache, blocks, prompt(loaded.args.vocab_size, n), split, pcp_rank, exchange
+        )
         queue.put((pcp_rank, [(None if lg is None else lg.numpy(), kv.numpy()) for lg, kv in results]))
     finally:
         dist.destroy_process_group()

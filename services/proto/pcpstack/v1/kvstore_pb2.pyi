@@ -29,7 +29,7 @@ class PutHeader(_message.Message):
     TOTAL_BYTES_FIELD_NUMBER: _builtins.int
     CHUNK_SIZE_FIELD_NUMBER: _builtins.int
     LEASE_MS_FIELD_NUMBER: _builtins.int
-    SHM_NAME_FIELD_NUMBER: _builtins.int
+    USE_SHM_FIELD_NUMBER: _builtins.int
     METADATA_FIELD_NUMBER: _builtins.int
     key: _builtins.str
     """Key of the object; unique; write-once."""
@@ -41,9 +41,9 @@ class PutHeader(_message.Message):
     """Size of every chunk except the last; chunks must arrive in order."""
     lease_ms: _builtins.int
     """Pin lease in milliseconds: the object is reclaimed if not released by then. 0 means the default."""
-    shm_name: _builtins.str
-    """Same-host fast path: name of a shared-memory segment holding the whole object; then no chunks
-    follow, only the commit.
+    use_shm: _builtins.bool
+    """Same-host fast path: the store answers with a shared-memory segment to fill; then no chunks
+    follow, only the commit. Ask for it only when Stat's shm_probe is visible from this host.
     """
     metadata: _builtins.bytes
     """Opaque description of the payload (e.g. KV layout as JSON) returned to readers."""
@@ -55,12 +55,12 @@ class PutHeader(_message.Message):
         total_bytes: _builtins.int = ...,
         chunk_size: _builtins.int = ...,
         lease_ms: _builtins.int = ...,
-        shm_name: _builtins.str = ...,
+        use_shm: _builtins.bool = ...,
         metadata: _builtins.bytes = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["chunk_size", b"chunk_size", "fingerprint", b"fingerprint", "key", b"key", "lease_ms", b"lease_ms", "metadata", b"metadata", "shm_name", b"shm_name", "total_bytes", b"total_bytes"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["chunk_size", b"chunk_size", "fingerprint", b"fingerprint", "key", b"key", "lease_ms", b"lease_ms", "metadata", b"metadata", "total_bytes", b"total_bytes", "use_shm", b"use_shm"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -119,6 +119,60 @@ class PutCommit(_message.Message):
 Global___PutCommit: _TypeAlias = PutCommit  # noqa: Y015
 
 @_typing.final
+class PutAccepted(_message.Message):
+    """The store's answer to a header: the bytes are reserved, send them."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    SHM_NAME_FIELD_NUMBER: _builtins.int
+    shm_name: _builtins.str
+    """Shared-memory path: name of the segment (in Stat's shm_dir) the writer fills with exactly
+    total_bytes; empty on the streaming path or for an empty object.
+    """
+    def __init__(
+        self,
+        *,
+        shm_name: _builtins.str = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["shm_name", b"shm_name"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___PutAccepted: _TypeAlias = PutAccepted  # noqa: Y015
+
+@_typing.final
+class PutCommitted(_message.Message):
+    """Result of a committed Put."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    KEY_FIELD_NUMBER: _builtins.int
+    TOTAL_BYTES_FIELD_NUMBER: _builtins.int
+    LEASE_EXPIRES_UNIX_MS_FIELD_NUMBER: _builtins.int
+    key: _builtins.str
+    """The key now committed."""
+    total_bytes: _builtins.int
+    """Bytes stored."""
+    lease_expires_unix_ms: _builtins.int
+    """When the pin lease ends, milliseconds since the Unix epoch."""
+    def __init__(
+        self,
+        *,
+        key: _builtins.str = ...,
+        total_bytes: _builtins.int = ...,
+        lease_expires_unix_ms: _builtins.int = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["key", b"key", "lease_expires_unix_ms", b"lease_expires_unix_ms", "total_bytes", b"total_bytes"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___PutCommitted: _TypeAlias = PutCommitted  # noqa: Y015
+
+@_typing.final
 class PutRequest(_message.Message):
     """One message of a Put stream: header first, then chunks, then commit."""
 
@@ -158,37 +212,39 @@ Global___PutRequest: _TypeAlias = PutRequest  # noqa: Y015
 
 @_typing.final
 class PutResponse(_message.Message):
-    """Result of a committed Put."""
+    """One message of the store's side of a Put: `accepted` after the header, `committed` after the commit."""
 
     DESCRIPTOR: _descriptor.Descriptor
 
-    KEY_FIELD_NUMBER: _builtins.int
-    TOTAL_BYTES_FIELD_NUMBER: _builtins.int
-    LEASE_EXPIRES_UNIX_MS_FIELD_NUMBER: _builtins.int
-    key: _builtins.str
-    """The key now committed."""
-    total_bytes: _builtins.int
-    """Bytes stored."""
-    lease_expires_unix_ms: _builtins.int
-    """When the pin lease ends, milliseconds since the Unix epoch."""
+    ACCEPTED_FIELD_NUMBER: _builtins.int
+    COMMITTED_FIELD_NUMBER: _builtins.int
+    @_builtins.property
+    def accepted(self) -> Global___PutAccepted:
+        """The bytes are reserved."""
+
+    @_builtins.property
+    def committed(self) -> Global___PutCommitted:
+        """The object is visible and pinned."""
+
     def __init__(
         self,
         *,
-        key: _builtins.str = ...,
-        total_bytes: _builtins.int = ...,
-        lease_expires_unix_ms: _builtins.int = ...,
+        accepted: Global___PutAccepted | None = ...,
+        committed: Global___PutCommitted | None = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["accepted", b"accepted", "body", b"body", "committed", b"committed"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["key", b"key", "lease_expires_unix_ms", b"lease_expires_unix_ms", "total_bytes", b"total_bytes"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["accepted", b"accepted", "body", b"body", "committed", b"committed"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
-    def WhichOneof(self, oneof_group: _Never) -> None: ...
+    _WhichOneofReturnType_body: _TypeAlias = _typing.Literal["accepted", "committed"]  # noqa: Y015
+    _WhichOneofArgType_body: _TypeAlias = _typing.Literal["body", b"body"]  # noqa: Y015
+    def WhichOneof(self, oneof_group: _WhichOneofArgType_body) -> _WhichOneofReturnType_body | None: ...
 
 Global___PutResponse: _TypeAlias = PutResponse  # noqa: Y015
 
 @_typing.final
 class GetRequest(_message.Message):
-    """Reads an object."""
+    """Reads an object (the only message a reader sends on a Get stream)."""
 
     DESCRIPTOR: _descriptor.Descriptor
 
@@ -237,7 +293,10 @@ class GetHeader(_message.Message):
     metadata: _builtins.bytes
     """The metadata given at Put."""
     shm_name: _builtins.str
-    """When set, the object is in this shared-memory segment and no chunks follow."""
+    """When set, the object is in this shared-memory segment (in Stat's shm_dir) and no chunks follow.
+    The reader maps it read-only, copies what it needs and then half-closes the Get; the store may
+    reuse the segment afterwards.
+    """
     def __init__(
         self,
         *,
@@ -363,6 +422,7 @@ class ObjectStat(_message.Message):
     PINNED_FIELD_NUMBER: _builtins.int
     READERS_FIELD_NUMBER: _builtins.int
     FINGERPRINT_FIELD_NUMBER: _builtins.int
+    LEASE_EXPIRES_UNIX_MS_FIELD_NUMBER: _builtins.int
     key: _builtins.str
     """The key."""
     total_bytes: _builtins.int
@@ -373,6 +433,8 @@ class ObjectStat(_message.Message):
     """Gets in progress."""
     fingerprint: _builtins.str
     """Fingerprint."""
+    lease_expires_unix_ms: _builtins.int
+    """When the pin lease ends (milliseconds since the Unix epoch); 0 once released."""
     def __init__(
         self,
         *,
@@ -381,10 +443,11 @@ class ObjectStat(_message.Message):
         pinned: _builtins.bool = ...,
         readers: _builtins.int = ...,
         fingerprint: _builtins.str = ...,
+        lease_expires_unix_ms: _builtins.int = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["fingerprint", b"fingerprint", "key", b"key", "pinned", b"pinned", "readers", b"readers", "total_bytes", b"total_bytes"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["fingerprint", b"fingerprint", "key", b"key", "lease_expires_unix_ms", b"lease_expires_unix_ms", "pinned", b"pinned", "readers", b"readers", "total_bytes", b"total_bytes"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -407,6 +470,11 @@ class StatResponse(_message.Message):
     BYTES_OUT_FIELD_NUMBER: _builtins.int
     RESERVED_BYTES_FIELD_NUMBER: _builtins.int
     OBJECT_FIELD_NUMBER: _builtins.int
+    ABORTED_PUTS_FIELD_NUMBER: _builtins.int
+    REPEATED_RELEASES_FIELD_NUMBER: _builtins.int
+    POOLED_BYTES_FIELD_NUMBER: _builtins.int
+    SHM_DIR_FIELD_NUMBER: _builtins.int
+    SHM_PROBE_FIELD_NUMBER: _builtins.int
     objects: _builtins.int
     """Committed objects held."""
     bytes: _builtins.int
@@ -427,6 +495,18 @@ class StatResponse(_message.Message):
     """Bytes sent by gets since start."""
     reserved_bytes: _builtins.int
     """Bytes reserved by puts in progress."""
+    aborted_puts: _builtins.int
+    """Puts abandoned midway (stream broken, writer gone) since start."""
+    repeated_releases: _builtins.int
+    """Releases of an already released object since start (harmless)."""
+    pooled_bytes: _builtins.int
+    """Freed shared memory kept warm for reuse by later puts; always within the capacity."""
+    shm_dir: _builtins.str
+    """Directory holding the store's shared-memory segments."""
+    shm_probe: _builtins.str
+    """Name of a file in shm_dir that only a process sharing the store's shared memory can see; a client
+    that finds it may use the shared-memory path.
+    """
     @_builtins.property
     def object(self) -> Global___ObjectStat:
         """The object asked for, if any and if it exists."""
@@ -445,10 +525,15 @@ class StatResponse(_message.Message):
         bytes_out: _builtins.int = ...,
         reserved_bytes: _builtins.int = ...,
         object: Global___ObjectStat | None = ...,
+        aborted_puts: _builtins.int = ...,
+        repeated_releases: _builtins.int = ...,
+        pooled_bytes: _builtins.int = ...,
+        shm_dir: _builtins.str = ...,
+        shm_probe: _builtins.str = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["object", b"object"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["bytes", b"bytes", "bytes_in", b"bytes_in", "bytes_out", b"bytes_out", "capacity_bytes", b"capacity_bytes", "evictions", b"evictions", "lease_expiries", b"lease_expiries", "object", b"object", "objects", b"objects", "pinned_bytes", b"pinned_bytes", "refused_puts", b"refused_puts", "reserved_bytes", b"reserved_bytes"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["aborted_puts", b"aborted_puts", "bytes", b"bytes", "bytes_in", b"bytes_in", "bytes_out", b"bytes_out", "capacity_bytes", b"capacity_bytes", "evictions", b"evictions", "lease_expiries", b"lease_expiries", "object", b"object", "objects", b"objects", "pinned_bytes", b"pinned_bytes", "pooled_bytes", b"pooled_bytes", "refused_puts", b"refused_puts", "repeated_releases", b"repeated_releases", "reserved_bytes", b"reserved_bytes", "shm_dir", b"shm_dir", "shm_probe", b"shm_probe"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

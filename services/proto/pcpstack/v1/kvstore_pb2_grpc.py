@@ -35,12 +35,12 @@ class KvStoreServiceStub:
         Args:
             channel: A grpc.Channel.
         """
-        self.Put = channel.stream_unary(
+        self.Put = channel.stream_stream(
                 '/pcpstack.v1.KvStoreService/Put',
                 request_serializer=pcpstack_dot_v1_dot_kvstore__pb2.PutRequest.SerializeToString,
                 response_deserializer=pcpstack_dot_v1_dot_kvstore__pb2.PutResponse.FromString,
                 _registered_method=True)
-        self.Get = channel.unary_stream(
+        self.Get = channel.stream_stream(
                 '/pcpstack.v1.KvStoreService/Get',
                 request_serializer=pcpstack_dot_v1_dot_kvstore__pb2.GetRequest.SerializeToString,
                 response_deserializer=pcpstack_dot_v1_dot_kvstore__pb2.GetResponse.FromString,
@@ -67,15 +67,19 @@ class KvStoreServiceServicer:
     """
 
     def Put(self, request_iterator, context):
-        """Two-phase write: a header, then checksummed chunks (or a shared-memory segment), then a commit.
-        The object becomes visible only when the commit verifies. Keys are write-once.
+        """Two-phase write: the writer sends a header; the store reserves the bytes (or refuses at once) and
+        answers `accepted`; the writer sends checksummed chunks (or fills the shared-memory segment it was
+        given), then a commit; the store verifies and answers `committed`. The object becomes visible only
+        then; a stream that breaks or fails verification leaves nothing behind. Keys are write-once.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
-    def Get(self, request, context):
-        """Streams a committed object back in checksummed chunks (or hands over a shared-memory segment).
+    def Get(self, request_iterator, context):
+        """Reads a committed object: the reader sends one GetRequest; the store answers a header, then
+        checksummed chunks (or names a shared-memory segment holding the bytes). The reader half-closes its
+        side when it no longer needs the segment; until then the object is kept alive.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -96,7 +100,7 @@ class KvStoreServiceServicer:
         raise NotImplementedError('Method not implemented!')
 
     def Delete(self, request, context):
-        """Removes an object now, pinned or not (unless a Get is reading it).
+        """Removes an object now, pinned or not; a Get already reading it finishes first.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -105,12 +109,12 @@ class KvStoreServiceServicer:
 
 def add_KvStoreServiceServicer_to_server(servicer, server):
     rpc_method_handlers = {
-            'Put': grpc.stream_unary_rpc_method_handler(
+            'Put': grpc.stream_stream_rpc_method_handler(
                     servicer.Put,
                     request_deserializer=pcpstack_dot_v1_dot_kvstore__pb2.PutRequest.FromString,
                     response_serializer=pcpstack_dot_v1_dot_kvstore__pb2.PutResponse.SerializeToString,
             ),
-            'Get': grpc.unary_stream_rpc_method_handler(
+            'Get': grpc.stream_stream_rpc_method_handler(
                     servicer.Get,
                     request_deserializer=pcpstack_dot_v1_dot_kvstore__pb2.GetRequest.FromString,
                     response_serializer=pcpstack_dot_v1_dot_kvstore__pb2.GetResponse.SerializeToString,
@@ -153,7 +157,7 @@ class KvStoreService:
             wait_for_ready=None,
             timeout=None,
             metadata=None):
-        return grpc.experimental.stream_unary(
+        return grpc.experimental.stream_stream(
             request_iterator,
             target,
             '/pcpstack.v1.KvStoreService/Put',
@@ -170,7 +174,7 @@ class KvStoreService:
             _registered_method=True)
 
     @staticmethod
-    def Get(request,
+    def Get(request_iterator,
             target,
             options=(),
             channel_credentials=None,
@@ -180,8 +184,8 @@ class KvStoreService:
             wait_for_ready=None,
             timeout=None,
             metadata=None):
-        return grpc.experimental.unary_stream(
-            request,
+        return grpc.experimental.stream_stream(
+            request_iterator,
             target,
             '/pcpstack.v1.KvStoreService/Get',
             pcpstack_dot_v1_dot_kvstore__pb2.GetRequest.SerializeToString,

@@ -35,36 +35,46 @@ class KvStoreServiceStub:
     def __new__(cls, channel: _grpc.Channel) -> _Self: ...
     @_typing.overload
     def __new__(cls, channel: _aio.Channel) -> KvStoreServiceAsyncStub: ...
-    Put: _grpc.StreamUnaryMultiCallable[_kvstore_pb2.PutRequest, _kvstore_pb2.PutResponse]
-    """Two-phase write: a header, then checksummed chunks (or a shared-memory segment), then a commit.
-    The object becomes visible only when the commit verifies. Keys are write-once.
+    Put: _grpc.StreamStreamMultiCallable[_kvstore_pb2.PutRequest, _kvstore_pb2.PutResponse]
+    """Two-phase write: the writer sends a header; the store reserves the bytes (or refuses at once) and
+    answers `accepted`; the writer sends checksummed chunks (or fills the shared-memory segment it was
+    given), then a commit; the store verifies and answers `committed`. The object becomes visible only
+    then; a stream that breaks or fails verification leaves nothing behind. Keys are write-once.
     """
-    Get: _grpc.UnaryStreamMultiCallable[_kvstore_pb2.GetRequest, _kvstore_pb2.GetResponse]
-    """Streams a committed object back in checksummed chunks (or hands over a shared-memory segment)."""
+    Get: _grpc.StreamStreamMultiCallable[_kvstore_pb2.GetRequest, _kvstore_pb2.GetResponse]
+    """Reads a committed object: the reader sends one GetRequest; the store answers a header, then
+    checksummed chunks (or names a shared-memory segment holding the bytes). The reader half-closes its
+    side when it no longer needs the segment; until then the object is kept alive.
+    """
     Release: _grpc.UnaryUnaryMultiCallable[_kvstore_pb2.ReleaseRequest, _kvstore_pb2.ReleaseResponse]
     """Unpins an object: the reader has what it needs. Only the first release counts."""
     Stat: _grpc.UnaryUnaryMultiCallable[_kvstore_pb2.StatRequest, _kvstore_pb2.StatResponse]
     """Counters and gauges of the store, or the state of one object."""
     Delete: _grpc.UnaryUnaryMultiCallable[_kvstore_pb2.DeleteRequest, _kvstore_pb2.DeleteResponse]
-    """Removes an object now, pinned or not (unless a Get is reading it)."""
+    """Removes an object now, pinned or not; a Get already reading it finishes first."""
 
 @_typing.type_check_only
 class KvStoreServiceAsyncStub(KvStoreServiceStub):
     """Storage of KV replicas."""
 
     def __init__(self, channel: _aio.Channel) -> None: ...
-    Put: _aio.StreamUnaryMultiCallable[_kvstore_pb2.PutRequest, _kvstore_pb2.PutResponse]  # type: ignore[assignment]
-    """Two-phase write: a header, then checksummed chunks (or a shared-memory segment), then a commit.
-    The object becomes visible only when the commit verifies. Keys are write-once.
+    Put: _aio.StreamStreamMultiCallable[_kvstore_pb2.PutRequest, _kvstore_pb2.PutResponse]  # type: ignore[assignment]
+    """Two-phase write: the writer sends a header; the store reserves the bytes (or refuses at once) and
+    answers `accepted`; the writer sends checksummed chunks (or fills the shared-memory segment it was
+    given), then a commit; the store verifies and answers `committed`. The object becomes visible only
+    then; a stream that breaks or fails verification leaves nothing behind. Keys are write-once.
     """
-    Get: _aio.UnaryStreamMultiCallable[_kvstore_pb2.GetRequest, _kvstore_pb2.GetResponse]  # type: ignore[assignment]
-    """Streams a committed object back in checksummed chunks (or hands over a shared-memory segment)."""
+    Get: _aio.StreamStreamMultiCallable[_kvstore_pb2.GetRequest, _kvstore_pb2.GetResponse]  # type: ignore[assignment]
+    """Reads a committed object: the reader sends one GetRequest; the store answers a header, then
+    checksummed chunks (or names a shared-memory segment holding the bytes). The reader half-closes its
+    side when it no longer needs the segment; until then the object is kept alive.
+    """
     Release: _aio.UnaryUnaryMultiCallable[_kvstore_pb2.ReleaseRequest, _kvstore_pb2.ReleaseResponse]  # type: ignore[assignment]
     """Unpins an object: the reader has what it needs. Only the first release counts."""
     Stat: _aio.UnaryUnaryMultiCallable[_kvstore_pb2.StatRequest, _kvstore_pb2.StatResponse]  # type: ignore[assignment]
     """Counters and gauges of the store, or the state of one object."""
     Delete: _aio.UnaryUnaryMultiCallable[_kvstore_pb2.DeleteRequest, _kvstore_pb2.DeleteResponse]  # type: ignore[assignment]
-    """Removes an object now, pinned or not (unless a Get is reading it)."""
+    """Removes an object now, pinned or not; a Get already reading it finishes first."""
 
 class KvStoreServiceServicer(metaclass=_abc_1.ABCMeta):
     """Storage of KV replicas."""
@@ -74,18 +84,23 @@ class KvStoreServiceServicer(metaclass=_abc_1.ABCMeta):
         self,
         request_iterator: _MaybeAsyncIterator[_kvstore_pb2.PutRequest],
         context: _ServicerContext,
-    ) -> _typing.Union[_kvstore_pb2.PutResponse, _abc.Awaitable[_kvstore_pb2.PutResponse]]:
-        """Two-phase write: a header, then checksummed chunks (or a shared-memory segment), then a commit.
-        The object becomes visible only when the commit verifies. Keys are write-once.
+    ) -> _typing.Union[_abc.Iterator[_kvstore_pb2.PutResponse], _abc.AsyncIterator[_kvstore_pb2.PutResponse]]:
+        """Two-phase write: the writer sends a header; the store reserves the bytes (or refuses at once) and
+        answers `accepted`; the writer sends checksummed chunks (or fills the shared-memory segment it was
+        given), then a commit; the store verifies and answers `committed`. The object becomes visible only
+        then; a stream that breaks or fails verification leaves nothing behind. Keys are write-once.
         """
 
     @_abc_1.abstractmethod
     def Get(
         self,
-        request: _kvstore_pb2.GetRequest,
+        request_iterator: _MaybeAsyncIterator[_kvstore_pb2.GetRequest],
         context: _ServicerContext,
     ) -> _typing.Union[_abc.Iterator[_kvstore_pb2.GetResponse], _abc.AsyncIterator[_kvstore_pb2.GetResponse]]:
-        """Streams a committed object back in checksummed chunks (or hands over a shared-memory segment)."""
+        """Reads a committed object: the reader sends one GetRequest; the store answers a header, then
+        checksummed chunks (or names a shared-memory segment holding the bytes). The reader half-closes its
+        side when it no longer needs the segment; until then the object is kept alive.
+        """
 
     @_abc_1.abstractmethod
     def Release(
@@ -109,6 +124,6 @@ class KvStoreServiceServicer(metaclass=_abc_1.ABCMeta):
         request: _kvstore_pb2.DeleteRequest,
         context: _ServicerContext,
     ) -> _typing.Union[_kvstore_pb2.DeleteResponse, _abc.Awaitable[_kvstore_pb2.DeleteResponse]]:
-        """Removes an object now, pinned or not (unless a Get is reading it)."""
+        """Removes an object now, pinned or not; a Get already reading it finishes first."""
 
 def add_KvStoreServiceServicer_to_server(servicer: KvStoreServiceServicer, server: _typing.Union[_grpc.Server, _aio.Server]) -> None: ...

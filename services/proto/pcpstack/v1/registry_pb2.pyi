@@ -31,11 +31,13 @@ class _NodeStateEnumTypeWrapper(_enum_type_wrapper._EnumTypeWrapper[_NodeState.V
     NODE_STATE_UNSPECIFIED: _NodeState.ValueType  # 0
     """Never used."""
     NODE_STATE_POOLED: _NodeState.ValueType  # 1
-    """Registered and alive, not part of a set (prefill waiting for assembly, or any decode/kvstore)."""
+    """Registered and alive, not part of a set (prefill waiting for assembly), or a decode/KV store that
+    reported itself not ready.
+    """
     NODE_STATE_ASSIGNED: _NodeState.ValueType  # 2
     """Assigned to a set that is starting up."""
     NODE_STATE_READY: _NodeState.ValueType  # 3
-    """Its set is ready, or (decode, kvstore) it reported ready."""
+    """Its set is ready, or (decode, kvstore) it is registered and has not reported itself not ready."""
     NODE_STATE_DEAD: _NodeState.ValueType  # 4
     """Missed its lease."""
 
@@ -45,11 +47,13 @@ class NodeState(_NodeState, metaclass=_NodeStateEnumTypeWrapper):
 NODE_STATE_UNSPECIFIED: NodeState.ValueType  # 0
 """Never used."""
 NODE_STATE_POOLED: NodeState.ValueType  # 1
-"""Registered and alive, not part of a set (prefill waiting for assembly, or any decode/kvstore)."""
+"""Registered and alive, not part of a set (prefill waiting for assembly), or a decode/KV store that
+reported itself not ready.
+"""
 NODE_STATE_ASSIGNED: NodeState.ValueType  # 2
 """Assigned to a set that is starting up."""
 NODE_STATE_READY: NodeState.ValueType  # 3
-"""Its set is ready, or (decode, kvstore) it reported ready."""
+"""Its set is ready, or (decode, kvstore) it is registered and has not reported itself not ready."""
 NODE_STATE_DEAD: NodeState.ValueType  # 4
 """Missed its lease."""
 Global___NodeState: _TypeAlias = NodeState  # noqa: Y015
@@ -161,6 +165,7 @@ class RegisterRequest(_message.Message):
     ENGINE_CONFIG_FIELD_NUMBER: _builtins.int
     KV_FINGERPRINT_FIELD_NUMBER: _builtins.int
     CURRENT_ASSIGNMENT_FIELD_NUMBER: _builtins.int
+    DIST_HOST_FIELD_NUMBER: _builtins.int
     node_id: _builtins.str
     """Stable identity of the node (survives restarts of the process). Required."""
     role: _common_pb2.NodeRole.ValueType
@@ -171,6 +176,10 @@ class RegisterRequest(_message.Message):
     """Accelerator devices (or CPU rank slots) the node offers."""
     kv_fingerprint: _builtins.str
     """Fingerprint of the model and KV layout the node runs; peers of one role and model must agree."""
+    dist_host: _builtins.str
+    """Host that other members of a set reach this node's torch.distributed master on, when it differs
+    from the host of `address` (e.g. a separate NIC); empty: the host of `address`.
+    """
     @_builtins.property
     def engine_config(self) -> _common_pb2.EngineConfig:
         """The engine configuration the node runs with; validated against DESIGN.md's rules and its peers."""
@@ -189,10 +198,11 @@ class RegisterRequest(_message.Message):
         engine_config: _common_pb2.EngineConfig | None = ...,
         kv_fingerprint: _builtins.str = ...,
         current_assignment: Global___Assignment | None = ...,
+        dist_host: _builtins.str = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["current_assignment", b"current_assignment", "engine_config", b"engine_config"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["address", b"address", "current_assignment", b"current_assignment", "device_count", b"device_count", "engine_config", b"engine_config", "kv_fingerprint", b"kv_fingerprint", "node_id", b"node_id", "role", b"role"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["address", b"address", "current_assignment", b"current_assignment", "device_count", b"device_count", "dist_host", b"dist_host", "engine_config", b"engine_config", "kv_fingerprint", b"kv_fingerprint", "node_id", b"node_id", "role", b"role"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -702,6 +712,9 @@ class NodeStatus(_message.Message):
     ASSIGNMENT_FIELD_NUMBER: _builtins.int
     LAST_SEEN_MS_AGO_FIELD_NUMBER: _builtins.int
     LOAD_FIELD_NUMBER: _builtins.int
+    LAST_ERROR_FIELD_NUMBER: _builtins.int
+    DEVICE_COUNT_FIELD_NUMBER: _builtins.int
+    MODEL_FIELD_NUMBER: _builtins.int
     node_id: _builtins.str
     """Identity."""
     role: _common_pb2.NodeRole.ValueType
@@ -714,6 +727,12 @@ class NodeStatus(_message.Message):
     """Milliseconds since the last message on its Session."""
     load: _builtins.int
     """Last reported load."""
+    last_error: _builtins.str
+    """Last failure the node reported in a RankStatus (empty when none)."""
+    device_count: _builtins.int
+    """Accelerator devices (or CPU rank slots) the node offered at registration."""
+    model: _builtins.str
+    """Model the node serves (empty for a KV store or the embedded default model)."""
     @_builtins.property
     def assignment(self) -> Global___Assignment:
         """Current assignment (empty when pooled)."""
@@ -728,10 +747,13 @@ class NodeStatus(_message.Message):
         assignment: Global___Assignment | None = ...,
         last_seen_ms_ago: _builtins.int = ...,
         load: _builtins.int = ...,
+        last_error: _builtins.str = ...,
+        device_count: _builtins.int = ...,
+        model: _builtins.str = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["assignment", b"assignment"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["address", b"address", "assignment", b"assignment", "last_seen_ms_ago", b"last_seen_ms_ago", "load", b"load", "node_id", b"node_id", "role", b"role", "state", b"state"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["address", b"address", "assignment", b"assignment", "device_count", b"device_count", "last_error", b"last_error", "last_seen_ms_ago", b"last_seen_ms_ago", "load", b"load", "model", b"model", "node_id", b"node_id", "role", b"role", "state", b"state"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -791,6 +813,8 @@ class PcpSet(_message.Message):
     MEMBER_NODE_IDS_FIELD_NUMBER: _builtins.int
     MASTER_ADDRESS_FIELD_NUMBER: _builtins.int
     PCP_SIZE_FIELD_NUMBER: _builtins.int
+    REASON_FIELD_NUMBER: _builtins.int
+    MODEL_FIELD_NUMBER: _builtins.int
     set_id: _builtins.str
     """Identity."""
     generation: _builtins.int
@@ -803,6 +827,10 @@ class PcpSet(_message.Message):
     """host:port of the master."""
     pcp_size: _builtins.int
     """PCP degree."""
+    reason: _builtins.str
+    """Why the set is BROKEN (empty otherwise)."""
+    model: _builtins.str
+    """Model the set serves."""
     @_builtins.property
     def member_node_ids(self) -> _containers.RepeatedScalarFieldContainer[_builtins.str]:
         """Member node_ids in node_rank order."""
@@ -817,10 +845,12 @@ class PcpSet(_message.Message):
         member_node_ids: _abc.Iterable[_builtins.str] | None = ...,
         master_address: _builtins.str = ...,
         pcp_size: _builtins.int = ...,
+        reason: _builtins.str = ...,
+        model: _builtins.str = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["dp_rank", b"dp_rank", "generation", b"generation", "master_address", b"master_address", "member_node_ids", b"member_node_ids", "pcp_size", b"pcp_size", "set_id", b"set_id", "state", b"state"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["dp_rank", b"dp_rank", "generation", b"generation", "master_address", b"master_address", "member_node_ids", b"member_node_ids", "model", b"model", "pcp_size", b"pcp_size", "reason", b"reason", "set_id", b"set_id", "state", b"state"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

@@ -1,0 +1,117 @@
+"""`pcpstack bench kv`: put and get throughput of the KV store, over gRPC streaming and shared memory.
+
+The store runs in its own process (as in production), started with `pcpstack serve kvstore --port 0`;
+the client runs here. Each repeat puts a fresh object, reads it back (checksums verified), then deletes
+it, so later repeats measure the store's steady state with its warm segment pool. Reports medians.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import os
+import statistics
+import subprocess
+import sys
+import time
+
+from services.kvstore.main import ensure_glibc_tunables
+
+_UNITS = {
+    "": 1,
+    "B": 1,
+    "KIB": 1 << 10,
+    "MIB": 1 << 20,
+    "GIB": 1 << 30,
+    "KB": 10**3,
+    "MB": 10**6,
+    "GB": 10**9,
+}
+
+
+def parse_size(text: str) -> int:
+    """'256MiB' -> 268435456; accepts B, KiB, MiB, GiB, KB, MB, GB or a plain number."""
+    number = text.rstrip("BbIiKkMmGg")
+    try:
+        return int(float(number) * _UNITS[text[len(number) :].upper()])
+    except (KeyError, ValueError):
+        raise argparse.ArgumentTypeError(f"{text!r} is not a size like 256MiB") from None
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """Adds the benchmark's options."""
+    parser.add_argument("--bytes", type=parse_size, default=256 << 20, help="object size (e.g. 256MiB)")
+    parser.add_argument("--repeats", type=int, default=5, help="puts and gets per path")
+    parser.add_argument("--chunk-bytes", type=parse_size, default=1 << 20, help="chunk size on the gRPC path")
+
+
+def _start_store(capacity: int) -> tuple[subprocess.Popen, str]:
+    proc = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "services.cli",
+            "serve",
+            "kvstore",
+            "--port",
+            "0",
+            "--capacity-bytes",
+            str(capacity),
+        ],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.DEVNULL,
+        text=True,
+    )
+    line = proc.stdout.readline()
+    if "listening on" not in line:
+        proc.kill()
+        raise RuntimeError(f"kvstore did not start: {line!r}")
+    return proc, line.rsplit(" ", 1)[1].strip()
+
+
+async def _measure(address: str, prefer_shm: bool, size: int, repeats: int, chunk: int) -> dict:
+    from services.kvstore.client import KvStoreClient
+
+    payload = os.urandom(size)
+    puts, gets = [], []
+    async with KvStoreClient(address, prefer_shm=prefer_shm, chunk_bytes=chunk) as client:
+        if await client.uses_shm() != prefer_shm:
+            raise RuntimeError(f"client could not take the {'shm' if prefer_shm else 'gRPC'} path")
+        for i in range(repeats):
+            key = f"bench-{prefer_shm}-{i}"
+            start = time.perf_counter()
+            await client.put(key, "bench", payload)
+            puts.append(time.perf_counter() - start)
+            start = time.perf_counter()
+            data, _ = await client.get(key, "bench")
+            gets.append(time.perf_counter() - start)
+            if data.nbytes != size:
+                raise RuntimeError(f"read back {data.nbytes} bytes of {size}")
+            del data
+            await client.delete(key)
+    return {
+        "put_mb_s": round(size / statistics.median(puts) / 1e6, 1),
+        "get_mb_s": round(size / statistics.median(gets) / 1e6, 1),
+        "put_mb_s_all": [round(size / t / 1e6, 1) for t in puts],
+        "get_mb_s_all": [round(size / t / 1e6, 1) for t in gets],
+    }
+
+
+def run(args: argparse.Namespace) -> dict:
+    """Runs the benchmark and returns its results."""
+    ensure_glibc_tunables()
+    proc, address = _start_store(capacity=4 * args.bytes)
+    try:
+        results = {
+            "bytes": args.bytes,
+            "repeats": args.repeats,
+            "chunk_bytes": args.chunk_bytes,
+            "glibc_tunables": os.environ.get("GLIBC_TUNABLES", ""),
+            "cpus": os.cpu_count(),
+        }
+        for name, shm in (("grpc", False), ("shm", True)):
+            results[name] = asyncio.run(_measure(address, shm, args.bytes, args.repeats, args.chunk_bytes))
+        return results
+    finally:
+        proc.terminate()
+        proc.wait(10)

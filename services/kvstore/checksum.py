@@ -1,0 +1,59 @@
+"""CRC32C helpers: the checksum of a whole object from the checksums of its chunks, without a second pass.
+
+`crc32c_combine` is zlib's crc32_combine (multiplication modulo the generator polynomial in GF(2)) for the
+Castagnoli polynomial, so a writer or reader that checks every chunk gets the object's CRC for free.
+"""
+
+from __future__ import annotations
+
+from functools import lru_cache
+
+import crc32c as _crc32c
+
+_POLY = 0x82F63B78  # CRC-32C (Castagnoli), bit-reflected
+
+
+def crc32c(data, value: int = 0) -> int:
+    """CRC32C of a bytes-like object, continuing from value (the GIL is released for large buffers)."""
+    return _crc32c.crc32c(data, value)
+
+
+def _multmodp(a: int, b: int) -> int:
+    """a * b modulo the polynomial, both reflected."""
+    m = 1 << 31
+    p = 0
+    while True:
+        if a & m:
+            p ^= b
+            if a & (m - 1) == 0:
+                return p
+        m >>= 1
+        b = (b >> 1) ^ _POLY if b & 1 else b >> 1
+
+
+def _build_x2n_table() -> list[int]:
+    table = [1 << 30]  # x^1
+    for _ in range(31):
+        table.append(_multmodp(table[-1], table[-1]))
+    return table
+
+
+_X2N = _build_x2n_table()
+
+
+@lru_cache(maxsize=64)
+def _x8nmodp(length: int) -> int:
+    """x^(8 * length) modulo the polynomial: the operator that shifts a CRC past length zero bytes."""
+    p = 1 << 31  # x^0
+    k = 3
+    while length:
+        if length & 1:
+            p = _multmodp(_X2N[k & 31], p)
+        length >>= 1
+        k += 1
+    return p
+
+
+def crc32c_combine(crc1: int, crc2: int, length2: int) -> int:
+    """CRC32C of A + B given crc1 = CRC32C(A), crc2 = CRC32C(B) and length2 = len(B)."""
+    return _multmodp(_x8nmodp(length2), crc1) ^ crc2

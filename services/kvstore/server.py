@@ -1,0 +1,377 @@
+"""The KvStoreService servicer: protobuf in, core calls, protobuf out; plus the lease reaper and metrics.
+
+The core (store.py) decides; the segments (shm.py) hold the bytes. This module checks the shape of each
+stream (header first, chunks in order, one commit), verifies checksums, and makes sure every way a stream
+can end (commit, bad data, a writer or reader that vanished) leaves the core consistent.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+
+import grpc
+from opentelemetry.metrics import CallbackOptions, Observation
+
+from services.common.server import RunningServer, ServerOptions, start_server
+from services.common.telemetry import meter
+from services.kvstore.checksum import crc32c, crc32c_combine
+from services.kvstore.errors import ChecksumMismatch, InvalidArgument, KvStoreError
+from services.kvstore.shm import Segment, SegmentStore
+from services.kvstore.store import KvStore, PendingPut, StoreConfig, StoredObject
+from services.kvstore.wire import encode_chunk, serialize
+from services.proto.pcpstack.v1 import kvstore_pb2 as pb
+from services.proto.pcpstack.v1 import kvstore_pb2_grpc
+
+log = logging.getLogger(__name__)
+
+SERVICE_NAME = "pcpstack.v1.KvStoreService"
+DEFAULT_CHUNK_BYTES = 1 << 20  # measured best of 512 KiB..16 MiB on the gRPC path here
+_MESSAGE_OVERHEAD = 1024  # room for the non-data fields of a chunk message
+
+
+@dataclass(frozen=True)
+class KvStoreServerConfig:
+    """Everything a KV store process needs, validated when built."""
+
+    capacity_bytes: int
+    default_lease_ms: int = 60_000
+    shm_dir: str = "/dev/shm"
+    reap_interval_s: float = 0.5
+    default_chunk_bytes: int = DEFAULT_CHUNK_BYTES
+
+    def __post_init__(self) -> None:
+        StoreConfig(self.capacity_bytes, self.default_lease_ms)
+        if self.reap_interval_s <= 0:
+            raise ValueError(f"reap_interval_s must be > 0, got {self.reap_interval_s}")
+        if self.default_chunk_bytes <= 0:
+            raise ValueError(f"default_chunk_bytes must be > 0, got {self.default_chunk_bytes}")
+
+
+class _StreamEnded(InvalidArgument):
+    """The writer's stream ended before the commit: on a broken connection grpc ends the request stream
+    just as a half-close does, so this counts as an abandoned put, not a refused one."""
+
+
+def _unix_ms(monotonic_deadline: float) -> int:
+    return int((time.time() + monotonic_deadline - time.monotonic()) * 1000)
+
+
+class KvStoreServicer(kvstore_pb2_grpc.KvStoreServiceServicer):
+    """Serves one KvStore whose bytes live in one SegmentStore."""
+
+    def __init__(self, store: KvStore, segments: SegmentStore, config: KvStoreServerConfig, max_chunk: int):
+        self.store = store
+        self.segments = segments
+        self._config = config
+        self._max_chunk = max_chunk
+
+    async def Put(
+        self, request_iterator: AsyncIterator[pb.PutRequest], context
+    ) -> AsyncIterator[pb.PutResponse]:
+        pending: PendingPut | None = None
+        refused = False  # the store turned the put down, as opposed to the writer going away
+        try:
+            first = await anext(request_iterator, None)
+            if first is None or first.WhichOneof("body") != "header":
+                raise InvalidArgument("the first message of a Put must be a header")
+            header = first.header
+            if not header.use_shm and header.total_bytes and not 0 < header.chunk_size <= self._max_chunk:
+                raise InvalidArgument(f"chunk_size must be in 1..{self._max_chunk}, got {header.chunk_size}")
+            pending = self.store.begin_put(
+                header.key, header.fingerprint, header.total_bytes, header.lease_ms, header.metadata
+            )
+            segment = self._allocate(pending)
+            shm_name = segment.name if header.use_shm and segment is not None else ""
+            yield pb.PutResponse(accepted=pb.PutAccepted(shm_name=shm_name))
+            if header.use_shm:
+                crc = await self._receive_shm(request_iterator, pending, segment)
+            else:
+                crc = await self._receive_chunks(request_iterator, pending, segment, header.chunk_size)
+            obj = self.store.commit_put(pending, crc, time.monotonic())
+            pending = None
+            yield pb.PutResponse(
+                committed=pb.PutCommitted(
+                    key=obj.key,
+                    total_bytes=obj.total_bytes,
+                    lease_expires_unix_ms=_unix_ms(obj.lease_expires),
+                )
+            )
+        except KvStoreError as exc:
+            refused = not isinstance(exc, _StreamEnded)
+            await context.abort(grpc.StatusCode[exc.code], str(exc))
+        finally:
+            if pending is not None:
+                # Reached on refusal, on a broken stream and on cancellation: nothing is left behind.
+                self.store.abort_put(pending, refused=refused)
+                self._trim_pool()
+
+    def _allocate(self, pending: PendingPut) -> Segment | None:
+        if pending.total_bytes == 0:
+            return None
+        try:
+            pending.payload = self.segments.allocate(pending.total_bytes)
+        except OSError as exc:
+            raise KvStoreError(
+                f"cannot allocate {pending.total_bytes} bytes of shared memory: {exc}"
+            ) from exc
+        self._trim_pool()
+        return pending.payload
+
+    def _trim_pool(self) -> None:
+        self.segments.trim(self.store.free_bytes())
+
+    async def _receive_shm(
+        self, requests: AsyncIterator[pb.PutRequest], pending: PendingPut, segment: Segment | None
+    ) -> int:
+        message = await anext(requests, None)
+        if message is None:
+            raise _StreamEnded(f"Put stream of key {pending.key!r} ended before its commit")
+        if message.WhichOneof("body") != "commit":
+            raise InvalidArgument("on the shared-memory path the message after the header must be the commit")
+        actual = 0 if segment is None else await asyncio.to_thread(segment.crc32c, pending.total_bytes)
+        if actual != message.commit.crc32c:
+            raise ChecksumMismatch(
+                f"segment of key {pending.key!r} has CRC32C {actual:#010x}, "
+                f"commit says {message.commit.crc32c:#010x}"
+            )
+        return actual
+
+    async def _receive_chunks(
+        self,
+        requests: AsyncIterator[pb.PutRequest],
+        pending: PendingPut,
+        segment: Segment | None,
+        chunk_size: int,
+    ) -> int:
+        received = 0
+        crc = 0
+        async for message in requests:
+            kind = message.WhichOneof("body")
+            if kind == "commit":
+                if received != pending.total_bytes:
+                    raise InvalidArgument(
+                        f"commit after {received} bytes but the header announced "
+                        f"total_bytes={pending.total_bytes}"
+                    )
+                if crc != message.commit.crc32c:
+                    raise ChecksumMismatch(
+                        f"object {pending.key!r} has CRC32C {crc:#010x}, "
+                        f"commit says {message.commit.crc32c:#010x}"
+                    )
+                return crc
+            if kind != "chunk":
+                raise InvalidArgument(f"unexpected {kind} in a Put after the header")
+            chunk = message.chunk
+            expected = min(chunk_size, pending.total_bytes - received)
+            if chunk.offset != received:
+                raise InvalidArgument(
+                    f"chunk offset {chunk.offset} but {received} bytes were received so far"
+                )
+            if len(chunk.data) != expected or expected == 0:
+                raise InvalidArgument(
+                    f"chunk at offset {chunk.offset} has {len(chunk.data)} bytes; expected {expected} "
+                    f"(chunk_size={chunk_size}, total_bytes={pending.total_bytes})"
+                )
+            chunk_crc = crc32c(chunk.data)
+            if chunk_crc != chunk.crc32c:
+                raise ChecksumMismatch(
+                    f"chunk at offset {chunk.offset} of key {pending.key!r} has CRC32C {chunk_crc:#010x}, "
+                    f"message says {chunk.crc32c:#010x}"
+                )
+            segment.write(received, chunk.data)
+            crc = crc32c_combine(crc, chunk_crc, expected)
+            received += expected
+        raise _StreamEnded(f"Put stream of key {pending.key!r} ended before its commit")
+
+    async def Get(
+        self, request_iterator: AsyncIterator[pb.GetRequest], context
+    ) -> AsyncIterator[pb.GetResponse]:
+        obj: StoredObject | None = None
+        sent = 0
+        try:
+            request = await anext(request_iterator, None)
+            if request is None:
+                raise InvalidArgument("a Get stream must start with a GetRequest")
+            obj = self.store.begin_get(request.key, request.fingerprint)
+            segment: Segment | None = obj.payload
+            use_shm = request.accept_shm and segment is not None
+            yield pb.GetResponse(
+                header=pb.GetHeader(
+                    total_bytes=obj.total_bytes,
+                    crc32c=obj.crc32c,
+                    metadata=obj.metadata,
+                    shm_name=segment.name if use_shm else "",
+                )
+            )
+            if use_shm:
+                # The reader copies out of the segment, then half-closes: only then may it be reused.
+                async for _ in request_iterator:
+                    pass
+                sent = obj.total_bytes
+                return
+            chunk_size = min(request.max_chunk_size or self._config.default_chunk_bytes, self._max_chunk)
+            for offset in range(0, obj.total_bytes, chunk_size):
+                length = min(chunk_size, obj.total_bytes - offset)
+                with segment.view(offset, length) as data:
+                    encoded = encode_chunk(offset, data, crc32c(data))
+                yield encoded
+                sent += length
+        except KvStoreError as exc:
+            await context.abort(grpc.StatusCode[exc.code], str(exc))
+        finally:
+            if obj is not None:
+                self.store.end_get(obj, sent)
+                self._trim_pool()
+
+    async def Release(self, request: pb.ReleaseRequest, context) -> pb.ReleaseResponse:
+        try:
+            return pb.ReleaseResponse(released=self.store.release(request.key))
+        except KvStoreError as exc:
+            await context.abort(grpc.StatusCode[exc.code], str(exc))
+
+    async def Delete(self, request: pb.DeleteRequest, context) -> pb.DeleteResponse:
+        deleted = self.store.delete(request.key)
+        self._trim_pool()
+        return pb.DeleteResponse(deleted=deleted)
+
+    async def Stat(self, request: pb.StatRequest, context) -> pb.StatResponse:
+        stats = self.store.stats()
+        response = pb.StatResponse(
+            **vars(stats),
+            pooled_bytes=self.segments.pooled_bytes,
+            shm_dir=str(self.segments.directory),
+            shm_probe=self.segments.probe_name,
+        )
+        obj = self.store.find(request.key) if request.key else None
+        if obj is not None:
+            response.object.CopyFrom(
+                pb.ObjectStat(
+                    key=obj.key,
+                    total_bytes=obj.total_bytes,
+                    pinned=obj.pinned,
+                    readers=obj.readers,
+                    fingerprint=obj.fingerprint,
+                    lease_expires_unix_ms=_unix_ms(obj.lease_expires) if obj.pinned else 0,
+                )
+            )
+        return response
+
+    def reap(self) -> int:
+        """Reclaims objects whose lease ended; returns how many."""
+        expired = self.store.expire(time.monotonic())
+        if expired:
+            self._trim_pool()
+            log.info("lease expired", extra={"objects": expired})
+        return expired
+
+
+def _register(servicer: KvStoreServicer, server: grpc.aio.Server) -> None:
+    """What the generated add_KvStoreServiceServicer_to_server does, except that Get may send chunks
+    already encoded by wire.encode_chunk (one copy instead of three)."""
+    handlers = {
+        "Put": grpc.stream_stream_rpc_method_handler(
+            servicer.Put, pb.PutRequest.FromString, pb.PutResponse.SerializeToString
+        ),
+        "Get": grpc.stream_stream_rpc_method_handler(servicer.Get, pb.GetRequest.FromString, serialize),
+        "Release": grpc.unary_unary_rpc_method_handler(
+            servicer.Release, pb.ReleaseRequest.FromString, pb.ReleaseResponse.SerializeToString
+        ),
+        "Stat": grpc.unary_unary_rpc_method_handler(
+            servicer.Stat, pb.StatRequest.FromString, pb.StatResponse.SerializeToString
+        ),
+        "Delete": grpc.unary_unary_rpc_method_handler(
+            servicer.Delete, pb.DeleteRequest.FromString, pb.DeleteResponse.SerializeToString
+        ),
+    }
+    server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(SERVICE_NAME, handlers),))
+    server.add_registered_method_handlers(SERVICE_NAME, handlers)
+
+
+def _register_metrics(store: KvStore, segments: SegmentStore) -> None:
+    m = meter("pcpstack.kvstore")
+
+    def gauge(field: str):
+        def observe(_: CallbackOptions):
+            return [Observation(getattr(store.stats(), field))]
+
+        return observe
+
+    for field, unit, description in (
+        ("objects", "{object}", "committed objects held"),
+        ("bytes", "By", "bytes held by committed objects"),
+        ("pinned_bytes", "By", "bytes held by pinned objects"),
+        ("reserved_bytes", "By", "bytes reserved by puts in progress"),
+    ):
+        m.create_observable_gauge(f"pcpstack.kvstore.{field}", [gauge(field)], unit, description)
+    m.create_observable_gauge(
+        "pcpstack.kvstore.pooled_bytes",
+        [lambda _: [Observation(segments.pooled_bytes)]],
+        "By",
+        "freed shared memory kept warm for reuse",
+    )
+    for field, unit, description in (
+        ("evictions", "{object}", "objects evicted under memory pressure"),
+        ("lease_expiries", "{object}", "objects reclaimed because their lease expired"),
+        ("refused_puts", "{put}", "puts refused (capacity, duplicate key, bad data)"),
+        ("aborted_puts", "{put}", "puts abandoned midway by their writer"),
+        ("bytes_in", "By", "bytes received by committed puts"),
+        ("bytes_out", "By", "bytes sent by gets"),
+    ):
+        m.create_observable_counter(f"pcpstack.kvstore.{field}", [gauge(field)], unit, description)
+
+
+class KvStoreServer:
+    """A running KV store: gRPC server, core, segments and the lease reaper."""
+
+    def __init__(self, running: RunningServer, servicer: KvStoreServicer, reaper: asyncio.Task):
+        self.running = running
+        self.servicer = servicer
+        self._reaper = reaper
+
+    @property
+    def address(self) -> str:
+        """host:port clients dial."""
+        return self.running.address
+
+    async def stop(self, grace: float | None = None) -> None:
+        """Stops serving, then frees every segment."""
+        try:
+            await self.running.stop(grace)
+            self._reaper.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._reaper
+        finally:
+            self.servicer.store.clear()
+            self.servicer.segments.close()
+
+
+async def serve(config: KvStoreServerConfig, options: ServerOptions | None = None) -> KvStoreServer:
+    """Starts a KV store server (with its reaper) and returns it."""
+    options = options or ServerOptions()
+    segments = SegmentStore(config.shm_dir)
+    store = KvStore(StoreConfig(config.capacity_bytes, config.default_lease_ms), on_free=segments.recycle)
+    servicer = KvStoreServicer(store, segments, config, options.max_message_bytes - _MESSAGE_OVERHEAD)
+    if segments.reclaimed_orphans:
+        log.warning("reclaimed segments of a dead store", extra={"segments": segments.reclaimed_orphans})
+    try:
+        running = await start_server(
+            lambda server: _register(servicer, server),
+            [SERVICE_NAME],
+            options,
+        )
+    except BaseException:
+        segments.close()
+        raise
+    _register_metrics(store, segments)
+
+    async def reap_forever() -> None:
+        while True:
+            await asyncio.sleep(config.reap_interval_s)
+            servicer.reap()
+
+    return KvStoreServer(running, servicer, asyncio.create_task(reap_forever()))

@@ -1,0 +1,294 @@
+"""The KV store core: objects, two-phase puts, pins and leases, LRU eviction and accounting. No gRPC here.
+
+Life of an object:
+- `begin_put` checks the key, reserves its bytes (evicting released objects, least recently used first,
+  when needed) and returns a PendingPut; nothing is visible yet. `commit_put` publishes it, pinned, with a
+  lease; `abort_put` drops it and frees what it held.
+- A pinned object is never evicted. `release` unpins it (once; a repeat is harmless and counted) and puts
+  it in the LRU cache of released objects; a lease that runs out before the release reclaims it (`expire`).
+- A reader (`begin_get` .. `end_get`) keeps its object alive: an object deleted or expired while being read
+  leaves the index at once but its memory is freed when the last read ends.
+
+Times are seconds on a monotonic clock passed in by the caller, so tests control them. Payloads (the
+memory holding the bytes) are opaque here; each one is handed to `on_free` exactly once when nothing can
+use it any more.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+from services.kvstore.errors import (
+    AlreadyExists,
+    CapacityExceeded,
+    FingerprintMismatch,
+    InvalidArgument,
+    NotFound,
+)
+
+MAX_KEY_BYTES = 512
+
+
+@dataclass(frozen=True)
+class StoreConfig:
+    """Limits of one store, validated when built."""
+
+    capacity_bytes: int
+    default_lease_ms: int = 60_000
+
+    def __post_init__(self) -> None:
+        if self.capacity_bytes <= 0:
+            raise ValueError(f"capacity_bytes must be > 0, got {self.capacity_bytes}")
+        if self.default_lease_ms <= 0:
+            raise ValueError(f"default_lease_ms must be > 0, got {self.default_lease_ms}")
+
+
+@dataclass(eq=False)
+class PendingPut:
+    """A put between its header and its commit: holds a reservation, visible to nobody."""
+
+    key: str
+    fingerprint: str
+    total_bytes: int
+    lease_ms: int
+    metadata: bytes
+    payload: object = None
+
+
+@dataclass(eq=False)
+class StoredObject:
+    """A committed, immutable object."""
+
+    key: str
+    fingerprint: str
+    total_bytes: int
+    crc32c: int
+    metadata: bytes
+    payload: object
+    pinned: bool
+    lease_expires: float
+    readers: int = 0
+    doomed: bool = False  # left the index while being read; freed when the last read ends
+
+
+@dataclass
+class StoreStats:
+    """Gauges and counters of a store."""
+
+    objects: int = 0
+    bytes: int = 0
+    pinned_bytes: int = 0
+    reserved_bytes: int = 0
+    capacity_bytes: int = 0
+    evictions: int = 0
+    lease_expiries: int = 0
+    refused_puts: int = 0
+    aborted_puts: int = 0
+    repeated_releases: int = 0
+    bytes_in: int = 0
+    bytes_out: int = 0
+
+
+def check_key(key: str) -> None:
+    """Refuses an empty, oversized or control-character key (InvalidArgument naming the rule)."""
+    if not key:
+        raise InvalidArgument("key is required")
+    if len(key.encode()) > MAX_KEY_BYTES:
+        raise InvalidArgument(f"key is {len(key.encode())} bytes; at most {MAX_KEY_BYTES} allowed")
+    if any(ord(ch) < 0x20 or ord(ch) == 0x7F for ch in key):
+        raise InvalidArgument(f"key {key!r} contains control characters")
+
+
+@dataclass
+class KvStore:
+    """Index, pins, leases, LRU and the memory budget of one store."""
+
+    config: StoreConfig
+    on_free: Callable[[object], None] = lambda payload: None
+    _objects: dict[str, StoredObject] = field(default_factory=dict)
+    _released: OrderedDict[str, StoredObject] = field(default_factory=OrderedDict)  # LRU order, oldest first
+    _pending: dict[str, PendingPut] = field(default_factory=dict)
+    _stats: StoreStats = field(default_factory=StoreStats)
+    _used_bytes: int = 0  # committed objects, doomed ones included until freed
+
+    # ---- puts -------------------------------------------------------------------------------------------
+
+    def begin_put(
+        self, key: str, fingerprint: str, total_bytes: int, lease_ms: int, metadata: bytes
+    ) -> PendingPut:
+        """Checks a put and reserves its bytes up front, evicting released objects (LRU) if needed."""
+        try:
+            check_key(key)
+            if not fingerprint:
+                raise InvalidArgument("fingerprint is required")
+            if total_bytes < 0:
+                raise InvalidArgument(f"total_bytes must be >= 0, got {total_bytes}")
+            if lease_ms < 0:
+                raise InvalidArgument(f"lease_ms must be >= 0, got {lease_ms}")
+            if key in self._objects:
+                raise AlreadyExists(f"key {key!r} is already committed; keys are write-once")
+            if key in self._pending:
+                raise AlreadyExists(f"a put of key {key!r} is already in progress")
+            self._make_room(key, total_bytes)
+        except (InvalidArgument, AlreadyExists, CapacityExceeded):
+            self._stats.refused_puts += 1
+            raise
+        pending = PendingPut(
+            key, fingerprint, total_bytes, lease_ms or self.config.default_lease_ms, metadata
+        )
+        self._pending[key] = pending
+        self._stats.reserved_bytes += total_bytes
+        return pending
+
+    def commit_put(self, pending: PendingPut, crc32c: int, now: float) -> StoredObject:
+        """Publishes a verified put: the object is visible, pinned, and its lease starts now."""
+        self._forget_pending(pending)
+        obj = StoredObject(
+            key=pending.key,
+            fingerprint=pending.fingerprint,
+            total_bytes=pending.total_bytes,
+            crc32c=crc32c,
+            metadata=pending.metadata,
+            payload=pending.payload,
+            pinned=True,
+            lease_expires=now + pending.lease_ms / 1000,
+        )
+        self._objects[obj.key] = obj
+        self._used_bytes += obj.total_bytes
+        self._stats.pinned_bytes += obj.total_bytes
+        self._stats.bytes_in += obj.total_bytes
+        return obj
+
+    def abort_put(self, pending: PendingPut, *, refused: bool) -> None:
+        """Drops a put that will not commit and frees what it held. refused: the store turned it down
+        (bad data); otherwise the writer went away."""
+        if self._pending.get(pending.key) is not pending:
+            return
+        self._forget_pending(pending)
+        if refused:
+            self._stats.refused_puts += 1
+        else:
+            self._stats.aborted_puts += 1
+        if pending.payload is not None:
+            self.on_free(pending.payload)
+
+    def _forget_pending(self, pending: PendingPut) -> None:
+        del self._pending[pending.key]
+        self._stats.reserved_bytes -= pending.total_bytes
+
+    def free_bytes(self) -> int:
+        """Budget not held by objects or reservations."""
+        return self.config.capacity_bytes - self._used_bytes - self._stats.reserved_bytes
+
+    def _make_room(self, key: str, needed: int) -> None:
+        free = self.free_bytes()
+        if free >= needed:
+            return
+        evictable = [obj for obj in self._released.values() if obj.readers == 0]
+        evictable_bytes = sum(obj.total_bytes for obj in evictable)
+        if free + evictable_bytes < needed:
+            raise CapacityExceeded(
+                f"put of key {key!r} needs {needed} bytes but only {free} are free and "
+                f"{evictable_bytes} evictable "
+                f"(capacity {self.config.capacity_bytes}, pinned {self._stats.pinned_bytes}, "
+                f"reserved {self._stats.reserved_bytes}); release objects or raise the capacity"
+            )
+        for obj in evictable:
+            if self.free_bytes() >= needed:
+                break
+            self._remove(obj)
+            self._stats.evictions += 1
+
+    # ---- reads, releases, deletes -----------------------------------------------------------------------
+
+    def begin_get(self, key: str, fingerprint: str) -> StoredObject:
+        """Starts a read: checks the fingerprint, keeps the object alive and marks it recently used."""
+        obj = self._lookup(key)
+        if fingerprint != obj.fingerprint:
+            raise FingerprintMismatch(
+                f"object {key!r} was written with fingerprint {obj.fingerprint!r} but the reader expects "
+                f"{fingerprint!r}; the model or KV layout differs"
+            )
+        obj.readers += 1
+        if not obj.pinned:
+            self._released.move_to_end(key)
+        return obj
+
+    def end_get(self, obj: StoredObject, bytes_sent: int) -> None:
+        """Ends a read started by begin_get; frees the object if it was removed meanwhile."""
+        obj.readers -= 1
+        self._stats.bytes_out += bytes_sent
+        if obj.doomed and obj.readers == 0:
+            self._free(obj)
+
+    def release(self, key: str) -> bool:
+        """Unpins an object; True the first time, False (counted, harmless) on any repeat."""
+        obj = self._lookup(key)
+        if not obj.pinned:
+            self._stats.repeated_releases += 1
+            return False
+        obj.pinned = False
+        self._stats.pinned_bytes -= obj.total_bytes
+        self._released[key] = obj
+        return True
+
+    def delete(self, key: str) -> bool:
+        """Removes an object now, pinned or not; a read in progress finishes first. False if unknown."""
+        obj = self._objects.get(key)
+        if obj is None:
+            return False
+        self._remove(obj)
+        return True
+
+    def expire(self, now: float) -> int:
+        """Reclaims every pinned object whose lease ended by now; returns how many."""
+        expired = [obj for obj in self._objects.values() if obj.pinned and obj.lease_expires <= now]
+        for obj in expired:
+            self._remove(obj)
+        self._stats.lease_expiries += len(expired)
+        return len(expired)
+
+    def _lookup(self, key: str) -> StoredObject:
+        obj = self._objects.get(key)
+        if obj is None:
+            raise NotFound(f"no object with key {key!r}")
+        return obj
+
+    def _remove(self, obj: StoredObject) -> None:
+        del self._objects[obj.key]
+        if obj.pinned:
+            obj.pinned = False
+            self._stats.pinned_bytes -= obj.total_bytes
+        else:
+            del self._released[obj.key]
+        if obj.readers:
+            obj.doomed = True
+        else:
+            self._free(obj)
+
+    def _free(self, obj: StoredObject) -> None:
+        self._used_bytes -= obj.total_bytes
+        if obj.payload is not None:
+            self.on_free(obj.payload)
+            obj.payload = None
+
+    # ---- introspection ----------------------------------------------------------------------------------
+
+    def stats(self) -> StoreStats:
+        """A snapshot of the gauges and counters."""
+        snapshot = StoreStats(**vars(self._stats))
+        snapshot.objects = len(self._objects)
+        snapshot.bytes = self._used_bytes
+        snapshot.capacity_bytes = self.config.capacity_bytes
+        return snapshot
+
+    def clear(self) -> None:
+        """Deletes every object (at shutdown); reads in progress still finish first."""
+        for obj in list(self._objects.values()):
+            self._remove(obj)
+
+    def find(self, key: str) -> StoredObject | None:
+        """The committed object with this key, if any."""
+        return self._objects.get(key)

@@ -1,0 +1,792 @@
+"""The registry's books: nodes, their leases, groups of peers, PCP sets and their generations.
+
+Plain Python with no gRPC and no clock of its own: every method takes `now`, so tests drive time. Each
+change returns the commands the servicer must deliver on the nodes' Session streams, as (node_id, command)
+pairs. Rules kept here:
+- peers of one role and model agree on their engine config and KV fingerprint;
+- a set is formed by `assembly.plan_sets`, only after the restore grace that follows a (re)start, so that
+  nodes re-registering with their current assignment get their slots back before new sets are formed;
+- one dead, departed or failing member breaks its whole set at once: survivors are stopped and pooled, and
+  the slot is re-formed with a new generation from the pool;
+- generations are globally monotonic: every new set gets max(seen) + 1, including generations carried by
+  nodes after a restart;
+- a set is routable only once every member reported ready for its generation.
+"""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import asdict, dataclass, field
+
+from services.common.config import EngineConfig
+from services.registry.assembly import (
+    Assignment,
+    Candidate,
+    SetShape,
+    assignment_problems,
+    config_differences,
+    group_label,
+    plan_sets,
+)
+
+ROLES = ("prefill", "decode", "kvstore")
+SNAPSHOT_VERSION = 1
+
+
+class NodeState(enum.Enum):
+    """A node as the registry sees it (mirrors the proto NodeState)."""
+
+    POOLED = "pooled"
+    ASSIGNED = "assigned"
+    READY = "ready"
+    DEAD = "dead"
+
+
+class SetState(enum.Enum):
+    """A PCP set's state (mirrors the proto SetState)."""
+
+    STARTING = "starting"
+    READY = "ready"
+    BROKEN = "broken"
+
+
+class Refused(Exception):
+    """A request the registry refuses. kind is "invalid_argument", "failed_precondition" or "not_found"."""
+
+    def __init__(self, kind: str, message: str) -> None:
+        super().__init__(message)
+        self.kind = kind
+
+
+@dataclass(frozen=True)
+class Settings:
+    """Timing of the registry, in seconds."""
+
+    lease_s: float = 3.0
+    assembly_timeout_s: float = 60.0
+    restore_grace_s: float = 6.0
+    dead_retention_s: float = 600.0
+
+
+@dataclass(frozen=True)
+class Registration:
+    """What a node announces. engine_config is None for a KV store."""
+
+    node_id: str
+    role: str
+    address: str
+    device_count: int = 0
+    engine_config: EngineConfig | None = None
+    kv_fingerprint: str = ""
+    current_assignment: Assignment | None = None
+    dist_host: str = ""
+
+    @property
+    def model(self) -> str:
+        """Model the node serves ("" for a KV store)."""
+        return self.engine_config.model if self.engine_config else ""
+
+    @property
+    def master_host(self) -> str:
+        """Host other members dial for torch.distributed when this node is a set's master."""
+        return self.dist_host or split_host_port(self.address)[0]
+
+    def same_node_as(self, other: Registration) -> bool:
+        """True when other describes the same running node (everything but the carried assignment)."""
+        return (
+            self.role,
+            self.address,
+            self.device_count,
+            self.engine_config,
+            self.kv_fingerprint,
+            self.dist_host,
+        ) == (
+            other.role,
+            other.address,
+            other.device_count,
+            other.engine_config,
+            other.kv_fingerprint,
+            other.dist_host,
+        )
+
+
+@dataclass(frozen=True)
+class Assign:
+    """Command: run this assignment."""
+
+    assignment: Assignment
+
+
+@dataclass(frozen=True)
+class Stop:
+    """Command: leave this set and go back to the pool."""
+
+    set_id: str
+    generation: int
+    reason: str
+
+
+@dataclass(frozen=True)
+class AssemblyTimedOut:
+    """Command (a notice): not enough nodes came in time; the node stays pooled."""
+
+    registered: int
+    required: int
+    reason: str
+
+
+Command = Assign | Stop | AssemblyTimedOut
+Outgoing = list[tuple[str, Command]]
+
+
+@dataclass(frozen=True)
+class Ack:
+    """Reply to a Session message that was accepted."""
+
+    generation: int
+
+
+@dataclass(frozen=True)
+class Refusal:
+    """Reply to a Session message that was refused (stale generation, unknown set)."""
+
+    reason: str
+    current_generation: int
+
+
+@dataclass(frozen=True)
+class NodeView:
+    """One node for ListNodes."""
+
+    node_id: str
+    role: str
+    address: str
+    state: NodeState
+    assignment: Assignment | None
+    last_seen_s_ago: float
+    load: int
+    last_error: str
+    device_count: int
+    model: str
+
+
+@dataclass(frozen=True)
+class SetView:
+    """One set for ListSets."""
+
+    set_id: str
+    generation: int
+    dp_rank: int
+    state: SetState
+    member_node_ids: tuple[str, ...]
+    master_address: str
+    pcp_size: int
+    reason: str
+    model: str
+
+
+@dataclass(frozen=True)
+class PrefillEndpoint:
+    """A routable PCP set."""
+
+    set_id: str
+    generation: int
+    address: str
+    pcp_size: int
+    load: int
+    kv_fingerprint: str
+    model: str
+
+
+@dataclass(frozen=True)
+class ServiceEndpoint:
+    """A routable decode worker or KV store."""
+
+    node_id: str
+    address: str
+    load: int
+    kv_fingerprint: str
+
+
+@dataclass(frozen=True)
+class Resolution:
+    """Where to send work."""
+
+    prefill_sets: list[PrefillEndpoint]
+    decode: list[ServiceEndpoint]
+    kvstore: list[ServiceEndpoint]
+
+
+def split_host_port(address: str) -> tuple[str, int]:
+    """("host", port) from "host:port" or "[v6]:port"; raises ValueError when it is not one."""
+    host, sep, port = address.rpartition(":")
+    host = host.removeprefix("[").removesuffix("]")
+    if not sep or not host or not port.isdigit() or not 0 < int(port) < 65536:
+        raise ValueError(f"address={address!r} must be host:port with a port in 1..65535")
+    return host, int(port)
+
+
+GroupKey = tuple[str, str]  # (role, model)
+
+
+@dataclass
+class _Node:
+    registration: Registration
+    seq: int
+    last_seen: float
+    alive: bool = True
+    load: int = 0
+    assignment: Assignment | None = None
+    # decode/kvstore readiness; prefill readiness is per set
+    ready: bool = True
+    last_error: str = ""
+
+    @property
+    def group(self) -> GroupKey:
+        return (self.registration.role, self.registration.model)
+
+
+@dataclass
+class _Group:
+    role: str
+    model: str
+    config: EngineConfig | None = None
+    kv_fingerprint: str = ""
+    label: str = ""
+    live: dict[str, None] = field(default_factory=dict)
+    pooled: dict[str, int] = field(default_factory=dict)
+    slots: dict[int, str] = field(default_factory=dict)
+    assembled: bool = False
+    waiting_since: float | None = None
+
+
+@dataclass
+class _Set:
+    group: GroupKey
+    assignments: tuple[Assignment, ...]
+    state: SetState = SetState.STARTING
+    present: set[str] = field(default_factory=set)
+    ready: set[str] = field(default_factory=set)
+    # set only while the set is being restored after a restart: members must be back by then
+    restore_deadline: float | None = None
+    reason: str = ""
+
+    @property
+    def head(self) -> Assignment:
+        return self.assignments[0]
+
+    @property
+    def members(self) -> tuple[str, ...]:
+        return self.head.member_node_ids
+
+
+def _all_ranks(carried: Assignment) -> tuple[Assignment, ...]:
+    """Every member's assignment of the set a node's carried assignment belongs to."""
+    return tuple(
+        Assignment(
+            **{
+                **asdict(carried),
+                "node_rank": rank,
+                "headless": rank != 0,
+                "pcp_ranks": tuple(range(rank * len(carried.pcp_ranks), (rank + 1) * len(carried.pcp_ranks))),
+                "member_node_ids": tuple(carried.member_node_ids),
+            }
+        )
+        for rank in range(len(carried.member_node_ids))
+    )
+
+
+class Membership:
+    """The registry's state machine. Not thread-safe: one event loop owns it."""
+
+    def __init__(self, settings: Settings, now: float, snapshot: dict | None = None) -> None:
+        """A registry that started at `now`. With a snapshot (from `snapshot()`), its sets are awaited
+        from their members and the restore grace ends as soon as they are all back."""
+        self.settings = settings
+        self._nodes: dict[str, _Node] = {}
+        self._groups: dict[GroupKey, _Group] = {}
+        self._sets: dict[str, _Set] = {}
+        self._seq = 0
+        self._max_generation = 0
+        self._grace_until = now + settings.restore_grace_s
+        self._grace_over = settings.restore_grace_s <= 0
+        self._snapshot_restored = snapshot is not None
+        if snapshot is not None:
+            self._restore(snapshot, now)
+
+    # --- node requests ---------------------------------------------------------------------------
+
+    def register(self, reg: Registration, now: float) -> tuple[Assignment | None, Outgoing]:
+        """Adds or refreshes a node; returns its assignment (if it has one now) and the commands for
+        other nodes. Raises Refused for bad input or a config that disagrees with its peers."""
+        self._validate(reg)
+        group = self._group(reg.role, reg.model)
+        self._check_peers(group, reg)
+        out: Outgoing = []
+        existing = self._nodes.get(reg.node_id)
+        if existing is not None and existing.alive and existing.registration.same_node_as(reg):
+            existing.last_seen = now
+            if existing.assignment is not None:
+                return existing.assignment, out
+        elif existing is not None:
+            out += self._remove(existing, f"member {reg.node_id} registered again", now)
+        if not group.live:
+            self._reset_group(group, reg)
+        node = self._nodes.get(reg.node_id)
+        if node is None or not node.alive:
+            self._seq += 1
+            node = _Node(reg, self._seq, now)
+            self._nodes[reg.node_id] = node
+            group.live[reg.node_id] = None
+        if reg.role == "prefill":
+            group.pooled[reg.node_id] = node.seq
+            out += self._adopt(node, group, reg.current_assignment, now)
+            out += self._end_grace_if_due(now)
+            out += self._assemble(group, now)
+        # the registrant learns its assignment from the response, not from a duplicate command
+        return node.assignment, [
+            (nid, c) for nid, c in out if not (nid == reg.node_id and isinstance(c, Assign))
+        ]
+
+    def open_session(self, node_id: str, now: float) -> None:
+        """A node opened its Session stream. Raises Refused(not_found) for an unknown or dead node."""
+        self._live_node(node_id).last_seen = now
+
+    def heartbeat(self, node_id: str, generation: int, load: int, now: float) -> Ack | Refusal:
+        """Renews a node's lease and records its load; a non-zero stale generation is refused (the lease
+        is renewed anyway: the node is alive, it just has not caught up)."""
+        node = self._live_node(node_id)
+        node.last_seen = now
+        node.load = load
+        current = node.assignment.generation if node.assignment else 0
+        if generation and generation != current:
+            return Refusal(f"heartbeat carries generation {generation}; the node's is {current}", current)
+        return Ack(current)
+
+    def report_status(
+        self, node_id: str, set_id: str, generation: int, ready: bool, error: str, now: float
+    ) -> tuple[Ack | Refusal, Outgoing]:
+        """A node reports readiness (or a failure) of its ranks for one set generation. Decode and KV store
+        nodes report with an empty set_id and generation 0."""
+        node = self._live_node(node_id)
+        node.last_seen = now
+        node.last_error = error
+        current = node.assignment.generation if node.assignment else 0
+        if node.registration.role != "prefill":
+            if set_id or generation:
+                return Refusal(f"a {node.registration.role} node has no set; send an empty set_id", 0), []
+            node.ready = ready and not error
+            return Ack(0), []
+        if node.assignment is None or (set_id, generation) != (node.assignment.set_id, current):
+            held = f"{node.assignment.set_id} generation {current}" if node.assignment else "no assignment"
+            return Refusal(
+                f"status for {set_id or '(no set)'} generation {generation} is stale; the node holds {held}",
+                current,
+            ), []
+        pcp_set = self._sets[set_id]
+        if error:
+            out = self._break(pcp_set, f"member {node_id} failed: {error}")
+            return Ack(current), out + self._assemble(self._groups[pcp_set.group], now)
+        if ready:
+            pcp_set.ready.add(node_id)
+        else:
+            pcp_set.ready.discard(node_id)
+        self._update_readiness(pcp_set)
+        return Ack(current), []
+
+    def deregister(self, node_id: str, now: float) -> tuple[bool, Outgoing]:
+        """Removes a node for good; its set, if any, breaks. Returns whether the node was known."""
+        node = self._nodes.get(node_id)
+        if node is None:
+            return False, []
+        return True, self._remove(node, f"member {node_id} deregistered", now)
+
+    # --- time --------------------------------------------------------------------------------------
+
+    def tick(self, now: float) -> Outgoing:
+        """Applies everything time does: expired leases, restores that did not complete, the end of the
+        restore grace, assembly timeouts, and forgetting long-dead nodes."""
+        out: Outgoing = []
+        lease = self.settings.lease_s
+        for node in [n for n in self._nodes.values() if n.alive and now - n.last_seen > lease]:
+            out += self._kill(node, f"member {node.registration.node_id} missed its lease", now)
+        for pcp_set in list(self._sets.values()):
+            if pcp_set.restore_deadline is not None and now >= pcp_set.restore_deadline:
+                missing = sorted(set(pcp_set.members) - pcp_set.present)
+                out += self._break(pcp_set, f"members {missing} did not come back after the restart")
+                out += self._assemble(self._groups[pcp_set.group], now)
+        out += self._end_grace_if_due(now)
+        for group in self._groups.values():
+            if (
+                group.waiting_since is not None
+                and now - group.waiting_since >= self.settings.assembly_timeout_s
+            ):
+                out += self._time_out_assembly(group, now)
+        retention = self.settings.dead_retention_s
+        for node in [n for n in self._nodes.values() if not n.alive and now - n.last_seen > retention]:
+            del self._nodes[node.registration.node_id]
+        return out
+
+    # --- views -------------------------------------------------------------------------------------
+
+    def resolve(self, model: str = "") -> Resolution:
+        """Ready prefill sets (least loaded first) and live, ready decode and KV store endpoints."""
+        prefill = []
+        for pcp_set in self._sets.values():
+            group = self._groups[pcp_set.group]
+            if pcp_set.state is not SetState.READY or (model and group.model != model):
+                continue
+            master = self._nodes[pcp_set.members[0]]
+            prefill.append(
+                PrefillEndpoint(
+                    pcp_set.head.set_id,
+                    pcp_set.head.generation,
+                    master.registration.address,
+                    pcp_set.head.pcp_size,
+                    master.load,
+                    group.kv_fingerprint,
+                    group.model,
+                )
+            )
+        prefill.sort(key=lambda e: (e.load, e.set_id))
+        endpoints: dict[str, list[ServiceEndpoint]] = {"decode": [], "kvstore": []}
+        for node in self._nodes.values():
+            reg = node.registration
+            if reg.role == "prefill" or not (node.alive and node.ready):
+                continue
+            if reg.role == "decode" and model and reg.model != model:
+                continue
+            endpoints[reg.role].append(
+                ServiceEndpoint(reg.node_id, reg.address, node.load, reg.kv_fingerprint)
+            )
+        for found in endpoints.values():
+            found.sort(key=lambda e: (e.load, e.node_id))
+        return Resolution(prefill, endpoints["decode"], endpoints["kvstore"])
+
+    def nodes(self, now: float) -> list[NodeView]:
+        """Every known node, in registration order."""
+        return [
+            NodeView(
+                node.registration.node_id,
+                node.registration.role,
+                node.registration.address,
+                self._node_state(node),
+                node.assignment,
+                max(0.0, now - node.last_seen),
+                node.load,
+                node.last_error,
+                node.registration.device_count,
+                node.registration.model,
+            )
+            for node in sorted(self._nodes.values(), key=lambda n: n.seq)
+        ]
+
+    def sets(self) -> list[SetView]:
+        """Every set (broken ones until their slot is re-formed), by model then dp_rank."""
+        views = []
+        for pcp_set in self._sets.values():
+            master = self._nodes.get(pcp_set.members[0])
+            views.append(
+                SetView(
+                    pcp_set.head.set_id,
+                    pcp_set.head.generation,
+                    pcp_set.head.dp_rank,
+                    pcp_set.state,
+                    pcp_set.members,
+                    master.registration.address if master else "",
+                    pcp_set.head.pcp_size,
+                    pcp_set.reason,
+                    pcp_set.group[1],
+                )
+            )
+        return sorted(views, key=lambda v: (v.model, v.dp_rank))
+
+    @property
+    def max_generation(self) -> int:
+        """The highest generation issued or seen."""
+        return self._max_generation
+
+    @property
+    def restoring(self) -> bool:
+        """True during the restore grace after a start, when no new sets are formed."""
+        return not self._grace_over
+
+    # --- snapshots ---------------------------------------------------------------------------------
+
+    def snapshot(self) -> dict:
+        """A JSON-able picture of the sets and generations, to make a restart faster (never required)."""
+        return {
+            "version": SNAPSHOT_VERSION,
+            "max_generation": self._max_generation,
+            "sets": [
+                {
+                    "role": s.group[0],
+                    "model": s.group[1],
+                    "broken": s.state is SetState.BROKEN,
+                    "reason": s.reason,
+                    "assignment": asdict(s.head),
+                }
+                for s in self._sets.values()
+            ],
+        }
+
+    def _restore(self, snapshot: dict, now: float) -> None:
+        if snapshot.get("version") != SNAPSHOT_VERSION:
+            return
+        self._max_generation = int(snapshot.get("max_generation", 0))
+        for entry in snapshot.get("sets", []):
+            raw = dict(entry["assignment"])
+            raw["pcp_ranks"] = tuple(raw["pcp_ranks"])
+            raw["member_node_ids"] = tuple(raw["member_node_ids"])
+            head = Assignment(**raw)
+            group = self._group(entry["role"], entry["model"])
+            pcp_set = _Set((group.role, group.model), _all_ranks(head), reason=entry.get("reason", ""))
+            if entry.get("broken"):
+                pcp_set.state = SetState.BROKEN
+            else:
+                pcp_set.restore_deadline = now + self.settings.restore_grace_s
+                group.assembled = True
+            self._sets[head.set_id] = pcp_set
+            group.slots[head.dp_rank] = head.set_id
+            self._max_generation = max(self._max_generation, head.generation)
+
+    # --- internals ---------------------------------------------------------------------------------
+
+    def _validate(self, reg: Registration) -> None:
+        if not reg.node_id:
+            raise Refused("invalid_argument", "node_id is required (a stable identity of the node)")
+        if reg.role not in ROLES:
+            raise Refused("invalid_argument", f"role is required: one of {', '.join(ROLES)}")
+        try:
+            split_host_port(reg.address)
+        except ValueError as exc:
+            raise Refused("invalid_argument", str(exc)) from None
+        config = reg.engine_config
+        if reg.role != "kvstore" and config is None:
+            raise Refused("invalid_argument", f"engine_config is required for a {reg.role} node")
+        if reg.role == "prefill" and config is not None and reg.device_count:
+            needed = config.tensor_parallel_size * config.pcp_ranks_per_node
+            if reg.device_count < needed:
+                raise Refused(
+                    "failed_precondition",
+                    f"device_count={reg.device_count} but tensor_parallel_size="
+                    f"{config.tensor_parallel_size} x (prefill_context_parallel_size / nnodes)="
+                    f"{config.pcp_ranks_per_node} needs {needed} devices per node",
+                )
+
+    def _check_peers(self, group: _Group, reg: Registration) -> None:
+        peers = [nid for nid in group.live if nid != reg.node_id]
+        if not peers or reg.role == "kvstore":
+            return
+        peer = self._nodes[peers[0]].registration
+        assert group.config is not None and reg.engine_config is not None
+        differences = config_differences(reg.engine_config, group.config)
+        if reg.kv_fingerprint != group.kv_fingerprint:
+            differences.append(f"kv_fingerprint={reg.kv_fingerprint!r} (peers: {group.kv_fingerprint!r})")
+        if differences:
+            raise Refused(
+                "failed_precondition",
+                f"node {reg.node_id} disagrees with its {reg.role} peers of model "
+                f"{reg.model or '(default)'!r} (e.g. {peer.node_id}): {'; '.join(differences)}. Every "
+                f"{reg.role} node of one model must run the same engine config and KV fingerprint",
+            )
+
+    def _group(self, role: str, model: str) -> _Group:
+        key = (role, model)
+        if key not in self._groups:
+            self._groups[key] = _Group(role, model)
+        return self._groups[key]
+
+    def _reset_group(self, group: _Group, reg: Registration) -> None:
+        """The first live node of a group sets its config; sets formed by earlier nodes keep their slots."""
+        group.config = reg.engine_config
+        group.kv_fingerprint = reg.kv_fingerprint
+        group.label = group_label(reg.model, reg.kv_fingerprint)
+        group.assembled = any(self._sets[sid].state is not SetState.BROKEN for sid in group.slots.values())
+        group.waiting_since = None
+
+    def _live_node(self, node_id: str) -> _Node:
+        node = self._nodes.get(node_id)
+        if node is None:
+            raise Refused("not_found", f"node {node_id!r} is not registered; call Register first")
+        if not node.alive:
+            raise Refused(
+                "not_found", f"node {node_id!r} was declared dead (missed its lease); register again"
+            )
+        return node
+
+    def _node_state(self, node: _Node) -> NodeState:
+        if not node.alive:
+            return NodeState.DEAD
+        if node.registration.role != "prefill":
+            return NodeState.READY if node.ready else NodeState.POOLED
+        if node.assignment is None:
+            return NodeState.POOLED
+        pcp_set = self._sets[node.assignment.set_id]
+        return NodeState.READY if pcp_set.state is SetState.READY else NodeState.ASSIGNED
+
+    def _adopt(self, node: _Node, group: _Group, carried: Assignment | None, now: float) -> Outgoing:
+        """Gives a (re)registering prefill node its place in a set being restored, or tells it to stop
+        running an assignment that is no longer valid."""
+        node_id = node.registration.node_id
+        out: Outgoing = []
+        # a set being restored that expects this node, whatever the node carries
+        expected = next(
+            (s for s in self._sets.values() if s.restore_deadline is not None and node_id in s.members), None
+        )
+        if carried is not None:
+            self._max_generation = max(self._max_generation, carried.generation)
+        if expected is not None and (carried is None or carried == expected.assignments[carried.node_rank]):
+            self._join(node, group, expected)
+            return out
+        if expected is not None:
+            out += self._break(expected, f"member {node_id} came back with another assignment")
+        if carried is None:
+            return out
+        assert group.config is not None
+        problems = assignment_problems(carried, node_id, SetShape.of(group.config), group.label)
+        current = self._sets.get(carried.set_id)
+        if not problems and current is not None and current.state is not SetState.BROKEN:
+            problems.append(f"slot {carried.set_id} is held by generation {current.head.generation}")
+        elif not problems and current is not None and carried.generation <= current.head.generation:
+            problems.append(f"generation {carried.generation} was dissolved ({current.reason})")
+        others = [
+            m for m in carried.member_node_ids if m != node_id and m in self._nodes and self._nodes[m].alive
+        ]
+        if not problems and others:
+            problems.append(f"members {others} already came back without this assignment")
+        if problems:
+            reason = (
+                f"assignment {carried.set_id} generation {carried.generation} is stale: {'; '.join(problems)}"
+            )
+            return [*out, (node_id, Stop(carried.set_id, carried.generation, reason))]
+        restored = _Set(
+            (group.role, group.model),
+            _all_ranks(carried),
+            restore_deadline=now + self.settings.restore_grace_s,
+        )
+        self._sets[carried.set_id] = restored
+        group.slots[carried.dp_rank] = carried.set_id
+        group.assembled = True
+        self._join(node, group, restored)
+        return out
+
+    def _join(self, node: _Node, group: _Group, pcp_set: _Set) -> None:
+        node_id = node.registration.node_id
+        node.assignment = pcp_set.assignments[pcp_set.members.index(node_id)]
+        group.pooled.pop(node_id, None)
+        pcp_set.present.add(node_id)
+        if pcp_set.present >= set(pcp_set.members):
+            pcp_set.restore_deadline = None
+        self._update_readiness(pcp_set)
+
+    def _update_readiness(self, pcp_set: _Set) -> None:
+        complete = pcp_set.restore_deadline is None and pcp_set.ready >= set(pcp_set.members)
+        pcp_set.state = SetState.READY if complete else SetState.STARTING
+
+    def _end_grace_if_due(self, now: float) -> Outgoing:
+        if self._grace_over:
+            return []
+        restoring = any(s.restore_deadline is not None for s in self._sets.values())
+        if now < self._grace_until and not (self._snapshot_restored and not restoring):
+            return []
+        self._grace_over = True
+        out: Outgoing = []
+        for group in list(self._groups.values()):
+            out += self._assemble(group, now)
+        return out
+
+    def _assemble(self, group: _Group, now: float) -> Outgoing:
+        """Forms every set the pool allows into the group's free slots."""
+        if not self._grace_over or group.role != "prefill" or group.config is None:
+            return []
+        shape = SetShape.of(group.config)
+        free = [
+            dp
+            for dp in range(shape.data_parallel_size)
+            if dp not in group.slots or self._sets[group.slots[dp]].state is SetState.BROKEN
+        ]
+        needed = shape.nnodes if group.assembled else shape.nodes_required
+        planned = []
+        if free and len(group.pooled) >= needed:
+            pooled = sorted(group.pooled, key=group.pooled.__getitem__)[: len(free) * shape.nnodes]
+            candidates = [self._candidate(node_id) for node_id in pooled]
+            planned = plan_sets(
+                candidates, shape, free, not group.assembled, self._max_generation + 1, group.label
+            )
+        out: Outgoing = []
+        for plan in planned:
+            pcp_set = _Set((group.role, group.model), plan.assignments)
+            self._sets[plan.set_id] = pcp_set
+            group.slots[plan.dp_rank] = plan.set_id
+            self._max_generation = max(self._max_generation, plan.generation)
+            for assignment in plan.assignments:
+                node_id = assignment.member_node_ids[assignment.node_rank]
+                self._join(self._nodes[node_id], group, pcp_set)
+                out.append((node_id, Assign(assignment)))
+        group.assembled = group.assembled or bool(planned)
+        if len(free) > len(planned) and group.pooled:
+            group.waiting_since = group.waiting_since if group.waiting_since is not None else now
+        else:
+            group.waiting_since = None
+        return out
+
+    def _candidate(self, node_id: str) -> Candidate:
+        reg = self._nodes[node_id].registration
+        assert reg.engine_config is not None
+        return Candidate(node_id, reg.master_host, reg.engine_config.master_port)
+
+    def _time_out_assembly(self, group: _Group, now: float) -> Outgoing:
+        assert group.config is not None
+        shape = SetShape.of(group.config)
+        required = shape.nnodes if group.assembled else shape.nodes_required
+        registered = len(group.pooled)
+        reason = (
+            f"{registered} {group.role} node(s) of model {group.model or '(default)'!r} pooled but a set "
+            f"needs {required} (data_parallel_size={shape.data_parallel_size} x nnodes={shape.nnodes} for "
+            f"the first assembly, nnodes for a re-form) after {self.settings.assembly_timeout_s:g} s; "
+            "still waiting"
+        )
+        group.waiting_since = now
+        return [(nid, AssemblyTimedOut(registered, required, reason)) for nid in group.pooled]
+
+    def _break(self, pcp_set: _Set, reason: str) -> Outgoing:
+        """Takes a set out of routing at once; every member is told to stop and live ones are pooled."""
+        if pcp_set.state is SetState.BROKEN:
+            return []
+        pcp_set.state = SetState.BROKEN
+        pcp_set.reason = reason
+        pcp_set.restore_deadline = None
+        group = self._groups[pcp_set.group]
+        out: Outgoing = []
+        head = pcp_set.head
+        for node_id in pcp_set.members:
+            node = self._nodes.get(node_id)
+            if node is None or node.assignment is None or node.assignment.set_id != head.set_id:
+                continue
+            node.assignment = None
+            out.append((node_id, Stop(head.set_id, head.generation, reason)))
+            if node.alive:
+                group.pooled[node_id] = node.seq
+        return out
+
+    def _kill(self, node: _Node, reason: str, now: float) -> Outgoing:
+        node.alive = False
+        return self._leave(node, reason, now)
+
+    def _remove(self, node: _Node, reason: str, now: float) -> Outgoing:
+        del self._nodes[node.registration.node_id]
+        return self._leave(node, reason, now)
+
+    def _leave(self, node: _Node, reason: str, now: float) -> Outgoing:
+        node_id = node.registration.node_id
+        group = self._groups[node.group]
+        group.live.pop(node_id, None)
+        group.pooled.pop(node_id, None)
+        out: Outgoing = []
+        if node.assignment is not None:
+            out += self._break(self._sets[node.assignment.set_id], reason)
+            group.pooled.pop(node_id, None)
+        if not group.pooled:
+            group.waiting_since = None
+        return out + self._assemble(group, now)

@@ -1,0 +1,256 @@
+"""The KV store over real gRPC: round trips on both paths, integrity, refusals, leases, eviction and
+concurrency."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import random
+
+import grpc
+import pytest
+
+from services.kvstore.client import KvStoreClient, make_key
+from services.kvstore.errors import (
+    AlreadyExists,
+    CapacityExceeded,
+    ChecksumMismatch,
+    FingerprintMismatch,
+    NotFound,
+)
+from services.proto.pcpstack.v1 import kvstore_pb2 as pb
+from services.proto.pcpstack.v1 import kvstore_pb2_grpc
+from tests.kvstore.conftest import running_store, segment_files
+
+CHUNK = 64 << 10
+PATHS = pytest.mark.parametrize("prefer_shm", [False, True], ids=["grpc", "shm"])
+
+
+@PATHS
+@pytest.mark.timeout(60)
+def test_round_trip_of_many_sizes(prefer_shm: bool):
+    async def body():
+        async with (
+            running_store() as server,
+            KvStoreClient(server.address, prefer_shm=prefer_shm, chunk_bytes=CHUNK) as client,
+        ):
+            assert await client.uses_shm() is prefer_shm
+            for size in (0, 1, CHUNK - 1, CHUNK, CHUNK + 1, 3 * CHUNK + 7, 5 << 20):
+                payload = random.randbytes(size)
+                key = make_key(f"req-{size}", "f" * 40)
+                committed = await client.put(key, "fp", payload, metadata=b'{"layers": 2}')
+                assert committed.total_bytes == size
+                data, metadata = await client.get(key, "fp")
+                assert bytes(data) == payload and metadata == b'{"layers": 2}'
+            assert segment_files(server) or not prefer_shm
+
+    asyncio.run(body())
+
+
+@PATHS
+@pytest.mark.slow
+@pytest.mark.timeout(120)
+def test_round_trip_of_100_mb(prefer_shm: bool):
+    async def body():
+        async with running_store() as server, KvStoreClient(server.address, prefer_shm=prefer_shm) as client:
+            payload = os.urandom(100 * 1000 * 1000)
+            await client.put("big", "fp", memoryview(payload))
+            data, _ = await client.get("big", "fp")
+            assert data == payload
+            assert (await client.stat()).bytes_out == len(payload)
+
+    asyncio.run(body())
+
+
+def test_tensor_bytes_round_trip_without_copy_on_read():
+    np = pytest.importorskip("numpy")
+    torch = pytest.importorskip("torch")
+
+    async def body():
+        async with running_store() as server, KvStoreClient(server.address) as client:
+            kv = torch.randn(4, 8, 16, dtype=torch.float32)
+            await client.put("t", "fp", kv.numpy())
+            data, _ = await client.get("t", "fp")
+            back = torch.frombuffer(data, dtype=torch.float32).view(4, 8, 16)
+            assert torch.equal(back, kv)
+            assert np.shares_memory(np.frombuffer(data, dtype=np.uint8), back.numpy())
+
+    asyncio.run(body())
+
+
+async def _raw_put(
+    address: str, messages: list[pb.PutRequest]
+) -> grpc.aio.AioRpcError | list[pb.PutResponse]:
+    async with grpc.aio.insecure_channel(address) as channel:
+        call = kvstore_pb2_grpc.KvStoreServiceStub(channel).Put(iter(messages), timeout=10)
+        try:
+            return [message async for message in call]
+        except grpc.aio.AioRpcError as exc:
+            return exc
+
+
+def _header(total: int, chunk: int = 4) -> pb.PutRequest:
+    return pb.PutRequest(header=pb.PutHeader(key="k", fingerprint="fp", total_bytes=total, chunk_size=chunk))
+
+
+def _chunk(offset: int, data: bytes, crc: int | None = None) -> pb.PutRequest:
+    from services.kvstore.checksum import crc32c
+
+    return pb.PutRequest(
+        chunk=pb.PutChunk(offset=offset, data=data, crc32c=crc32c(data) if crc is None else crc)
+    )
+
+
+def test_corrupted_chunk_is_rejected_and_leaves_nothing():
+    async def body():
+        async with running_store() as server:
+            error = await _raw_put(
+                server.address, [_header(8), _chunk(0, b"abcd"), _chunk(4, b"efgh", crc=123)]
+            )
+            assert error.code() == grpc.StatusCode.DATA_LOSS and "offset 4" in error.details()
+            stats = server.servicer.store.stats()
+            assert (stats.objects, stats.reserved_bytes, stats.refused_puts) == (0, 0, 1)
+
+    asyncio.run(body())
+
+
+@pytest.mark.parametrize(
+    ("messages", "detail"),
+    [
+        ([_chunk(0, b"abcd")], "first message of a Put must be a header"),
+        ([_header(8), _chunk(4, b"abcd")], "offset 4"),
+        ([_header(8), _chunk(0, b"abc")], "expected 4"),
+        ([_header(8), _chunk(0, b"abcd"), pb.PutRequest(commit=pb.PutCommit())], "total_bytes=8"),
+        ([_header(8), _chunk(0, b"abcd")], "ended before its commit"),
+        ([_header(8, chunk=0)], "chunk_size"),
+    ],
+    ids=["no-header", "offset", "short-chunk", "short-total", "no-commit", "chunk-size"],
+)
+def test_malformed_put_is_invalid_argument_naming_the_problem(messages, detail):
+    async def body():
+        async with running_store() as server:
+            error = await _raw_put(server.address, messages)
+            assert error.code() == grpc.StatusCode.INVALID_ARGUMENT and detail in error.details()
+            stats = server.servicer.store.stats()
+            assert (stats.objects, stats.reserved_bytes) == (0, 0)
+
+    asyncio.run(body())
+
+
+@PATHS
+def test_reader_detects_corrupted_bytes(prefer_shm: bool):
+    async def body():
+        async with running_store() as server, KvStoreClient(server.address, prefer_shm=prefer_shm) as client:
+            await client.put("k", "fp", b"x" * 10_000)
+            server.servicer.store.find("k").payload.write(5_000, b"y")  # bit rot inside the store
+            with pytest.raises(ChecksumMismatch, match="CRC32C"):
+                await client.get("k", "fp")
+
+    asyncio.run(body())
+
+
+def test_refusals_carry_their_status_codes():
+    async def body():
+        async with running_store(capacity_bytes=1000) as server, KvStoreClient(server.address) as client:
+            await client.put("k", "fp", b"abc")
+            with pytest.raises(AlreadyExists):
+                await client.put("k", "fp", b"abc")
+            with pytest.raises(FingerprintMismatch):
+                await client.get("k", "other-model")
+            with pytest.raises(NotFound):
+                await client.get("missing", "fp")
+            with pytest.raises(NotFound):
+                await client.release("missing")
+            with pytest.raises(CapacityExceeded, match="needs 2000 bytes"):
+                await client.put("huge", "fp", bytes(2000))
+            assert await client.delete("missing") is False
+            stats = await client.stat()
+            assert (stats.objects, stats.reserved_bytes, stats.refused_puts) == (1, 0, 2)
+
+    asyncio.run(body())
+
+
+def test_release_is_counted_once_and_repeats_are_reported():
+    async def body():
+        async with running_store() as server, KvStoreClient(server.address) as client:
+            await client.put("k", "fp", b"abc")
+            assert (await client.stat("k")).object.pinned
+            assert await client.release("k") is True
+            assert await client.release("k") is False
+            stats = await client.stat("k")
+            assert (stats.object.pinned, stats.pinned_bytes, stats.repeated_releases) == (False, 0, 1)
+
+    asyncio.run(body())
+
+
+@pytest.mark.timeout(30)
+def test_lease_expiry_reclaims_the_object():
+    async def body():
+        async with running_store(reap_interval_s=0.05) as server, KvStoreClient(server.address) as client:
+            await client.put("k", "fp", b"x" * 1000, lease_ms=100)
+            await client.put("kept", "fp", b"x" * 1000, lease_ms=60_000)
+            for _ in range(100):
+                if (await client.stat()).lease_expiries:
+                    break
+                await asyncio.sleep(0.05)
+            stats = await client.stat()
+            assert (stats.lease_expiries, stats.objects, stats.bytes) == (1, 1, 1000)
+            with pytest.raises(NotFound):
+                await client.get("k", "fp")
+
+    asyncio.run(body())
+
+
+def test_eviction_under_pressure_is_lru_among_released_and_spares_pinned():
+    async def body():
+        async with running_store(capacity_bytes=4000) as server, KvStoreClient(server.address) as client:
+            for key in ("a", "b", "c", "pinned"):
+                await client.put(key, "fp", bytes(1000))
+            for key in ("a", "b", "c"):
+                await client.release(key)
+            await client.get("a", "fp")
+            await client.put("new", "fp", bytes(2000))
+            present = {
+                key for key in ("a", "b", "c", "pinned") if (await client.stat(key)).HasField("object")
+            }
+            assert present == {"a", "pinned"}
+            stats = await client.stat()
+            assert (stats.evictions, stats.bytes) == (2, 4000)
+            assert stats.bytes + stats.pooled_bytes <= stats.capacity_bytes
+
+    asyncio.run(body())
+
+
+@PATHS
+@pytest.mark.timeout(60)
+def test_32_concurrent_writers_and_readers_stay_correct(prefer_shm: bool):
+    async def body():
+        async with (
+            running_store() as server,
+            KvStoreClient(server.address, prefer_shm=prefer_shm, chunk_bytes=CHUNK) as client,
+        ):
+            payloads = {f"w{i}": random.randbytes(random.randrange(0, 300_000)) for i in range(32)}
+
+            async def writer_then_reader(key: str) -> None:
+                await client.put(key, "fp", payloads[key])
+                for _ in range(3):
+                    data, _ = await client.get(key, "fp")
+                    assert bytes(data) == payloads[key]
+                assert await client.release(key)
+
+            await asyncio.gather(*(writer_then_reader(key) for key in payloads))
+            stats = await client.stat()
+            assert (stats.objects, stats.pinned_bytes, stats.reserved_bytes) == (32, 0, 0)
+            assert stats.bytes == sum(map(len, payloads.values()))
+
+    asyncio.run(body())
+
+
+def test_stop_frees_every_segment():
+    async def body():
+        async with running_store() as server, KvStoreClient(server.address) as client:
+            await client.put("k", "fp", bytes(10_000))
+            segments = server.servicer.segments
+        assert not list(segments.directory.glob(f"pcpkv-{segments.token}*"))
+
+    asyncio.run(body())

@@ -1,0 +1,167 @@
+"""The KV store core without gRPC: two-phase puts, pins and leases, LRU eviction, accounting."""
+
+from __future__ import annotations
+
+import pytest
+
+from services.kvstore.errors import (
+    AlreadyExists,
+    CapacityExceeded,
+    FingerprintMismatch,
+    InvalidArgument,
+    NotFound,
+)
+from services.kvstore.store import KvStore, StoreConfig
+
+
+class Payloads:
+    """Records which payloads the store freed, so tests can check each is freed exactly once."""
+
+    def __init__(self) -> None:
+        self.freed: list[object] = []
+
+    def free(self, payload: object) -> None:
+        assert payload not in self.freed, "payload freed twice"
+        self.freed.append(payload)
+
+
+def make_store(capacity: int = 100, lease_ms: int = 1000) -> tuple[KvStore, Payloads]:
+    payloads = Payloads()
+    return KvStore(StoreConfig(capacity, lease_ms), on_free=payloads.free), payloads
+
+
+def put(store: KvStore, key: str, size: int, now: float = 0.0, lease_ms: int = 0) -> None:
+    pending = store.begin_put(key, "fp", size, lease_ms, b"")
+    pending.payload = f"payload-{key}"
+    store.commit_put(pending, 0, now)
+
+
+def test_object_is_invisible_until_commit():
+    store, _ = make_store()
+    pending = store.begin_put("k", "fp", 10, 0, b"")
+    with pytest.raises(NotFound):
+        store.begin_get("k", "fp")
+    store.commit_put(pending, 0, now=0.0)
+    assert store.begin_get("k", "fp").total_bytes == 10
+
+
+def test_second_put_of_a_key_is_refused_committed_or_pending():
+    store, _ = make_store()
+    put(store, "done", 1)
+    store.begin_put("pending", "fp", 1, 0, b"")
+    for key in ("done", "pending"):
+        with pytest.raises(AlreadyExists):
+            store.begin_put(key, "fp", 1, 0, b"")
+    assert store.stats().refused_puts == 2
+
+
+def test_aborted_put_frees_its_reservation_and_payload():
+    store, payloads = make_store()
+    pending = store.begin_put("k", "fp", 60, 0, b"")
+    pending.payload = "segment"
+    assert store.stats().reserved_bytes == 60
+    store.abort_put(pending, refused=False)
+    stats = store.stats()
+    assert (stats.reserved_bytes, stats.objects, stats.aborted_puts) == (0, 0, 1)
+    assert payloads.freed == ["segment"]
+    assert store.free_bytes() == 100
+
+
+def test_put_that_cannot_fit_is_refused_up_front_without_evicting():
+    store, payloads = make_store(capacity=100)
+    put(store, "pinned", 50)
+    put(store, "released", 30)
+    store.release("released")
+    with pytest.raises(CapacityExceeded, match="needs 80 bytes"):
+        store.begin_put("big", "fp", 80, 0, b"")
+    assert store.find("released") is not None and payloads.freed == []
+    assert store.stats().refused_puts == 1
+
+
+def test_eviction_is_lru_among_released_and_never_touches_pinned():
+    store, payloads = make_store(capacity=100)
+    for key in ("a", "b", "c", "pinned"):
+        put(store, key, 25)
+    for key in ("a", "b", "c"):
+        store.release(key)
+    store.end_get(store.begin_get("a", "fp"), 25)  # a becomes the most recently used
+    store.begin_put("new", "fp", 50, 0, b"")
+    assert payloads.freed == ["payload-b", "payload-c"]
+    assert store.find("a") is not None and store.find("pinned") is not None
+    assert store.stats().evictions == 2
+
+
+def test_object_being_read_is_not_evicted():
+    store, _ = make_store(capacity=50)
+    put(store, "read", 25)
+    put(store, "idle", 25)
+    store.release("read")
+    store.release("idle")
+    store.begin_get("read", "fp")
+    store.begin_put("new", "fp", 25, 0, b"")
+    assert store.find("read") is not None and store.find("idle") is None
+
+
+def test_lease_expiry_reclaims_and_counts_pinned_objects_only():
+    store, payloads = make_store(lease_ms=1000)
+    put(store, "short", 10, now=0.0, lease_ms=500)
+    put(store, "default", 10, now=0.0)
+    put(store, "released", 10, now=0.0, lease_ms=500)
+    store.release("released")
+    assert store.expire(now=0.6) == 1
+    assert payloads.freed == ["payload-short"]
+    assert store.expire(now=1.0) == 1
+    assert store.find("released") is not None
+    assert store.stats().lease_expiries == 2
+
+
+def test_reader_keeps_an_expired_object_alive_until_the_read_ends():
+    store, payloads = make_store()
+    put(store, "k", 10, now=0.0, lease_ms=100)
+    reading = store.begin_get("k", "fp")
+    store.expire(now=1.0)
+    assert store.find("k") is None and payloads.freed == []
+    assert store.stats().bytes == 10
+    store.end_get(reading, 10)
+    assert payloads.freed == ["payload-k"] and store.stats().bytes == 0
+
+
+def test_release_counts_once_and_reports_repeats():
+    store, _ = make_store()
+    put(store, "k", 10)
+    assert store.release("k") is True
+    assert store.release("k") is False
+    stats = store.stats()
+    assert (stats.pinned_bytes, stats.repeated_releases, stats.bytes) == (0, 1, 10)
+    with pytest.raises(NotFound):
+        store.release("unknown")
+
+
+def test_reader_with_another_fingerprint_is_refused():
+    store, _ = make_store()
+    put(store, "k", 10)
+    with pytest.raises(FingerprintMismatch, match="'fp'"):
+        store.begin_get("k", "other")
+
+
+def test_delete_while_reading_hides_the_key_and_frees_after_the_read():
+    store, payloads = make_store()
+    put(store, "k", 10)
+    reading = store.begin_get("k", "fp")
+    assert store.delete("k") is True
+    assert store.delete("k") is False
+    assert payloads.freed == []
+    store.end_get(reading, 0)
+    assert payloads.freed == ["payload-k"]
+
+
+@pytest.mark.parametrize(("key", "message"), [("", "required"), ("a\nb", "control"), ("x" * 513, "at most")])
+def test_bad_keys_are_refused_naming_the_rule(key, message):
+    store, _ = make_store()
+    with pytest.raises(InvalidArgument, match=message):
+        store.begin_put(key, "fp", 1, 0, b"")
+
+
+def test_config_names_the_bad_option():
+    with pytest.raises(ValueError, match="capacity_bytes"):
+        StoreConfig(0)

@@ -1,0 +1,318 @@
+"""The registry over real gRPC on loopback, with real RegistryClient instances: assignment, readiness,
+errors, eviction and re-forming, fencing, and a registry process killed and restarted."""
+
+from __future__ import annotations
+
+import asyncio
+import socket
+import subprocess
+import sys
+import time
+
+import grpc
+import pytest
+
+from services.common.channel import open_channel
+from services.common.config import EngineConfig
+from services.proto.pcpstack.v1 import common_pb2, registry_pb2, registry_pb2_grpc
+from services.registry.client import RegistrationRefused, RegistryClient
+from services.registry.membership import Settings
+from services.registry.server import start_registry
+from services.registry.status import render
+
+pytestmark = pytest.mark.timeout(60)
+FAST = Settings(lease_s=0.6, assembly_timeout_s=0.5, restore_grace_s=0.0)
+CONFIG = EngineConfig(data_parallel_size=2, nnodes=2, prefill_context_parallel_size=2, master_port=7100)
+
+
+def _run(coro):
+    return asyncio.run(asyncio.wait_for(coro, 45))
+
+
+def _client(address: str, index: int, config: EngineConfig = CONFIG, **kwargs) -> RegistryClient:
+    return RegistryClient(
+        address,
+        f"node-{index}",
+        "prefill",
+        f"127.0.0.1:{9000 + index}",
+        config,
+        "fp",
+        device_count=1,
+        **kwargs,
+    )
+
+
+async def _assigned(clients: list[RegistryClient]) -> list[registry_pb2.Assignment]:
+    assignments = []
+    for client in clients:
+        command = await client.next_command(timeout=5)
+        assert isinstance(command, registry_pb2.AssignCommand), command
+        assignments.append(command.assignment)
+    return assignments
+
+
+async def _started(address: str, indices, **kwargs) -> list[RegistryClient]:
+    clients = [_client(address, i, **kwargs) for i in indices]
+    for client in clients:
+        await client.start()
+        await client.wait_registered(timeout=5)
+    return clients
+
+
+async def _ready(clients: list[RegistryClient]) -> None:
+    for client in clients:
+        a = client.assignment
+        await client.report_status(a.set_id, a.generation, ready=True)
+
+
+async def _until(predicate, timeout: float = 5.0):
+    deadline = time.monotonic() + timeout
+    while not (result := await predicate()):
+        assert time.monotonic() < deadline, "condition not reached in time"
+        await asyncio.sleep(0.05)
+    return result
+
+
+def test_nodes_get_assignments_and_sets_become_routable_once_ready():
+    async def scenario():
+        registry = await start_registry(FAST)
+        clients = await _started(registry.address, range(4))
+        try:
+            assignments = await _assigned(clients)
+            assert [(a.dp_rank, a.node_rank, a.headless) for a in assignments] == [
+                (0, 0, False),
+                (0, 1, True),
+                (1, 0, False),
+                (1, 1, True),
+            ]
+            assert assignments[1].master_addr == "127.0.0.1" and assignments[1].master_port == 7100
+            assert list(assignments[3].pcp_ranks) == [1]
+            assert (await clients[0].resolve()).prefill_sets == []
+            await _ready(clients)
+            clients[0]._resolved.clear()
+            found = await _until(lambda: _resolved_sets(clients[0]))
+            assert sorted(e.address for e in found) == ["127.0.0.1:9000", "127.0.0.1:9002"]
+            async with open_channel(registry.address) as channel:
+                stub = registry_pb2_grpc.RegistryServiceStub(channel)
+                table = render(
+                    await stub.ListNodes(registry_pb2.ListNodesRequest()),
+                    await stub.ListSets(registry_pb2.ListSetsRequest()),
+                )
+            assert "node-3" in table and table.count("ready") >= 6
+        finally:
+            for client in clients:
+                await client.close()
+            await registry.stop()
+
+    _run(scenario())
+
+
+async def _resolved_sets(client: RegistryClient):
+    """Fresh (uncached) ready sets; none while the registry is unreachable."""
+    client._resolved.clear()
+    try:
+        return list((await client.resolve()).prefill_sets)
+    except grpc.aio.AioRpcError:
+        return []
+
+
+def test_bad_registrations_are_refused_with_the_right_code():
+    async def scenario():
+        registry = await start_registry(FAST)
+        try:
+            async with open_channel(registry.address) as channel:
+                stub = registry_pb2_grpc.RegistryServiceStub(channel)
+                with pytest.raises(grpc.aio.AioRpcError) as caught:
+                    await stub.Register(
+                        registry_pb2.RegisterRequest(role=common_pb2.NODE_ROLE_KVSTORE, address="h:1")
+                    )
+                assert (
+                    caught.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+                    and "node_id" in caught.value.details()
+                )
+                bad_decode = registry_pb2.RegisterRequest(
+                    node_id="d",
+                    role=common_pb2.NODE_ROLE_DECODE,
+                    address="h:1",
+                    engine_config=common_pb2.EngineConfig(prefill_context_parallel_size=2),
+                )
+                with pytest.raises(grpc.aio.AioRpcError) as caught:
+                    await stub.Register(bad_decode)
+                assert caught.value.code() == grpc.StatusCode.FAILED_PRECONDITION
+                assert "prefill_context_parallel_size" in caught.value.details()
+                call = stub.Session(timeout=5)
+                await call.write(registry_pb2.SessionRequest(open=registry_pb2.SessionOpen(node_id="ghost")))
+                with pytest.raises(grpc.aio.AioRpcError) as caught:
+                    await call.read()
+                assert caught.value.code() == grpc.StatusCode.NOT_FOUND
+            (first,) = await _started(registry.address, [0])
+            mismatched = _client(registry.address, 1, config=EngineConfig(data_parallel_size=2, nnodes=1))
+            await mismatched.start()
+            with pytest.raises(RegistrationRefused) as refused:
+                await mismatched.wait_registered(timeout=5)
+            assert refused.value.code == grpc.StatusCode.FAILED_PRECONDITION
+            assert "nnodes=1 (peers: 2)" in refused.value.details
+            await mismatched.close()
+            await first.close()
+        finally:
+            await registry.stop()
+
+    _run(scenario())
+
+
+def test_a_silent_member_is_evicted_its_set_stopped_and_reformed_with_a_new_generation():
+    async def scenario():
+        registry = await start_registry(FAST)
+        clients = await _started(registry.address, range(4))
+        try:
+            assignments = await _assigned(clients)
+            await _ready(clients)
+            await clients[1].close()  # no deregistration: it just goes silent
+            stop = await clients[0].next_command(timeout=5)
+            assert isinstance(stop, registry_pb2.StopCommand) and "node-1 missed its lease" in stop.reason
+            assert clients[0].assignment is None
+            found = await _until(lambda: _resolved_sets(clients[2]))
+            assert [e.set_id for e in found] == [assignments[2].set_id]
+            (late,) = await _started(registry.address, [4])
+            reformed = (await _assigned([clients[0]]))[0]
+            assert reformed.set_id == assignments[0].set_id
+            assert reformed.generation > max(a.generation for a in assignments)
+            assert list(reformed.member_node_ids) == ["node-0", "node-4"]
+            assert late.assignment == registry_pb2.Assignment(
+                **{**_fields(reformed), "node_rank": 1, "headless": True, "pcp_ranks": [1]}
+            )
+            await late.close()
+        finally:
+            for client in clients:
+                await client.close()
+            await registry.stop()
+
+    _run(scenario())
+
+
+def _fields(assignment: registry_pb2.Assignment) -> dict:
+    return {f.name: v for f, v in assignment.ListFields()}
+
+
+def test_a_stale_generation_status_is_refused_on_the_session():
+    async def scenario():
+        registry = await start_registry(FAST)
+        clients = await _started(registry.address, range(4))
+        try:
+            assignments = await _assigned(clients)
+            a = assignments[0]
+            async with open_channel(registry.address) as channel:
+                stub = registry_pb2_grpc.RegistryServiceStub(channel)
+                call = stub.Session(timeout=5)
+                await call.write(registry_pb2.SessionRequest(open=registry_pb2.SessionOpen(node_id="node-0")))
+                stale = registry_pb2.RankStatus(set_id=a.set_id, generation=a.generation - 1, ready=True)
+                await call.write(registry_pb2.SessionRequest(status=stale))
+                reply = await call.read()
+                assert reply.WhichOneof("body") == "refusal"
+                assert reply.refusal.current_generation == a.generation and "stale" in reply.refusal.reason
+                call.cancel()
+        finally:
+            for client in clients:
+                await client.close()
+            await registry.stop()
+
+    _run(scenario())
+
+
+def test_decode_and_kvstore_appear_in_resolve_and_an_incomplete_assembly_is_reported():
+    async def scenario():
+        registry = await start_registry(FAST)
+        decode = RegistryClient(
+            registry.address, "dec-0", "decode", "127.0.0.1:9500", EngineConfig(role="decode")
+        )
+        store = RegistryClient(registry.address, "kv-0", "kvstore", "127.0.0.1:9600")
+        (lonely,) = await _started(registry.address, [0])
+        try:
+            for client in (decode, store):
+                await client.start()
+                await client.wait_registered(timeout=5)
+            found = await decode.resolve()
+            assert [e.node_id for e in found.decode] == ["dec-0"] and [e.address for e in found.kvstore] == [
+                "127.0.0.1:9600"
+            ]
+            notice = await lonely.next_command(timeout=5)
+            assert isinstance(notice, registry_pb2.AssemblyTimeout)
+            assert (notice.registered, notice.required) == (1, 4)
+        finally:
+            for client in (decode, store, lonely):
+                await client.close(deregister=True)
+            await registry.stop()
+
+    _run(scenario())
+
+
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def _spawn_registry(port: int, env: dict[str, str]) -> subprocess.Popen:
+    return subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "services.cli",
+            "serve",
+            "registry",
+            "--port",
+            str(port),
+            "--lease",
+            "1",
+            "--restore-grace",
+            "3",
+            "--log-level",
+            "WARNING",
+        ],
+        env=env,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
+
+
+@pytest.mark.slow
+def test_a_killed_and_restarted_registry_gets_the_same_sets_back_without_relaunching(child_env):
+    port = _free_port()
+    address = f"127.0.0.1:{port}"
+    config = EngineConfig(data_parallel_size=1, nnodes=2, prefill_context_parallel_size=2)
+    procs = [_spawn_registry(port, child_env)]
+
+    async def scenario():
+        clients = [_client(address, i, config=config, resolve_ttl_s=0.0) for i in range(2)]
+        for client in clients:
+            await client.start()
+        try:
+            for client in clients:
+                await client.wait_registered(timeout=15)
+            assignments = await _assigned(clients)
+            await _ready(clients)
+            await _until(lambda: _resolved_sets(clients[0]), timeout=10)
+            procs[0].kill()
+            procs[0].wait()
+            # routing continues from the cache while the registry is down
+            cached = await clients[0].resolve()
+            assert [e.set_id for e in cached.prefill_sets] == [assignments[0].set_id]
+            procs.append(_spawn_registry(port, child_env))
+            found = await _until(lambda: _resolved_sets(clients[1]), timeout=15)
+            assert [(e.set_id, e.generation) for e in found] == [
+                (assignments[0].set_id, assignments[0].generation)
+            ]
+            for client, assignment in zip(clients, assignments, strict=True):
+                assert client.assignment == assignment
+                with pytest.raises(TimeoutError):
+                    await client.next_command(timeout=0.2)  # nothing to re-launch
+        finally:
+            for client in clients:
+                await client.close()
+
+    try:
+        _run(scenario())
+    finally:
+        for proc in procs:
+            proc.kill()
+            proc.wait()
