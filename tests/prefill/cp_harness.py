@@ -57,9 +57,7 @@ def _child(
     init_pcp_group("127.0.0.1", port, pcp_rank, pcp_size, torch.device("cpu"), timeout_seconds=120)
     try:
         results = prefill_all(model_name, pcp_rank, pcp_size, lengths, group=True)
-        logits = prefill_share(
-            loaded.model, cache, blocks, prompt(loaded.args.vocab_size, n), split, pcp_rank, exchange
-        )
+        # numpy pickles by value; a tensor would travel as a shared-memory handle that dies with this process.
         queue.put((pcp_rank, [(None if lg is None else lg.numpy(), kv.numpy()) for lg, kv in results]))
     finally:
         dist.destroy_process_group()
