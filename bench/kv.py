@@ -15,7 +15,7 @@ import subprocess
 import sys
 import time
 
-from services.kvstore.main import ensure_glibc_tunables
+from services.common.tunables import ensure_glibc_tunables
 
 _UNITS = {
     "": 1,

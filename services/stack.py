@@ -21,6 +21,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from services.common.channel import open_channel
+from services.common.tunables import GLIBC_TUNABLES
 from services.proto.pcpstack.v1 import registry_pb2, registry_pb2_grpc
 
 
@@ -84,7 +85,7 @@ class LocalStack:
         root = str(Path(__file__).resolve().parent.parent)
         env["PYTHONPATH"] = root + os.pathsep + env.get("PYTHONPATH", "")
         env["PYTHONUNBUFFERED"] = "1"
-        env.setdefault("GLIBC_TUNABLES", "glibc.malloc.mmap_threshold=33554432")
+        env.setdefault("GLIBC_TUNABLES", ":".join(GLIBC_TUNABLES))
         if self.options.trace_file:
             env["PCPSTACK_TRACE_FILE"] = self.options.trace_file
         env.update(self.options.extra_env)
@@ -141,7 +142,18 @@ class LocalStack:
         self._spawn(
             "kvstore",
             self.kvstore_address,
-            ["serve", "kvstore", "--port", str(port), "--capacity-bytes", str(o.kv_capacity_bytes)],
+            [
+                "serve",
+                "kvstore",
+                "--port",
+                str(port),
+                "--capacity-bytes",
+                str(o.kv_capacity_bytes),
+                "--registry",
+                self.registry_address,
+                "--node-id",
+                "kvstore-0",
+            ],
         )
         prefill_config = self._config_file("prefill")
         for index in range(o.prefill_sets):
@@ -216,11 +228,12 @@ class LocalStack:
                     answer = None
                 ready_sets = len(answer.prefill_sets) if answer else 0
                 decoders = len(answer.decode) if answer else 0
+                stores = len(answer.kvstore) if answer else 0
                 state = (
                     f"registry {'up' if answer else 'starting'}, {ready_sets}/{o.prefill_sets} prefill sets "
-                    f"ready, {decoders}/{o.decode} decode workers (models loading)"
+                    f"ready, {decoders}/{o.decode} decode workers, {stores}/1 KV stores (models loading)"
                 )
-                if ready_sets >= o.prefill_sets and decoders >= o.decode:
+                if ready_sets >= o.prefill_sets and decoders >= o.decode and stores >= 1:
                     self._progress(f"stack ready in {elapsed:.1f} s")
                     return
                 # Report changes at once, and a reminder every 10 s that it is still waiting.

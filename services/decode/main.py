@@ -18,6 +18,7 @@ from services.common.config import ConfigError, EngineConfig, load_config_file, 
 from services.common.logs import setup_logging
 from services.common.server import ServerOptions, serve_until_signalled, start_server
 from services.common.telemetry import setup_telemetry, shutdown_telemetry
+from services.common.tunables import ensure_glibc_tunables
 from services.decode.batcher import Batcher
 from services.decode.router import SetRouter
 from services.decode.server import SERVICE_NAME, DecodeServicer, DecodeSettings
@@ -124,6 +125,7 @@ async def serve(args: argparse.Namespace, config: EngineConfig, engine: Engine) 
 
 def run(args: argparse.Namespace) -> int:
     """Entry point of `pcpstack serve decode`."""
+    ensure_glibc_tunables()
     setup_logging("decode")
     if args.threads:
         torch.set_num_threads(args.threads)

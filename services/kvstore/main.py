@@ -1,9 +1,7 @@
-"""`pcpstack serve kvstore`: runs one KV store until SIGTERM.
+"""`pcpstack serve kvstore`: runs one KV store until SIGTERM, registered with the registry when given.
 
-Large protobuf bytes fields serialise far faster when glibc serves multi-MiB allocations from a heap it
-does not hand back to the kernel after every chunk (each fresh page costs a fault and zeroing): with
-both tunables below, building and serialising a 4 MiB chunk message runs ~5x faster here. glibc reads
-its tunables only at process start, so `run` re-executes the process with them when they are missing.
+The process re-executes itself with the glibc malloc tunables of services.common.tunables (large chunk
+messages are ~5x faster with them).
 """
 
 from __future__ import annotations
@@ -11,14 +9,13 @@ from __future__ import annotations
 import argparse
 import asyncio
 import logging
-import os
+import socket
 import sys
 
 from services.common.logs import setup_logging
 from services.common.server import DEFAULT_MAX_MESSAGE_BYTES, ServerOptions, serve_until_signalled
 from services.common.telemetry import setup_telemetry, shutdown_telemetry
-
-GLIBC_TUNABLES = ("glibc.malloc.mmap_threshold=33554432", "glibc.malloc.trim_threshold=1073741824")
+from services.common.tunables import ensure_glibc_tunables
 
 log = logging.getLogger(__name__)
 
@@ -38,17 +35,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--max-message-bytes", type=int, default=DEFAULT_MAX_MESSAGE_BYTES, help="gRPC message size limit"
     )
-
-
-def ensure_glibc_tunables() -> None:
-    """Re-executes this process with the malloc tunables added to GLIBC_TUNABLES unless every one of them
-    is already set (returns only then); tunables the launcher set are kept."""
-    present = [t for t in os.environ.get("GLIBC_TUNABLES", "").split(":") if t]
-    names = {t.split("=", 1)[0] for t in present}
-    missing = [t for t in GLIBC_TUNABLES if t.split("=", 1)[0] not in names]
-    if missing:
-        os.environ["GLIBC_TUNABLES"] = ":".join(present + missing)
-        os.execv(sys.executable, [sys.executable, *sys.orig_argv[1:]])
+    parser.add_argument("--registry", default="", help="registry HOST:PORT to register with (optional)")
+    parser.add_argument(
+        "--advertise", default="", help="host other nodes reach this store at (default: --host)"
+    )
+    parser.add_argument("--node-id", default="", help="stable node identity (default: hostname-port)")
 
 
 def run(args: argparse.Namespace) -> int:
@@ -76,9 +67,23 @@ def run(args: argparse.Namespace) -> int:
         )
         # The address line on stdout lets a parent that asked for port 0 find the store.
         print(f"kvstore listening on {server.address}", flush=True)
+        registry = None
+        if args.registry:
+            from services.registry.client import RegistryClient
+
+            port = server.address.rsplit(":", 1)[1]
+            registry = RegistryClient(
+                args.registry,
+                node_id=args.node_id or f"{socket.gethostname()}-kvstore-{port}",
+                role="kvstore",
+                advertised_address=f"{args.advertise or args.host}:{port}",
+            )
+            await registry.start()
         try:
             await serve_until_signalled(server.running)
         finally:
+            if registry is not None:
+                await registry.close(deregister=True)
             await server.stop()
             shutdown_telemetry()
 

@@ -16,6 +16,7 @@ from services.common.config import ConfigError, EngineConfig, load_config_file, 
 from services.common.logs import setup_logging
 from services.common.server import ServerOptions, serve_until_signalled, start_server
 from services.common.telemetry import setup_telemetry, shutdown_telemetry
+from services.common.tunables import ensure_glibc_tunables
 from services.prefill.node import ModelInfo, NodeOptions, RankSupervisor, RunningSet, SetUnavailable
 from services.prefill.server import SERVICE_NAME, PrefillServicer
 from services.proto.pcpstack.v1 import prefill_pb2_grpc, registry_pb2
@@ -203,6 +204,7 @@ class PrefillNode:
 
 def run(args: argparse.Namespace) -> int:
     """Entry point of `pcpstack serve prefill`."""
+    ensure_glibc_tunables()
     setup_logging("prefill")
     try:
         config = resolve_config(args)
