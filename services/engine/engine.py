@@ -119,12 +119,14 @@ class Engine:
         kv_positions: torch.Tensor | None = None,
         kv_exchange: KvExchange | None = None,
         all_logits: bool = False,
+        logits_rows: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """Run tokens of one sequence that sit at `positions` (default: consecutive from `start`); return the
         logits [1, vocab] of the last position (of every token, [n, vocab], with `all_logits`).
 
-        Context-parallel prefill passes its local tokens' positions, the `kv_positions` of the whole prompt
-        that its `kv_exchange` returns, and start=0. The caller updates `state.num_tokens`.
+        Context-parallel prefill passes its local tokens' positions (possibly none), the `kv_positions` of the
+        whole prompt that its `kv_exchange` returns, start=0, and the `logits_rows` it wants (possibly none).
+        The caller updates `state.num_tokens`.
         """
         positions = positions if positions is not None else torch.arange(start, start + len(token_ids))
         positions = positions.to(self.device)
@@ -140,7 +142,10 @@ class Engine:
             kv_exchange=kv_exchange,
             fresh_context=start == 0 and kv_positions.numel() == context_len,
         )
-        rows = None if all_logits else self._tensor([int(positions.argmax())])
+        if logits_rows is not None:
+            rows = logits_rows.to(self.device)
+        else:
+            rows = None if all_logits else self._tensor([int(positions.argmax())])
         return self.model(self._tensor(token_ids), positions, self.cache, meta, rows)
 
     @torch.inference_mode()

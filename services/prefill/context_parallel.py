@@ -16,9 +16,7 @@ from collections.abc import Callable
 import torch
 import torch.distributed as dist
 
-from services.engine.attention import AttentionMetadata
-from services.engine.kv_cache import PagedKVCache, slots_for
-from services.engine.model import Transformer
+from services.engine.engine import Engine, SequenceState
 from services.prefill.split import DualChunkSplit
 
 
@@ -106,33 +104,30 @@ class KvAllGather:
 
 
 def prefill_share(
-    model: Transformer,
-    cache: PagedKVCache,
-    block_table: list[int],
+    engine: Engine,
+    state: SequenceState,
     token_ids: torch.Tensor,
     split: DualChunkSplit,
     pcp_rank: int,
     exchange: KvAllGather | None,
 ) -> torch.Tensor | None:
-    """Runs this rank's share of a prompt; fills the cache with the whole prompt's K/V.
+    """Runs this rank's share of a prompt; fills the sequence's blocks with the whole prompt's K/V.
 
-    token_ids: [n] the whole prompt (every rank has it). Returns the last position's logits [vocab] on the
-    rank that owns that position, None elsewhere.
+    token_ids: [n] the whole prompt (every rank has it); `state` has blocks for n tokens. Returns the last
+    position's logits [vocab] on the rank that owns that position, None elsewhere.
     """
-    device = cache.device
-    positions = torch.tensor(split.positions(pcp_rank), dtype=torch.long, device=device)
+    positions = torch.tensor(split.positions(pcp_rank), dtype=torch.long)
     n = split.num_tokens
-    meta = AttentionMetadata(
-        positions=positions,
-        slot_mapping=slots_for(block_table, torch.arange(n, device=device), cache.block_size),
-        block_tables=torch.tensor([block_table], dtype=torch.long, device=device),
-        context_lens=torch.tensor([n], dtype=torch.long, device=device),
-        max_context_len=n,
-        kv_exchange=exchange,
-        fresh_context=True,
-    )
     owner = split.last_position_owner() == pcp_rank
-    logits_indices = (positions == n - 1).nonzero().view(-1) if owner else positions[:0]
     with torch.inference_mode():
-        logits = model(token_ids.to(device)[positions], positions, cache, meta, logits_indices)
+        logits = engine.forward_tokens(
+            state,
+            token_ids[positions].tolist(),
+            start=0,
+            positions=positions,
+            kv_positions=torch.arange(n),
+            kv_exchange=exchange,
+            logits_rows=(positions == n - 1).nonzero().view(-1),
+        )
+    state.num_tokens = n
     return logits[0] if owner else None

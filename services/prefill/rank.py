@@ -31,7 +31,6 @@ from opentelemetry.propagate import extract
 
 from services.common.telemetry import setup_telemetry, shutdown_telemetry, tracer
 from services.engine.engine import Engine
-from services.engine.kv_cache import blocks_needed
 from services.engine.sampling import SamplingParams, make_generator, sample
 from services.kvstore.client import KvStoreClient, make_key
 from services.prefill.context_parallel import (
@@ -182,18 +181,13 @@ class RankWorker:
         self, tokens: torch.Tensor, request: dict, split: DualChunkSplit, owner: int
     ) -> PrefillOutcome | None:
         spec, engine = self.spec, self.engine
-        blocks = engine.allocator.allocate(blocks_needed(len(tokens), engine.block_size))
+        seq_id = request["request_id"]
         first_token, push_failed, total_bytes, push_us, error = -1, 0, 0, 0, ""
         try:
+            state = engine.reserve(seq_id, len(tokens))
             started = time.perf_counter()
             logits = prefill_share(
-                engine.model,
-                engine.cache,
-                blocks,
-                tokens,
-                split,
-                spec.pcp_rank,
-                KvAllGather(split, on_progress=self.on_progress),
+                engine, state, tokens, split, spec.pcp_rank, KvAllGather(split, on_progress=self.on_progress)
             )
             forward_us = int((time.perf_counter() - started) * 1e6)
             if logits is not None:
@@ -201,12 +195,12 @@ class RankWorker:
                 first_token = sample(logits, params, make_generator(params.seed))
             if spec.pcp_rank == owner:
                 started = time.perf_counter()
-                replica = engine.cache.export_sequence(blocks, len(tokens)).contiguous()
+                replica = engine.export_sequence(seq_id).contiguous()
                 total_bytes = replica.numel() * replica.element_size()
                 try:
                     self.pusher.push(
                         request["kvstore_address"],
-                        make_key(request["request_id"], self.fingerprint),
+                        make_key(seq_id, self.fingerprint),
                         self.fingerprint,
                         memoryview(replica.numpy()).cast("B"),
                         request["lease_ms"],
@@ -217,7 +211,8 @@ class RankWorker:
                     log.warning(error)
                 push_us = int((time.perf_counter() - started) * 1e6)
         finally:
-            engine.allocator.free(blocks)
+            # Only the selected replica lives on (in the store); every rank frees its copy at once.
+            engine.free(seq_id)
         mine = bytearray(_RESULT_BYTES)
         _RESULT.pack_into(mine, 0, first_token, push_failed, total_bytes, forward_us, push_us)
         message = error.encode()[: _RESULT_BYTES - _RESULT.size]

@@ -13,8 +13,8 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from services.engine.kv_cache import BlockAllocator, KvLayout, PagedKVCache, blocks_needed
-from services.engine.weights import load_model
+from services.engine.engine import Engine
+from services.engine.kv_cache import blocks_needed
 from services.prefill.context_parallel import KvAllGather, init_pcp_group, prefill_share
 from services.prefill.split import DualChunkSplit
 
@@ -34,20 +34,17 @@ def prompt(vocab_size: int, n: int) -> torch.Tensor:
 def prefill_all(model_name: str | None, pcp_rank: int, pcp_size: int, lengths: list[int], group: bool):
     """[(logits or None, replica)] for every length, computed as rank pcp_rank of pcp_size."""
     torch.set_num_threads(1)
-    loaded = load_model(model_name)
-    layout = KvLayout.for_model(loaded.model_id, loaded.args, torch.float32, BLOCK_SIZE)
-    cache = PagedKVCache(layout, blocks_needed(max(lengths), BLOCK_SIZE) + 1)
-    allocator = BlockAllocator(cache.num_blocks)
+    engine = Engine.load(
+        model_name, block_size=BLOCK_SIZE, num_blocks=blocks_needed(max(lengths), BLOCK_SIZE)
+    )
     results = []
     for n in lengths:
         split = DualChunkSplit(n, pcp_size)
-        blocks = allocator.allocate(blocks_needed(n, BLOCK_SIZE))
+        state = engine.reserve(n, n)
         exchange = KvAllGather(split) if group else None
-        logits = prefill_share(
-            loaded.model, cache, blocks, prompt(loaded.args.vocab_size, n), split, pcp_rank, exchange
-        )
-        results.append((logits, cache.export_sequence(blocks, n).clone()))
-        allocator.free(blocks)
+        logits = prefill_share(engine, state, prompt(engine.args.vocab_size, n), split, pcp_rank, exchange)
+        results.append((logits, engine.export_sequence(n).clone()))
+        engine.free(n)
     return results
 
 
