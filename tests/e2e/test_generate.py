@@ -14,7 +14,7 @@ import pytest
 
 from services.decode.client import DecodeClient, build_request
 from services.kvstore.client import KvStoreClient
-from tests.e2e.conftest import start_stack
+from tests.helpers import start_stack
 
 PROMPTS = [
     "The history of the printing press",

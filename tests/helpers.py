@@ -1,0 +1,56 @@
+"""Helpers shared by tests that run whole stacks of real processes."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+from pathlib import Path
+
+from services.stack import LocalStack, StackOptions
+
+
+class RunningStack:
+    """A LocalStack started in its own event loop, usable from synchronous tests."""
+
+    def __init__(self, options: StackOptions) -> None:
+        self.loop = asyncio.new_event_loop()
+        self.stack = LocalStack(options, progress=lambda message: None)
+
+    def start(self) -> RunningStack:
+        try:
+            self.loop.run_until_complete(self.stack.start())
+        except BaseException:
+            self.stop()
+            raise
+        return self
+
+    def run(self, coroutine):
+        """Runs a coroutine on the stack's loop."""
+        return self.loop.run_until_complete(coroutine)
+
+    def stop(self) -> None:
+        self.loop.run_until_complete(self.stack.stop())
+        self.loop.close()
+
+    @property
+    def decode(self) -> str:
+        return self.stack.decode_addresses[0]
+
+
+def start_stack(tmp: Path, **options) -> RunningStack:
+    options.setdefault("lease_s", 2.0)
+    return RunningStack(StackOptions(log_dir=str(tmp), **options)).start()
+
+
+def child_pids(pid: int) -> list[int]:
+    """Direct children of a process, oldest first (by pid)."""
+    children = []
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            try:
+                stat = Path(f"/proc/{entry}/stat").read_text()
+            except OSError:
+                continue
+            if int(stat.rsplit(")", 1)[1].split()[1]) == pid:
+                children.append(int(entry))
+    return sorted(children)
