@@ -1,0 +1,206 @@
+"""Two prefill nodes on two hosts (network namespaces joined by veth to a bridge) form one PCP set.
+
+Each node has its own address; the registry assembles them (nnodes=2, PCP=2, one rank each), they join one
+gloo group across the hosts, and the set's result equals single-rank prefill. Needs root and `ip`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import random
+import shutil
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from services.common.channel import open_channel
+from services.engine.engine import Engine
+from services.kvstore.client import KvStoreClient
+from services.prefill.client import PrefillClient
+from services.proto.pcpstack.v1 import common_pb2, registry_pb2, registry_pb2_grpc
+from services.stack import free_port
+
+pytestmark = [
+    pytest.mark.slow,
+    pytest.mark.netns,
+    pytest.mark.skipif(os.geteuid() != 0 or shutil.which("ip") is None, reason="needs root and iproute2"),
+]
+
+
+def ip(*args: str) -> None:
+    subprocess.run(["ip", *args], check=True, capture_output=True, timeout=30)
+
+
+@pytest.fixture
+def two_hosts():
+    """A bridge on this host (x.1) and two namespaces (x.2, x.3) on it; yields (bridge_ip, [(ns, ip)])."""
+    tag = f"{os.getpid() % 10000}"
+    subnet = f"198.18.{random.randint(1, 250)}"
+    bridge = f"pcpbr{tag}"
+    hosts = [(f"pcp{tag}h{i}", f"{subnet}.{i + 2}") for i in range(2)]
+    try:
+        ip("link", "add", bridge, "type", "bridge")
+        ip("addr", "add", f"{subnet}.1/24", "dev", bridge)
+        ip("link", "set", bridge, "up")
+        for i, (ns, address) in enumerate(hosts):
+            outer, inner = f"pcp{tag}v{i}", f"pcp{tag}p{i}"
+            ip("netns", "add", ns)
+            ip("link", "add", outer, "type", "veth", "peer", "name", inner)
+            ip("link", "set", inner, "netns", ns)
+            ip("link", "set", outer, "master", bridge)
+            ip("link", "set", outer, "up")
+            ip("netns", "exec", ns, "ip", "addr", "add", f"{address}/24", "dev", inner)
+            ip("netns", "exec", ns, "ip", "link", "set", inner, "up")
+            ip("netns", "exec", ns, "ip", "link", "set", "lo", "up")
+        yield f"{subnet}.1", hosts
+    finally:
+        for ns, _ in hosts:
+            subprocess.run(["ip", "netns", "del", ns], capture_output=True, timeout=30)
+        subprocess.run(["ip", "link", "del", bridge], capture_output=True, timeout=30)
+
+
+def spawn(args: list[str], log: Path, netns: str | None = None) -> subprocess.Popen:
+    env = dict(os.environ, PYTHONUNBUFFERED="1")
+    env["PYTHONPATH"] = str(Path(__file__).resolve().parents[2]) + os.pathsep + env.get("PYTHONPATH", "")
+    prefix = ["ip", "netns", "exec", netns] if netns else []
+    return subprocess.Popen(
+        [*prefix, sys.executable, "-m", "services.cli", *args],
+        stdout=log.open("w"),
+        stderr=subprocess.STDOUT,
+        env=env,
+        start_new_session=True,
+    )
+
+
+async def wait_for_set(registry: str, timeout: float) -> registry_pb2.PcpSet:
+    deadline = time.monotonic() + timeout
+    async with open_channel(registry, default_deadline=5) as channel:
+        stub = registry_pb2_grpc.RegistryServiceStub(channel)
+        while time.monotonic() < deadline:
+            try:
+                sets = (await stub.ListSets(registry_pb2.ListSetsRequest())).sets
+            except Exception:
+                sets = []
+            if sets and sets[0].state == registry_pb2.SET_STATE_READY:
+                return sets[0]
+            await asyncio.sleep(0.5)
+    raise TimeoutError("no ready set")
+
+
+def test_two_hosts_form_one_set_and_prefill_exactly(two_hosts, tmp_path) -> None:
+    bridge_ip, hosts = two_hosts
+    registry = f"{bridge_ip}:{free_port(bridge_ip)}"
+    kvstore = f"{bridge_ip}:{free_port(bridge_ip)}"
+    config = tmp_path / "prefill.json"
+    config.write_text(
+        json.dumps(
+            {
+                "motor_engine_prefill_config": {
+                    "engine_config": {
+                        "prefill-context-parallel-size": 2,
+                        "nnodes": 2,
+                        "block_size": 128,
+                        "master-port": 29511,
+                        "model": "tiny",
+                    }
+                }
+            }
+        )
+    )
+    procs = [
+        spawn(
+            [
+                "serve",
+                "registry",
+                "--host",
+                bridge_ip,
+                "--port",
+                registry.split(":")[1],
+                "--lease",
+                "2",
+                "--restore-grace",
+                "0",
+            ],
+            tmp_path / "registry.log",
+        ),
+        spawn(
+            [
+                "serve",
+                "kvstore",
+                "--host",
+                bridge_ip,
+                "--port",
+                kvstore.split(":")[1],
+                "--registry",
+                registry,
+            ],
+            tmp_path / "kvstore.log",
+        ),
+    ]
+    for i, (ns, address) in enumerate(hosts):
+        # Registration order decides node_rank: let the first host register first.
+        time.sleep(1.0 if i else 0.0)
+        procs.append(
+            spawn(
+                [
+                    "serve",
+                    "prefill",
+                    "--registry",
+                    registry,
+                    "--host",
+                    address,
+                    "--port",
+                    "7300",
+                    "--node-id",
+                    f"host-{i}",
+                    "--config",
+                    str(config),
+                    "--kvstore",
+                    kvstore,
+                ],
+                tmp_path / f"prefill-{i}.log",
+                netns=ns,
+            )
+        )
+    loop = asyncio.new_event_loop()
+    try:
+        pcp_set = loop.run_until_complete(wait_for_set(registry, 120))
+        assert list(pcp_set.member_node_ids) == ["host-0", "host-1"]
+        assert pcp_set.master_address == f"{hosts[0][1]}:7300"
+
+        async def prefill(ids: list[int]):
+            client = PrefillClient(pcp_set.master_address)
+            try:
+                reply = await client.prefill(
+                    "cross-host", ids, common_pb2.SamplingParams(max_tokens=1, temperature=0), timeout=60
+                )
+            finally:
+                await client.close()
+            async with KvStoreClient(reply.kv.store_address, prefer_shm=False) as store:
+                data, _ = await store.get(reply.kv.key, reply.kv.fingerprint)
+            return reply, torch.frombuffer(bytearray(data), dtype=torch.float32)
+
+        ids = torch.randint(0, 256, (77,), generator=torch.Generator().manual_seed(1)).tolist()
+        reply, kv = loop.run_until_complete(prefill(ids))
+        reference = Engine.load("tiny", block_size=128)
+        logits = reference.prefill("ref", ids)
+        expected = reference.export_sequence("ref").reshape(-1)
+        assert reply.first_token_id == int(logits.argmax())
+        assert reply.pcp_size == 2
+        assert (kv - expected).abs().max().item() <= 1e-4
+    finally:
+        loop.close()
+        for proc in procs:
+            proc.terminate()
+        for proc in procs:
+            try:
+                proc.wait(timeout=15)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait()
