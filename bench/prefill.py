@@ -67,7 +67,7 @@ def _rank(pcp_rank: int, pcp: int, port: int, args: dict, queue) -> None:
             if logits is not None:
                 sample(logits, params, make_generator(None))
             if pcp > 1:
-                dist.barrier()  # TTFT ends when the slowest rank is done (the last token may not be on rank 0)
+                dist.barrier()  # TTFT ends when the slowest rank is done (the last token may be elsewhere)
             elapsed = time.perf_counter() - started
             engine.free("bench")
             if repeat:  # the first run warms up allocators and caches
