@@ -86,10 +86,13 @@ def read_span_file(path: str | Path) -> list[dict]:
     return [json.loads(line) for line in text.splitlines() if line.strip()]
 
 
-def setup_telemetry(service_name: str, metric_readers: Sequence[MetricReader] = ()) -> None:
+def setup_telemetry(
+    service_name: str, metric_readers: Sequence[MetricReader] = (), metrics_address: str = ""
+) -> None:
     """Installs tracer and meter providers for this process and instruments gRPC (idempotent).
 
-    Call once per process, before creating gRPC servers or channels.
+    Call once per process, before creating gRPC servers or channels. metrics_address ("host:port") also
+    serves the metrics for Prometheus to scrape at http://host:port/metrics.
     """
     global _service
     with _lock:
@@ -99,6 +102,13 @@ def setup_telemetry(service_name: str, metric_readers: Sequence[MetricReader] = 
         resource = Resource.create({"service.name": service_name})
         provider = TracerProvider(resource=resource)
         readers = list(metric_readers)
+        if metrics_address:
+            from opentelemetry.exporter.prometheus import PrometheusMetricReader
+            from prometheus_client import start_http_server
+
+            host, _, port = metrics_address.rpartition(":")
+            start_http_server(int(port), addr=host or "127.0.0.1")
+            readers.append(PrometheusMetricReader())
         if os.environ.get(OTLP_ENV):
             from opentelemetry.exporter.otlp.proto.grpc.metric_exporter import OTLPMetricExporter
             from opentelemetry.exporter.otlp.proto.grpc.trace_exporter import OTLPSpanExporter

@@ -50,6 +50,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--prefill-timeout", type=float, default=300.0, help="seconds a prefill may take")
     parser.add_argument("--kv-lease-ms", type=int, default=0, help="lease of replicas in the store")
     parser.add_argument("--max-message-bytes", type=int, default=64 * 1024 * 1024)
+    parser.add_argument("--metrics", default="", metavar="HOST:PORT", help="serve Prometheus metrics here")
 
 
 def resolve_config(args: argparse.Namespace) -> EngineConfig:
@@ -140,7 +141,7 @@ def run(args: argparse.Namespace) -> int:
     except ConfigError as exc:
         print(f"config error: {exc}", flush=True)
         return 2
-    setup_telemetry("decode")
+    setup_telemetry("decode", metrics_address=args.metrics)
     try:
         asyncio.run(serve(args, config, engine))
     finally:

@@ -19,6 +19,8 @@ from dataclasses import dataclass
 import grpc
 import torch
 
+from opentelemetry.metrics import Observation
+
 from services.common.logs import request_id_var
 from services.common.telemetry import current_trace_id, meter, tracer
 from services.decode.batcher import Batcher, DecodeRequest, TokenEvent
@@ -95,6 +97,11 @@ class DecodeServicer(decode_pb2_grpc.DecodeServiceServicer):
         self.kv_clients = kv_clients  # address -> KvStoreClient (cached)
         self.settings = settings
         self._prefill_clients: dict[str, PrefillClient] = {}
+        _meter.create_observable_gauge(
+            "pcpstack.decode.queue_depth",
+            callbacks=[lambda _: [Observation(batcher.queue_depth)]],
+            description="requests waiting for KV blocks or decoding",
+        )
 
     # --- request validation ------------------------------------------------------------------------------
 

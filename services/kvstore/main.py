@@ -40,13 +40,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--advertise", default="", help="host other nodes reach this store at (default: --host)"
     )
     parser.add_argument("--node-id", default="", help="stable node identity (default: hostname-port)")
+    parser.add_argument("--metrics", default="", metavar="HOST:PORT", help="serve Prometheus metrics here")
 
 
 def run(args: argparse.Namespace) -> int:
     """Serves until SIGTERM or SIGINT; returns the exit status."""
     ensure_glibc_tunables()
     setup_logging("kvstore")
-    setup_telemetry("kvstore")
+    setup_telemetry("kvstore", metrics_address=args.metrics)
     from services.kvstore.server import KvStoreServerConfig, serve
 
     try:

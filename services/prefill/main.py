@@ -54,6 +54,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--collective-timeout", type=float, default=120.0, help="seconds before a collective fails"
     )
     parser.add_argument("--max-message-bytes", type=int, default=64 * 1024 * 1024)
+    parser.add_argument("--metrics", default="", metavar="HOST:PORT", help="serve Prometheus metrics here")
 
 
 def resolve_config(args: argparse.Namespace) -> EngineConfig:
@@ -213,7 +214,7 @@ def run(args: argparse.Namespace) -> int:
     except ConfigError as exc:
         print(f"config error: {exc}", flush=True)
         return 2
-    setup_telemetry("prefill")
+    setup_telemetry("prefill", metrics_address=args.metrics)
     try:
         asyncio.run(PrefillNode(args, config, info).serve())
     finally:

@@ -13,10 +13,11 @@ from collections.abc import Awaitable, Callable
 from dataclasses import replace
 
 import grpc
+from opentelemetry.metrics import Observation
 from opentelemetry.propagate import inject
 
 from services.common.logs import request_id_var
-from services.common.telemetry import tracer
+from services.common.telemetry import meter, tracer
 from services.engine.sampling import SamplingParams
 from services.kvstore.client import make_key
 from services.prefill.node import ModelInfo, RankSupervisor, SetUnavailable
@@ -26,6 +27,9 @@ from services.proto.pcpstack.v1 import common_pb2, prefill_pb2, prefill_pb2_grpc
 log = logging.getLogger(__name__)
 SERVICE_NAME = prefill_pb2.DESCRIPTOR.services_by_name["PrefillService"].full_name
 _tracer = tracer(__name__)
+_meter = meter("pcpstack.prefill")
+_requests = _meter.create_counter("pcpstack.prefill.requests", description="Prefill requests by outcome")
+_forward = _meter.create_histogram("pcpstack.prefill.forward", unit="s", description="prefill forward time")
 
 
 def sampling_from_proto(msg: common_pb2.SamplingParams) -> SamplingParams:
@@ -55,6 +59,11 @@ class PrefillServicer(prefill_pb2_grpc.PrefillServiceServicer):
         self.supervisor = supervisor
         self.info = info
         self._background: set[asyncio.Future] = set()
+        _meter.create_observable_gauge(
+            "pcpstack.prefill.queue_depth",
+            callbacks=[lambda _: [Observation(supervisor.load)]],
+            description="prefill jobs queued or running on this set",
+        )
         self._default_kvstore = default_kvstore
         self._lease_ms = lease_ms
 
@@ -148,7 +157,10 @@ class PrefillServicer(prefill_pb2_grpc.PrefillServiceServicer):
                 )
             span.set_attribute("pcpstack.replica_rank", outcome.replica_rank)
         if outcome.error:
+            _requests.add(1, {"outcome": "error"})
             await context.abort(grpc.StatusCode.UNAVAILABLE, outcome.error)
+        _requests.add(1, {"outcome": "ok"})
+        _forward.record(outcome.forward_seconds)
         layout = info.layout
         return prefill_pb2.PrefillResponse(
             request_id=request.request_id,

@@ -42,6 +42,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument("--max-message-bytes", type=int, default=DEFAULT_MAX_MESSAGE_BYTES)
     parser.add_argument("--log-level", default="INFO")
+    parser.add_argument("--metrics", default="", metavar="HOST:PORT", help="serve Prometheus metrics here")
 
 
 def settings_from_args(args: argparse.Namespace) -> Settings:
@@ -66,7 +67,7 @@ async def _serve(args: argparse.Namespace) -> None:
 def run(args: argparse.Namespace) -> int:
     """Serves until signalled; returns the exit status."""
     setup_logging("registry", args.log_level)
-    setup_telemetry("registry")
+    setup_telemetry("registry", metrics_address=args.metrics)
     try:
         asyncio.run(_serve(args))
     finally:
