@@ -18,7 +18,6 @@ from dataclasses import dataclass
 
 import grpc
 import torch
-
 from opentelemetry.metrics import Observation
 
 from services.common.logs import request_id_var
