@@ -44,8 +44,10 @@ test: check
 test-fast: $(STAMP)
 	$(BIN)/python -m pytest -q -m "not slow"
 
+# A local PCP=2 stack (registry, KV store, two prefill ranks, decode) answering one demo prompt.
 run: $(STAMP)
-	$(BIN)/pcpstack demo
+	$(BIN)/pcpstack generate --local --pcp 2 --chat --max-tokens 96 \
+		"Explain in three sentences why splitting a long prompt across several workers speeds up the first token."
 
 bench: $(STAMP)
 	$(BIN)/pcpstack bench all --json
