@@ -178,7 +178,10 @@ class DecodeServicer(decode_pb2_grpc.DecodeServiceServicer):
         last_error = ""
         for _ in range(2):
             try:
-                chosen = await self.router.choose(exclude=tried)
+                # The registry lookup: Resolve, or its cached answer while fresh or the registry is away.
+                with _tracer.start_as_current_span("decode.route") as span:
+                    chosen = await self.router.choose(exclude=tried)
+                    span.set_attribute("pcpstack.set_id", chosen.set_id)
             except NoReadySet as exc:
                 raise RequestError(
                     grpc.StatusCode.UNAVAILABLE, f"{exc}{'; ' + last_error if last_error else ''}"

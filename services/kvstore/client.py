@@ -117,7 +117,10 @@ class KvStoreClient:
                 crc = await self._send_chunks(call, view)
             await call.write(pb.PutRequest(commit=pb.PutCommit(crc32c=crc)))
             await call.done_writing()
-            return (await self._read(call, "committed")).committed
+            committed = (await self._read(call, "committed")).committed
+            # Read to the end of the stream so the call (and its trace span) completes rather than being cut.
+            await call.read()
+            return committed
         except grpc.aio.AioRpcError as exc:
             raise error_for_code(exc.code().name, exc.details() or "") from exc
         finally:

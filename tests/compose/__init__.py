@@ -1,0 +1,1 @@
+"""Tests of the docker-compose deployment in compose/."""
