@@ -28,7 +28,6 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--dtype", choices=("float32", "bfloat16"), default=None, help="run dtype (default: device's)"
     )
-    parser.add_argument("--json", action="store_true", help="print the result as JSON")
 
 
 def _cpu_model() -> str:
@@ -102,6 +101,7 @@ def blocks_for_bench() -> int:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__)
     add_arguments(parser)
+    parser.add_argument("--json", action="store_true", help="print the result as one line of JSON")
     args = parser.parse_args()
     result = run(args)
     print(json.dumps(result, indent=None if args.json else 2))

@@ -15,7 +15,7 @@ from pathlib import Path
 
 from services.common.config import ConfigError, load_config_file, parse_overrides
 
-SERVICES = ("registry", "prefill", "decode", "kvstore")
+SERVICES = ("registry", "prefill", "decode", "kvstore", "gateway")
 BENCHES = ("engine", "registry", "kv", "prefill", "e2e")
 RESULTS_DIR = Path("bench") / "results"
 
@@ -54,8 +54,9 @@ def _bench(args: argparse.Namespace) -> int:
         module = importlib.import_module(f"bench.{area}")
         results[area] = module.run(args)
     payload = results if args.area == "all" else results[args.area]
-    RESULTS_DIR.mkdir(parents=True, exist_ok=True)
-    (RESULTS_DIR / f"{args.area}.json").write_text(json.dumps(payload, indent=2) + "\n")
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / f"{args.area}.json").write_text(json.dumps(payload, indent=2) + "\n")
     if args.json:
         print(json.dumps(payload, indent=2))
     else:
@@ -116,6 +117,7 @@ def build_parser(argv: list[str]) -> argparse.ArgumentParser:
     for area in (*BENCHES, "all"):
         area_parser = bench_sub.add_parser(area, help=f"benchmark {area}")
         area_parser.add_argument("--json", action="store_true", help="print the results as JSON")
+        area_parser.add_argument("--out", default=str(RESULTS_DIR), help="folder for the JSON results")
         area_parser.set_defaults(handler=_bench)
         if area in wanted or "all" in wanted:
             module = _module_or_none(f"bench.{area}")

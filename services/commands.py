@@ -54,6 +54,8 @@ def run_up(args: argparse.Namespace) -> int:
             print(f"kvstore   {stack.kvstore_address}")
             for address in stack.decode_addresses:
                 print(f"decode    {address}   (pcpstack generate --target {address} 'your prompt')")
+            if stack.gateway_url:
+                print(f"openai    {stack.gateway_url}/v1   (OpenAI-compatible HTTP API)")
             print("press Ctrl-C to stop", flush=True)
             stop = asyncio.Event()
             loop = asyncio.get_running_loop()

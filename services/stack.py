@@ -17,10 +17,12 @@ import subprocess
 import sys
 import tempfile
 import time
+import urllib.request
 from dataclasses import dataclass, field
 from pathlib import Path
 
 from services.common.channel import open_channel
+from services.common.config import served_model_name
 from services.common.tunables import GLIBC_TUNABLES
 from services.proto.pcpstack.v1 import registry_pb2, registry_pb2_grpc
 
@@ -47,6 +49,7 @@ class StackOptions:
     lease_s: float = 3.0
     ready_timeout_s: float = 900.0
     trace_file: str | None = None
+    gateway: bool = True
     log_dir: str | None = None
     extra_env: dict[str, str] = field(default_factory=dict)
 
@@ -79,6 +82,7 @@ class LocalStack:
         self.registry_address = ""
         self.kvstore_address = ""
         self.decode_addresses: list[str] = []
+        self.gateway_url = ""
 
     def _env(self) -> dict[str, str]:
         env = dict(os.environ)
@@ -201,6 +205,23 @@ class LocalStack:
             if o.decode_threads:
                 args += ["--threads", str(o.decode_threads)]
             self._spawn(f"decode-{index}", address, args)
+        if o.gateway:
+            port = free_port()
+            self.gateway_url = f"http://127.0.0.1:{port}"
+            self._spawn(
+                "gateway",
+                f"127.0.0.1:{port}",
+                [
+                    "serve",
+                    "gateway",
+                    "--port",
+                    str(port),
+                    "--registry",
+                    self.registry_address,
+                    "--model-name",
+                    served_model_name(o.model),
+                ],
+            )
         self._progress(
             f"starting registry, kvstore, {o.prefill_sets} prefill set(s) of PCP={o.pcp} and "
             f"{o.decode} decode worker(s); logs in {self._log_dir}"
@@ -233,7 +254,12 @@ class LocalStack:
                     f"registry {'up' if answer else 'starting'}, {ready_sets}/{o.prefill_sets} prefill sets "
                     f"ready, {decoders}/{o.decode} decode workers, {stores}/1 KV stores (models loading)"
                 )
-                if ready_sets >= o.prefill_sets and decoders >= o.decode and stores >= 1:
+                if (
+                    ready_sets >= o.prefill_sets
+                    and decoders >= o.decode
+                    and stores >= 1
+                    and await self._gateway_healthy()
+                ):
                     self._progress(f"stack ready in {elapsed:.1f} s")
                     return
                 # Report changes at once, and a reminder every 10 s that it is still waiting.
@@ -243,6 +269,19 @@ class LocalStack:
                 await asyncio.sleep(0.5)
         finally:
             await channel.close()
+
+    async def _gateway_healthy(self) -> bool:
+        if not self.gateway_url:
+            return True
+
+        def probe() -> bool:
+            try:
+                with urllib.request.urlopen(f"{self.gateway_url}/health", timeout=2) as answer:
+                    return answer.status == 200
+            except OSError:
+                return False
+
+        return await asyncio.to_thread(probe)
 
     async def stop(self) -> None:
         """Stops every service: SIGTERM, then SIGKILL after a grace period."""

@@ -39,6 +39,7 @@ class RunningStack:
 
 def start_stack(tmp: Path, **options) -> RunningStack:
     options.setdefault("lease_s", 2.0)
+    options.setdefault("gateway", False)
     return RunningStack(StackOptions(log_dir=str(tmp), **options)).start()
 
 

@@ -324,3 +324,13 @@ def load_config_file(path: str | Path, overrides: dict[str, Any] | None = None) 
     except json.JSONDecodeError as exc:
         raise ConfigError(f"{path}: not valid JSON: {exc}", (), "valid JSON") from exc
     return load_configs(document, overrides)
+
+
+DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"
+
+
+def served_model_name(model: str | None) -> str:
+    """The name clients use for a model: the embedded default's name, 'tiny', or the file or folder name."""
+    if not model:
+        return DEFAULT_MODEL_NAME
+    return model if model == "tiny" else Path(model).stem

@@ -10,11 +10,16 @@ import argparse
 import asyncio
 import logging
 import socket
-from pathlib import Path
 
 import torch
 
-from services.common.config import ConfigError, EngineConfig, load_config_file, parse_overrides
+from services.common.config import (
+    ConfigError,
+    EngineConfig,
+    load_config_file,
+    parse_overrides,
+    served_model_name,
+)
 from services.common.logs import setup_logging
 from services.common.server import ServerOptions, serve_until_signalled, start_server
 from services.common.telemetry import setup_telemetry, shutdown_telemetry
@@ -27,7 +32,6 @@ from services.engine.kv_cache import blocks_needed
 from services.proto.pcpstack.v1 import decode_pb2_grpc
 
 log = logging.getLogger(__name__)
-DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -67,11 +71,6 @@ def resolve_config(args: argparse.Namespace) -> EngineConfig:
         return configs["decode"]
     base = EngineConfig(role="decode")
     return base.with_overrides(overrides) if overrides else base
-
-
-def served_model_name(model: str) -> str:
-    """The name clients use for the model: the default's name, 'tiny', or the file or folder name."""
-    return Path(model).stem if model and model != "tiny" else (model or DEFAULT_MODEL_NAME)
 
 
 async def serve(args: argparse.Namespace, config: EngineConfig, engine: Engine) -> None:

@@ -1,1 +1,1 @@
-"""The OpenAI-compatible HTTP gateway: /v1/completions and /v1/chat/completions translated to Decode.Generate."""
+"""The OpenAI-compatible HTTP gateway: /v1/completions and /v1/chat/completions over Decode.Generate."""

@@ -19,7 +19,13 @@ _HTTP_OF_RPC: dict[grpc.StatusCode, tuple[int, str]] = {
     grpc.StatusCode.DEADLINE_EXCEEDED: (504, "timeout"),
 }
 # The decode service names the field first ("sampling.temperature=-1.0 must be ..."); its OpenAI parameter:
-_PARAM_OF_FIELD = {"chat": "messages", "text": "prompt", "token_ids": "prompt", "prompt": "prompt", "model": "model"}
+_PARAM_OF_FIELD = {
+    "chat": "messages",
+    "text": "prompt",
+    "token_ids": "prompt",
+    "prompt": "prompt",
+    "model": "model",
+}
 _FIELD = re.compile(r"[A-Za-z_][\w.]*")
 
 
@@ -44,7 +50,14 @@ class ApiError(Exception):
 
     def body(self) -> dict:
         """The JSON body OpenAI clients parse."""
-        return {"error": {"message": self.message, "type": self.error_type, "param": self.param, "code": self.code}}
+        return {
+            "error": {
+                "message": self.message,
+                "type": self.error_type,
+                "param": self.param,
+                "code": self.code,
+            }
+        }
 
 
 def bad_request(param: str, message: str) -> ApiError:

@@ -1,0 +1,280 @@
+"""The gateway's HTTP layer (aiohttp): routes, the tracing and metrics middleware, streaming over SSE.
+
+Handlers stay thin: openai_requests parses, Decode.Generate runs, openai_responses shapes. Each /v1 request
+gets a server span continuing the caller's `traceparent`; the gRPC client instrumentation carries it on to
+decode. A streamed request waits for decode's first message before sending headers, so that a refused
+request still gets its HTTP error status; an error after that is sent as a last `data: {"error": ...}` event.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import time
+import uuid
+from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass
+
+import grpc
+from aiohttp import web
+from opentelemetry import propagate, trace
+
+from services.common.logs import request_id_var
+from services.common.telemetry import current_trace_id, tracer
+from services.gateway.errors import ApiError, error_from_rpc, service_unavailable
+from services.gateway.metrics import CONTENT_TYPE, GatewayMetrics
+from services.gateway.openai_requests import ParsedRequest, parse_chat, parse_completion
+from services.gateway.openai_responses import SSE_DONE, ResponseShaper, sse
+from services.gateway.upstream import DecodePool
+from services.proto.pcpstack.v1 import decode_pb2
+
+log = logging.getLogger(__name__)
+_tracer = tracer(__name__)
+REQUEST_ID_HEADER = "X-Request-Id"
+TRACE_ID_HEADER = "X-Trace-Id"
+
+
+@dataclass(frozen=True)
+class GatewaySettings:
+    """What the HTTP layer needs beyond the decode pool."""
+
+    model_name: str
+    request_timeout_s: float = 600.0
+
+
+_SETTINGS = web.AppKey("settings", GatewaySettings)
+_POOL = web.AppKey("pool", DecodePool)
+_METRICS = web.AppKey("metrics", GatewayMetrics)
+_STARTED = web.AppKey("started", int)
+_REQUEST_ID = web.RequestKey("request_id", str)
+_TRACE_ID = web.RequestKey("trace_id", str)
+
+
+def create_app(pool: DecodePool, settings: GatewaySettings) -> web.Application:
+    """The aiohttp application; the pool is closed when the app shuts down."""
+    app = web.Application(middlewares=[_observe], client_max_size=64 * 1024 * 1024)
+    app[_SETTINGS] = settings
+    app[_POOL] = pool
+    app[_METRICS] = GatewayMetrics()
+    app[_STARTED] = int(time.time())
+    app.router.add_post("/v1/completions", _completions)
+    app.router.add_post("/v1/chat/completions", _chat_completions)
+    app.router.add_get("/v1/models", _models)
+    app.router.add_get("/v1/models/{model}", _model)
+    app.router.add_get("/health", _health)
+    app.router.add_get("/metrics", _metrics)
+    app.on_response_prepare.append(_add_id_headers)
+
+    async def close_pool(app: web.Application) -> None:
+        await app[_POOL].close()
+
+    app.on_cleanup.append(close_pool)
+    return app
+
+
+def _error_response(error: ApiError) -> web.Response:
+    return web.json_response(error.body(), status=error.status)
+
+
+@web.middleware
+async def _observe(request: web.Request, handler: Callable) -> web.StreamResponse:
+    """Server span (continuing the caller's trace), OpenAI-shaped errors and metrics for /v1 routes."""
+    if not request.path.startswith("/v1/"):
+        return await handler(request)
+    metrics = request.app[_METRICS]
+    resource = request.match_info.route.resource
+    endpoint = resource.canonical if resource is not None else "unmatched"
+    started = time.perf_counter()
+    metrics.in_flight.inc()
+    with _tracer.start_as_current_span(
+        f"{request.method} {endpoint}", context=propagate.extract(request.headers), kind=trace.SpanKind.SERVER
+    ) as span:
+        span.set_attribute("http.request.method", request.method)
+        span.set_attribute("url.path", request.path)
+        request[_TRACE_ID] = current_trace_id()
+        try:
+            response = await handler(request)
+        except ApiError as exc:
+            response = _error_response(exc)
+            metrics.errors.labels(endpoint, exc.error_type).inc()
+        except web.HTTPException as exc:
+            response = _error_response(ApiError(exc.status, exc.reason, error_type="invalid_request_error"))
+            metrics.errors.labels(endpoint, "invalid_request_error").inc()
+        except Exception:
+            log.exception("unexpected error serving %s", request.path)
+            response = _error_response(ApiError(500, "internal error", error_type="server_error"))
+            metrics.errors.labels(endpoint, "server_error").inc()
+        finally:
+            metrics.in_flight.dec()
+        span.set_attribute("http.response.status_code", response.status)
+        if response.status >= 500:
+            span.set_status(trace.StatusCode.ERROR)
+    metrics.requests.labels(endpoint, str(response.status)).inc()
+    metrics.latency.labels(endpoint).observe(time.perf_counter() - started)
+    return response
+
+
+async def _add_id_headers(request: web.Request, response: web.StreamResponse) -> None:
+    """Tells the caller the request id and the trace id to look for in logs and traces."""
+    if _REQUEST_ID in request:
+        response.headers[REQUEST_ID_HEADER] = request[_REQUEST_ID]
+    if request.get(_TRACE_ID):
+        response.headers[TRACE_ID_HEADER] = request[_TRACE_ID]
+
+
+async def _completions(request: web.Request) -> web.StreamResponse:
+    return await _generate(request, parse_completion, "cmpl")
+
+
+async def _chat_completions(request: web.Request) -> web.StreamResponse:
+    return await _generate(request, parse_chat, "chatcmpl")
+
+
+async def _generate(
+    request: web.Request, parse: Callable[[object, str], ParsedRequest], id_prefix: str
+) -> web.StreamResponse:
+    """Parses, calls Decode.Generate and answers whole or streamed."""
+    settings, pool = request.app[_SETTINGS], request.app[_POOL]
+    try:
+        body = await request.json()
+    except (json.JSONDecodeError, UnicodeDecodeError):
+        raise ApiError(400, "the request body must be JSON", param="body") from None
+    parsed = parse(body, settings.model_name)
+    request_id = request.headers.get(REQUEST_ID_HEADER) or uuid.uuid4().hex
+    request[_REQUEST_ID] = request_id
+    request_id_var.set(request_id)
+    shaper = ResponseShaper(parsed, f"{id_prefix}-{request_id}", int(time.time()))
+    client = await pool.client()
+    call = client.stream(parsed.to_generate_request(request_id), timeout=settings.request_timeout_s)
+    messages = _messages(call, client.address)
+    timer = _FirstToken(request.app[_METRICS], request.match_info.route.resource.canonical)
+    try:
+        first = await anext(messages)  # a refused request fails here, before any header is sent
+        if parsed.stream:
+            return await _stream(request, shaper, _chain(first, messages), timer)
+        summary = None
+        async for message in _chain(first, messages):
+            if message.HasField("delta"):
+                timer.seen()
+                shaper.add(message.delta)
+            else:
+                summary = message.summary
+        _count_tokens(request, summary)
+        return web.json_response(shaper.response(summary))
+    finally:
+        await messages.aclose()
+        call.cancel()  # a no-op once finished; stops decode when the client went away
+
+
+class _FirstToken:
+    """Observes the time to the first generated token, once."""
+
+    def __init__(self, metrics: GatewayMetrics, endpoint: str) -> None:
+        self._histogram = metrics.ttft.labels(endpoint)
+        self.endpoint = endpoint
+        self._started: float | None = time.perf_counter()
+
+    def seen(self) -> None:
+        if self._started is not None:
+            self._histogram.observe(time.perf_counter() - self._started)
+            self._started = None
+
+
+async def _stream(
+    request: web.Request,
+    shaper: ResponseShaper,
+    messages: AsyncIterator[decode_pb2.GenerateResponse],
+    timer: _FirstToken,
+) -> web.StreamResponse:
+    response = web.StreamResponse(
+        headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
+    )
+    await response.prepare(request)
+    try:
+        for chunk in shaper.opening_chunks():
+            await response.write(sse(chunk))
+        try:
+            async for message in messages:
+                if message.HasField("delta"):
+                    timer.seen()
+                    chunk = shaper.delta_chunk(message.delta)
+                    if chunk is not None:
+                        await response.write(sse(chunk))
+                else:
+                    for chunk in shaper.closing_chunks(message.summary):
+                        await response.write(sse(chunk))
+                    _count_tokens(request, message.summary)
+        except ApiError as exc:
+            request.app[_METRICS].errors.labels(timer.endpoint, exc.error_type).inc()
+            await response.write(sse(exc.body()))
+        await response.write(SSE_DONE)
+        await response.write_eof()
+    except ConnectionResetError:
+        log.info("client went away; request cancelled")
+    return response
+
+
+async def _messages(
+    call: grpc.aio.UnaryStreamCall, address: str
+) -> AsyncIterator[decode_pb2.GenerateResponse]:
+    """The Generate stream with gRPC failures turned into ApiError."""
+    try:
+        async for message in call:
+            yield message
+    except grpc.aio.AioRpcError as exc:
+        details = exc.details() or ""
+        if exc.code() == grpc.StatusCode.UNAVAILABLE:
+            details = f"decode worker at {address}: {details}"
+        raise error_from_rpc(exc.code(), details) from None
+
+
+async def _chain(
+    first: decode_pb2.GenerateResponse, rest: AsyncIterator[decode_pb2.GenerateResponse]
+) -> AsyncIterator[decode_pb2.GenerateResponse]:
+    yield first
+    async for message in rest:
+        yield message
+
+
+def _count_tokens(request: web.Request, summary: decode_pb2.GenerateSummary | None) -> None:
+    if summary is not None:
+        tokens = request.app[_METRICS].tokens
+        tokens.labels("prompt").inc(summary.prompt_tokens)
+        tokens.labels("completion").inc(summary.completion_tokens)
+
+
+def _model_card(request: web.Request) -> dict:
+    return {
+        "id": request.app[_SETTINGS].model_name,
+        "object": "model",
+        "created": request.app[_STARTED],
+        "owned_by": "pcpstack",
+    }
+
+
+async def _models(request: web.Request) -> web.Response:
+    return web.json_response({"object": "list", "data": [_model_card(request)]})
+
+
+async def _model(request: web.Request) -> web.Response:
+    card = _model_card(request)
+    if request.match_info["model"] != card["id"]:
+        raise ApiError(
+            404,
+            f"model {request.match_info['model']!r} does not exist",
+            param="model",
+            code="model_not_found",
+        )
+    return web.json_response(card)
+
+
+async def _health(request: web.Request) -> web.Response:
+    """200 while at least one decode worker answers its health check SERVING, else 503."""
+    serving = await request.app[_POOL].serving()
+    if not serving:
+        return _error_response(service_unavailable("no decode worker is serving"))
+    return web.json_response({"status": "ok", "decode_workers": serving})
+
+
+async def _metrics(request: web.Request) -> web.Response:
+    return web.Response(body=request.app[_METRICS].render(), headers={"Content-Type": CONTENT_TYPE})

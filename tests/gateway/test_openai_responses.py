@@ -1,0 +1,90 @@
+"""Decode results become OpenAI responses and stream chunks: text, finish reasons, usage, logprobs."""
+
+from __future__ import annotations
+
+import json
+
+from services.gateway.openai_requests import parse_chat, parse_completion
+from services.gateway.openai_responses import ResponseShaper, sse, token_logprobs
+from services.proto.pcpstack.v1 import decode_pb2
+
+MODEL = "m"
+SUMMARY = decode_pb2.GenerateSummary(
+    finish_reason=decode_pb2.FINISH_REASON_LENGTH, prompt_tokens=5, completion_tokens=2
+)
+
+
+def _deltas() -> list[decode_pb2.TokenDelta]:
+    # The first token has no logprob: prefill sampled it.
+    return [
+        decode_pb2.TokenDelta(token_ids=[10], text="Hel"),
+        decode_pb2.TokenDelta(token_ids=[11], text="lo", logprobs=[-0.5]),
+    ]
+
+
+def test_first_token_logprob_is_none_and_the_rest_align() -> None:
+    delta = decode_pb2.TokenDelta(token_ids=[1, 2, 3], text="abc", logprobs=[-1.0, -2.0])
+    assert [t.logprob for t in token_logprobs(delta)] == [None, -1.0, -2.0]
+
+
+def test_completion_response_has_text_finish_reason_and_usage() -> None:
+    shaper = ResponseShaper(parse_completion({"prompt": "x"}, MODEL), "cmpl-1", 100)
+    for delta in _deltas():
+        shaper.add(delta)
+    body = shaper.response(SUMMARY)
+    assert body["object"] == "text_completion" and body["id"] == "cmpl-1" and body["model"] == MODEL
+    assert body["choices"] == [{"index": 0, "text": "Hello", "logprobs": None, "finish_reason": "length"}]
+    assert body["usage"] == {"prompt_tokens": 5, "completion_tokens": 2, "total_tokens": 7}
+
+
+def test_completion_logprobs_carry_tokens_and_text_offsets() -> None:
+    shaper = ResponseShaper(parse_completion({"prompt": "x", "logprobs": 0}, MODEL), "c", 0)
+    for delta in _deltas():
+        shaper.add(delta)
+    logprobs = shaper.response(SUMMARY)["choices"][0]["logprobs"]
+    assert logprobs["tokens"] == ["Hel", "lo"]
+    assert logprobs["token_logprobs"] == [None, -0.5]
+    assert logprobs["text_offset"] == [0, 3]
+
+
+def test_chat_response_is_an_assistant_message_with_logprobs() -> None:
+    body = {"messages": [{"role": "user", "content": "x"}], "logprobs": True}
+    shaper = ResponseShaper(parse_chat(body, MODEL), "chatcmpl-1", 0)
+    for delta in _deltas():
+        shaper.add(delta)
+    choice = shaper.response(SUMMARY)["choices"][0]
+    assert choice["message"] == {"role": "assistant", "content": "Hello"}
+    assert [t["logprob"] for t in choice["logprobs"]["content"]] == [None, -0.5]
+    assert choice["logprobs"]["content"][1]["bytes"] == list(b"lo")
+
+
+def test_chat_stream_opens_with_the_role_and_closes_with_finish_reason_then_usage() -> None:
+    body = {
+        "messages": [{"role": "user", "content": "x"}],
+        "stream": True,
+        "stream_options": {"include_usage": True},
+    }
+    shaper = ResponseShaper(parse_chat(body, MODEL), "chatcmpl-1", 0)
+    chunks = [*shaper.opening_chunks(), *(shaper.delta_chunk(d) for d in _deltas())]
+    summary = decode_pb2.GenerateSummary(finish_reason=decode_pb2.FINISH_REASON_STOP, prompt_tokens=1)
+    chunks += shaper.closing_chunks(summary)
+    assert all(c["object"] == "chat.completion.chunk" for c in chunks)
+    assert chunks[0]["choices"][0]["delta"] == {"role": "assistant", "content": ""}
+    assert "".join(c["choices"][0]["delta"].get("content", "") for c in chunks[:-1]) == "Hello"
+    assert chunks[-2]["choices"][0]["finish_reason"] == "stop"
+    assert chunks[-1]["choices"] == [] and chunks[-1]["usage"]["total_tokens"] == 1
+    assert all(c["usage"] is None for c in chunks[:-1])
+
+
+def test_completion_stream_skips_deltas_that_add_no_text() -> None:
+    shaper = ResponseShaper(parse_completion({"prompt": "x", "stream": True}, MODEL), "c", 0)
+    assert shaper.opening_chunks() == []
+    assert shaper.delta_chunk(decode_pb2.TokenDelta(token_ids=[3], text="")) is None
+    chunk = shaper.delta_chunk(decode_pb2.TokenDelta(token_ids=[3], text="a"))
+    assert chunk["choices"][0]["text"] == "a" and "usage" not in chunk
+
+
+def test_sse_frames_one_json_event() -> None:
+    frame = sse({"a": 1})
+    assert frame.startswith(b"data: ") and frame.endswith(b"\n\n")
+    assert json.loads(frame[6:]) == {"a": 1}
