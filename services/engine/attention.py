@@ -40,11 +40,27 @@ class AttentionMetadata:
     kv_exchange: KvExchange | None = None
     fresh_context: bool = False
     _mask: torch.Tensor | None = field(default=None, repr=False)
+    _runs: list[tuple[int, int]] | None = field(default=None, repr=False)
 
     @property
     def num_seqs(self) -> int:
         """Sequences in this step (B)."""
         return self.block_tables.shape[0]
+
+    def query_runs(self) -> list[tuple[int, int]]:
+        """The queries' positions as maximal runs [start, end) of consecutive positions (one sequence).
+
+        A context-parallel rank's DualChunkSwap share is two runs.
+        """
+        if self._runs is None:
+            positions = self.positions.tolist()
+            breaks = [i for i in range(1, len(positions)) if positions[i] != positions[i - 1] + 1]
+            starts = [0, *breaks]
+            ends = [*breaks, len(positions)]
+            self._runs = [
+                (positions[s], positions[e - 1] + 1) for s, e in zip(starts, ends, strict=True) if e > s
+            ]
+        return self._runs
 
     def key_mask(self, q_per_kv: int) -> torch.Tensor:
         """[B, 1, q_per_kv * tokens_per_seq, max_context_len] bool: which keys each grouped query may see."""
@@ -106,6 +122,8 @@ def paged_attention(
             enable_gqa=True,
         )  # [1, H, n, D]
         return out[0].transpose(0, 1).reshape(n, n_heads * head_dim)
+    if meta.fresh_context and q.device.type == "cpu" and n > 0:
+        return attend_runs(q, k, v, meta.query_runs(), q_per_kv)
     if meta.fresh_context:
         keys, values = k[None], v[None]  # [1, ctx, kv_heads, head_dim]
     else:
@@ -123,3 +141,42 @@ def paged_attention(
     # [B, kv_heads, q_per_kv * tokens, D] -> [n, H * D]
     out = out.view(batch, n_kv_heads, q_per_kv, tokens, head_dim).permute(0, 3, 1, 2, 4)
     return out.reshape(n, n_heads * head_dim)
+
+
+_flash_cpu = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu.default
+
+
+def attend_runs(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, runs: list[tuple[int, int]], q_per_kv: int
+) -> torch.Tensor:
+    """Causal attention of queries made of runs of consecutive positions to a whole prompt's K/V (CPU).
+
+    q: [n, H, D], the queries of `runs` in order; k, v: [ctx, kv_heads, D] in position order. A run
+    [s, e) sees every key before s (a plain block, no mask) and the diagonal block [s, e) causally; the two
+    partial results are merged with their log-sum-exp weights. Unlike a masked kernel this skips the
+    masked-out work, which is what gives context-parallel ranks their share of the causal saving.
+    Returns [n, H * D].
+    """
+    n_heads, head_dim = q.shape[1:]
+    n_kv_heads = k.shape[1]
+    outputs, offset = [], 0
+    for start, end in runs:
+        length = end - start
+        run = q[offset : offset + length]
+        offset += length
+        # Diagonal block: per-head copies of this block's K/V only (small), so the causal kernel applies.
+        diag_k = k[start:end].repeat_interleave(q_per_kv, dim=1).transpose(0, 1)[None]
+        diag_v = v[start:end].repeat_interleave(q_per_kv, dim=1).transpose(0, 1)[None]
+        out, lse = _flash_cpu(run.transpose(0, 1)[None], diag_k, diag_v, 0.0, True)  # [1, H, L, D], [1, H, L]
+        if start > 0:
+            # Prefix block: queries sharing a K/V head side by side, no K/V copies.
+            grouped = run.view(1, length, n_kv_heads, q_per_kv, head_dim).permute(0, 2, 3, 1, 4)
+            grouped = grouped.reshape(1, n_kv_heads, q_per_kv * length, head_dim)
+            prefix_k, prefix_v = k[:start].transpose(0, 1)[None], v[:start].transpose(0, 1)[None]
+            prefix_out, prefix_lse = _flash_cpu(grouped, prefix_k, prefix_v, 0.0, False)
+            prefix_out = prefix_out.reshape(1, n_heads, length, head_dim)
+            prefix_lse = prefix_lse.reshape(1, n_heads, length)
+            total = torch.logaddexp(lse, prefix_lse)
+            out = out * (lse - total).exp()[..., None] + prefix_out * (prefix_lse - total).exp()[..., None]
+        outputs.append(out[0].transpose(0, 1).reshape(length, n_heads * head_dim))
+    return torch.cat(outputs)
