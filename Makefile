@@ -5,6 +5,8 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 # Large protobuf bytes fields serialise far faster with a high mmap threshold (see README).
+# Tools installed in the venv (buf, protoc plugins, check-jsonschema) are found by the commands and tests.
+export PATH := $(CURDIR)/$(BIN):$(PATH)
 export GLIBC_TUNABLES ?= glibc.malloc.mmap_threshold=33554432:glibc.malloc.trim_threshold=1073741824
 
 .PHONY: venv proto proto-baseline check lint format test test-fast run bench clean

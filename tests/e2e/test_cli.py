@@ -1,0 +1,114 @@
+"""The user-facing commands in real processes: `pcpstack up` until Ctrl-C, `pcpstack generate --target`,
+and a request that still succeeds when the set it would have used dies."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+
+from services.common.channel import open_channel
+from services.decode.client import DecodeClient, build_request
+from services.proto.pcpstack.v1 import registry_pb2, registry_pb2_grpc
+from tests.helpers import child_pids, start_stack
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    return True
+
+
+@pytest.mark.slow
+def test_up_prints_endpoints_serves_and_stops_cleanly_on_ctrl_c(tmp_path, child_env) -> None:
+    up = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "services.cli",
+            "up",
+            "--pcp",
+            "2",
+            "--model",
+            "tiny",
+            "--log-dir",
+            str(tmp_path),
+        ],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        env=child_env,
+    )
+    try:
+        lines = []
+        deadline = time.monotonic() + 180
+        while time.monotonic() < deadline and not any("Ctrl-C" in line for line in lines):
+            lines.append(up.stdout.readline())
+        endpoints = dict(line.split()[:2] for line in lines if line.strip() and "Ctrl-C" not in line)
+        assert {"registry", "kvstore", "decode", "openai"} <= set(endpoints), lines
+        services = [int(p) for p in child_pids(up.pid)]
+        assert len(services) >= 5  # registry, kvstore, prefill, decode, gateway
+        run = subprocess.run(
+            [
+                sys.executable,
+                "-m",
+                "services.cli",
+                "generate",
+                "--target",
+                endpoints["decode"],
+                "--json",
+                "--max-tokens",
+                "5",
+                "--ignore-eos",
+                "hello",
+            ],
+            capture_output=True,
+            text=True,
+            env=child_env,
+            timeout=120,
+        )
+        assert run.returncode == 0, run.stderr
+        answer = json.loads(run.stdout)
+        assert len(answer["token_ids"]) == 5 and answer["finish_reason"] == "length"
+        assert answer["prompt_token_ids"] == [104, 101, 108, 108, 111] and len(answer["trace_id"]) == 32
+        up.send_signal(signal.SIGINT)
+        assert up.wait(timeout=60) == 0
+        time.sleep(0.5)
+        assert [pid for pid in services if _alive(pid)] == []
+    finally:
+        if up.poll() is None:
+            up.kill()
+            up.wait()
+
+
+@pytest.mark.slow
+def test_request_succeeds_when_the_set_it_would_use_has_just_died(tmp_path) -> None:
+    stack = start_stack(tmp_path, pcp=2, prefill_sets=2, model="tiny")
+    try:
+
+        async def sets():
+            async with open_channel(stack.stack.registry_address, default_deadline=5) as channel:
+                stub = registry_pb2_grpc.RegistryServiceStub(channel)
+                return (await stub.ListSets(registry_pb2.ListSetsRequest())).sets
+
+        first = min(stack.run(sets()), key=lambda s: s.set_id)  # the router's pick among equally loaded sets
+        node = next(s for s in stack.stack.services if s.name == first.member_node_ids[0])
+        os.kill(child_pids(node.process.pid)[-1], signal.SIGKILL)
+
+        async def ask():
+            client = DecodeClient(stack.decode)
+            try:
+                return await client.generate(build_request("still there?", max_tokens=4, ignore_eos=True))
+            finally:
+                await client.close()
+
+        assert stack.run(ask()).summary.completion_tokens == 4
+    finally:
+        stack.stop()
