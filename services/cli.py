@@ -104,6 +104,12 @@ def build_parser(argv: list[str]) -> argparse.ArgumentParser:
     generate = sub.add_parser("generate", help="stream one answer from a decode worker or a local stack")
     commands.add_generate_arguments(generate)
     generate.set_defaults(handler=commands.run_generate)
+    certs = sub.add_parser("certs", help="make a development CA and service certificates for mutual TLS")
+    if "certs" in wanted:
+        from services import certs as certs_module
+
+        certs_module.add_arguments(certs)
+        certs.set_defaults(handler=certs_module.run)
 
     for command, module_name in (("status", "services.registry.status"),):
         module = _module_or_none(module_name)

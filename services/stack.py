@@ -21,6 +21,7 @@ import urllib.request
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from services.common import security
 from services.common.channel import open_channel
 from services.common.config import served_model_name
 from services.common.tunables import GLIBC_TUNABLES
@@ -231,7 +232,10 @@ class LocalStack:
     async def _wait_ready(self, started: float) -> None:
         o = self.options
         last_state, last_report_at = "", 0.0
-        channel = open_channel(self.registry_address, default_deadline=2.0)
+        # The services' security comes from the environment (extra_env may turn on TLS and the token).
+        channel = open_channel(
+            self.registry_address, default_deadline=2.0, security=security.from_env(self._env())
+        )
         try:
             stub = registry_pb2_grpc.RegistryServiceStub(channel)
             while True:

@@ -1,7 +1,8 @@
-"""The one way a pcpstack client opens a channel: every call gets a deadline.
+"""The one way a pcpstack client opens a channel: every call gets a deadline and the process's security.
 
 A call made without an explicit timeout gets the channel's default deadline, so no RPC can wait forever
-on a peer that went silent.
+on a peer that went silent. The channel uses mutual TLS and attaches the bearer token when the process's
+security (services.common.security) configures them, unless the caller passes its own.
 """
 
 from __future__ import annotations
@@ -10,49 +11,56 @@ from collections.abc import Sequence
 
 import grpc
 
+from services.common import security as security_mod
 from services.common.server import DEFAULT_MAX_MESSAGE_BYTES
 
 DEFAULT_DEADLINE_SECONDS = 30.0
 
 
-def _with_deadline(details: grpc.aio.ClientCallDetails, deadline: float) -> grpc.aio.ClientCallDetails:
-    if details.timeout is not None:
+def _prepare(
+    details: grpc.aio.ClientCallDetails, deadline: float, metadata: tuple[tuple[str, str], ...]
+) -> grpc.aio.ClientCallDetails:
+    if details.timeout is not None and not metadata:
         return details
+    timeout = deadline if details.timeout is None else details.timeout
+    merged = details.metadata
+    if metadata:
+        merged = grpc.aio.Metadata(*(details.metadata or ()))
+        for key, value in metadata:
+            if key not in merged:  # a caller's own value wins
+                merged.add(key, value)
     return grpc.aio.ClientCallDetails(
-        details.method, deadline, details.metadata, details.credentials, details.wait_for_ready
+        details.method, timeout, merged, details.credentials, details.wait_for_ready
     )
 
 
-class _DeadlineUnaryUnary(grpc.aio.UnaryUnaryClientInterceptor):
-    def __init__(self, deadline: float) -> None:
+class _Prepared:
+    def __init__(self, deadline: float, metadata: tuple[tuple[str, str], ...]) -> None:
         self._deadline = deadline
+        self._metadata = metadata
 
+    def _details(self, details: grpc.aio.ClientCallDetails) -> grpc.aio.ClientCallDetails:
+        return _prepare(details, self._deadline, self._metadata)
+
+
+class _UnaryUnary(_Prepared, grpc.aio.UnaryUnaryClientInterceptor):
     async def intercept_unary_unary(self, continuation, client_call_details, request):
-        return await continuation(_with_deadline(client_call_details, self._deadline), request)
+        return await continuation(self._details(client_call_details), request)
 
 
-class _DeadlineUnaryStream(grpc.aio.UnaryStreamClientInterceptor):
-    def __init__(self, deadline: float) -> None:
-        self._deadline = deadline
-
+class _UnaryStream(_Prepared, grpc.aio.UnaryStreamClientInterceptor):
     async def intercept_unary_stream(self, continuation, client_call_details, request):
-        return await continuation(_with_deadline(client_call_details, self._deadline), request)
+        return await continuation(self._details(client_call_details), request)
 
 
-class _DeadlineStreamUnary(grpc.aio.StreamUnaryClientInterceptor):
-    def __init__(self, deadline: float) -> None:
-        self._deadline = deadline
-
+class _StreamUnary(_Prepared, grpc.aio.StreamUnaryClientInterceptor):
     async def intercept_stream_unary(self, continuation, client_call_details, request_iterator):
-        return await continuation(_with_deadline(client_call_details, self._deadline), request_iterator)
+        return await continuation(self._details(client_call_details), request_iterator)
 
 
-class _DeadlineStreamStream(grpc.aio.StreamStreamClientInterceptor):
-    def __init__(self, deadline: float) -> None:
-        self._deadline = deadline
-
+class _StreamStream(_Prepared, grpc.aio.StreamStreamClientInterceptor):
     async def intercept_stream_stream(self, continuation, client_call_details, request_iterator):
-        return await continuation(_with_deadline(client_call_details, self._deadline), request_iterator)
+        return await continuation(self._details(client_call_details), request_iterator)
 
 
 def open_channel(
@@ -61,18 +69,24 @@ def open_channel(
     default_deadline: float = DEFAULT_DEADLINE_SECONDS,
     max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES,
     extra_options: Sequence[tuple[str, object]] = (),
+    security: security_mod.Security | None = None,
 ) -> grpc.aio.Channel:
     """An aio channel to target whose calls time out after default_deadline seconds unless told otherwise.
 
-    Long-lived streams (a registry Session) must pass their own, longer timeout.
+    Long-lived streams (a registry Session) must pass their own, longer timeout. security defaults to the
+    process's (security.current()); pass security.PLAINTEXT for a deliberately plain channel.
     """
+    security = security if security is not None else security_mod.current()
+    metadata = security.call_metadata()
     interceptors = [
-        cls(default_deadline)
-        for cls in (_DeadlineUnaryUnary, _DeadlineUnaryStream, _DeadlineStreamUnary, _DeadlineStreamStream)
+        cls(default_deadline, metadata) for cls in (_UnaryUnary, _UnaryStream, _StreamUnary, _StreamStream)
     ]
     options = [
         ("grpc.max_send_message_length", max_message_bytes),
         ("grpc.max_receive_message_length", max_message_bytes),
         *extra_options,
     ]
-    return grpc.aio.insecure_channel(target, options=options, interceptors=interceptors)
+    credentials = security.channel_credentials()
+    if credentials is None:
+        return grpc.aio.insecure_channel(target, options=options, interceptors=interceptors)
+    return grpc.aio.secure_channel(target, credentials, options=options, interceptors=interceptors)

@@ -2,7 +2,8 @@
 
 Every server gets the standard health service, server reflection, a bind address that defaults to
 loopback, a configurable message size limit, and a graceful shutdown on SIGTERM/SIGINT (stop taking new
-calls, let running ones finish within a grace period, then cancel the rest).
+calls, let running ones finish within a grace period, then cancel the rest). Its security (mutual TLS, the
+bearer-token check) is the process's configured one (services.common.security) unless options give another.
 """
 
 from __future__ import annotations
@@ -19,6 +20,8 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_health.v1.health import aio as health_aio
 from grpc_reflection.v1alpha import reflection
 
+from services.common import security as security_mod
+
 log = logging.getLogger(__name__)
 
 DEFAULT_MAX_MESSAGE_BYTES = 64 * 1024 * 1024
@@ -32,6 +35,8 @@ class ServerOptions:
     port: int = 0
     max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES
     grace_seconds: float = 5.0
+    # None: the process-wide security (security.current()), which is plaintext and no token by default.
+    security: security_mod.Security | None = None
 
     def channel_options(self) -> list[tuple[str, int]]:
         """gRPC options that apply the message size limit in both directions."""
@@ -89,7 +94,8 @@ async def start_server(
     service_names are the full proto names (e.g. "pcpstack.v1.KvStoreService"); they are published in
     reflection and marked SERVING in health.
     """
-    server = grpc.aio.server(options=options.channel_options())
+    security = options.security if options.security is not None else security_mod.current()
+    server = grpc.aio.server(options=options.channel_options(), interceptors=security.server_interceptors())
     register(server)
     health = health_aio.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health, server)
@@ -97,7 +103,11 @@ async def start_server(
     reflection.enable_server_reflection(
         [*names, health_pb2.DESCRIPTOR.services_by_name["Health"].full_name, reflection.SERVICE_NAME], server
     )
-    port = server.add_insecure_port(f"{options.host}:{options.port}")
+    credentials = security.server_credentials()
+    bind = f"{options.host}:{options.port}"
+    port = (
+        server.add_insecure_port(bind) if credentials is None else server.add_secure_port(bind, credentials)
+    )
     if port == 0:
         raise OSError(f"could not bind {options.host}:{options.port}")
     await server.start()

@@ -13,6 +13,7 @@ import socket
 
 import torch
 
+from services.common import security
 from services.common.config import (
     ConfigError,
     EngineConfig,
@@ -36,6 +37,7 @@ log = logging.getLogger(__name__)
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     """Flags of `pcpstack serve decode`."""
+    security.add_security_arguments(parser)
     parser.add_argument("--registry", required=True, help="registry address HOST:PORT")
     parser.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1)")
     parser.add_argument("--port", type=int, default=0, help="port to bind (default: any free port)")
@@ -127,6 +129,7 @@ def run(args: argparse.Namespace) -> int:
     """Entry point of `pcpstack serve decode`."""
     ensure_glibc_tunables()
     setup_logging("decode")
+    security.configure(security.security_from_args(args))
     if args.threads:
         torch.set_num_threads(args.threads)
     try:

@@ -13,6 +13,7 @@ import signal
 
 from aiohttp import web
 
+from services.common import security
 from services.common.config import DEFAULT_MODEL_NAME
 from services.common.logs import setup_logging
 from services.common.telemetry import setup_telemetry, shutdown_telemetry
@@ -24,6 +25,7 @@ from services.gateway.upstream import DecodePool
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     """Flags of `pcpstack serve gateway`."""
+    security.add_security_arguments(parser)
     parser.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1)")
     parser.add_argument(
         "--port", type=int, default=8000, help="port to bind (default 8000; 0: any free port)"
@@ -75,6 +77,7 @@ async def serve(args: argparse.Namespace) -> None:
 def run(args: argparse.Namespace) -> int:
     """Entry point of `pcpstack serve gateway`."""
     setup_logging("gateway")
+    security.configure(security.security_from_args(args))
     if not decode_addresses(args.decode) and not args.registry:
         print("config error: give --decode HOST:PORT or --registry HOST:PORT", flush=True)
         return 2

@@ -12,6 +12,7 @@ import logging
 import socket
 import sys
 
+from services.common import security
 from services.common.logs import setup_logging
 from services.common.server import DEFAULT_MAX_MESSAGE_BYTES, ServerOptions, serve_until_signalled
 from services.common.telemetry import setup_telemetry, shutdown_telemetry
@@ -22,6 +23,7 @@ log = logging.getLogger(__name__)
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     """Adds the store's options to `pcpstack serve kvstore`."""
+    security.add_security_arguments(parser)
     parser.add_argument("--host", default="127.0.0.1", help="address to bind (default: loopback only)")
     parser.add_argument("--port", type=int, default=50053, help="port to bind (0: any free port)")
     parser.add_argument("--capacity-bytes", type=int, default=8 << 30, help="memory budget for objects")
@@ -47,6 +49,7 @@ def run(args: argparse.Namespace) -> int:
     """Serves until SIGTERM or SIGINT; returns the exit status."""
     ensure_glibc_tunables()
     setup_logging("kvstore")
+    security.configure(security.security_from_args(args))
     setup_telemetry("kvstore", metrics_address=args.metrics)
     from services.kvstore.server import KvStoreServerConfig, serve
 

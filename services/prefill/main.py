@@ -12,6 +12,7 @@ import asyncio
 import logging
 import socket
 
+from services.common import security
 from services.common.config import ConfigError, EngineConfig, load_config_file, parse_overrides
 from services.common.logs import setup_logging
 from services.common.server import ServerOptions, serve_until_signalled, start_server
@@ -26,6 +27,7 @@ log = logging.getLogger(__name__)
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     """Flags of `pcpstack serve prefill`."""
+    security.add_security_arguments(parser)
     parser.add_argument("--registry", required=True, help="registry address HOST:PORT")
     parser.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1)")
     parser.add_argument("--port", type=int, default=0, help="port to bind (default: any free port)")
@@ -207,6 +209,7 @@ def run(args: argparse.Namespace) -> int:
     """Entry point of `pcpstack serve prefill`."""
     ensure_glibc_tunables()
     setup_logging("prefill")
+    security.configure(security.security_from_args(args))
     try:
         config = resolve_config(args)
         info = ModelInfo.probe(config.model or None, config.block_size)

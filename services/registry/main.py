@@ -7,6 +7,7 @@ import asyncio
 import logging
 from pathlib import Path
 
+from services.common import security
 from services.common.logs import setup_logging
 from services.common.server import DEFAULT_MAX_MESSAGE_BYTES, ServerOptions, serve_until_signalled
 from services.common.telemetry import setup_telemetry, shutdown_telemetry
@@ -19,6 +20,14 @@ DEFAULT_PORT = 7000
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     """The registry's command-line options."""
+    security.add_security_arguments(parser)
+    parser.add_argument(
+        "--verify-peer-address",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="refuse a node that advertises a host other than the one it connects from, unless its TLS "
+        "certificate names it (loopback peers may advertise any loopback address; default on)",
+    )
     parser.add_argument("--host", default="127.0.0.1", help="bind address (default: loopback)")
     parser.add_argument("--port", type=int, default=DEFAULT_PORT, help=f"port (default {DEFAULT_PORT})")
     parser.add_argument(
@@ -59,7 +68,7 @@ def settings_from_args(args: argparse.Namespace) -> Settings:
 async def _serve(args: argparse.Namespace) -> None:
     settings = settings_from_args(args)
     options = ServerOptions(host=args.host, port=args.port, max_message_bytes=args.max_message_bytes)
-    registry = await start_registry(settings, options, args.snapshot)
+    registry = await start_registry(settings, options, args.snapshot, args.verify_peer_address)
     log.info("registry serving", extra={"address": registry.address, "lease_s": settings.lease_s})
     await serve_until_signalled(registry.running, registry.stop)
 
@@ -67,6 +76,7 @@ async def _serve(args: argparse.Namespace) -> None:
 def run(args: argparse.Namespace) -> int:
     """Serves until signalled; returns the exit status."""
     setup_logging("registry", args.log_level)
+    security.configure(security.security_from_args(args))
     setup_telemetry("registry", metrics_address=args.metrics)
     try:
         asyncio.run(_serve(args))

@@ -19,6 +19,7 @@ from pathlib import Path
 
 import grpc
 
+from services.common import security
 from services.common.config import ConfigError, EngineConfig
 from services.common.server import RunningServer, ServerOptions, start_server
 from services.proto.pcpstack.v1 import common_pb2, registry_pb2, registry_pb2_grpc
@@ -35,6 +36,7 @@ from services.registry.membership import (
     SetState,
     Settings,
     Stop,
+    split_host_port,
 )
 
 log = logging.getLogger(__name__)
@@ -188,8 +190,10 @@ class RegistryServicer(registry_pb2_grpc.RegistryServiceServicer):
         membership: Membership,
         clock: Callable[[], float] = time.monotonic,
         snapshot_path: Path | None = None,
+        verify_peer_address: bool = True,
     ) -> None:
         self._membership = membership
+        self._verify_peer_address = verify_peer_address
         self._clock = clock
         self._mailboxes = Mailboxes()
         self._snapshot_path = snapshot_path
@@ -223,9 +227,13 @@ class RegistryServicer(registry_pb2_grpc.RegistryServiceServicer):
         """Validates and records the node; the response carries its assignment when it has one."""
         try:
             registration = registration_from_proto(request)
-            assignment, out = self._membership.register(registration, self._clock())
         except ConfigError as exc:
             await context.abort(grpc.StatusCode.FAILED_PRECONDITION, f"engine_config: {exc}")
+        # The core names a missing identity first; a node that has one must advertise its own host.
+        if self._verify_peer_address and registration.node_id and registration.role:
+            await self._check_advertised(registration, context)
+        try:
+            assignment, out = self._membership.register(registration, self._clock())
         except Refused as exc:
             await context.abort(_CODES[exc.kind], str(exc))
         self._mailboxes.reset(request.node_id)
@@ -237,6 +245,29 @@ class RegistryServicer(registry_pb2_grpc.RegistryServiceServicer):
             lease_ms=int(self._membership.settings.lease_s * 1000),
             assignment=assignment_to_proto(assignment),
         )
+
+    async def _check_advertised(self, registration: Registration, context) -> None:
+        """Refuses a node that advertises (address, dist_host) a host other than its own, so it cannot
+        point routers or its set's ranks elsewhere (--verify-peer-address)."""
+        peer = security.peer_ip(context.peer())
+        if peer is None:
+            return  # not an IP transport (a unix socket): the peer is local
+        try:
+            address_host = split_host_port(registration.address)[0]
+        except ValueError as exc:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
+        names = security.certificate_names(context.auth_context())
+        for name, host in (("address", address_host), ("dist_host", registration.dist_host)):
+            if not host:
+                continue
+            broken = await security.advertised_host_allowed(host, peer, names)
+            if broken is not None:
+                value = registration.address if name == "address" else host
+                await context.abort(
+                    grpc.StatusCode.PERMISSION_DENIED,
+                    f"{name}={value!r} refused: {broken}; rule: a node advertises its own address "
+                    "(registry --verify-peer-address)",
+                )
 
     async def Session(self, request_iterator, context):
         """Reads heartbeats and status reports; yields commands, acks and refusals. (A generator, not
@@ -430,9 +461,11 @@ async def start_registry(
     settings: Settings | None = None,
     options: ServerOptions | None = None,
     snapshot_path: Path | None = None,
+    verify_peer_address: bool = True,
 ) -> RegistryServer:
     """Starts a registry. With a snapshot_path, an existing snapshot is read (the restore grace then ends
-    as soon as its sets' members are back) and a missing one means a cold start with no grace at all."""
+    as soon as its sets' members are back) and a missing one means a cold start with no grace at all.
+    verify_peer_address refuses registrations whose advertised host is not the caller's own."""
     settings = settings or Settings()
     options = options or ServerOptions()
     now = time.monotonic()
@@ -440,7 +473,7 @@ async def start_registry(
     if snapshot_path is not None and snapshot is None:
         settings = replace(settings, restore_grace_s=0.0)
     membership = Membership(settings, now, snapshot)
-    servicer = RegistryServicer(membership, time.monotonic, snapshot_path)
+    servicer = RegistryServicer(membership, time.monotonic, snapshot_path, verify_peer_address)
     running = await start_server(
         lambda server: registry_pb2_grpc.add_RegistryServiceServicer_to_server(servicer, server),
         [SERVICE_NAME],

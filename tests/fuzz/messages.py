@@ -1,0 +1,123 @@
+"""Hypothesis strategies for any protobuf message, built from its descriptor.
+
+Fields get random values of their type plus the values that break naive code: empty and huge strings,
+invalid ids, boundary and out-of-range integers, NaN, unknown enum numbers, long repeated fields and random
+bytes. `overrides` pins chosen fields ("Message.field") to a strategy of their own, e.g. addresses that
+must not make a service dial the outside world.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+
+from google.protobuf import message_factory
+from google.protobuf.descriptor import Descriptor, FieldDescriptor
+from hypothesis import strategies as st
+
+ODD_STRINGS = [
+    "",
+    " ",
+    "x" * 100_000,
+    "../../etc/passwd",
+    "\x00",
+    "id\nwith\nnewlines",
+    "ü🙂",
+    "a:b:c",
+    "%s%n",
+]
+ODD_BYTES = [b"", b"\x00" * (1 << 20), b"\xff" * 7]
+
+_INT_RANGES = {
+    FieldDescriptor.CPPTYPE_INT32: (-(2**31), 2**31 - 1),
+    FieldDescriptor.CPPTYPE_INT64: (-(2**63), 2**63 - 1),
+    FieldDescriptor.CPPTYPE_UINT32: (0, 2**32 - 1),
+    FieldDescriptor.CPPTYPE_UINT64: (0, 2**64 - 1),
+}
+
+
+def _integers(low: int, high: int) -> st.SearchStrategy[int]:
+    edges = sorted({low, high, 0, 1, max(low, -1), min(high, 2**31 - 1), min(high, 1 << 20)})
+    return st.one_of(
+        st.sampled_from(edges), st.integers(max(low, -5), min(high, 5000)), st.integers(low, high)
+    )
+
+
+def scalar(field: FieldDescriptor) -> st.SearchStrategy:
+    """Values for one (non-message) field."""
+    cpp = field.cpp_type
+    if cpp in _INT_RANGES:
+        return _integers(*_INT_RANGES[cpp])
+    if cpp == FieldDescriptor.CPPTYPE_BOOL:
+        return st.booleans()
+    if cpp == FieldDescriptor.CPPTYPE_DOUBLE:
+        return st.floats(allow_nan=True, allow_infinity=True)
+    if cpp == FieldDescriptor.CPPTYPE_FLOAT:
+        return st.floats(width=32, allow_nan=True, allow_infinity=True)
+    if cpp == FieldDescriptor.CPPTYPE_ENUM:
+        known = [v.number for v in field.enum_type.values]
+        return st.one_of(st.sampled_from(known), st.integers(-3, 1000))
+    if field.type == FieldDescriptor.TYPE_BYTES:
+        return st.one_of(st.binary(max_size=4096), st.sampled_from(ODD_BYTES))
+    return st.one_of(st.text(max_size=40), st.sampled_from(ODD_STRINGS))
+
+
+def messages(
+    descriptor: Descriptor, overrides: Mapping[str, st.SearchStrategy] | None = None, depth: int = 3
+) -> st.SearchStrategy:
+    """Messages of descriptor's type; each field is set or left unset at random, one member per oneof."""
+    overrides = overrides or {}
+    cls = message_factory.GetMessageClass(descriptor)
+
+    def value_of(field: FieldDescriptor) -> st.SearchStrategy:
+        pinned = overrides.get(f"{descriptor.name}.{field.name}")
+        if pinned is not None:
+            return pinned
+        if field.cpp_type == FieldDescriptor.CPPTYPE_MESSAGE:
+            return messages(field.message_type, overrides, depth - 1) if depth > 0 else st.just(None)
+        return scalar(field)
+
+    def field_values(field: FieldDescriptor) -> st.SearchStrategy:
+        if not field.is_repeated:
+            return value_of(field)
+        short = st.lists(value_of(field), max_size=8)
+        if field.cpp_type in (FieldDescriptor.CPPTYPE_MESSAGE, FieldDescriptor.CPPTYPE_STRING):
+            return short  # a huge list of huge strings would be a multi-GB message, not a test
+        # A huge numeric field repeats one value: cheap to draw, as costly to serve as any other.
+        return st.one_of(
+            short, st.tuples(value_of(field), st.sampled_from([5000, 200_000])).map(lambda p: [p[0]] * p[1])
+        )
+
+    plain = [f for f in descriptor.fields if f.containing_oneof is None]
+    oneofs = list(descriptor.oneofs)
+
+    @st.composite
+    def build(draw):
+        message = cls()
+        chosen = [f for f in plain if draw(st.booleans())]
+        for oneof in oneofs:
+            member = draw(st.sampled_from([None, *oneof.fields]))
+            if member is not None:
+                chosen.append(member)
+        for field in chosen:
+            _assign(message, field, draw(field_values(field)))
+        return message
+
+    return build()
+
+
+def _assign(message, field: FieldDescriptor, value) -> None:
+    target = getattr(message, field.name)
+    if field.is_repeated:
+        if field.cpp_type == FieldDescriptor.CPPTYPE_MESSAGE:
+            for item in value:
+                if item is not None:
+                    target.add().CopyFrom(item)
+        else:
+            target.extend(value)
+    elif field.cpp_type == FieldDescriptor.CPPTYPE_MESSAGE:
+        if value is None:
+            target.SetInParent()
+        else:
+            target.CopyFrom(value)
+    else:
+        setattr(message, field.name, value)

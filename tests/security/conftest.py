@@ -1,0 +1,45 @@
+"""Fixtures for the security tests: development certificates from `pcpstack certs`, and loaded settings."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from services.certs import write_certs
+from services.common import security
+
+TOKEN = "test-token-0123456789abcdef"
+
+
+@pytest.fixture(scope="session")
+def certs(tmp_path_factory) -> Path:
+    """A CA with certificates for a server and a client, covering localhost, 127.0.0.1 and 127.0.0.10."""
+    out = tmp_path_factory.mktemp("certs")
+    write_certs(out, names=["server", "client"], ips=["127.0.0.1", "127.0.0.10"])
+    return out
+
+
+@pytest.fixture(scope="session")
+def other_ca_certs(tmp_path_factory) -> Path:
+    """Certificates from an unrelated CA."""
+    out = tmp_path_factory.mktemp("other-certs")
+    write_certs(out, names=["client"])
+    return out
+
+
+def tls(folder: Path, name: str, token: str = "") -> security.Security:
+    """Loaded security for one certificate of folder (and a token, when given)."""
+    return security.load(
+        security.SecuritySettings(
+            ca_file=str(folder / "ca.pem"),
+            cert_file=str(folder / f"{name}.pem"),
+            key_file=str(folder / f"{name}-key.pem"),
+            token=token,
+        )
+    )
+
+
+def token_only(token: str) -> security.Security:
+    """Plaintext with a bearer token."""
+    return security.load(security.SecuritySettings(token=token))
