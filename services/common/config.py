@@ -334,3 +334,23 @@ def served_model_name(model: str | None) -> str:
     if not model:
         return DEFAULT_MODEL_NAME
     return model if model == "tiny" else Path(model).stem
+
+
+def role_config(
+    role: str, config_file: str | None, overrides: dict[str, Any], model: str | None = None
+) -> EngineConfig:
+    """A service's engine config: its role's section of config_file (or the defaults), overrides applied.
+
+    `model`, when given, overrides the file's model (the --model flag of the service commands).
+    """
+    overrides = dict(overrides)
+    if model is not None:
+        overrides["model"] = model
+    if config_file:
+        configs = load_config_file(config_file, overrides)
+        if role not in configs:
+            section = ROLE_SECTIONS[role]
+            raise ConfigError(f"{config_file} has no {section} section", (section,), f"{role} section")
+        return configs[role]
+    base = EngineConfig(role=role)
+    return base.with_overrides(overrides) if overrides else base.validate()

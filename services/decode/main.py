@@ -17,8 +17,8 @@ from services.common import security
 from services.common.config import (
     ConfigError,
     EngineConfig,
-    load_config_file,
     parse_overrides,
+    role_config,
     served_model_name,
 )
 from services.common.logs import setup_logging
@@ -60,19 +60,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def resolve_config(args: argparse.Namespace) -> EngineConfig:
-    """The worker's engine config: the file's decode section (or defaults) with overrides applied."""
-    overrides = parse_overrides(args.set)
-    if args.model is not None:
-        overrides["model"] = args.model
-    if args.config:
-        configs = load_config_file(args.config, overrides)
-        if "decode" not in configs:
-            raise ConfigError(
-                f"{args.config} has no motor_engine_decode_config section", (), "decode section"
-            )
-        return configs["decode"]
-    base = EngineConfig(role="decode")
-    return base.with_overrides(overrides) if overrides else base
+    """The worker's engine config: its config file section (or defaults) with --set and --model applied."""
+    return role_config("decode", args.config, parse_overrides(args.set), args.model)
 
 
 async def serve(args: argparse.Namespace, config: EngineConfig, engine: Engine) -> None:

@@ -25,7 +25,7 @@ from services.common.telemetry import current_trace_id, meter, tracer
 from services.decode.batcher import Batcher, DecodeRequest, TokenEvent
 from services.decode.router import NoReadySet, SetRouter
 from services.engine.engine import Engine
-from services.engine.sampling import SamplingParams
+from services.engine.sampling import SamplingParams, sampling_from_wire
 from services.prefill.client import PrefillClient
 from services.proto.pcpstack.v1 import common_pb2, decode_pb2, decode_pb2_grpc, prefill_pb2
 
@@ -61,27 +61,6 @@ class DecodeSettings:
     kv_fingerprint: str
     prefill_timeout_s: float = 300.0
     kv_lease_ms: int = 0
-
-
-def sampling_from_proto(msg: common_pb2.SamplingParams) -> SamplingParams:
-    """Engine sampling parameters from the wire form; raises RequestError naming the bad field."""
-    if msg.max_tokens == 0:
-        raise RequestError(grpc.StatusCode.INVALID_ARGUMENT, "sampling.max_tokens: must be >= 1")
-    try:
-        return SamplingParams(
-            max_tokens=msg.max_tokens,
-            temperature=msg.temperature,
-            top_k=msg.top_k,
-            top_p=msg.top_p or 1.0,
-            seed=msg.seed if msg.HasField("seed") else None,
-            stop=list(msg.stop),
-            stop_token_ids=list(msg.stop_token_ids),
-            ignore_eos=msg.ignore_eos,
-        ).validate()
-    except ValueError as exc:
-        raise RequestError(
-            grpc.StatusCode.INVALID_ARGUMENT, str(exc).replace("SamplingParams.", "sampling.")
-        ) from None
 
 
 class DecodeServicer(decode_pb2_grpc.DecodeServiceServicer):
@@ -155,7 +134,10 @@ class DecodeServicer(decode_pb2_grpc.DecodeServiceServicer):
                 grpc.StatusCode.INVALID_ARGUMENT,
                 f"model={request.model!r} is not served here (this worker has {self.settings.model_name!r})",
             )
-        params = sampling_from_proto(request.sampling)
+        try:
+            params = sampling_from_wire(request.sampling)
+        except ValueError as exc:
+            raise RequestError(grpc.StatusCode.INVALID_ARGUMENT, str(exc)) from None
         if params.stop and self.engine.tokenizer is None:
             raise RequestError(grpc.StatusCode.INVALID_ARGUMENT, "sampling.stop: this model has no tokenizer")
         ids = self.prompt_tokens(request)

@@ -8,6 +8,7 @@ import math
 import os
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 
@@ -144,3 +145,26 @@ class StopChecker:
         self._pending = ""
         self.text += text
         return text
+
+
+def sampling_from_wire(msg: Any, default_max_tokens: int | None = None) -> SamplingParams:
+    """Validated SamplingParams from the wire form (a pcpstack.v1.SamplingParams message).
+
+    On the wire 0 means unset: top_p 0 is 1 (off), and max_tokens 0 takes default_max_tokens, or is refused
+    when there is none. A ValueError names the field as `sampling.<name>`, as clients spell it.
+    """
+    if msg.max_tokens == 0 and default_max_tokens is None:
+        raise ValueError("sampling.max_tokens=0 must be >= 1")
+    try:
+        return SamplingParams(
+            max_tokens=msg.max_tokens or default_max_tokens,
+            temperature=msg.temperature,
+            top_k=msg.top_k,
+            top_p=msg.top_p or 1.0,
+            seed=msg.seed if msg.HasField("seed") else None,
+            stop=list(msg.stop),
+            stop_token_ids=list(msg.stop_token_ids),
+            ignore_eos=msg.ignore_eos,
+        ).validate()
+    except ValueError as exc:
+        raise ValueError(str(exc).replace("SamplingParams.", "sampling.")) from None

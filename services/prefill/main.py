@@ -13,7 +13,7 @@ import logging
 import socket
 
 from services.common import security
-from services.common.config import ConfigError, EngineConfig, load_config_file, parse_overrides
+from services.common.config import ConfigError, EngineConfig, parse_overrides, role_config
 from services.common.logs import setup_logging
 from services.common.server import ServerOptions, serve_until_signalled, start_server
 from services.common.telemetry import setup_telemetry, shutdown_telemetry
@@ -60,20 +60,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def resolve_config(args: argparse.Namespace) -> EngineConfig:
-    """The node's engine config: the file's prefill section (or defaults) with overrides applied."""
-    overrides = parse_overrides(args.set)
-    if args.model is not None:
-        overrides["model"] = args.model
-    if args.config:
-        configs = load_config_file(args.config, overrides)
-        if "prefill" not in configs:
-            raise ConfigError(
-                f"{args.config} has no motor_engine_prefill_config section", (), "prefill section"
-            )
-        return configs["prefill"]
-    return (
-        EngineConfig(role="prefill").with_overrides(overrides) if overrides else EngineConfig(role="prefill")
-    )
+    """The node's engine config: its config file section (or defaults) with --set and --model applied."""
+    return role_config("prefill", args.config, parse_overrides(args.set), args.model)
 
 
 class PrefillNode:

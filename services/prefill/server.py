@@ -18,7 +18,7 @@ from opentelemetry.propagate import inject
 
 from services.common.logs import request_id_var
 from services.common.telemetry import meter, tracer
-from services.engine.sampling import SamplingParams
+from services.engine.sampling import sampling_from_wire
 from services.kvstore.client import make_key
 from services.prefill.node import ModelInfo, RankSupervisor, SetUnavailable
 from services.prefill.rank import PrefillJob
@@ -30,20 +30,6 @@ _tracer = tracer(__name__)
 _meter = meter("pcpstack.prefill")
 _requests = _meter.create_counter("pcpstack.prefill.requests", description="Prefill requests by outcome")
 _forward = _meter.create_histogram("pcpstack.prefill.forward", unit="s", description="prefill forward time")
-
-
-def sampling_from_proto(msg: common_pb2.SamplingParams) -> SamplingParams:
-    """Engine sampling parameters from the wire form (0 means default for top_p and max_tokens)."""
-    return SamplingParams(
-        max_tokens=msg.max_tokens or 1,
-        temperature=msg.temperature,
-        top_k=msg.top_k,
-        top_p=msg.top_p or 1.0,
-        seed=msg.seed if msg.HasField("seed") else None,
-        stop=list(msg.stop),
-        stop_token_ids=list(msg.stop_token_ids),
-        ignore_eos=msg.ignore_eos,
-    ).validate()
 
 
 class PrefillServicer(prefill_pb2_grpc.PrefillServiceServicer):
@@ -107,9 +93,10 @@ class PrefillServicer(prefill_pb2_grpc.PrefillServiceServicer):
                 f"token_ids[{bad}]={request.token_ids[bad]} is not below the vocab size {info.vocab_size}",
             )
         try:
-            sampling = sampling_from_proto(request.sampling)
+            # Prefill samples one token; max_tokens matters to decode only.
+            sampling = sampling_from_wire(request.sampling, default_max_tokens=1)
         except ValueError as exc:
-            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"sampling: {exc}")
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
         if request.expected_fingerprint and request.expected_fingerprint != info.fingerprint:
             await context.abort(
                 grpc.StatusCode.FAILED_PRECONDITION,
