@@ -41,7 +41,7 @@ format: $(STAMP)
 	$(BIN)/ruff format services tests bench tools
 
 test: check
-	$(BIN)/python -m pytest -q -ra
+	$(BIN)/python -m pytest -q -ra --durations=15
 
 test-fast: $(STAMP)
 	$(BIN)/python -m pytest -q -m "not slow"
