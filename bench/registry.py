@@ -64,7 +64,10 @@ async def _measure(address: str, pid: int, nodes: int, duration: float) -> dict:
     for client in clients[:-1]:
         await client.start()
     await asyncio.gather(*(c.wait_registered(timeout=120) for c in clients[:-1]))
+    deadline = time.monotonic() + 120
     while not all(c.connected for c in clients[:-1]):
+        if time.monotonic() > deadline:
+            raise RuntimeError("not every node opened its Session within 120 s (machine overloaded?)")
         await asyncio.sleep(0.05)
     started = time.perf_counter()
     await clients[-1].start()

@@ -8,33 +8,24 @@ import sys
 
 import pytest
 
-SMOKE = {
-    "engine": ["--model", "tiny", "--threads", "1", "--repeats", "1", "--decode-steps", "2"],
-    "registry": ["--nodes", "20", "--duration", "1", "--lease", "1"],
-    "kv": ["--bytes", "1MiB", "--repeats", "1"],
-    "prefill": ["--tokens", "64", "--pcp", "1,2", "--model", "tiny", "--repeats", "1"],
-    "e2e": [
-        "--model",
-        "tiny",
-        "--concurrency",
-        "1,2",
-        "--prompt-tokens",
-        "16",
-        "--max-tokens",
-        "4",
-        "--overhead-tokens",
-        "64",
-        "--repeats",
-        "1",
-    ],
-}
+from bench.all import SMOKE_ARGS
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("area", sorted(SMOKE))
+@pytest.mark.parametrize("area", sorted(SMOKE_ARGS))
 def test_benchmark_smoke_run_writes_json(area, tmp_path, child_env) -> None:
     run = subprocess.run(
-        [sys.executable, "-m", "services.cli", "bench", area, "--json", "--out", str(tmp_path), *SMOKE[area]],
+        [
+            sys.executable,
+            "-m",
+            "services.cli",
+            "bench",
+            area,
+            "--json",
+            "--out",
+            str(tmp_path),
+            *SMOKE_ARGS[area],
+        ],
         capture_output=True,
         text=True,
         env=child_env,

@@ -1,0 +1,747 @@
+"""BENCHMARKS.md and its PNG plots, regenerated from the benches' JSON results.
+
+`python -m bench.report` (or `pcpstack bench report`) reads whatever bench/results/<area>.json files exist
+(or an area's entry in all.json), writes tables of medians and spread, the ratios against the peers and
+every target of the performance work with met or missed, and draws the plots under bench/plots/ with
+matplotlib (the `bench` extra). An area without results says "not measured yet": the report never fills a
+gap with a number. Text in bench/notes.md, if present, is copied in as the analysis of what limits a target.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import sys
+from collections.abc import Callable
+from dataclasses import dataclass
+from datetime import UTC, datetime
+from pathlib import Path
+
+RESULTS_DIR = Path("bench") / "results"
+REPORT_PATH = Path("BENCHMARKS.md")
+PLOTS_DIR = Path("bench") / "plots"
+NOTES_PATH = Path("bench") / "notes.md"
+AREAS = ("prefill", "peers", "engine", "e2e", "kv", "registry")
+NOT_MEASURED = "not measured yet"
+LLAMA = "llama.cpp"
+HF = "transformers"
+
+
+@dataclass(frozen=True)
+class Target:
+    """One target of the performance work and what the results say about it."""
+
+    name: str
+    goal: float
+    at_most: bool  # the goal is a ceiling (overhead) rather than a floor (speedups)
+    unit: str
+    value: float | None
+    basis: str
+
+    @property
+    def status(self) -> str:
+        if self.value is None:
+            return NOT_MEASURED
+        met = self.value <= self.goal if self.at_most else self.value >= self.goal
+        return "met" if met else "missed"
+
+
+@dataclass(frozen=True)
+class Ratio:
+    """pcpstack against a peer (or against itself), with what the number is made of."""
+
+    name: str
+    value: float | None
+    basis: str
+
+
+def load_results(folder: Path) -> dict[str, dict]:
+    """Each area's results: <area>.json, else that area's entry in all.json; absent areas are left out."""
+    results: dict[str, dict] = {}
+    combined = folder / "all.json"
+    if combined.is_file():
+        payload = json.loads(combined.read_text())
+        results.update({a: r for a, r in payload.items() if a in AREAS and isinstance(r, dict)})
+    for area in AREAS:
+        path = folder / f"{area}.json"
+        if path.is_file():
+            results[area] = json.loads(path.read_text())
+    return results
+
+
+def _num(value: float) -> str:
+    """Three significant figures without scientific notation for rates in the thousands."""
+    size = abs(value)
+    if size >= 100:
+        return f"{value:,.0f}"
+    if size >= 10:
+        return f"{value:.1f}"
+    if size >= 1:
+        return f"{value:.2f}"
+    return f"{value:.3g}"
+
+
+def _spread(median: float, low: float, high: float, unit: str = "") -> str:
+    return f"{_num(median)}{unit} ({_num(low)}–{_num(high)})"
+
+
+def _table(header: list[str], rows: list[list[str]]) -> list[str]:
+    lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
+    lines += ["| " + " | ".join(row) + " |" for row in rows]
+    return [*lines, ""]
+
+
+# --- what the results say -------------------------------------------------------------------------------
+
+
+def _prefill_rows(results: dict) -> list[dict]:
+    return results.get("prefill", {}).get("results", [])
+
+
+def _prefill_row(results: dict, pcp: int, tokens: int) -> dict | None:
+    return next((r for r in _prefill_rows(results) if r["pcp"] == pcp and r["tokens"] == tokens), None)
+
+
+def _peer(results: dict, name: str) -> dict | None:
+    peer = results.get("peers", {}).get("peers", {}).get(name)
+    return peer if peer and peer.get("available") else None
+
+
+def _peer_prefill(results: dict, name: str, tokens: int) -> dict | None:
+    peer = _peer(results, name)
+    return next((r for r in peer["prefill"] if r["tokens"] == tokens), None) if peer else None
+
+
+def _peer_decode(results: dict, name: str) -> float | None:
+    peer = _peer(results, name)
+    return peer["decode"]["tokens_per_s_median"] if peer else None
+
+
+def _e2e_decode_rows(results: dict) -> list[dict]:
+    """Aggregate decode tokens/s under load: clients streams, each at 1 / median TPOT."""
+    return [
+        {
+            "streams": row["clients"],
+            "context": row["prompt_tokens"],
+            "tokens_per_s": row["clients"] / row["tpot_s"]["median"],
+        }
+        for row in results.get("e2e", {}).get("load", [])
+        if row["tpot_s"]["median"] > 0
+    ]
+
+
+def _comparable(results: dict, model: str | None) -> str | None:
+    """Why pcpstack's `model` cannot be compared with the peers' GGUF, or None when it can."""
+    peer_model = results.get("peers", {}).get("model", "")
+    if model is None:
+        return "the pcpstack result does not name its model"
+    if not peer_model.startswith(Path(model).name):
+        return f"models differ (pcpstack {model}, peers {peer_model})"
+    return None
+
+
+def _streams_decode(results: dict, streams: int) -> list[dict]:
+    """Decode tokens/s of `streams` concurrent streams, best source first: the engine's decode step at that
+    batch, then the whole path (clients ÷ median TPOT)."""
+    found = []
+    engine = results.get("engine", {})
+    batch = engine.get("decode", {}).get(f"batch_{streams}")
+    if batch:
+        found.append(
+            {
+                "tokens_per_s": batch["tokens_per_s"],
+                "context": batch["context"],
+                "model": engine.get("model"),
+                "source": f"engine decode batch {streams}",
+            }
+        )
+    row = next((r for r in _e2e_decode_rows(results) if r["streams"] == streams), None)
+    if row:
+        source = f"e2e: {streams} clients ÷ median TPOT"
+        found.append({**row, "model": results["e2e"].get("model"), "source": source})
+    return found
+
+
+def _tps(row: dict | None) -> float | None:
+    return row["tokens_per_s"] if row else None
+
+
+def prefill_against_peer(results: dict, pcp: int, tokens: int, peer: str) -> tuple[float | None, str]:
+    """pcpstack PCP=`pcp` prefill tokens/s ÷ the peer's at `tokens`, and what it is made of."""
+    ours, theirs = _tps(_prefill_row(results, pcp, tokens)), _tps(_peer_prefill(results, peer, tokens))
+    if ours is None or theirs is None:
+        missing = "bench prefill" if ours is None else f"bench peers ({peer})"
+        return None, f"{NOT_MEASURED}: no {missing} result at {tokens} tokens"
+    prefill = results["prefill"]
+    reason = _comparable(results, prefill.get("model"))
+    if reason:
+        return None, f"not comparable: {reason}"
+    basis = f"{_num(ours)} ÷ {_num(theirs)} tokens/s"
+    threads, peer_threads = pcp * prefill.get("threads_per_rank", 0), results["peers"].get("threads")
+    if threads != peer_threads:
+        basis += f"; threads differ ({threads} vs {peer_threads})"
+    return ours / theirs, basis
+
+
+def decode_against_peer(results: dict, streams: int, peer: str) -> tuple[float | None, str]:
+    """pcpstack's aggregate decode tokens/s at `streams` streams ÷ the peer's single stream."""
+    candidates, theirs = _streams_decode(results, streams), _peer_decode(results, peer)
+    if not candidates or theirs is None:
+        missing = "bench engine or bench e2e" if not candidates else f"bench peers ({peer})"
+        return None, f"{NOT_MEASURED}: no {missing} result for {streams} stream(s)"
+    ours = next((c for c in candidates if _comparable(results, c["model"]) is None), None)
+    if ours is None:
+        return None, f"not comparable: {_comparable(results, candidates[0]['model'])}"
+    basis = f"{_num(ours['tokens_per_s'])} ({ours['source']}) ÷ {_num(theirs)} tokens/s"
+    peer_context = results["peers"]["peers"][peer]["decode"]["context"]
+    if ours["context"] != peer_context:
+        basis += f"; contexts differ ({ours['context']} vs {peer_context})"
+    return ours["tokens_per_s"] / theirs, basis
+
+
+def compute_ratios(results: dict) -> list[Ratio]:
+    """pcpstack against llama.cpp and transformers, PCP=2 against PCP=1, the whole path against in-process."""
+    ratios = []
+    for tokens in sorted({r["tokens"] for r in _prefill_rows(results)}) or [2048]:
+        for pcp in (2, 1):
+            for peer in (LLAMA, HF):
+                name = f"pcpstack PCP={pcp} ÷ {peer} prefill tokens/s at {tokens} tokens"
+                ratios.append(Ratio(name, *prefill_against_peer(results, pcp, tokens, peer)))
+    for key, value in results.get("prefill", {}).get("speedup", {}).items():
+        ratios.append(Ratio(f"TTFT speedup {key.replace('_', ' ')}", value, "median TTFT PCP=1 ÷ PCP=n"))
+    for streams in (16, 1):
+        for peer in (LLAMA, HF):
+            name = f"pcpstack {streams}-stream decode tokens/s ÷ {peer} single stream"
+            ratios.append(Ratio(name, *decode_against_peer(results, streams, peer)))
+    overhead = results.get("e2e", {}).get("overhead")
+    name = "whole-path TTFT ÷ in-process prefill"
+    if overhead:
+        path, local = overhead["path_ttft_s"]["median"], overhead["in_process_prefill_s"]["median"]
+        ratios.append(Ratio(name, path / local, f"{overhead['prompt_tokens']}-token prompt, medians"))
+    else:
+        ratios.append(Ratio(name, None, f"{NOT_MEASURED}: no bench e2e result"))
+    return ratios
+
+
+def compute_targets(results: dict) -> list[Target]:
+    """The four targets of the performance work (issue 8), each from the results that measure it."""
+    prefill = results.get("prefill", {})
+    speedup = prefill.get("speedup", {}).get("pcp2_over_pcp1_at_4096")
+    overhead = results.get("e2e", {}).get("overhead")
+    return [
+        Target(
+            "PCP=2 TTFT speedup over PCP=1 at 4096 tokens, one thread per rank",
+            1.8,
+            False,
+            "×",
+            speedup,
+            f"bench prefill, {prefill.get('threads_per_rank')} thread(s) per rank, {prefill.get('model')}"
+            if speedup is not None
+            else f"{NOT_MEASURED}: no bench prefill result for PCP=1 and 2 at 4096 tokens",
+        ),
+        Target(
+            "pcpstack PCP=2 prefill tokens/s ÷ llama.cpp's at 2048 tokens, same two cores",
+            2.0,
+            False,
+            "×",
+            *prefill_against_peer(results, 2, 2048, LLAMA),
+        ),
+        Target(
+            "aggregate decode at 16 streams ÷ llama.cpp single stream, same context",
+            2.0,
+            False,
+            "×",
+            *decode_against_peer(results, 16, LLAMA),
+        ),
+        Target(
+            "TTFT overhead of the whole path over the in-process engine",
+            15.0,
+            True,
+            " %",
+            overhead["overhead_pct"] if overhead else None,
+            f"bench e2e, {overhead['prompt_tokens']}-token prompt, model {results['e2e'].get('model')}"
+            if overhead
+            else f"{NOT_MEASURED}: no bench e2e result",
+        ),
+    ]
+
+
+# --- plots ----------------------------------------------------------------------------------------------
+
+
+def _errorbar(ax, xs: list, medians: list, lows: list, highs: list, **style) -> None:
+    yerr = [
+        [m - lo for m, lo in zip(medians, lows, strict=True)],
+        [h - m for m, h in zip(medians, highs, strict=True)],
+    ]
+    ax.errorbar(xs, medians, yerr=yerr, marker="o", capsize=3, **style)
+
+
+def _plot_prefill(results: dict, ax) -> bool:
+    rows = _prefill_rows(results)
+    for pcp in sorted({r["pcp"] for r in rows}):
+        own = sorted((r for r in rows if r["pcp"] == pcp), key=lambda r: r["tokens"])
+        _errorbar(
+            ax,
+            [r["tokens"] for r in own],
+            [r["ttft_s_median"] for r in own],
+            [r["ttft_s_min"] for r in own],
+            [r["ttft_s_max"] for r in own],
+            label=f"pcpstack PCP={pcp}",
+        )
+    for name in (LLAMA, HF):
+        peer = _peer(results, name)
+        if peer:
+            own = sorted(peer["prefill"], key=lambda r: r["tokens"])
+            _errorbar(
+                ax,
+                [r["tokens"] for r in own],
+                [r["ttft_s_median"] for r in own],
+                [r["ttft_s_min"] for r in own],
+                [r["ttft_s_max"] for r in own],
+                label=name,
+                linestyle="--",
+            )
+    ax.set(xlabel="prompt tokens", ylabel="TTFT (s)", title="Time to first token against prompt length")
+    return bool(rows)
+
+
+def _plot_decode(results: dict, ax) -> bool:
+    batches = results.get("engine", {}).get("decode", {})
+    engine = sorted((int(k.removeprefix("batch_")), v["tokens_per_s"]) for k, v in batches.items())
+    if engine:
+        ax.plot(*zip(*engine, strict=True), marker="o", label="engine decode step (batch)")
+    e2e = _e2e_decode_rows(results)
+    if e2e:
+        ax.plot(
+            [r["streams"] for r in e2e],
+            [r["tokens_per_s"] for r in e2e],
+            marker="s",
+            label="whole path: clients ÷ median TPOT",
+        )
+    llama = _peer_decode(results, LLAMA)
+    for name, style in ((LLAMA, ":"), (HF, "-.")):
+        rate = _peer_decode(results, name)
+        if rate:
+            ax.axhline(rate, linestyle=style, color="grey", label=f"{name} single stream")
+    if llama:
+        ax.axhline(2 * llama, linestyle="--", color="red", label="target: 2× llama.cpp single stream")
+    ax.set_xticks(sorted({s for s, _ in engine} | {r["streams"] for r in e2e}))
+    ax.set(xlabel="concurrent streams", ylabel="tokens/s (all streams)", title="Decode throughput")
+    return bool(engine or e2e)
+
+
+def _plot_kv(results: dict, ax) -> bool:
+    kv = results.get("kv", {})
+    paths = [p for p in ("grpc", "shm") if p in kv]
+    for offset, op in ((-0.2, "put"), (0.2, "get")):
+        medians = [kv[p][f"{op}_mb_s"] for p in paths]
+        runs = [kv[p][f"{op}_mb_s_all"] for p in paths]
+        yerr = [[m - min(r) for m, r in zip(medians, runs, strict=True)]]
+        yerr.append([max(r) - m for m, r in zip(medians, runs, strict=True)])
+        ax.bar([i + offset for i in range(len(paths))], medians, width=0.4, yerr=yerr, capsize=3, label=op)
+    ax.set_xticks(range(len(paths)), paths)
+    ax.set(
+        ylabel="MB/s", title=f"KV store throughput per path ({_num(kv.get('bytes', 0) / 2**20)} MiB objects)"
+    )
+    return bool(paths)
+
+
+def _plot_e2e(results: dict, axes) -> bool:
+    load = results.get("e2e", {}).get("load", [])
+    clients = [r["clients"] for r in load]
+    for ax, key, label in ((axes[0], "ttft_s", "TTFT (s)"), (axes[1], "tpot_s", "TPOT (s)")):
+        _errorbar(
+            ax,
+            clients,
+            [r[key]["median"] for r in load],
+            [r[key]["min"] for r in load],
+            [r[key]["max"] for r in load],
+        )
+        ax.set_xticks(clients)
+        ax.set(xlabel="concurrent clients", ylabel=label, title=f"{label.split()[0]} under load")
+    return bool(load)
+
+
+PLOTS: dict[str, tuple[str, int, Callable]] = {
+    "prefill": ("prefill_ttft.png", 1, _plot_prefill),
+    "decode": ("decode_concurrency.png", 1, _plot_decode),
+    "kv": ("kv_throughput.png", 1, _plot_kv),
+    "e2e": ("e2e_load.png", 2, _plot_e2e),
+}
+
+
+def write_plots(results: dict, folder: Path) -> tuple[dict[str, Path], str | None]:
+    """Draws each plot whose inputs exist (and removes a stale one whose inputs are gone). Returns the
+    written plots by name and, when matplotlib is missing, why nothing was drawn."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError as exc:
+        return {}, f"plots not drawn: matplotlib cannot be imported ({exc}); pip install '.[bench]'"
+    folder.mkdir(parents=True, exist_ok=True)
+    written = {}
+    for name, (filename, panels, draw) in PLOTS.items():
+        path = folder / filename
+        fig, axes = plt.subplots(1, panels, figsize=(6 * panels, 4), squeeze=False)
+        drawn = draw(results, axes[0] if panels > 1 else axes[0][0])
+        if drawn:
+            for ax in axes[0]:
+                ax.grid(alpha=0.3)
+                if ax.get_legend_handles_labels()[0]:
+                    ax.legend(fontsize="small")
+            fig.tight_layout()
+            fig.savefig(path, dpi=100)
+            written[name] = path
+        else:
+            path.unlink(missing_ok=True)
+        plt.close(fig)
+    return written, None
+
+
+# --- markdown -------------------------------------------------------------------------------------------
+
+
+def _image(name: str, plots: dict[str, Path], report: Path) -> list[str]:
+    if name not in plots:
+        return []
+    link = Path(os.path.relpath(plots[name].resolve(), report.resolve().parent)).as_posix()
+    return [f"![{name}]({link})", ""]
+
+
+def _machine(results: dict, folder: Path) -> list[str]:
+    threads = {
+        "prefill": lambda r: f"{r.get('threads_per_rank')} per rank",
+        "peers": lambda r: f"{r.get('threads')}",
+        "engine": lambda r: f"{r.get('threads')}",
+        "e2e": lambda r: f"{r.get('threads_per_rank')} per rank × PCP={r.get('pcp')}",
+    }
+    rows = []
+    for area in AREAS:
+        if area not in results:
+            rows.append([area, NOT_MEASURED, "", "", "", ""])
+            continue
+        result = results[area]
+        path = folder / f"{area}.json"
+        if not path.is_file():
+            path = folder / "all.json"
+        when = datetime.fromtimestamp(path.stat().st_mtime, UTC).strftime("%Y-%m-%d %H:%M")
+        cpu = result.get("cpu_model") or result.get("cpu") or ""
+        cores = result.get("cpu_count") or result.get("cpus") or ""
+        load = result.get("loadavg_1m_at_start")
+        rows.append(
+            [
+                area,
+                f"{path.name} ({when} UTC)",
+                str(cpu),
+                str(cores),
+                threads[area](result) if area in threads else "",
+                "" if load is None else str(load),
+            ]
+        )
+    return [
+        "## Machine",
+        "",
+        f"Report generated on {platform.machine()} with {os.cpu_count()} cores. Each area as its JSON says:",
+        "",
+        *_table(["area", "results", "CPU", "cores", "threads", "1-min load at start"], rows),
+    ]
+
+
+def _targets_section(targets: list[Target]) -> list[str]:
+    rows = [
+        [
+            t.name,
+            f"{'≤' if t.at_most else '≥'} {_num(t.goal)}{t.unit}",
+            NOT_MEASURED if t.value is None else f"{_num(t.value)}{t.unit}",
+            f"**{t.status}**",
+            t.basis,
+        ]
+        for t in targets
+    ]
+    return ["## Targets", "", *_table(["target", "goal", "measured", "status", "from"], rows)]
+
+
+def _ratios_section(ratios: list[Ratio]) -> list[str]:
+    rows = [[r.name, NOT_MEASURED if r.value is None else f"{r.value:.2f}×", r.basis] for r in ratios]
+    return ["## Ratios", "", *_table(["ratio", "value", "from"], rows)]
+
+
+def _prefill_section(results: dict, plots: dict[str, Path], report: Path) -> list[str]:
+    lines = ["## Prefill: TTFT against prompt length", ""]
+    rows = sorted(_prefill_rows(results), key=lambda r: (r["tokens"], r["pcp"]))
+    if not rows:
+        return [*lines, f"pcpstack prefill: {NOT_MEASURED} (`pcpstack bench prefill`).", ""]
+    prefill = results["prefill"]
+    lines += [
+        f"`pcpstack bench prefill`: {prefill.get('model')}, {prefill.get('threads_per_rank')} thread(s) per "
+        f"rank, {prefill.get('repeats')} repeats after a warm-up; TTFT median (min–max).",
+        "",
+    ]
+    base = {r["tokens"]: r["ttft_s_median"] for r in rows if r["pcp"] == 1}
+    table = [
+        [
+            str(r["tokens"]),
+            str(r["pcp"]),
+            _spread(r["ttft_s_median"], r["ttft_s_min"], r["ttft_s_max"], " s"),
+            _num(r["tokens_per_s"]),
+            f"{base[r['tokens']] / r['ttft_s_median']:.2f}×" if r["tokens"] in base else "",
+        ]
+        for r in rows
+    ]
+    lines += _table(["tokens", "PCP", "TTFT", "tokens/s", "speedup over PCP=1"], table)
+    lines += _image("prefill", plots, report)
+    lines += ["### Against the peers", ""]
+    peers = [p for p in (LLAMA, HF) if _peer(results, p)]
+    if not peers:
+        return [*lines, f"Peers: {NOT_MEASURED} (`pcpstack bench peers`).", ""]
+    pcps = sorted({r["pcp"] for r in rows})
+    header = ["tokens", *(f"PCP={p} tokens/s" for p in pcps), *(f"{p} tokens/s" for p in peers)]
+    header += [f"PCP={p} ÷ {peer}" for p in pcps for peer in peers]
+    table = []
+    for tokens in sorted({r["tokens"] for r in rows}):
+        own = [_tps(_prefill_row(results, p, tokens)) for p in pcps]
+        theirs = [_tps(_peer_prefill(results, peer, tokens)) for peer in peers]
+        cells = [str(tokens), *("" if v is None else _num(v) for v in own)]
+        cells += [NOT_MEASURED if v is None else _num(v) for v in theirs]
+        for pcp in pcps:
+            for peer in peers:
+                ratio, basis = prefill_against_peer(results, pcp, tokens, peer)
+                cells.append(basis.split(":")[0] if ratio is None else f"{ratio:.2f}×")
+        table.append(cells)
+    lines += _table(header, table)
+    reason = _comparable(results, prefill.get("model"))
+    return [*lines, f"Not comparable: {reason}.", ""] if reason else lines
+
+
+def _decode_section(results: dict, plots: dict[str, Path], report: Path) -> list[str]:
+    lines = ["## Decode throughput against concurrency", ""]
+    rows = []
+    engine = results.get("engine", {})
+    for key, batch in sorted(
+        engine.get("decode", {}).items(), key=lambda kv: int(kv[0].removeprefix("batch_"))
+    ):
+        streams = key.removeprefix("batch_")
+        rows.append(
+            [
+                "pcpstack engine",
+                engine.get("model") or f"id {engine.get('model_id')}",
+                streams,
+                str(batch["context"]),
+                _num(batch["tokens_per_s"]),
+                f"decode step {_num(batch['step_ms'])} ms, {engine.get('threads')} thread(s)",
+            ]
+        )
+    for row in _e2e_decode_rows(results):
+        rows.append(
+            [
+                "pcpstack whole path",
+                str(results["e2e"].get("model")),
+                str(row["streams"]),
+                str(row["context"]),
+                _num(row["tokens_per_s"]),
+                "clients ÷ median TPOT",
+            ]
+        )
+    for name in (LLAMA, HF):
+        peer = _peer(results, name)
+        if peer:
+            d = peer["decode"]
+            rows.append(
+                [
+                    name,
+                    str(results["peers"].get("model")),
+                    "1",
+                    str(d["context"]),
+                    _spread(d["tokens_per_s_median"], d["tokens_per_s_min"], d["tokens_per_s_max"]),
+                    f"{d['tokens']} greedy tokens, {results['peers'].get('threads')} thread(s)",
+                ]
+            )
+    if not rows:
+        return [*lines, f"Decode: {NOT_MEASURED} (`pcpstack bench engine`, `bench e2e`, `bench peers`).", ""]
+    lines += _table(["stack", "model", "streams", "context", "tokens/s (all streams)", "how"], rows)
+    return lines + _image("decode", plots, report)
+
+
+def _kv_section(results: dict, plots: dict[str, Path], report: Path) -> list[str]:
+    lines = ["## KV transfer throughput per path", ""]
+    kv = results.get("kv")
+    if not kv:
+        return [*lines, f"KV store: {NOT_MEASURED} (`pcpstack bench kv`).", ""]
+    lines += [
+        f"`pcpstack bench kv`: {_num(kv['bytes'] / 2**20)} MiB objects, {kv['repeats']} repeats; "
+        "MB/s median (min–max).",
+        "",
+    ]
+    rows = [
+        [
+            path,
+            _spread(kv[path]["put_mb_s"], min(kv[path]["put_mb_s_all"]), max(kv[path]["put_mb_s_all"])),
+            _spread(kv[path]["get_mb_s"], min(kv[path]["get_mb_s_all"]), max(kv[path]["get_mb_s_all"])),
+        ]
+        for path in ("grpc", "shm")
+        if path in kv
+    ]
+    return lines + _table(["path", "put MB/s", "get MB/s"], rows) + _image("kv", plots, report)
+
+
+def _e2e_section(results: dict, plots: dict[str, Path], report: Path) -> list[str]:
+    lines = ["## End to end under load", ""]
+    e2e = results.get("e2e")
+    if not e2e:
+        return [*lines, f"Whole path: {NOT_MEASURED} (`pcpstack bench e2e`).", ""]
+    lines += [
+        f"`pcpstack bench e2e`: {e2e.get('model')}, PCP={e2e.get('pcp')} with {e2e.get('threads_per_rank')} "
+        "thread(s) per rank, one decode worker; median (min–max) over all requests.",
+        "",
+    ]
+    rows = [
+        [
+            str(r["clients"]),
+            str(r["prompt_tokens"]),
+            str(r["max_tokens"]),
+            _spread(r["ttft_s"]["median"], r["ttft_s"]["min"], r["ttft_s"]["max"], " s"),
+            _spread(r["tpot_s"]["median"], r["tpot_s"]["min"], r["tpot_s"]["max"], " s"),
+            _num(r["output_tokens_per_s"]),
+        ]
+        for r in e2e.get("load", [])
+    ]
+    lines += _table(["clients", "prompt", "output", "TTFT", "TPOT", "output tokens/s"], rows)
+    lines += _image("e2e", plots, report)
+    overhead = e2e.get("overhead")
+    if overhead:
+        path, local = overhead["path_ttft_s"], overhead["in_process_prefill_s"]
+        lines += [
+            f"Overhead at {overhead['prompt_tokens']} tokens: whole-path TTFT "
+            f"{_spread(path['median'], path['min'], path['max'], ' s')} against in-process prefill "
+            f"{_spread(local['median'], local['min'], local['max'], ' s')} "
+            f"({overhead['in_process_threads']} threads): **{_num(overhead['overhead_pct'])} %**.",
+            "",
+        ]
+    return lines
+
+
+def _registry_section(results: dict) -> list[str]:
+    lines = ["## Registry", ""]
+    registry = results.get("registry")
+    if not registry:
+        return [*lines, f"Registry: {NOT_MEASURED} (`pcpstack bench registry`).", ""]
+    goals = registry.get("targets", {})
+    rows = [
+        [key.replace("_", " "), _num(registry[key]), goals.get(key, "")]
+        for key in ("assembly_s", "registry_cpu_pct_of_one_core", "clients_cpu_pct_of_one_core")
+        if key in registry
+    ]
+    lines += [f"{registry.get('nodes')} prefill nodes in {registry.get('sets')} sets.", ""]
+    return lines + _table(["measure", "value", "target"], rows)
+
+
+def _peers_section(results: dict) -> list[str]:
+    lines = ["## Peers", ""]
+    peers = results.get("peers")
+    if not peers:
+        return [*lines, f"Peers: {NOT_MEASURED} (`pcpstack bench peers`).", ""]
+    lines += [
+        f"`pcpstack bench peers`: {peers.get('model')}, {peers.get('threads')} threads, "
+        f"{peers.get('repeats')} repeats; prompts: {peers.get('prompt')}.",
+        "",
+    ]
+    rows = []
+    for name, peer in peers.get("peers", {}).items():
+        if not peer.get("available"):
+            lines += [f"- {name}: unavailable: {peer.get('reason')}"]
+            continue
+        details = ", ".join(
+            f"{key} {peer[key]}"
+            for key in ("version", "dtype", "attention", "n_batch", "n_ubatch", "flash_attn", "load_s")
+            if key in peer
+        )
+        lines += [f"- {name}: {details}"]
+        rows += [
+            [
+                name,
+                str(r["tokens"]),
+                _spread(r["ttft_s_median"], r["ttft_s_min"], r["ttft_s_max"], " s"),
+                _num(r["tokens_per_s"]),
+                str(r["first_token"]),
+            ]
+            for r in peer["prefill"]
+        ]
+    lines.append("")
+    if rows:
+        lines += _table(["peer", "tokens", "TTFT", "tokens/s", "first token"], rows)
+    return lines
+
+
+def render(results: dict, folder: Path, plots: dict[str, Path], report: Path, notes: str | None) -> str:
+    """The whole BENCHMARKS.md text."""
+    lines = [
+        "# Benchmarks",
+        "",
+        f"Generated by `python -m bench.report` from `{folder.as_posix()}/*.json`; do not edit by hand: "
+        "rerun the benches (`pcpstack bench all`) and regenerate. Medians over repeats with the spread as "
+        "(min–max); ratios are of medians. Full runs are by hand on a quiet machine; CI only smoke-runs.",
+        "",
+        *_machine(results, folder),
+        *_targets_section(compute_targets(results)),
+        *_ratios_section(compute_ratios(results)),
+        *_prefill_section(results, plots, report),
+        *_decode_section(results, plots, report),
+        *_kv_section(results, plots, report),
+        *_e2e_section(results, plots, report),
+        *_registry_section(results),
+        *_peers_section(results),
+    ]
+    if notes:
+        lines += ["## What limits the missed targets", "", notes.strip(), ""]
+    return "\n".join(lines).rstrip() + "\n"
+
+
+def write_report(
+    folder: Path = RESULTS_DIR,
+    report: Path = REPORT_PATH,
+    plots_dir: Path = PLOTS_DIR,
+    notes: Path = NOTES_PATH,
+) -> tuple[Path, list[str]]:
+    """Writes the report and its plots; returns the report's path and warnings (e.g. no matplotlib)."""
+    results = load_results(folder)
+    plots, plots_missing = write_plots(results, plots_dir)
+    text = render(results, folder, plots, report, notes.read_text() if notes.is_file() else None)
+    if plots_missing:
+        text = text.replace("\n## Machine", f"\n_{plots_missing}_\n\n## Machine", 1)
+    report.write_text(text)
+    return report, [plots_missing] if plots_missing else []
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """Options of `python -m bench.report` (and `pcpstack bench report`)."""
+    parser.add_argument("--results", type=Path, default=RESULTS_DIR, help="folder of <area>.json results")
+    parser.add_argument("--report", type=Path, default=REPORT_PATH, help="markdown file to write")
+    parser.add_argument("--plots", type=Path, default=PLOTS_DIR, help="folder for the PNG plots")
+    parser.add_argument("--notes", type=Path, default=NOTES_PATH, help="analysis to copy in, if it exists")
+
+
+def run(args: argparse.Namespace) -> int:
+    """Regenerates the report; prints where it went."""
+    if not args.results.is_dir():
+        print(f"--results={args.results} is not a folder; run `pcpstack bench <area>` first", file=sys.stderr)
+        return 2
+    report, warnings = write_report(args.results, args.report, args.plots, args.notes)
+    for warning in warnings:
+        print(warning, file=sys.stderr)
+    print(f"wrote {report}")
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m bench.report", description=__doc__.splitlines()[0])
+    add_arguments(parser)
+    return run(parser.parse_args(argv))
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,233 @@
+"""The report generator on small results shaped exactly like the benches' JSON (captured from smoke runs)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from bench.report import write_report
+
+MODEL = "SmolLM2-135M-Instruct"
+
+
+def _prefill(model: str = MODEL) -> dict:
+    def row(tokens: int, pcp: int, ttft: float) -> dict:
+        return {
+            "tokens": tokens,
+            "pcp": pcp,
+            "ttft_s_median": ttft,
+            "ttft_s_min": ttft * 0.9,
+            "ttft_s_max": ttft * 1.2,
+            "tokens_per_s": round(tokens / ttft, 1),
+        }
+
+    return {
+        "benchmark": "prefill",
+        "model": model,
+        "threads_per_rank": 1,
+        "repeats": 3,
+        "cpu": "x86_64",
+        "cpu_count": 2,
+        "results": [row(2048, 1, 20.48), row(4096, 1, 50.0), row(2048, 2, 13.6533), row(4096, 2, 25.0)],
+        "speedup": {"pcp2_over_pcp1_at_2048": 1.5, "pcp2_over_pcp1_at_4096": 2.0},
+    }
+
+
+def _peer(tokens_per_s: float, decode_tokens_per_s: float) -> dict:
+    return {
+        "available": True,
+        "version": "0.3.36",
+        "vocab_size": 49152,
+        "load_s": 0.12,
+        "prefill": [
+            {
+                "tokens": 2048,
+                "ttft_s_median": round(2048 / tokens_per_s, 4),
+                "ttft_s_min": round(2048 / tokens_per_s, 4),
+                "ttft_s_max": round(2048 / tokens_per_s, 4),
+                "tokens_per_s": tokens_per_s,
+                "first_token": 282,
+            }
+        ],
+        "decode": {
+            "context": 512,
+            "tokens": 32,
+            "tokens_per_s_median": decode_tokens_per_s,
+            "tokens_per_s_min": decode_tokens_per_s - 1,
+            "tokens_per_s_max": decode_tokens_per_s + 1,
+        },
+    }
+
+
+def _peers(llama: dict | None = None) -> dict:
+    return {
+        "benchmark": "peers",
+        "model": f"{MODEL}.Q4_1.gguf",
+        "threads": 2,
+        "repeats": 3,
+        "prompt": "random token ids",
+        "cpu": "x86_64",
+        "cpu_count": 2,
+        "loadavg_1m_at_start": 0.1,
+        "peers": {"transformers": _peer(50.0, 20.0), "llama.cpp": llama or _peer(100.0, 100.0)},
+    }
+
+
+def _engine() -> dict:
+    return {
+        "model_id": "26e3bf0ce738dd94",
+        "device": "cpu",
+        "dtype": "float32",
+        "threads": 2,
+        "cpu_model": "AMD EPYC",
+        "torch": "2.13.0+cpu",
+        "prefill": {str(n): {"median_s": n / 200, "min_s": n / 210, "max_s": n / 190} for n in (512, 2048)},
+        "decode": {
+            "batch_1": {"context": 512, "tokens_per_s": 80.0, "step_ms": 12.5},
+            "batch_8": {"context": 512, "tokens_per_s": 400.0, "step_ms": 20.0},
+        },
+    }
+
+
+def _e2e() -> dict:
+    def summary(median: float) -> dict:
+        return {"median": median, "min": median * 0.8, "max": median * 1.5}
+
+    return {
+        "benchmark": "e2e",
+        "model": MODEL,
+        "pcp": 2,
+        "threads_per_rank": 1,
+        "cpu": "x86_64",
+        "cpu_count": 2,
+        "load": [
+            {
+                "clients": clients,
+                "prompt_tokens": 512,
+                "max_tokens": 32,
+                "ttft_s": summary(0.5 * clients),
+                "tpot_s": summary(tpot),
+                "output_tokens_per_s": round(clients / tpot / 2, 1),
+            }
+            for clients, tpot in ((1, 0.02), (4, 0.025), (16, 0.05))
+        ],
+        "overhead": {
+            "prompt_tokens": 2048,
+            "path_ttft_s": summary(11.25),
+            "in_process_prefill_s": summary(10.0),
+            "in_process_threads": 2,
+            "overhead_pct": 12.5,
+        },
+    }
+
+
+def _kv() -> dict:
+    def path(put: float, get: float) -> dict:
+        return {
+            "put_mb_s": put,
+            "get_mb_s": get,
+            "put_mb_s_all": [put / 2, put, put * 1.1],
+            "get_mb_s_all": [get / 2, get, get * 1.1],
+        }
+
+    return {
+        "bytes": 1 << 20,
+        "repeats": 3,
+        "chunk_bytes": 1 << 20,
+        "glibc_tunables": "",
+        "cpus": 2,
+        "grpc": path(1000.0, 800.0),
+        "shm": path(3000.0, 2000.0),
+    }
+
+
+def _registry() -> dict:
+    return {
+        "nodes": 20,
+        "sets": 10,
+        "assembly_s": 0.398,
+        "heartbeat_window_s": 1.0,
+        "registry_cpu_pct_of_one_core": 11.9,
+        "clients_cpu_pct_of_one_core": 22.2,
+        "targets": {"assembly_s": "< 1", "registry_cpu_pct_of_one_core": "< 25"},
+    }
+
+
+def _write(folder: Path, **areas: dict) -> Path:
+    folder.mkdir(parents=True, exist_ok=True)
+    for area, result in areas.items():
+        (folder / f"{area}.json").write_text(json.dumps(result))
+    return folder
+
+
+def _generate(tmp_path: Path, **areas: dict) -> tuple[str, Path]:
+    results = _write(tmp_path / "results", **areas)
+    report, _ = write_report(results, tmp_path / "BENCHMARKS.md", tmp_path / "plots", tmp_path / "notes.md")
+    return report.read_text(), tmp_path / "plots"
+
+
+def _line(text: str, starts: str) -> str:
+    return next(line for line in text.splitlines() if line.startswith(starts))
+
+
+def test_full_results_give_tables_ratios_targets_and_plots(tmp_path) -> None:
+    pytest.importorskip("matplotlib")
+    text, plots = _generate(
+        tmp_path,
+        prefill=_prefill(),
+        peers=_peers(),
+        engine=_engine(),
+        e2e=_e2e(),
+        kv=_kv(),
+        registry=_registry(),
+    )
+    assert "2.00× | **met**" in _line(text, "| PCP=2 TTFT speedup over PCP=1 at 4096")
+    # 2048 / 13.6533 s = 150 tokens/s against llama.cpp's 100
+    assert "1.50× | **missed**" in _line(text, "| pcpstack PCP=2 prefill tokens/s ÷ llama.cpp's at 2048")
+    # 16 clients ÷ 0.05 s TPOT = 320 tokens/s against llama.cpp's 100 single stream
+    assert "3.20× | **met**" in _line(text, "| aggregate decode at 16 streams")
+    assert "12.5 % | **met**" in _line(text, "| TTFT overhead of the whole path")
+    assert "| 3.00× |" in _line(text, "| pcpstack PCP=2 ÷ transformers prefill tokens/s at 2048")
+    assert "| 1.12× |" in _line(text, "| whole-path TTFT ÷ in-process prefill")
+    assert "| 2048 | 2 | 13.7 s (12.3–16.4) | 150 | 1.50× |" in text
+    assert "| shm | 3,000 (1,500–3,300) | 2,000 (1,000–2,200) |" in text
+    assert "| 16 | 512 | 32 | 8.00 s (6.40–12.0) | 0.05 s (0.04–0.075) | 160 |" in text
+    for name in ("prefill_ttft", "decode_concurrency", "kv_throughput", "e2e_load"):
+        assert (plots / f"{name}.png").read_bytes().startswith(b"\x89PNG")
+        assert f"(plots/{name}.png)" in text
+
+
+def test_missing_results_say_not_measured_yet_and_drop_stale_plots(tmp_path) -> None:
+    (tmp_path / "plots").mkdir()
+    (tmp_path / "plots" / "prefill_ttft.png").write_bytes(b"stale")
+    text, plots = _generate(tmp_path, kv=_kv())
+    targets = text.split("## Targets")[1].split("## Ratios")[0]
+    assert targets.count("| not measured yet | **not measured yet** |") == 4
+    assert "pcpstack prefill: not measured yet" in text
+    assert "Whole path: not measured yet" in text
+    assert not (plots / "prefill_ttft.png").exists()
+    assert "prefill_ttft.png" not in text
+
+
+def test_unavailable_peer_is_reported_with_its_reason(tmp_path) -> None:
+    unavailable = {"available": False, "reason": "llama_cpp cannot be imported (No module named 'llama_cpp')"}
+    text, _ = _generate(tmp_path, prefill=_prefill(), peers=_peers(unavailable))
+    assert "- llama.cpp: unavailable: llama_cpp cannot be imported" in text
+    assert "**not measured yet**" in _line(text, "| pcpstack PCP=2 prefill tokens/s ÷ llama.cpp's at 2048")
+    assert "| 3.00× |" in _line(text, "| pcpstack PCP=2 ÷ transformers prefill tokens/s at 2048")
+
+
+def test_results_of_another_model_are_not_compared_with_the_peers(tmp_path) -> None:
+    text, _ = _generate(tmp_path, prefill=_prefill(model="tiny"), peers=_peers())
+    line = _line(text, "| pcpstack PCP=2 prefill tokens/s ÷ llama.cpp's at 2048")
+    assert "**not measured yet**" in line
+    assert "not comparable: models differ" in line
+    assert "Not comparable: models differ (pcpstack tiny" in text
+
+
+def test_notes_are_copied_in_as_the_analysis(tmp_path) -> None:
+    (tmp_path / "notes.md").write_text("Decode is bound by the attention gather.\n")
+    text, _ = _generate(tmp_path, kv=_kv())
+    assert "## What limits the missed targets\n\nDecode is bound by the attention gather." in text
