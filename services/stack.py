@@ -2,7 +2,8 @@
 
 `pcpstack up` runs one until Ctrl-C; `pcpstack generate --local` starts one for a single request. Every
 service is a separate `pcpstack serve ...` process on loopback, exactly as in a real deployment. Each PCP
-set gets its own 127.0.0.x master address, so several sets can use the same configured master port.
+set gets its own 127.0.0.x master address and its own master port (the rendezvous store of torch listens
+on every address of the host).
 """
 
 from __future__ import annotations
@@ -121,7 +122,6 @@ class LocalStack:
                 "nnodes": 1,
                 "data_parallel_size": o.prefill_sets,
                 "block_size": o.block_size,
-                "master-port": free_port(),
             },
             "decode": {"block_size": o.block_size},
         }[role]
@@ -184,6 +184,9 @@ class LocalStack:
                     f"prefill-{index}",
                     "--threads-per-rank",
                     str(o.threads_per_rank),
+                    # torch's TCPStore listens on every address, so sets on one host need their own ports.
+                    "--set",
+                    f"master-port={free_port(host)}",
                 ],
             )
         decode_config = self._config_file("decode")

@@ -1,0 +1,129 @@
+"""A prefill host cut off from the network: two hosts (network namespaces on a bridge) form one PCP set
+(nnodes=2), then the headless host's veth is taken down.
+
+The registry declares the silent node dead within its lease (plus a small margin for the lease check), the
+set leaves routing, and a Prefill sent to the set's master fails with UNAVAILABLE in bounded time rather
+than waiting on a collective (the nodes run with a 5 s `--collective-timeout`). Needs root and `ip`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import os
+import shutil
+import signal
+import subprocess
+import time
+
+import grpc
+import pytest
+
+from services.prefill.client import PrefillClient
+from services.proto.pcpstack.v1 import common_pb2, registry_pb2
+from services.stack import free_port
+from tests.prefill.test_cross_host import ip, spawn, two_hosts, wait_for_set
+from tests.reliability.support import list_nodes, list_sets, wait_until
+
+__all__ = ["two_hosts"]  # the fixture, shared with the cross-host prefill test
+
+pytestmark = [
+    pytest.mark.slow,
+    pytest.mark.netns,
+    pytest.mark.skipif(os.geteuid() != 0 or shutil.which("ip") is None, reason="needs root and iproute2"),
+]
+
+LEASE_S = 2.0
+
+
+class _Registry:
+    """Just what list_nodes/list_sets need of a stack: a loop and the registry's address."""
+
+    def __init__(self, address: str, loop: asyncio.AbstractEventLoop) -> None:
+        self.loop = loop
+        self.stack = type("Addresses", (), {"registry_address": address})()
+
+    def run(self, coroutine):
+        return self.loop.run_until_complete(coroutine)
+
+
+def test_cut_off_prefill_host_is_dead_within_the_lease_and_its_set_fails_fast(two_hosts, tmp_path) -> None:
+    bridge_ip, hosts = two_hosts
+    registry = f"{bridge_ip}:{free_port(bridge_ip)}"
+    kvstore = f"{bridge_ip}:{free_port(bridge_ip)}"
+    config = tmp_path / "prefill.json"
+    engine = {"prefill-context-parallel-size": 2, "nnodes": 2, "block_size": 128, "master-port": 29512}
+    engine["model"] = "tiny"
+    config.write_text(json.dumps({"motor_engine_prefill_config": {"engine_config": engine}}))
+    registry_args = ["--host", bridge_ip, "--port", registry.split(":")[1], "--lease", str(LEASE_S)]
+    store_args = ["--port", kvstore.split(":")[1], "--registry", registry]
+    procs = [
+        spawn(["serve", "registry", *registry_args, "--restore-grace", "0"], tmp_path / "registry.log"),
+        spawn(["serve", "kvstore", "--host", bridge_ip, *store_args], tmp_path / "kvstore.log"),
+    ]
+    loop = asyncio.new_event_loop()
+    view = _Registry(registry, loop)
+    try:
+        for i, (ns, address) in enumerate(hosts):
+            time.sleep(1.0 if i else 0.0)  # registration order decides node_rank: host-0 is the master
+            node_args = ["--registry", registry, "--host", address, "--port", "7300"]
+            node_args += ["--node-id", f"host-{i}"]
+            procs.append(
+                spawn(
+                    [
+                        "serve",
+                        "prefill",
+                        *node_args,
+                        "--config",
+                        str(config),
+                        "--kvstore",
+                        kvstore,
+                        "--collective-timeout",
+                        "5",
+                    ],
+                    tmp_path / f"prefill-{i}.log",
+                    netns=ns,
+                )
+            )
+        pcp_set = loop.run_until_complete(wait_for_set(registry, 120))
+        assert list(pcp_set.member_node_ids) == ["host-0", "host-1"]
+
+        ip("link", "set", f"pcp{os.getpid() % 10000}v1", "down")  # host-1's outer veth (see two_hosts)
+        cut_at = time.monotonic()
+
+        def host1_dead() -> bool:
+            nodes = {n.node_id: n.state for n in list_nodes(view)}
+            return nodes.get("host-1") == registry_pb2.NODE_STATE_DEAD
+
+        wait_until("host-1 to be declared dead", host1_dead, timeout=LEASE_S + 2.0, interval=0.1)
+        detected_s = time.monotonic() - cut_at
+        assert all(s.state != registry_pb2.SET_STATE_READY for s in list_sets(view)), list_sets(view)
+
+        async def prefill() -> None:
+            client = PrefillClient(pcp_set.master_address)
+            try:
+                await client.prefill(
+                    "after-cut", [1, 2, 3], common_pb2.SamplingParams(max_tokens=1, temperature=0), timeout=30
+                )
+            finally:
+                await client.close()
+
+        asked_at = time.monotonic()
+        with pytest.raises(grpc.aio.AioRpcError) as info:
+            loop.run_until_complete(asyncio.wait_for(prefill(), 40))
+        assert info.value.code() == grpc.StatusCode.UNAVAILABLE, info.value.details()
+        assert time.monotonic() - asked_at < 30
+        print(f"host-1 declared dead {detected_s:.2f} s after the cut (lease {LEASE_S} s)")
+    finally:
+        loop.close()
+        for proc in procs:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(proc.pid, signal.SIGTERM)
+        for proc in procs:
+            try:
+                proc.wait(timeout=15)
+            except subprocess.TimeoutExpired:
+                with contextlib.suppress(ProcessLookupError):
+                    os.killpg(proc.pid, signal.SIGKILL)
+                proc.wait()
