@@ -37,21 +37,38 @@ class TokenEvent:
     error: str | None = None
 
 
+def accept_token(checker: StopChecker, token: int, logprob: float | None) -> TokenEvent | None:
+    """Records one sampled token; returns what to stream (None when nothing shows yet).
+
+    Stop and EOS tokens end the request without being part of the answer, and text that may still turn
+    into a stop string is held back; `checker.finish_reason` says when the request is done.
+    """
+    kept_before = len(checker.token_ids)
+    text = checker.push(token)
+    emitted = token if len(checker.token_ids) > kept_before else None
+    return TokenEvent(emitted, text, logprob) if emitted is not None or text else None
+
+
 @dataclass
 class DecodeRequest:
-    """A request ready to decode: its prompt's KV replica, the first token prefill sampled, and its limits."""
+    """A request ready to decode: its prompt's KV replica, its limits, and its StopChecker, which has
+    already taken the first token (prefill samples it, and it is streamed before the KV is loaded)."""
 
     seq_id: Hashable
     kv: torch.Tensor  # [layers, 2, prompt_tokens, kv_heads, head_dim]
     num_tokens: int
-    first_token: int
+    checker: StopChecker
     params: SamplingParams
     emit: Callable[[TokenEvent], None]
     logprobs: bool = False
-    checker: StopChecker | None = field(default=None, repr=False)
     generator: torch.Generator | None = field(default=None, repr=False)
-    last_token: int = -1
     blocks: int = 0
+
+    @property
+    def last_token(self) -> int:
+        """The token the next decode step feeds in: the last one sampled (a running request's last token
+        is always kept; a stop token would have ended it)."""
+        return self.checker.token_ids[-1]
 
 
 class Batcher:
@@ -161,12 +178,8 @@ class Batcher:
                 self._finish(request, TokenEvent(None, "", error=f"could not load the KV replica: {exc}"))
                 continue
             request.kv = torch.empty(0)  # the cache holds it now
-            request.checker = StopChecker(
-                request.params, self.engine.args.eos_token_ids, self.engine.tokenizer
-            )
             request.generator = make_generator(request.params.seed)
             self._active[request.seq_id] = request
-            self._accept(request, request.first_token, None)
 
     def _step(self) -> None:
         batch = list(self._active.values())[: self.max_batch]
@@ -183,18 +196,11 @@ class Batcher:
                 self._active[request.seq_id] = self._active.pop(request.seq_id)
 
     def _accept(self, request: DecodeRequest, token: int, logprob: float | None) -> None:
-        checker = request.checker
-        assert checker is not None
-        kept_before = len(checker.token_ids)
-        text = checker.push(token)
-        request.last_token = token
-        # Stop and EOS tokens end the request without being part of the answer.
-        emitted = token if len(checker.token_ids) > kept_before else None
-        if emitted is not None or text:
-            request.emit(TokenEvent(emitted, text, logprob))
-        if checker.finish_reason is not None:
-            finished = checker.finish_reason
-            self._finish(request, TokenEvent(None, "", finish_reason=finished))
+        event = accept_token(request.checker, token, logprob)
+        if event is not None:
+            request.emit(event)
+        if request.checker.finish_reason is not None:
+            self._finish(request, TokenEvent(None, "", finish_reason=request.checker.finish_reason))
 
     def _finish(self, request: DecodeRequest, event: TokenEvent) -> None:
         if self._active.pop(request.seq_id, None) is not None:

@@ -22,10 +22,10 @@ from opentelemetry.metrics import Observation
 
 from services.common.logs import request_id_var
 from services.common.telemetry import current_trace_id, meter, tracer
-from services.decode.batcher import Batcher, DecodeRequest, TokenEvent
+from services.decode.batcher import Batcher, DecodeRequest, TokenEvent, accept_token
 from services.decode.router import NoReadySet, SetRouter
 from services.engine.engine import Engine
-from services.engine.sampling import SamplingParams, sampling_from_wire
+from services.engine.sampling import SamplingParams, StopChecker, sampling_from_wire
 from services.prefill.client import PrefillClient
 from services.proto.pcpstack.v1 import common_pb2, decode_pb2, decode_pb2_grpc, prefill_pb2
 
@@ -245,25 +245,40 @@ class DecodeServicer(decode_pb2_grpc.DecodeServiceServicer):
                 await context.abort(exc.code, str(exc))
             events: asyncio.Queue[TokenEvent] = asyncio.Queue()
             loop = asyncio.get_running_loop()
-            try:
-                kv = await self._fetch_kv(reply.kv)
-            except Exception as exc:
-                _requests.add(1, {"outcome": "error"})
-                await context.abort(grpc.StatusCode.UNAVAILABLE, f"could not fetch the KV replica: {exc}")
-            finally:
-                # Released as soon as it is loaded (or could not be): the store never holds it for nothing.
-                await asyncio.shield(self._release(reply.kv))
-            self.batcher.submit(
-                DecodeRequest(
-                    seq_id=request_id,
-                    kv=kv,
-                    num_tokens=len(ids),
-                    first_token=reply.first_token_id,
-                    params=params,
-                    emit=lambda event: loop.call_soon_threadsafe(events.put_nowait, event),
-                    logprobs=request.logprobs,
+            # The first token (sampled by prefill) streams at once; the KV loads while the client reads it.
+            checker = StopChecker(params, self.engine.args.eos_token_ids, self.engine.tokenizer)
+            first = accept_token(checker, reply.first_token_id, None)
+            if first is not None:
+                events.put_nowait(first)
+            fetch_failed = False
+
+            async def load_and_submit() -> None:
+                nonlocal fetch_failed
+                try:
+                    if checker.finish_reason is not None:
+                        events.put_nowait(TokenEvent(None, "", finish_reason=checker.finish_reason))
+                        return
+                    kv = await self._fetch_kv(reply.kv)
+                except Exception as exc:
+                    fetch_failed = True
+                    events.put_nowait(TokenEvent(None, "", error=f"could not fetch the KV replica: {exc}"))
+                    return
+                finally:
+                    # Released as soon as it is loaded (or not needed): the store never holds it for nothing.
+                    await asyncio.shield(self._release(reply.kv))
+                self.batcher.submit(
+                    DecodeRequest(
+                        seq_id=request_id,
+                        kv=kv,
+                        num_tokens=len(ids),
+                        checker=checker,
+                        params=params,
+                        emit=lambda event: loop.call_soon_threadsafe(events.put_nowait, event),
+                        logprobs=request.logprobs,
+                    )
                 )
-            )
+
+            loader = asyncio.ensure_future(load_and_submit())
             first_at = None
             count = 0
             try:
@@ -271,7 +286,12 @@ class DecodeServicer(decode_pb2_grpc.DecodeServiceServicer):
                     event = await events.get()
                     if event.error:
                         _requests.add(1, {"outcome": "error"})
-                        await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, event.error)
+                        code = (
+                            grpc.StatusCode.UNAVAILABLE
+                            if fetch_failed
+                            else grpc.StatusCode.RESOURCE_EXHAUSTED
+                        )
+                        await context.abort(code, event.error)
                     if event.finish_reason:
                         break
                     if first_at is None:
@@ -286,6 +306,7 @@ class DecodeServicer(decode_pb2_grpc.DecodeServiceServicer):
                         )
                     )
             except asyncio.CancelledError:
+                loader.cancel()  # its finally still releases the replica
                 self.batcher.cancel(request_id)
                 _requests.add(1, {"outcome": "cancelled"})
                 raise

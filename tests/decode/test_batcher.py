@@ -7,9 +7,9 @@ import threading
 import pytest
 import torch
 
-from services.decode.batcher import Batcher, DecodeRequest, TokenEvent
+from services.decode.batcher import Batcher, DecodeRequest, TokenEvent, accept_token
 from services.engine.engine import Engine
-from services.engine.sampling import SamplingParams, make_generator, sample
+from services.engine.sampling import SamplingParams, StopChecker, make_generator, sample
 
 
 @pytest.fixture(scope="module")
@@ -47,8 +47,13 @@ def prefilled(engine: Engine, prompt: list[int], params: SamplingParams) -> tupl
 
 
 def request(engine: Engine, seq_id: str, prompt: list[int], params: SamplingParams, sink: Collector):
+    """What the servicer submits: the replica, and a checker that has taken (and streamed) the first token."""
     kv, first = prefilled(engine, prompt, params)
-    return DecodeRequest(seq_id, kv, len(prompt), first, params, sink)
+    checker = StopChecker(params, engine.args.eos_token_ids, engine.tokenizer)
+    event = accept_token(checker, first, None)
+    if event is not None:
+        sink(event)
+    return DecodeRequest(seq_id, kv, len(prompt), checker, params, sink)
 
 
 def prompts(vocab: int) -> list[list[int]]:
