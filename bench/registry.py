@@ -10,7 +10,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import os
-import socket
 import subprocess
 import sys
 import time
@@ -20,6 +19,7 @@ from services.common.channel import open_channel
 from services.common.config import EngineConfig
 from services.proto.pcpstack.v1 import registry_pb2, registry_pb2_grpc
 from services.registry.client import RegistryClient
+from services.stack import free_port
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -27,12 +27,6 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--nodes", type=int, default=1000, help="prefill nodes (even; sets of 2)")
     parser.add_argument("--duration", type=float, default=10.0, help="seconds of heartbeat load to measure")
     parser.add_argument("--lease", type=float, default=3.0, help="registry lease; heartbeats every lease/3")
-
-
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 def _cpu_seconds(pid: int) -> float:
@@ -95,7 +89,7 @@ def run(args: argparse.Namespace) -> dict:
     """Runs the benchmark and returns its numbers."""
     if args.nodes < 2 or args.nodes % 2:
         raise SystemExit(f"--nodes={args.nodes} must be an even number >= 2")
-    port = _free_port()
+    port = free_port()
     registry = subprocess.Popen(
         [
             sys.executable,

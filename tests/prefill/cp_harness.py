@@ -7,8 +7,6 @@ the rank owning the last position) and its complete KV replica for every length.
 
 from __future__ import annotations
 
-import socket
-
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
@@ -17,14 +15,9 @@ from services.engine.engine import Engine
 from services.engine.kv_cache import blocks_needed
 from services.prefill.context_parallel import KvAllGather, init_pcp_group, prefill_share
 from services.prefill.split import DualChunkSplit
+from services.stack import free_port
 
 BLOCK_SIZE = 16
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def prompt(vocab_size: int, n: int) -> torch.Tensor:

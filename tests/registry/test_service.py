@@ -4,7 +4,6 @@ errors, eviction and re-forming, fencing, and a registry process killed and rest
 from __future__ import annotations
 
 import asyncio
-import socket
 import subprocess
 import sys
 import time
@@ -19,6 +18,7 @@ from services.registry.client import RegistrationRefused, RegistryClient
 from services.registry.membership import Settings
 from services.registry.server import start_registry
 from services.registry.status import render
+from services.stack import free_port
 
 pytestmark = pytest.mark.timeout(60)
 FAST = Settings(lease_s=0.6, assembly_timeout_s=0.5, restore_grace_s=0.0)
@@ -246,12 +246,6 @@ def test_decode_and_kvstore_appear_in_resolve_and_an_incomplete_assembly_is_repo
     _run(scenario())
 
 
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
 def _spawn_registry(port: int, env: dict[str, str]) -> subprocess.Popen:
     return subprocess.Popen(
         [
@@ -277,7 +271,7 @@ def _spawn_registry(port: int, env: dict[str, str]) -> subprocess.Popen:
 
 @pytest.mark.slow
 def test_a_killed_and_restarted_registry_gets_the_same_sets_back_without_relaunching(child_env):
-    port = _free_port()
+    port = free_port()
     address = f"127.0.0.1:{port}"
     config = EngineConfig(data_parallel_size=1, nnodes=2, prefill_context_parallel_size=2)
     procs = [_spawn_registry(port, child_env)]
