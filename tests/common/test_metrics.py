@@ -51,6 +51,16 @@ def test_kvstore_metrics_are_scrapeable_and_count_bytes(child_env) -> None:
 
         async def put() -> None:
             async with KvStoreClient(f"127.0.0.1:{port}", prefer_shm=False) as store:
+                # The metrics endpoint starts before the gRPC port is bound: wait for the store itself.
+                deadline = time.monotonic() + 30
+                while True:
+                    try:
+                        await store.stat()
+                        break
+                    except Exception:
+                        if time.monotonic() > deadline:
+                            raise
+                        await asyncio.sleep(0.1)
                 await store.put("metrics-test", "fp", b"x" * 4096)
 
         asyncio.run(put())
