@@ -115,7 +115,15 @@ class ReplicaPusher:
         self, address: str, key: str, fingerprint: str, data: memoryview, lease_ms: int, metadata: bytes
     ) -> None:
         """Stores one replica; raises the store's error."""
-        self._loop.run_until_complete(self._push(address, key, fingerprint, data, lease_ms, metadata))
+        try:
+            self._loop.run_until_complete(self._push(address, key, fingerprint, data, lease_ms, metadata))
+        except Exception as exc:
+            # A store that restarted leaves the cached channel broken: retry once on a fresh channel.
+            log.warning("KV push to %s failed (%s); retrying on a new channel", address, exc)
+            stale = self._clients.pop(address, None)
+            if stale is not None:
+                self._loop.run_until_complete(stale.close())
+            self._loop.run_until_complete(self._push(address, key, fingerprint, data, lease_ms, metadata))
 
     async def _push(
         self, address: str, key: str, fingerprint: str, data: memoryview, lease_ms: int, metadata: bytes
