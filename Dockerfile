@@ -9,6 +9,12 @@ ENV PYTHONUNBUFFERED=1 \
 
 WORKDIR /opt/pcpstack
 
+# gcc builds the decode kernels (services/engine/cpu_kernels.c) for the host's CPU at first start; without it
+# decode still runs, on slower plain PyTorch kernels.
+RUN apt-get update \
+ && apt-get install -y --no-install-recommends gcc libc6-dev \
+ && rm -rf /var/lib/apt/lists/*
+
 # Dependencies first, so that their layer survives code changes. torch comes from the CPU index at the
 # version constraints.txt pins (PyPI's Linux wheel is the multi-GB CUDA build).
 COPY pyproject.toml constraints.txt ./

@@ -13,6 +13,8 @@ from dataclasses import dataclass, field
 import torch
 import torch.nn.functional as F
 
+from services.engine import cpu_kernels
+
 KvExchange = Callable[[torch.Tensor, torch.Tensor], tuple[torch.Tensor, torch.Tensor]]
 
 
@@ -124,6 +126,14 @@ def paged_attention(
         return out[0].transpose(0, 1).reshape(n, n_heads * head_dim)
     if meta.fresh_context and q.device.type == "cpu" and n > 0:
         return attend_runs(q, k, v, meta.query_runs(), q_per_kv)
+    if not meta.fresh_context and tokens == 1 and q.device.type == "cpu" and q.dtype == torch.float32:
+        # Decode: one query per sequence read straight from its blocks, no gather of the whole context.
+        lib = cpu_kernels.library()
+        if lib is not None:
+            out = cpu_kernels.paged_decode_attention(
+                lib, q, k_cache, v_cache, meta.block_tables, meta.context_lens
+            )
+            return out.view(n, n_heads * head_dim)
     if meta.fresh_context:
         keys, values = k[None], v[None]  # [1, ctx, kv_heads, head_dim]
     else:

@@ -12,6 +12,17 @@ from torch import nn
 from services.engine.attention import AttentionMetadata, paged_attention
 from services.engine.config import ModelArgs
 from services.engine.kv_cache import PagedKVCache
+from services.engine.quant import BlockWeight, project
+
+
+class Linear(nn.Linear):
+    """nn.Linear that runs few-row inputs (decode) on the weight's quantized blocks when it has them."""
+
+    blocks: BlockWeight | None = None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = project(x, self.weight, self.blocks)
+        return y if self.bias is None else y + self.bias
 
 
 class RMSNorm(nn.Module):
@@ -54,8 +65,8 @@ class Attention(nn.Module):
         self.layer_index = layer_index
         self.n_heads, self.n_kv_heads, self.head_dim = args.n_heads, args.n_kv_heads, args.head_dim
         qkv_dim = (args.n_heads + 2 * args.n_kv_heads) * args.head_dim
-        self.wqkv = nn.Linear(args.dim, qkv_dim, bias=args.attention_bias)
-        self.wo = nn.Linear(args.n_heads * args.head_dim, args.dim, bias=False)
+        self.wqkv = Linear(args.dim, qkv_dim, bias=args.attention_bias)
+        self.wo = Linear(args.n_heads * args.head_dim, args.dim, bias=False)
 
     def forward(
         self,
@@ -80,8 +91,8 @@ class FeedForward(nn.Module):
 
     def __init__(self, args: ModelArgs) -> None:
         super().__init__()
-        self.w13 = nn.Linear(args.dim, 2 * args.hidden_dim, bias=False)
-        self.w2 = nn.Linear(args.hidden_dim, args.dim, bias=False)
+        self.w13 = Linear(args.dim, 2 * args.hidden_dim, bias=False)
+        self.w2 = Linear(args.hidden_dim, args.dim, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate, up = self.w13(x).chunk(2, dim=-1)
@@ -120,6 +131,8 @@ class Transformer(nn.Module):
         self.layers = nn.ModuleList(Block(args, i) for i in range(args.n_layers))
         self.norm = RMSNorm(args.dim, args.norm_eps)
         self.output = None if args.tie_embeddings else nn.Linear(args.dim, args.vocab_size, bias=False)
+        # The logits projection's quantized blocks (the embedding's when tied), for decode.
+        self.output_blocks: BlockWeight | None = None
 
     def output_weight(self) -> torch.Tensor:
         """[vocab, dim] weight of the logits projection (the embedding when tied)."""
@@ -140,4 +153,4 @@ class Transformer(nn.Module):
             x = layer(x, cos, sin, kv_cache, meta)
         if logits_indices is not None:
             x = x[logits_indices]  # [len(logits_indices), dim]
-        return F.linear(self.norm(x), self.output_weight())  # [rows, vocab]
+        return project(self.norm(x), self.output_weight(), self.output_blocks)  # [rows, vocab]

