@@ -1,5 +1,5 @@
-"""Engine benchmark: prefill seconds at 512 and 2048 tokens and decode tokens/s at batch 1 and 8 (512 tokens
-of context each) on the embedded model by default. `python -m bench.engine --json` runs it alone."""
+"""Engine benchmark: prefill seconds at 512 and 2048 tokens and decode tokens/s at batch 1, 8 and 16 (512
+tokens of context each) on the embedded model by default. `python -m bench.engine --json` runs it alone."""
 
 import argparse
 import json
@@ -13,7 +13,7 @@ import torch
 from services.engine.engine import Engine
 
 PREFILL_LENGTHS = (512, 2048)
-DECODE_BATCHES = (1, 8)
+DECODE_BATCHES = (1, 8, 16)
 DECODE_CONTEXT = 512
 
 
@@ -85,6 +85,8 @@ def run(args: argparse.Namespace) -> dict:
         "threads": torch.get_num_threads(),
         "cpu_model": _cpu_model(),
         "torch": torch.__version__,
+        # Whether decode ran on the C block kernels (services/engine/cpu_kernels.c) or plain PyTorch.
+        "decode_kernels": "c-blocks" if engine.model.output_blocks is not None else "torch",
         "prefill": {str(n): _time_prefill(engine, n, args.repeats) for n in PREFILL_LENGTHS},
         "decode": {
             f"batch_{b}": {"context": DECODE_CONTEXT, **_time_decode(engine, b, args.decode_steps)}
@@ -94,8 +96,9 @@ def run(args: argparse.Namespace) -> dict:
 
 
 def blocks_for_bench() -> int:
-    """Blocks for the largest footprint: 8 sequences of 512 tokens plus decode room, or one 2048 prompt."""
-    return max(8 * (DECODE_CONTEXT + 64), 2048) // 16 + 8
+    """Blocks for the largest footprint: the largest decode batch of 512 tokens plus decode room, or one 2048
+    prompt."""
+    return max(max(DECODE_BATCHES) * (DECODE_CONTEXT + 64), 2048) // 16 + 8
 
 
 def main() -> None:

@@ -20,6 +20,10 @@
 #include <stdlib.h>
 #include <string.h>
 
+/* Let the softmax loop call glibc's vector expf (libmvec), as math.h would declare it under -ffast-math. */
+#pragma omp declare simd notinbranch
+extern float expf(float);
+
 #define BLOCK 32
 #define ROW_TILE 8
 
@@ -51,79 +55,85 @@ static inline float hsum(f32x16 v) {
     return s;
 }
 
-/* Sum of each 32-wide block of each input row: [m, blocks]. The Q4_1 min term is min * block_sum. */
-static void block_sums(const float *x, int64_t m, int64_t k, float *sums) {
-    const int64_t blocks = k / BLOCK;
-    for (int64_t r = 0; r < m; r++)
-        for (int64_t b = 0; b < blocks; b++) {
-            const float *xb = x + r * k + b * BLOCK;
-            sums[r * blocks + b] = hsum(load16(xb) + load16(xb + 16));
-        }
-}
+/* The tiles below multiply W weight rows by R input rows, W and R compile-time constants after inlining so
+ * the W * R accumulators stay in registers. Each block is dequantized once per tile (w = scale * q + min, as
+ * the dense weights hold it) and every input-row load feeds W multiply-adds. */
+#define WEIGHT_ROWS 2
 
-/* One weight row against `R` input rows, R a compile-time constant after inlining so the accumulators live in
- * registers. Q4_1: sum_b scale_b * (q_b . x_b) + min_b * sum(x_b). */
 static inline __attribute__((always_inline)) void q4_1_tile(const uint8_t *qs, const float *scale, const float *min,
-                                                            int64_t blocks, const float *x, int64_t k,
-                                                            const float *sums, const int R, float *y,
-                                                            int64_t n) {
-    f32x16 acc[ROW_TILE] = {0};
-    float min_acc[ROW_TILE] = {0};
+                                                            int64_t blocks, const float *x, int64_t k, const int W,
+                                                            const int R, float *y, int64_t n) {
+    f32x16 acc[WEIGHT_ROWS][ROW_TILE] = {{{0}}};
     for (int64_t b = 0; b < blocks; b++) {
-        const u8x16 packed = *(const u8x16_u *)(qs + b * 16);
-        const f32x16 lo = TO_F32(packed & 0x0F) * scale[b], hi = TO_F32(packed >> 4) * scale[b];
+        f32x16 lo[WEIGHT_ROWS], hi[WEIGHT_ROWS];
+        for (int w = 0; w < W; w++) {
+            const u8x16 packed = *(const u8x16_u *)(qs + (w * blocks + b) * 16);
+            const float d = scale[w * blocks + b], mn = min[w * blocks + b];
+            lo[w] = TO_F32(packed & 0x0F) * d + mn;
+            hi[w] = TO_F32(packed >> 4) * d + mn;
+        }
         for (int r = 0; r < R; r++) {
-            const float *xb = x + r * k + b * BLOCK;
-            acc[r] += lo * load16(xb) + hi * load16(xb + 16);
-            min_acc[r] += min[b] * sums[r * blocks + b];
+            const f32x16 x0 = load16(x + r * k + b * BLOCK), x1 = load16(x + r * k + b * BLOCK + 16);
+            for (int w = 0; w < W; w++) acc[w][r] += lo[w] * x0 + hi[w] * x1;
         }
     }
-    for (int r = 0; r < R; r++) y[r * n] = hsum(acc[r]) + min_acc[r];
+    for (int w = 0; w < W; w++)
+        for (int r = 0; r < R; r++) y[r * n + w] = hsum(acc[w][r]);
 }
 
 static inline __attribute__((always_inline)) void q8_0_tile(const int8_t *qs, const float *scale, int64_t blocks,
-                                                            const float *x, int64_t k, const int R, float *y,
-                                                            int64_t n) {
-    f32x16 acc[ROW_TILE] = {0};
+                                                            const float *x, int64_t k, const int W, const int R,
+                                                            float *y, int64_t n) {
+    f32x16 acc[WEIGHT_ROWS][ROW_TILE] = {{{0}}};
     for (int64_t b = 0; b < blocks; b++) {
-        const f32x16 w0 = i8_to_f32(qs + b * BLOCK) * scale[b], w1 = i8_to_f32(qs + b * BLOCK + 16) * scale[b];
+        f32x16 lo[WEIGHT_ROWS], hi[WEIGHT_ROWS];
+        for (int w = 0; w < W; w++) {
+            const int8_t *block = qs + (w * blocks + b) * BLOCK;
+            const float d = scale[w * blocks + b];
+            lo[w] = i8_to_f32(block) * d;
+            hi[w] = i8_to_f32(block + 16) * d;
+        }
         for (int r = 0; r < R; r++) {
-            const float *xb = x + r * k + b * BLOCK;
-            acc[r] += w0 * load16(xb) + w1 * load16(xb + 16);
+            const f32x16 x0 = load16(x + r * k + b * BLOCK), x1 = load16(x + r * k + b * BLOCK + 16);
+            for (int w = 0; w < W; w++) acc[w][r] += lo[w] * x0 + hi[w] * x1;
         }
     }
-    for (int r = 0; r < R; r++) y[r * n] = hsum(acc[r]);
+    for (int w = 0; w < W; w++)
+        for (int r = 0; r < R; r++) y[r * n + w] = hsum(acc[w][r]);
 }
 
-/* Calls TILE(..., R, ...) with R as a constant for each possible tile height. */
-#define FOR_TILE_HEIGHT(rows, CALL) \
-    switch (rows) {                 \
-    case 1: CALL(1); break;         \
-    case 2: CALL(2); break;         \
-    case 3: CALL(3); break;         \
-    case 4: CALL(4); break;         \
-    case 5: CALL(5); break;         \
-    case 6: CALL(6); break;         \
-    case 7: CALL(7); break;         \
-    default: CALL(8); break;        \
+/* Calls CALL(W, R) with constants: W weight rows (WEIGHT_ROWS, or 1 for an odd last row) and R input rows. */
+#define FOR_TILE_HEIGHT(W, rows, CALL) \
+    switch (rows) {                    \
+    case 1: CALL(W, 1); break;         \
+    case 2: CALL(W, 2); break;         \
+    case 3: CALL(W, 3); break;         \
+    case 4: CALL(W, 4); break;         \
+    case 5: CALL(W, 5); break;         \
+    case 6: CALL(W, 6); break;         \
+    case 7: CALL(W, 7); break;         \
+    default: CALL(W, 8); break;        \
     }
+
+#define FOR_TILE(weight_rows, rows, CALL)                               \
+    if ((weight_rows) == WEIGHT_ROWS) FOR_TILE_HEIGHT(WEIGHT_ROWS, rows, CALL) \
+    else FOR_TILE_HEIGHT(1, rows, CALL)
 
 /* y[m, n] = x[m, k] @ W^T for W [n, k] in Q4_1 blocks (qs [n, k / 32, 16], scale and min [n, k / 32]). */
 void q4_1_matmul(const float *x, int64_t m, int64_t k, const uint8_t *qs, const float *scale, const float *min,
                  int64_t n, float *y, int threads) {
     const int64_t blocks = k / BLOCK;
-    float *sums = malloc(sizeof(float) * (size_t)(m * blocks));
-    block_sums(x, m, k, sums);
 #pragma omp parallel for schedule(static) num_threads(threads)
-    for (int64_t row = 0; row < n; row++)
+    for (int64_t row = 0; row < n; row += WEIGHT_ROWS) {
+        const int weight_rows = n - row < WEIGHT_ROWS ? (int)(n - row) : WEIGHT_ROWS;
         for (int64_t r0 = 0; r0 < m; r0 += ROW_TILE) {
-#define Q4_CALL(R)                                                                                        \
-    q4_1_tile(qs + row * blocks * 16, scale + row * blocks, min + row * blocks, blocks, x + r0 * k, k, \
-              sums + r0 * blocks, R, y + r0 * n + row, n)
-            FOR_TILE_HEIGHT(m - r0, Q4_CALL)
+#define Q4_CALL(W, R)                                                                                      \
+    q4_1_tile(qs + row * blocks * 16, scale + row * blocks, min + row * blocks, blocks, x + r0 * k, k, W, R, \
+              y + r0 * n + row, n)
+            FOR_TILE(weight_rows, m - r0, Q4_CALL)
 #undef Q4_CALL
         }
-    free(sums);
+    }
 }
 
 /* y[m, n] = x[m, k] @ W^T for W [n, k] in Q8_0 blocks (qs [n, k / 32, 32], scale [n, k / 32]). */
@@ -131,68 +141,86 @@ void q8_0_matmul(const float *x, int64_t m, int64_t k, const int8_t *qs, const f
                  float *y, int threads) {
     const int64_t blocks = k / BLOCK;
 #pragma omp parallel for schedule(static) num_threads(threads)
-    for (int64_t row = 0; row < n; row++)
+    for (int64_t row = 0; row < n; row += WEIGHT_ROWS) {
+        const int weight_rows = n - row < WEIGHT_ROWS ? (int)(n - row) : WEIGHT_ROWS;
         for (int64_t r0 = 0; r0 < m; r0 += ROW_TILE) {
-#define Q8_CALL(R) \
-    q8_0_tile(qs + row * blocks * BLOCK, scale + row * blocks, blocks, x + r0 * k, k, R, y + r0 * n + row, n)
-            FOR_TILE_HEIGHT(m - r0, Q8_CALL)
+#define Q8_CALL(W, R) \
+    q8_0_tile(qs + row * blocks * BLOCK, scale + row * blocks, blocks, x + r0 * k, k, W, R, y + r0 * n + row, n)
+            FOR_TILE(weight_rows, m - r0, Q8_CALL)
 #undef Q8_CALL
         }
+    }
+}
+
+/* Heads [first, last) of one sequence's query against its paged context. Every K/V row the heads need is
+ * read once, for all of them: the whole row (all K/V heads, contiguous) when the task covers every head. */
+static void attend_heads(const float *q, int64_t first, int64_t last, int64_t group, int64_t dim,
+                         const float *k_cache, const float *v_cache, int64_t block_size, int64_t token_stride,
+                         const int64_t *table, int64_t ctx, float scale, float *out) {
+    const int64_t block_stride = block_size * token_stride, count = last - first;
+    float *scores = malloc(sizeof(float) * (size_t)(count * ctx));
+    for (int64_t t = 0; t < ctx; t++) {
+        const float *row = k_cache + table[t / block_size] * block_stride + (t % block_size) * token_stride;
+        for (int64_t h = first; h < last; h++) {
+            const float *qh = q + h * dim, *key = row + (h / group) * dim;
+            float dot = 0.0f;
+#pragma omp simd reduction(+ : dot)
+            for (int64_t i = 0; i < dim; i++) dot += qh[i] * key[i];
+            scores[(h - first) * ctx + t] = dot * scale;
+        }
+    }
+    for (int64_t h = 0; h < count; h++) {
+        float *row = scores + h * ctx, peak = -INFINITY, total = 0.0f;
+        for (int64_t t = 0; t < ctx; t++) peak = row[t] > peak ? row[t] : peak;
+#pragma omp simd reduction(+ : total)
+        for (int64_t t = 0; t < ctx; t++) {
+            row[t] = expf(row[t] - peak);
+            total += row[t];
+        }
+        const float inv = 1.0f / total;
+        for (int64_t t = 0; t < ctx; t++) row[t] *= inv;
+    }
+    memset(out + first * dim, 0, sizeof(float) * (size_t)(count * dim));
+    for (int64_t t = 0; t < ctx; t++) {
+        const float *row = v_cache + table[t / block_size] * block_stride + (t % block_size) * token_stride;
+        for (int64_t h = first; h < last; h++) {
+            const float p = scores[(h - first) * ctx + t], *value = row + (h / group) * dim;
+            float *oh = out + h * dim;
+#pragma omp simd
+            for (int64_t i = 0; i < dim; i++) oh[i] += p * value[i];
+        }
+    }
+    free(scores);
 }
 
 /* One query token per sequence attending to its paged context, grouped-query heads reading shared K/V.
  *
  * q [seqs, heads, dim]; k_cache, v_cache [blocks, block_size, kv_heads, dim]; block_tables [seqs, width];
- * context_lens [seqs]; out [seqs, heads, dim]. Each (sequence, K/V head) pair reads its keys and values once
- * for all the query heads that share them.
+ * context_lens [seqs]; out [seqs, heads, dim]. With enough sequences to share out, a task is a whole
+ * sequence (its K/V rows stream contiguously); with few, a task is a range of a sequence's query heads, so
+ * every thread gets a similar share.
  */
-void paged_decode_attention(const float *q, int64_t seqs, int64_t heads, int64_t kv_heads, int64_t dim,
-                            const float *k_cache, const float *v_cache, int64_t block_size,
-                            const int64_t *block_tables, int64_t width, const int64_t *context_lens,
-                            float scale, float *out, int threads) {
+int paged_decode_attention(const float *q, int64_t seqs, int64_t heads, int64_t kv_heads, int64_t dim,
+                           const float *k_cache, const float *v_cache, int64_t num_blocks, int64_t block_size,
+                           const int64_t *block_tables, int64_t width, const int64_t *context_lens, float scale,
+                           float *out, int threads) {
+    /* Refuse, rather than read outside the cache: every block a context uses must be in the table and cache. */
+    for (int64_t s = 0; s < seqs; s++) {
+        const int64_t ctx = context_lens[s], used = (ctx + block_size - 1) / block_size;
+        if (ctx < 1 || used > width) return -1;
+        for (int64_t i = 0; i < used; i++)
+            if (block_tables[s * width + i] < 0 || block_tables[s * width + i] >= num_blocks) return -1;
+    }
     const int64_t group = heads / kv_heads;
-    const int64_t token_stride = kv_heads * dim, block_stride = block_size * token_stride;
-#pragma omp parallel for schedule(static) collapse(2) num_threads(threads)
-    for (int64_t s = 0; s < seqs; s++)
-        for (int64_t kvh = 0; kvh < kv_heads; kvh++) {
-            const int64_t ctx = context_lens[s];
-            const int64_t *table = block_tables + s * width;
-            const float *qs = q + (s * heads + kvh * group) * dim;
-            float *scores = malloc(sizeof(float) * (size_t)(group * ctx));
-            for (int64_t t = 0; t < ctx; t++) {
-                const float *key = k_cache + table[t / block_size] * block_stride +
-                                   (t % block_size) * token_stride + kvh * dim;
-                for (int64_t g = 0; g < group; g++) {
-                    const float *qg = qs + g * dim;
-                    float dot = 0.0f;
-#pragma omp simd reduction(+ : dot)
-                    for (int64_t i = 0; i < dim; i++) dot += qg[i] * key[i];
-                    scores[g * ctx + t] = dot * scale;
-                }
-            }
-            for (int64_t g = 0; g < group; g++) {
-                float *row = scores + g * ctx, peak = -INFINITY, total = 0.0f;
-                for (int64_t t = 0; t < ctx; t++) peak = row[t] > peak ? row[t] : peak;
-#pragma omp simd reduction(+ : total)
-                for (int64_t t = 0; t < ctx; t++) {
-                    row[t] = expf(row[t] - peak);
-                    total += row[t];
-                }
-                const float inv = 1.0f / total;
-                for (int64_t t = 0; t < ctx; t++) row[t] *= inv;
-            }
-            float *o = out + (s * heads + kvh * group) * dim;
-            memset(o, 0, sizeof(float) * (size_t)(group * dim));
-            for (int64_t t = 0; t < ctx; t++) {
-                const float *value = v_cache + table[t / block_size] * block_stride +
-                                     (t % block_size) * token_stride + kvh * dim;
-                for (int64_t g = 0; g < group; g++) {
-                    const float p = scores[g * ctx + t];
-                    float *og = o + g * dim;
-#pragma omp simd
-                    for (int64_t i = 0; i < dim; i++) og[i] += p * value[i];
-                }
-            }
-            free(scores);
-        }
+    const int64_t wanted = (2 * threads + seqs - 1) / seqs;
+    const int64_t splits = seqs >= 2 * threads ? 1 : wanted < heads ? wanted : heads;
+#pragma omp parallel for schedule(static) num_threads(threads)
+    for (int64_t task = 0; task < seqs * splits; task++) {
+        const int64_t s = task / splits, part = task % splits;
+        const int64_t first = part * heads / splits, last = (part + 1) * heads / splits;
+        attend_heads(q + s * heads * dim, first, last, group, dim, k_cache, v_cache,
+                     block_size, kv_heads * dim, block_tables + s * width, context_lens[s], scale,
+                     out + s * heads * dim);
+    }
+    return 0;
 }

@@ -26,28 +26,18 @@ SOURCE = Path(__file__).with_name("cpu_kernels.c")
 FLAGS = ("-O3", "-march=native", "-fopenmp", "-fno-math-errno", "-shared", "-fPIC")
 ENABLE_ENV = "PCPSTACK_CPU_KERNELS"
 CACHE_ENV = "PCPSTACK_KERNEL_CACHE"
+# libmvec: glibc's vector expf for the softmax.
+LIBS = ("-lm", "-lmvec")
 
 _i64, _f32, _ptr, _int = ctypes.c_int64, ctypes.c_float, ctypes.c_void_p, ctypes.c_int
 _SIGNATURES = {
     "q4_1_matmul": (_ptr, _i64, _i64, _ptr, _ptr, _ptr, _i64, _ptr, _int),
     "q8_0_matmul": (_ptr, _i64, _i64, _ptr, _ptr, _i64, _ptr, _int),
-    "paged_decode_attention": (
-        _ptr,
-        _i64,
-        _i64,
-        _i64,
-        _i64,
-        _ptr,
-        _ptr,
-        _i64,
-        _ptr,
-        _i64,
-        _ptr,
-        _f32,
-        _ptr,
-        _int,
-    ),
+    # q, seqs, heads, kv_heads, dim, k_cache, v_cache, num_blocks, block_size, tables, width, lens, scale,
+    # out, threads; returns 0, or -1 for a table or length that lies outside the cache.
+    "paged_decode_attention": (_ptr, *[_i64] * 4, _ptr, _ptr, _i64, _i64, _ptr, _i64, _ptr, _f32, _ptr, _int),
 }
+_RESTYPES = {"paged_decode_attention": ctypes.c_int}
 
 
 def _cpu_flags() -> str:
@@ -66,7 +56,9 @@ def _compiler() -> str | None:
 def _library_path(compiler: str) -> Path:
     version = subprocess.run([compiler, "--version"], capture_output=True, text=True, check=True).stdout
     key = hashlib.sha256(
-        "\0".join((SOURCE.read_text(), " ".join(FLAGS), version, platform.machine(), _cpu_flags())).encode()
+        "\0".join(
+            (SOURCE.read_text(), " ".join(FLAGS + LIBS), version, platform.machine(), _cpu_flags())
+        ).encode()
     ).hexdigest()[:16]
     cache = Path(os.environ.get(CACHE_ENV) or Path.home() / ".cache" / "pcpstack" / "kernels")
     return cache / f"cpu_kernels-{key}.so"
@@ -79,7 +71,7 @@ def _build(compiler: str, target: Path) -> None:
         partial = Path(tmp.name)
     try:
         subprocess.run(
-            [compiler, *FLAGS, "-o", str(partial), str(SOURCE), "-lm"],
+            [compiler, *FLAGS, "-o", str(partial), str(SOURCE), *LIBS],
             capture_output=True,
             text=True,
             check=True,
@@ -111,7 +103,7 @@ def library() -> ctypes.CDLL | None:
         return None
     for name, argtypes in _SIGNATURES.items():
         function = getattr(lib, name)
-        function.argtypes, function.restype = argtypes, None
+        function.argtypes, function.restype = argtypes, _RESTYPES.get(name)
     return lib
 
 
@@ -170,11 +162,8 @@ def paged_decode_attention(
         raise ValueError("paged_decode_attention computes in fp32 only")
     tables = block_tables.to(torch.int64).contiguous()
     lens = context_lens.to(torch.int64).contiguous()
-    # The C kernel trusts these; a bad table must be an error here, not a read outside the cache.
-    if int(lens.max()) > tables.shape[1] * block_size or int(tables.max()) >= blocks or int(tables.min()) < 0:
-        raise ValueError("paged_decode_attention: block tables or context lengths lie outside the cache")
     out = torch.empty_like(q)
-    lib.paged_decode_attention(
+    status = lib.paged_decode_attention(
         q.data_ptr(),
         seqs,
         heads,
@@ -182,6 +171,7 @@ def paged_decode_attention(
         dim,
         k_cache.data_ptr(),
         v_cache.data_ptr(),
+        blocks,
         block_size,
         tables.data_ptr(),
         tables.shape[1],
@@ -190,4 +180,6 @@ def paged_decode_attention(
         out.data_ptr(),
         torch.get_num_threads(),
     )
+    if status != 0:
+        raise ValueError("paged_decode_attention: block tables or context lengths lie outside the cache")
     return out
