@@ -94,7 +94,7 @@ def _build(
 ) -> Transformer:
     with torch.device("meta"):
         model = Transformer(args)
-    state = {name: tensor.to(device=device, dtype=dtype) for name, tensor in state.items()}
+    state = {name: _aligned(tensor.to(device=device, dtype=dtype)) for name, tensor in state.items()}
     model.load_state_dict(state, strict=True, assign=True)
     # The block kernels compute in fp32 on the CPU; elsewhere the dense weights serve every step.
     if device.type == "cpu" and dtype == torch.float32 and cpu_kernels.library() is not None:
@@ -104,6 +104,12 @@ def _build(
             else:
                 model.get_submodule(name).blocks = weight
     return model.requires_grad_(False).eval()
+
+
+def _aligned(tensor: torch.Tensor) -> torch.Tensor:
+    """The tensor in 64-byte aligned memory. Weights that still sit in numpy's buffers (16-byte aligned) made
+    BLAS prefill up to 10 % slower in some processes than in others."""
+    return tensor if tensor.data_ptr() % 64 == 0 else tensor.clone()
 
 
 def _digest_files(paths: list[Path]) -> "hashlib._Hash":
