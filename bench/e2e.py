@@ -18,6 +18,7 @@ import time
 
 import torch
 
+from services.common.config import served_model_name
 from services.decode.client import DecodeClient, build_request
 from services.engine.engine import Engine
 from services.stack import LocalStack, StackOptions
@@ -125,7 +126,7 @@ def run(args: argparse.Namespace) -> dict:
     inproc = statistics.median(local)
     return {
         "benchmark": "e2e",
-        "model": args.model or "SmolLM2-135M-Instruct",
+        "model": served_model_name(args.model),
         "pcp": args.pcp,
         "threads_per_rank": args.threads_per_rank,
         "cpu": platform.processor() or platform.machine(),

@@ -10,6 +10,7 @@ from pathlib import Path
 
 import torch
 
+from services.common.config import served_model_name
 from services.engine.engine import Engine
 
 PREFILL_LENGTHS = (512, 2048)
@@ -23,7 +24,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--model", default=None, help="GGUF file, Hugging Face folder or 'tiny' (default: SmolLM2)"
     )
     parser.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's choice)")
-    parser.add_argument("--repeats", type=int, default=3, help="timed prefill runs per length")
+    parser.add_argument(
+        "--repeats", type=int, default=3, help="timed prefill runs per length, timed decode runs per batch"
+    )
     parser.add_argument("--decode-steps", type=int, default=32, help="timed decode steps per batch size")
     parser.add_argument(
         "--dtype", choices=("float32", "bfloat16"), default=None, help="run dtype (default: device's)"
@@ -56,20 +59,31 @@ def _time_prefill(engine: Engine, length: int, repeats: int) -> dict[str, float]
     return {"median_s": statistics.median(seconds), "min_s": min(seconds), "max_s": max(seconds)}
 
 
-def _time_decode(engine: Engine, batch: int, steps: int) -> dict[str, float]:
+def _time_decode(engine: Engine, batch: int, steps: int, repeats: int) -> dict[str, float]:
+    """`repeats` timed runs of `steps` steps, one after another on the same sequences (the context grows
+    from DECODE_CONTEXT by steps * repeats + 1 tokens)."""
     seqs = [("decode", i) for i in range(batch)]
     tokens = [
         int(engine.prefill(s, _prompt(DECODE_CONTEXT, engine.args.vocab_size, i)).argmax())
         for i, s in enumerate(seqs)
     ]
     tokens = engine.decode_step(seqs, tokens).argmax(-1).tolist()  # warm-up step
-    start = time.perf_counter()
-    for _ in range(steps):
-        tokens = engine.decode_step(seqs, tokens).argmax(-1).tolist()
-    elapsed = time.perf_counter() - start
+    rates, step_ms = [], []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        for _ in range(steps):
+            tokens = engine.decode_step(seqs, tokens).argmax(-1).tolist()
+        elapsed = time.perf_counter() - start
+        rates.append(batch * steps / elapsed)
+        step_ms.append(1000 * elapsed / steps)
     for s in seqs:
         engine.free(s)
-    return {"tokens_per_s": batch * steps / elapsed, "step_ms": 1000 * elapsed / steps}
+    return {
+        "tokens_per_s": statistics.median(rates),
+        "tokens_per_s_min": min(rates),
+        "tokens_per_s_max": max(rates),
+        "step_ms": statistics.median(step_ms),
+    }
 
 
 def run(args: argparse.Namespace) -> dict:
@@ -77,8 +91,10 @@ def run(args: argparse.Namespace) -> dict:
     if args.threads:
         torch.set_num_threads(args.threads)
     dtype = getattr(torch, args.dtype) if args.dtype else None
-    engine = Engine.load(args.model, dtype=dtype, block_size=16, num_blocks=blocks_for_bench())
+    decode_tokens = args.decode_steps * args.repeats + 1
+    engine = Engine.load(args.model, dtype=dtype, block_size=16, num_blocks=blocks_for_bench(decode_tokens))
     return {
+        "model": served_model_name(args.model),
         "model_id": engine.loaded.model_id,
         "device": str(engine.device),
         "dtype": str(engine.loaded.dtype).removeprefix("torch."),
@@ -89,16 +105,20 @@ def run(args: argparse.Namespace) -> dict:
         "decode_kernels": "c-blocks" if engine.model.output_blocks is not None else "torch",
         "prefill": {str(n): _time_prefill(engine, n, args.repeats) for n in PREFILL_LENGTHS},
         "decode": {
-            f"batch_{b}": {"context": DECODE_CONTEXT, **_time_decode(engine, b, args.decode_steps)}
+            f"batch_{b}": {
+                "context": DECODE_CONTEXT,
+                **_time_decode(engine, b, args.decode_steps, args.repeats),
+            }
             for b in DECODE_BATCHES
         },
     }
 
 
-def blocks_for_bench() -> int:
-    """Blocks for the largest footprint: the largest decode batch of 512 tokens plus decode room, or one 2048
-    prompt."""
-    return max(max(DECODE_BATCHES) * (DECODE_CONTEXT + 64), 2048) // 16 + 8
+def blocks_for_bench(decode_tokens: int) -> int:
+    """Blocks for the largest footprint: the largest decode batch of 512-token prompts plus `decode_tokens`
+    each, or one 2048-token prompt."""
+    per_sequence = -(-(DECODE_CONTEXT + decode_tokens) // 16)
+    return max(max(DECODE_BATCHES) * per_sequence, 2048 // 16) + 8
 
 
 def main() -> None:

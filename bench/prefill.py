@@ -18,6 +18,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
+from services.common.config import served_model_name
 from services.engine.engine import Engine
 from services.engine.kv_cache import blocks_needed
 from services.engine.sampling import SamplingParams, make_generator, sample
@@ -120,7 +121,7 @@ def run(args: argparse.Namespace) -> dict:
     }
     return {
         "benchmark": "prefill",
-        "model": args.model or "SmolLM2-135M-Instruct",
+        "model": served_model_name(args.model),
         "threads_per_rank": args.threads_per_rank,
         "repeats": args.repeats,
         "cpu": platform.processor() or platform.machine(),

@@ -532,8 +532,11 @@ def _decode_section(results: dict, plots: dict[str, Path], report: Path) -> list
                 engine.get("model") or f"id {engine.get('model_id')}",
                 streams,
                 str(batch["context"]),
-                _num(batch["tokens_per_s"]),
-                f"decode step {_num(batch['step_ms'])} ms, {engine.get('threads')} thread(s)",
+                _spread(batch["tokens_per_s"], batch["tokens_per_s_min"], batch["tokens_per_s_max"])
+                if "tokens_per_s_min" in batch
+                else _num(batch["tokens_per_s"]),
+                f"decode step {_num(batch['step_ms'])} ms, {engine.get('threads')} thread(s), "
+                f"{engine.get('decode_kernels', 'torch')} kernels",
             ]
         )
     for row in _e2e_decode_rows(results):

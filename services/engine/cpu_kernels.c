@@ -14,7 +14,9 @@
  * Scales and mins are passed as fp32 arrays [rows, blocks] (exact conversions of the file's fp16 values).
  */
 
+#ifdef __AVX512F__
 #include <immintrin.h>
+#endif
 #include <math.h>
 #include <stdint.h>
 #include <stdlib.h>
@@ -28,6 +30,8 @@ extern float expf(float);
 #define ROW_TILE 8
 
 typedef float f32x16 __attribute__((vector_size(64)));
+typedef float f32x8 __attribute__((vector_size(32)));
+typedef float f32x4 __attribute__((vector_size(16)));
 typedef int32_t i32x16 __attribute__((vector_size(64)));
 typedef uint8_t u8x16 __attribute__((vector_size(16)));
 /* Unaligned views for loads; a memcpy into a vector made gcc assemble bytes through scalar registers. */
@@ -49,10 +53,14 @@ static inline f32x16 i8_to_f32(const int8_t *p) {
 #endif
 }
 
+/* Sum of the 16 lanes as a tree of halves (gcc compiles a plain loop into 15 dependent scalar adds). */
 static inline float hsum(f32x16 v) {
-    float s = 0.0f;
-    for (int i = 0; i < 16; i++) s += v[i];
-    return s;
+    const f32x8 half = __builtin_shufflevector(v, v, 0, 1, 2, 3, 4, 5, 6, 7) +
+                       __builtin_shufflevector(v, v, 8, 9, 10, 11, 12, 13, 14, 15);
+    const f32x4 quarter = __builtin_shufflevector(half, half, 0, 1, 2, 3) +
+                          __builtin_shufflevector(half, half, 4, 5, 6, 7);
+    const f32x4 eighth = quarter + __builtin_shufflevector(quarter, quarter, 2, 3, 0, 1);
+    return eighth[0] + eighth[1];
 }
 
 /* The tiles below multiply W weight rows by R input rows, W and R compile-time constants after inlining so

@@ -99,8 +99,8 @@ class BlockAllocator:
         for block in blocks:
             if block not in self._used:
                 raise ValueError(f"block {block} is not allocated (double free?)")
-        # Pushed back in reverse, so the next allocation pops them in ascending order: a sequence's blocks then
-        # run forward through memory, which decode attention streams faster than a descending table.
+        # Pushed back in reverse, so the next allocation pops them in ascending order: a sequence's blocks
+        # then run forward through memory, which decode attention streams faster than a descending table.
         for block in reversed(blocks):
             self._used.remove(block)
             self._free.append(block)
