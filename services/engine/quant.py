@@ -39,7 +39,7 @@ class BlockWeight:
 
     def map_rows(self, fn: Callable[[torch.Tensor], torch.Tensor]) -> "BlockWeight":
         """The weight with `fn` applied to the rows of every part (a row permutation, a slice)."""
-        minimum = None if self.minimum is None else fn(self.minimum)
+        minimum = None if self.minimum is None else fn(self.minimum).contiguous()
         return BlockWeight(self.kind, fn(self.qs).contiguous(), fn(self.scale).contiguous(), minimum)
 
     @staticmethod
@@ -54,6 +54,8 @@ class BlockWeight:
 
     def matmul(self, x: torch.Tensor) -> torch.Tensor:
         """x [m, cols] fp32 @ W^T -> [m, rows] fp32, on the block kernels."""
+        if x.dim() != 2 or x.shape[1] != self.shape[1]:
+            raise ValueError(f"block matmul: x has shape {tuple(x.shape)}, expected [m, {self.shape[1]}]")
         lib = cpu_kernels.library()
         if lib is None:
             raise RuntimeError("the CPU block kernels are not available")

@@ -40,6 +40,13 @@ def test_block_matmul_equals_dense_matmul_of_dequantized_weight(gguf_tensors, na
     torch.testing.assert_close(blocks.matmul(x), x @ dense.T, atol=1e-4, rtol=1e-5)
 
 
+def test_block_matmul_refuses_input_of_the_wrong_width(gguf_tensors):
+    tensor = gguf_tensors["blk.0.ffn_down.weight"]
+    blocks = quant.from_gguf(tensor.data, tensor.tensor_type.name)
+    with pytest.raises(ValueError, match="expected \\[m, 1536\\]"):
+        blocks.matmul(torch.zeros(2, 576))
+
+
 def test_formats_without_kernels_keep_no_blocks(gguf_tensors):
     norm = gguf_tensors["blk.0.attn_norm.weight"]
     assert quant.from_gguf(norm.data, norm.tensor_type.name) is None
