@@ -60,8 +60,16 @@ def _library_path(compiler: str) -> Path:
             (SOURCE.read_text(), " ".join(FLAGS + LIBS), version, platform.machine(), _cpu_flags())
         ).encode()
     ).hexdigest()[:16]
-    cache = Path(os.environ.get(CACHE_ENV) or Path.home() / ".cache" / "pcpstack" / "kernels")
-    return cache / f"cpu_kernels-{key}.so"
+    return _cache_dir() / f"cpu_kernels-{key}.so"
+
+
+def _cache_dir() -> Path:
+    if os.environ.get(CACHE_ENV):
+        return Path(os.environ[CACHE_ENV])
+    try:
+        return Path.home() / ".cache" / "pcpstack" / "kernels"
+    except RuntimeError:  # no home directory (a container user without a passwd entry)
+        return Path(tempfile.gettempdir()) / f"pcpstack-kernels-{os.getuid()}"
 
 
 def _build(compiler: str, target: Path) -> None:
