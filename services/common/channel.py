@@ -15,6 +15,15 @@ from services.common import security as security_mod
 from services.common.server import DEFAULT_MAX_MESSAGE_BYTES
 
 DEFAULT_DEADLINE_SECONDS = 30.0
+# A peer that restarts (a KV store, a prefill node) is found again within two seconds: gRPC's own
+# reconnect backoff grows to two minutes, far longer than a registry lease. Each channel keeps its own
+# subchannels, so a channel opened after a peer failed does not inherit another channel's backoff.
+RECONNECT_OPTIONS: tuple[tuple[str, object], ...] = (
+    ("grpc.initial_reconnect_backoff_ms", 200),
+    ("grpc.min_reconnect_backoff_ms", 200),
+    ("grpc.max_reconnect_backoff_ms", 2000),
+    ("grpc.use_local_subchannel_pool", 1),
+)
 
 
 def _prepare(
@@ -84,6 +93,7 @@ def open_channel(
     options = [
         ("grpc.max_send_message_length", max_message_bytes),
         ("grpc.max_receive_message_length", max_message_bytes),
+        *RECONNECT_OPTIONS,
         *extra_options,
     ]
     credentials = security.channel_credentials()
