@@ -115,36 +115,26 @@ def library() -> ctypes.CDLL | None:
     return lib
 
 
-def q4_1_matmul(
-    lib: ctypes.CDLL, x: torch.Tensor, qs: torch.Tensor, scale: torch.Tensor, minimum: torch.Tensor
+def block_matmul(
+    lib: ctypes.CDLL,
+    kind: str,
+    x: torch.Tensor,
+    qs: torch.Tensor,
+    scale: torch.Tensor,
+    minimum: torch.Tensor | None,
 ) -> torch.Tensor:
-    """x [m, k] fp32 @ W^T for W [n, k] in Q4_1 blocks (qs [n, k/32, 16] uint8, scale/min [n, k/32])."""
+    """x [m, k] fp32 @ W^T for W [n, k] in blocks: "q4_1" (qs [n, k/32, 16] uint8, scale and minimum
+    [n, k/32]) or "q8_0" (qs [n, k/32, 32] int8, scale [n, k/32], no minimum)."""
     x = x.to(torch.float32).contiguous()
     out = torch.empty(x.shape[0], qs.shape[0], dtype=torch.float32)
-    lib.q4_1_matmul(
+    mins = () if minimum is None else (minimum.data_ptr(),)
+    getattr(lib, f"{kind}_matmul")(
         x.data_ptr(),
         x.shape[0],
         x.shape[1],
         qs.data_ptr(),
         scale.data_ptr(),
-        minimum.data_ptr(),
-        qs.shape[0],
-        out.data_ptr(),
-        torch.get_num_threads(),
-    )
-    return out
-
-
-def q8_0_matmul(lib: ctypes.CDLL, x: torch.Tensor, qs: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
-    """x [m, k] fp32 @ W^T for W [n, k] in Q8_0 blocks (qs [n, k/32, 32] int8, scale [n, k/32])."""
-    x = x.to(torch.float32).contiguous()
-    out = torch.empty(x.shape[0], qs.shape[0], dtype=torch.float32)
-    lib.q8_0_matmul(
-        x.data_ptr(),
-        x.shape[0],
-        x.shape[1],
-        qs.data_ptr(),
-        scale.data_ptr(),
+        *mins,
         qs.shape[0],
         out.data_ptr(),
         torch.get_num_threads(),

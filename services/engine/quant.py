@@ -59,9 +59,7 @@ class BlockWeight:
         lib = cpu_kernels.library()
         if lib is None:
             raise RuntimeError("the CPU block kernels are not available")
-        if self.kind == "q4_1":
-            return cpu_kernels.q4_1_matmul(lib, x, self.qs, self.scale, self.minimum)
-        return cpu_kernels.q8_0_matmul(lib, x, self.qs, self.scale)
+        return cpu_kernels.block_matmul(lib, self.kind, x, self.qs, self.scale, self.minimum)
 
 
 def _fp16_field(raw: np.ndarray, offset: int) -> torch.Tensor:
