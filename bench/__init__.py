@@ -1,1 +1,1 @@
-"""Benchmarks behind `pcpstack bench <area>`: each module has add_arguments(parser) and run(args) -> dict."""
+"""Benchmarks of a checkout (not installed): `pcpstack bench <area>` runs `python -m bench <area>` here."""

@@ -1,6 +1,6 @@
 """`pcpstack bench all`: every benchmark area with its own defaults, then BENCHMARKS.md and its plots.
 
-Each area runs as its own `pcpstack bench <area> --out DIR` process, so one area's threads, memory and
+Each area runs as its own `python -m bench <area> --out DIR` process, so one area's threads, memory and
 loaded models never weigh on the next and each parses only its own options. --smoke runs every area at the
 tiny sizes CI uses (SMOKE_ARGS). The report goes to BENCHMARKS.md and bench/plots/ when the results go to
 bench/results/, and next to the results (DIR/BENCHMARKS.md, DIR/plots/) otherwise, so a smoke run never
@@ -53,7 +53,7 @@ def run(args: argparse.Namespace) -> dict:
     failed = []
     for area in args.areas:
         print(f"bench all: {area}", file=sys.stderr, flush=True)
-        command = [sys.executable, "-m", "services.cli", "bench", area, "--out", str(out)]
+        command = [sys.executable, "-m", "bench", area, "--out", str(out)]
         command += SMOKE_ARGS[area] if args.smoke else []
         if subprocess.run(command, stdout=subprocess.DEVNULL).returncode:
             failed.append(area)

@@ -18,10 +18,10 @@ import time
 
 import torch
 
-from services.common.config import served_model_name
-from services.decode.client import DecodeClient, build_request
-from services.engine.engine import Engine
-from services.stack import LocalStack, StackOptions
+from pcpstack.cli.stack import LocalStack, StackOptions
+from pcpstack.common.config import served_model_name
+from pcpstack.decode.client import DecodeClient, build_request
+from pcpstack.engine.engine import Engine
 
 
 def _int_list(text: str) -> list[int]:

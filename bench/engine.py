@@ -10,8 +10,8 @@ from pathlib import Path
 
 import torch
 
-from services.common.config import served_model_name
-from services.engine.engine import Engine
+from pcpstack.common.config import served_model_name
+from pcpstack.engine.engine import Engine
 
 PREFILL_LENGTHS = (512, 2048)
 DECODE_BATCHES = (1, 8, 16)

@@ -17,7 +17,7 @@ import subprocess
 import sys
 import time
 
-from services.common.tunables import ensure_glibc_tunables
+from pcpstack.common.tunables import ensure_glibc_tunables
 
 _UNITS = {
     "": 1,
@@ -52,7 +52,7 @@ def _start_store(capacity: int) -> tuple[subprocess.Popen, str]:
         [
             sys.executable,
             "-m",
-            "services.cli",
+            "pcpstack.cli",
             "serve",
             "kvstore",
             "--port",
@@ -72,7 +72,7 @@ def _start_store(capacity: int) -> tuple[subprocess.Popen, str]:
 
 
 async def _measure(address: str, prefer_shm: bool, size: int, repeats: int, chunk: int) -> dict:
-    from services.kvstore.client import KvStoreClient
+    from pcpstack.kvstore.client import KvStoreClient
 
     payload = os.urandom(size)
     puts, gets = [], []

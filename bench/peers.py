@@ -29,7 +29,7 @@ from pathlib import Path
 import torch
 
 from bench.engine import _prompt
-from services.engine.weights import default_model_path
+from pcpstack.engine.weights import default_model_path
 
 PEERS = ("transformers", "llama.cpp")
 

@@ -18,13 +18,13 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from services.common.config import served_model_name
-from services.engine.engine import Engine
-from services.engine.kv_cache import blocks_needed
-from services.engine.sampling import SamplingParams, make_generator, sample
-from services.prefill.context_parallel import KvAllGather, init_pcp_group, prefill_share
-from services.prefill.split import DualChunkSplit
-from services.stack import free_port
+from pcpstack.cli.stack import free_port
+from pcpstack.common.config import served_model_name
+from pcpstack.engine.engine import Engine
+from pcpstack.engine.kv_cache import blocks_needed
+from pcpstack.engine.sampling import SamplingParams, make_generator, sample
+from pcpstack.prefill.context_parallel import KvAllGather, init_pcp_group, prefill_share
+from pcpstack.prefill.split import DualChunkSplit
 
 
 def _int_list(text: str) -> list[int]:

@@ -15,11 +15,11 @@ import sys
 import time
 from pathlib import Path
 
-from services.common.channel import open_channel
-from services.common.config import EngineConfig
-from services.proto.pcpstack.v1 import registry_pb2, registry_pb2_grpc
-from services.registry.client import RegistryClient
-from services.stack import free_port
+from pcpstack.cli.stack import free_port
+from pcpstack.common.channel import open_channel
+from pcpstack.common.config import EngineConfig
+from pcpstack.registry.client import RegistryClient
+from pcpstack.v1 import registry_pb2, registry_pb2_grpc
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -94,7 +94,7 @@ def run(args: argparse.Namespace) -> dict:
         [
             sys.executable,
             "-m",
-            "services.cli",
+            "pcpstack.cli",
             "serve",
             "registry",
             "--port",

@@ -6,7 +6,7 @@ import asyncio
 import os
 from pathlib import Path
 
-from services.stack import LocalStack, StackOptions
+from pcpstack.cli.stack import LocalStack, StackOptions
 
 
 class RunningStack:

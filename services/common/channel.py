@@ -2,7 +2,7 @@
 
 A call made without an explicit timeout gets the channel's default deadline, so no RPC can wait forever
 on a peer that went silent. The channel uses mutual TLS and attaches the bearer token when the process's
-security (services.common.security) configures them, unless the caller passes its own.
+security (pcpstack.common.security) configures them, unless the caller passes its own.
 """
 
 from __future__ import annotations
@@ -11,8 +11,8 @@ from collections.abc import Sequence
 
 import grpc
 
-from services.common import security as security_mod
-from services.common.server import DEFAULT_MAX_MESSAGE_BYTES
+from pcpstack.common import security as security_mod
+from pcpstack.common.server import DEFAULT_MAX_MESSAGE_BYTES
 
 DEFAULT_DEADLINE_SECONDS = 30.0
 # A peer that restarts (a KV store, a prefill node) is found again within two seconds: gRPC's own

@@ -19,7 +19,7 @@ from dataclasses import asdict, dataclass, fields, replace
 from pathlib import Path
 from typing import Any
 
-from services.proto.pcpstack.v1 import common_pb2
+from pcpstack.v1 import common_pb2
 
 ROLE_SECTIONS = {
     "prefill": "motor_engine_prefill_config",

@@ -3,7 +3,7 @@
 Every server gets the standard health service, server reflection, a bind address that defaults to
 loopback, a configurable message size limit, and a graceful shutdown on SIGTERM/SIGINT (stop taking new
 calls, let running ones finish within a grace period, then cancel the rest). Its security (mutual TLS, the
-bearer-token check) is the process's configured one (services.common.security) unless options give another.
+bearer-token check) is the process's configured one (pcpstack.common.security) unless options give another.
 """
 
 from __future__ import annotations
@@ -20,7 +20,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_health.v1.health import aio as health_aio
 from grpc_reflection.v1alpha import reflection
 
-from services.common import security as security_mod
+from pcpstack.common import security as security_mod
 
 log = logging.getLogger(__name__)
 

@@ -19,9 +19,9 @@ from dataclasses import dataclass, field
 
 import torch
 
-from services.engine.engine import Engine
-from services.engine.kv_cache import blocks_needed
-from services.engine.sampling import SamplingParams, StopChecker, make_generator, sample_batch
+from pcpstack.engine.engine import Engine
+from pcpstack.engine.kv_cache import blocks_needed
+from pcpstack.engine.sampling import SamplingParams, StopChecker, make_generator, sample_batch
 
 log = logging.getLogger(__name__)
 

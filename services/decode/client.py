@@ -5,8 +5,8 @@ from __future__ import annotations
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 
-from services.common.channel import open_channel
-from services.proto.pcpstack.v1 import common_pb2, decode_pb2, decode_pb2_grpc
+from pcpstack.common.channel import open_channel
+from pcpstack.v1 import common_pb2, decode_pb2, decode_pb2_grpc
 
 
 @dataclass

@@ -13,24 +13,24 @@ import socket
 
 import torch
 
-from services.common import security
-from services.common.config import (
+from pcpstack.common import security
+from pcpstack.common.config import (
     ConfigError,
     EngineConfig,
     parse_overrides,
     role_config,
     served_model_name,
 )
-from services.common.logs import setup_logging
-from services.common.server import ServerOptions, serve_until_signalled, start_server
-from services.common.telemetry import setup_telemetry, shutdown_telemetry
-from services.common.tunables import ensure_glibc_tunables
-from services.decode.batcher import Batcher
-from services.decode.router import SetRouter
-from services.decode.server import SERVICE_NAME, DecodeServicer, DecodeSettings
-from services.engine.engine import Engine
-from services.engine.kv_cache import blocks_needed
-from services.proto.pcpstack.v1 import decode_pb2_grpc
+from pcpstack.common.logs import setup_logging
+from pcpstack.common.server import ServerOptions, serve_until_signalled, start_server
+from pcpstack.common.telemetry import setup_telemetry, shutdown_telemetry
+from pcpstack.common.tunables import ensure_glibc_tunables
+from pcpstack.decode.batcher import Batcher
+from pcpstack.decode.router import SetRouter
+from pcpstack.decode.server import SERVICE_NAME, DecodeServicer, DecodeSettings
+from pcpstack.engine.engine import Engine
+from pcpstack.engine.kv_cache import blocks_needed
+from pcpstack.v1 import decode_pb2_grpc
 
 log = logging.getLogger(__name__)
 
@@ -66,7 +66,7 @@ def resolve_config(args: argparse.Namespace) -> EngineConfig:
 
 async def serve(args: argparse.Namespace, config: EngineConfig, engine: Engine) -> None:
     """Runs the worker until SIGTERM/SIGINT."""
-    from services.registry.client import RegistryClient
+    from pcpstack.registry.client import RegistryClient
 
     batcher = Batcher(engine, max_batch=args.max_batch)
     kv_clients: dict = {}

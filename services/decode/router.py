@@ -11,7 +11,7 @@ import logging
 import time
 from collections.abc import Awaitable, Callable
 
-from services.proto.pcpstack.v1 import registry_pb2
+from pcpstack.v1 import registry_pb2
 
 log = logging.getLogger(__name__)
 

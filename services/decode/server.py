@@ -20,14 +20,14 @@ import grpc
 import torch
 from opentelemetry.metrics import Observation
 
-from services.common.logs import request_id_var
-from services.common.telemetry import current_trace_id, meter, tracer
-from services.decode.batcher import Batcher, DecodeRequest, TokenEvent, accept_token
-from services.decode.router import NoReadySet, SetRouter
-from services.engine.engine import Engine
-from services.engine.sampling import SamplingParams, StopChecker, sampling_from_wire
-from services.prefill.client import PrefillClient
-from services.proto.pcpstack.v1 import common_pb2, decode_pb2, decode_pb2_grpc, prefill_pb2
+from pcpstack.common.logs import request_id_var
+from pcpstack.common.telemetry import current_trace_id, meter, tracer
+from pcpstack.decode.batcher import Batcher, DecodeRequest, TokenEvent, accept_token
+from pcpstack.decode.router import NoReadySet, SetRouter
+from pcpstack.engine.engine import Engine
+from pcpstack.engine.sampling import SamplingParams, StopChecker, sampling_from_wire
+from pcpstack.prefill.client import PrefillClient
+from pcpstack.v1 import common_pb2, decode_pb2, decode_pb2_grpc, prefill_pb2
 
 log = logging.getLogger(__name__)
 SERVICE_NAME = decode_pb2.DESCRIPTOR.services_by_name["DecodeService"].full_name
@@ -199,7 +199,7 @@ class DecodeServicer(decode_pb2_grpc.DecodeServiceServicer):
         )
 
     def _kv_client(self, address: str):
-        from services.kvstore.client import KvStoreClient
+        from pcpstack.kvstore.client import KvStoreClient
 
         client = self.kv_clients.get(address)
         if client is None:

@@ -8,10 +8,10 @@ from pathlib import Path
 
 import torch
 
-from services.engine.attention import AttentionMetadata, KvExchange
-from services.engine.kv_cache import BlockAllocator, KvLayout, PagedKVCache, blocks_needed, slots_for
-from services.engine.sampling import SamplingParams, StopChecker, make_generator, sample
-from services.engine.weights import LoadedModel, load_model
+from pcpstack.engine.attention import AttentionMetadata, KvExchange
+from pcpstack.engine.kv_cache import BlockAllocator, KvLayout, PagedKVCache, blocks_needed, slots_for
+from pcpstack.engine.sampling import SamplingParams, StopChecker, make_generator, sample
+from pcpstack.engine.weights import LoadedModel, load_model
 
 DEFAULT_BLOCK_SIZE = 16
 DEFAULT_CACHE_TOKENS = 16384

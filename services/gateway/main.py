@@ -13,12 +13,12 @@ import signal
 
 from aiohttp import web
 
-from services.common import security
-from services.common.config import DEFAULT_MODEL_NAME
-from services.common.logs import setup_logging
-from services.common.telemetry import setup_telemetry, shutdown_telemetry
-from services.gateway.server import GatewaySettings, create_app
-from services.gateway.upstream import DecodePool
+from pcpstack.common import security
+from pcpstack.common.config import DEFAULT_MODEL_NAME
+from pcpstack.common.logs import setup_logging
+from pcpstack.common.telemetry import setup_telemetry, shutdown_telemetry
+from pcpstack.gateway.server import GatewaySettings, create_app
+from pcpstack.gateway.upstream import DecodePool
 
 # The name decode workers serve the default model under (services/decode/main.py, served_model_name).
 

@@ -11,9 +11,9 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-from services.decode.client import build_request
-from services.gateway.errors import ApiError, bad_request
-from services.proto.pcpstack.v1 import decode_pb2
+from pcpstack.decode.client import build_request
+from pcpstack.gateway.errors import ApiError, bad_request
+from pcpstack.v1 import decode_pb2
 
 # OpenAI's default for /v1/completions.
 COMPLETION_DEFAULT_MAX_TOKENS = 16

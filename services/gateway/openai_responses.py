@@ -10,8 +10,8 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass, field
 
-from services.gateway.openai_requests import ParsedRequest
-from services.proto.pcpstack.v1 import decode_pb2
+from pcpstack.gateway.openai_requests import ParsedRequest
+from pcpstack.v1 import decode_pb2
 
 FINISH_REASONS = {
     decode_pb2.FINISH_REASON_LENGTH: "length",

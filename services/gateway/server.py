@@ -19,14 +19,14 @@ import grpc
 from aiohttp import web
 from opentelemetry import propagate, trace
 
-from services.common.logs import request_id_var
-from services.common.telemetry import current_trace_id, tracer
-from services.gateway.errors import ApiError, error_from_rpc, service_unavailable
-from services.gateway.metrics import CONTENT_TYPE, GatewayMetrics
-from services.gateway.openai_requests import ParsedRequest, parse_chat, parse_completion
-from services.gateway.openai_responses import SSE_DONE, ResponseShaper, sse
-from services.gateway.upstream import DecodePool
-from services.proto.pcpstack.v1 import decode_pb2
+from pcpstack.common.logs import request_id_var
+from pcpstack.common.telemetry import current_trace_id, tracer
+from pcpstack.gateway.errors import ApiError, error_from_rpc, service_unavailable
+from pcpstack.gateway.metrics import CONTENT_TYPE, GatewayMetrics
+from pcpstack.gateway.openai_requests import ParsedRequest, parse_chat, parse_completion
+from pcpstack.gateway.openai_responses import SSE_DONE, ResponseShaper, sse
+from pcpstack.gateway.upstream import DecodePool
+from pcpstack.v1 import decode_pb2
 
 log = logging.getLogger(__name__)
 _tracer = tracer(__name__)

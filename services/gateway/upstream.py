@@ -13,10 +13,10 @@ from collections.abc import Sequence
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from services.common.channel import open_channel
-from services.decode.client import DecodeClient
-from services.gateway.errors import service_unavailable
-from services.registry.client import RegistryClient
+from pcpstack.common.channel import open_channel
+from pcpstack.decode.client import DecodeClient
+from pcpstack.gateway.errors import service_unavailable
+from pcpstack.registry.client import RegistryClient
 
 HEALTH_TIMEOUT_S = 2.0
 

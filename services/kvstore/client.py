@@ -4,7 +4,7 @@ The client picks the transport itself: when the store's shared-memory probe is v
 (same host, same /dev/shm) bytes go through a store-owned segment and gRPC carries only its name;
 otherwise, or with prefer_shm=False, they stream in checksummed chunks. Either way every byte is checked
 against CRC32C and a mismatch raises ChecksumMismatch. Errors from the store arrive as the classes of
-services.kvstore.errors (NotFound, AlreadyExists, FingerprintMismatch, CapacityExceeded, ...).
+pcpstack.kvstore.errors (NotFound, AlreadyExists, FingerprintMismatch, CapacityExceeded, ...).
 
 Tensors: pass `tensor.numpy()` (or any C-contiguous buffer) to put; `torch.frombuffer(data, dtype=...)`
 reads what get returns without a copy.
@@ -17,15 +17,15 @@ from collections.abc import AsyncIterator
 
 import grpc
 
-from services.common.channel import open_channel
-from services.common.server import DEFAULT_MAX_MESSAGE_BYTES
-from services.kvstore.checksum import crc32c, crc32c_combine
-from services.kvstore.errors import ChecksumMismatch, KvStoreError, error_for_code
-from services.kvstore.server import DEFAULT_CHUNK_BYTES, SERVICE_NAME
-from services.kvstore.shm import anonymous_buffer, copy_segment, fill_segment, shares_memory_with
-from services.kvstore.wire import encode_chunk, serialize
-from services.proto.pcpstack.v1 import kvstore_pb2 as pb
-from services.proto.pcpstack.v1 import kvstore_pb2_grpc
+from pcpstack.common.channel import open_channel
+from pcpstack.common.server import DEFAULT_MAX_MESSAGE_BYTES
+from pcpstack.kvstore.checksum import crc32c, crc32c_combine
+from pcpstack.kvstore.errors import ChecksumMismatch, KvStoreError, error_for_code
+from pcpstack.kvstore.server import DEFAULT_CHUNK_BYTES, SERVICE_NAME
+from pcpstack.kvstore.shm import anonymous_buffer, copy_segment, fill_segment, shares_memory_with
+from pcpstack.kvstore.wire import encode_chunk, serialize
+from pcpstack.v1 import kvstore_pb2 as pb
+from pcpstack.v1 import kvstore_pb2_grpc
 
 FINGERPRINT_KEY_CHARS = 16
 

@@ -1,6 +1,6 @@
 """`pcpstack serve kvstore`: runs one KV store until SIGTERM, registered with the registry when given.
 
-The process re-executes itself with the glibc malloc tunables of services.common.tunables (large chunk
+The process re-executes itself with the glibc malloc tunables of pcpstack.common.tunables (large chunk
 messages are ~5x faster with them).
 """
 
@@ -12,11 +12,11 @@ import logging
 import socket
 import sys
 
-from services.common import security
-from services.common.logs import setup_logging
-from services.common.server import DEFAULT_MAX_MESSAGE_BYTES, ServerOptions, serve_until_signalled
-from services.common.telemetry import setup_telemetry, shutdown_telemetry
-from services.common.tunables import ensure_glibc_tunables
+from pcpstack.common import security
+from pcpstack.common.logs import setup_logging
+from pcpstack.common.server import DEFAULT_MAX_MESSAGE_BYTES, ServerOptions, serve_until_signalled
+from pcpstack.common.telemetry import setup_telemetry, shutdown_telemetry
+from pcpstack.common.tunables import ensure_glibc_tunables
 
 log = logging.getLogger(__name__)
 
@@ -51,7 +51,7 @@ def run(args: argparse.Namespace) -> int:
     setup_logging("kvstore")
     security.configure(security.security_from_args(args))
     setup_telemetry("kvstore", metrics_address=args.metrics)
-    from services.kvstore.server import KvStoreServerConfig, serve
+    from pcpstack.kvstore.server import KvStoreServerConfig, serve
 
     try:
         config = KvStoreServerConfig(
@@ -73,7 +73,7 @@ def run(args: argparse.Namespace) -> int:
         print(f"kvstore listening on {server.address}", flush=True)
         registry = None
         if args.registry:
-            from services.registry.client import RegistryClient
+            from pcpstack.registry.client import RegistryClient
 
             port = server.address.rsplit(":", 1)[1]
             registry = RegistryClient(

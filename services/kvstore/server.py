@@ -17,15 +17,15 @@ from dataclasses import dataclass
 import grpc
 from opentelemetry.metrics import CallbackOptions, Observation
 
-from services.common.server import RunningServer, ServerOptions, start_server
-from services.common.telemetry import meter
-from services.kvstore.checksum import crc32c, crc32c_combine
-from services.kvstore.errors import ChecksumMismatch, InvalidArgument, KvStoreError
-from services.kvstore.shm import Segment, SegmentStore
-from services.kvstore.store import KvStore, PendingPut, StoreConfig, StoredObject
-from services.kvstore.wire import encode_chunk, serialize
-from services.proto.pcpstack.v1 import kvstore_pb2 as pb
-from services.proto.pcpstack.v1 import kvstore_pb2_grpc
+from pcpstack.common.server import RunningServer, ServerOptions, start_server
+from pcpstack.common.telemetry import meter
+from pcpstack.kvstore.checksum import crc32c, crc32c_combine
+from pcpstack.kvstore.errors import ChecksumMismatch, InvalidArgument, KvStoreError
+from pcpstack.kvstore.shm import Segment, SegmentStore
+from pcpstack.kvstore.store import KvStore, PendingPut, StoreConfig, StoredObject
+from pcpstack.kvstore.wire import encode_chunk, serialize
+from pcpstack.v1 import kvstore_pb2 as pb
+from pcpstack.v1 import kvstore_pb2_grpc
 
 log = logging.getLogger(__name__)
 

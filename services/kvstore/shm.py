@@ -25,7 +25,7 @@ import secrets
 from collections.abc import Iterator
 from pathlib import Path
 
-from services.kvstore.checksum import crc32c, crc32c_two_threads
+from pcpstack.kvstore.checksum import crc32c, crc32c_two_threads
 
 PREFIX = "pcpkv-"
 _HUGE_PAGE = 2 << 20

@@ -20,7 +20,7 @@ from collections import OrderedDict
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from services.kvstore.errors import (
+from pcpstack.kvstore.errors import (
     AlreadyExists,
     CapacityExceeded,
     FingerprintMismatch,

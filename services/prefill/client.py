@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
-from services.common.channel import open_channel
-from services.proto.pcpstack.v1 import common_pb2, prefill_pb2, prefill_pb2_grpc
+from pcpstack.common.channel import open_channel
+from pcpstack.v1 import common_pb2, prefill_pb2, prefill_pb2_grpc
 
 
 class PrefillClient:

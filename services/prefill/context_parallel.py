@@ -16,8 +16,8 @@ from collections.abc import Callable
 import torch
 import torch.distributed as dist
 
-from services.engine.engine import Engine, SequenceState
-from services.prefill.split import DualChunkSplit
+from pcpstack.engine.engine import Engine, SequenceState
+from pcpstack.prefill.split import DualChunkSplit
 
 
 def distributed_backend(device: torch.device) -> str:

@@ -12,15 +12,15 @@ import asyncio
 import logging
 import socket
 
-from services.common import security
-from services.common.config import ConfigError, EngineConfig, parse_overrides, role_config
-from services.common.logs import setup_logging
-from services.common.server import ServerOptions, serve_until_signalled, start_server
-from services.common.telemetry import setup_telemetry, shutdown_telemetry
-from services.common.tunables import ensure_glibc_tunables
-from services.prefill.node import ModelInfo, NodeOptions, RankSupervisor, RunningSet, SetUnavailable
-from services.prefill.server import SERVICE_NAME, PrefillServicer
-from services.proto.pcpstack.v1 import prefill_pb2_grpc, registry_pb2
+from pcpstack.common import security
+from pcpstack.common.config import ConfigError, EngineConfig, parse_overrides, role_config
+from pcpstack.common.logs import setup_logging
+from pcpstack.common.server import ServerOptions, serve_until_signalled, start_server
+from pcpstack.common.telemetry import setup_telemetry, shutdown_telemetry
+from pcpstack.common.tunables import ensure_glibc_tunables
+from pcpstack.prefill.node import ModelInfo, NodeOptions, RankSupervisor, RunningSet, SetUnavailable
+from pcpstack.prefill.server import SERVICE_NAME, PrefillServicer
+from pcpstack.v1 import prefill_pb2_grpc, registry_pb2
 
 log = logging.getLogger(__name__)
 
@@ -68,7 +68,7 @@ class PrefillNode:
     """Glue between the registry session, the rank supervisor and the gRPC server."""
 
     def __init__(self, args: argparse.Namespace, config: EngineConfig, info: ModelInfo) -> None:
-        from services.registry.client import RegistryClient
+        from pcpstack.registry.client import RegistryClient
 
         self.args = args
         self.config = config

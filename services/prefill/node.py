@@ -19,10 +19,10 @@ from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from multiprocessing.connection import Connection
 
-from services.engine.kv_cache import KvLayout
-from services.engine.weights import load_model
-from services.prefill.rank import PrefillJob, PrefillOutcome, RankReady, RankSpec, rank_main
-from services.proto.pcpstack.v1 import registry_pb2
+from pcpstack.engine.kv_cache import KvLayout
+from pcpstack.engine.weights import load_model
+from pcpstack.prefill.rank import PrefillJob, PrefillOutcome, RankReady, RankSpec, rank_main
+from pcpstack.v1 import registry_pb2
 
 log = logging.getLogger(__name__)
 

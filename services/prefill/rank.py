@@ -29,18 +29,18 @@ import torch
 import torch.distributed as dist
 from opentelemetry.propagate import extract
 
-from services.common.telemetry import setup_telemetry, shutdown_telemetry, tracer
-from services.engine.engine import Engine
-from services.engine.sampling import SamplingParams, make_generator, sample
-from services.kvstore.client import KvStoreClient, make_key
-from services.prefill.context_parallel import (
+from pcpstack.common.telemetry import setup_telemetry, shutdown_telemetry, tracer
+from pcpstack.engine.engine import Engine
+from pcpstack.engine.sampling import SamplingParams, make_generator, sample
+from pcpstack.kvstore.client import KvStoreClient, make_key
+from pcpstack.prefill.context_parallel import (
     KvAllGather,
     configure_gloo_interface,
     init_pcp_group,
     prefill_share,
 )
-from services.prefill.replica import replica_owner
-from services.prefill.split import DualChunkSplit
+from pcpstack.prefill.replica import replica_owner
+from pcpstack.prefill.split import DualChunkSplit
 
 log = logging.getLogger(__name__)
 _tracer = tracer(__name__)

@@ -16,13 +16,13 @@ import grpc
 from opentelemetry.metrics import Observation
 from opentelemetry.propagate import inject
 
-from services.common.logs import request_id_var
-from services.common.telemetry import meter, tracer
-from services.engine.sampling import sampling_from_wire
-from services.kvstore.client import make_key
-from services.prefill.node import ModelInfo, RankSupervisor, SetUnavailable
-from services.prefill.rank import PrefillJob
-from services.proto.pcpstack.v1 import common_pb2, prefill_pb2, prefill_pb2_grpc
+from pcpstack.common.logs import request_id_var
+from pcpstack.common.telemetry import meter, tracer
+from pcpstack.engine.sampling import sampling_from_wire
+from pcpstack.kvstore.client import make_key
+from pcpstack.prefill.node import ModelInfo, RankSupervisor, SetUnavailable
+from pcpstack.prefill.rank import PrefillJob
+from pcpstack.v1 import common_pb2, prefill_pb2, prefill_pb2_grpc
 
 log = logging.getLogger(__name__)
 SERVICE_NAME = prefill_pb2.DESCRIPTOR.services_by_name["PrefillService"].full_name
@@ -62,7 +62,7 @@ class PrefillServicer(prefill_pb2_grpc.PrefillServiceServicer):
         task.add_done_callback(self._background.discard)
 
     async def _delete(self, address: str, key: str) -> None:
-        from services.kvstore.client import KvStoreClient
+        from pcpstack.kvstore.client import KvStoreClient
 
         client = KvStoreClient(address)
         try:

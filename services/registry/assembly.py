@@ -14,7 +14,7 @@ import re
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from services.common.config import EngineConfig
+from pcpstack.common.config import EngineConfig
 
 # Engine-config keys on which peers of one role and model must agree (master_port is the master's own
 # choice; engine_type is informational).

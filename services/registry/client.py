@@ -25,9 +25,9 @@ from collections.abc import AsyncIterator, Callable
 
 import grpc
 
-from services.common.channel import open_channel
-from services.common.config import EngineConfig
-from services.proto.pcpstack.v1 import common_pb2, registry_pb2, registry_pb2_grpc
+from pcpstack.common.channel import open_channel
+from pcpstack.common.config import EngineConfig
+from pcpstack.v1 import common_pb2, registry_pb2, registry_pb2_grpc
 
 log = logging.getLogger(__name__)
 

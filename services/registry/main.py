@@ -7,12 +7,12 @@ import asyncio
 import logging
 from pathlib import Path
 
-from services.common import security
-from services.common.logs import setup_logging
-from services.common.server import DEFAULT_MAX_MESSAGE_BYTES, ServerOptions, serve_until_signalled
-from services.common.telemetry import setup_telemetry, shutdown_telemetry
-from services.registry.membership import Settings
-from services.registry.server import start_registry
+from pcpstack.common import security
+from pcpstack.common.logs import setup_logging
+from pcpstack.common.server import DEFAULT_MAX_MESSAGE_BYTES, ServerOptions, serve_until_signalled
+from pcpstack.common.telemetry import setup_telemetry, shutdown_telemetry
+from pcpstack.registry.membership import Settings
+from pcpstack.registry.server import start_registry
 
 log = logging.getLogger(__name__)
 DEFAULT_PORT = 7000

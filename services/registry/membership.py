@@ -18,8 +18,8 @@ from __future__ import annotations
 import enum
 from dataclasses import asdict, dataclass, field
 
-from services.common.config import EngineConfig
-from services.registry.assembly import (
+from pcpstack.common.config import EngineConfig
+from pcpstack.registry.assembly import (
     Assignment,
     Candidate,
     SetShape,

@@ -19,12 +19,11 @@ from pathlib import Path
 
 import grpc
 
-from services.common import security
-from services.common.config import ConfigError, EngineConfig
-from services.common.server import RunningServer, ServerOptions, start_server
-from services.proto.pcpstack.v1 import common_pb2, registry_pb2, registry_pb2_grpc
-from services.registry.assembly import Assignment
-from services.registry.membership import (
+from pcpstack.common import security
+from pcpstack.common.config import ConfigError, EngineConfig
+from pcpstack.common.server import RunningServer, ServerOptions, start_server
+from pcpstack.registry.assembly import Assignment
+from pcpstack.registry.membership import (
     Ack,
     AssemblyTimedOut,
     Assign,
@@ -38,6 +37,7 @@ from services.registry.membership import (
     Stop,
     split_host_port,
 )
+from pcpstack.v1 import common_pb2, registry_pb2, registry_pb2_grpc
 
 log = logging.getLogger(__name__)
 

@@ -18,7 +18,7 @@ def test_benchmark_smoke_run_writes_json(area, tmp_path, child_env) -> None:
         [
             sys.executable,
             "-m",
-            "services.cli",
+            "pcpstack.cli",
             "bench",
             area,
             "--json",

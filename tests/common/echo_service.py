@@ -1,6 +1,6 @@
 """A minimal real gRPC service for testing the shared runtime in real processes.
 
-`python -m tests.common.echo_service serve` starts an Echo server through services.common.server and
+`python -m tests.common.echo_service serve` starts an Echo server through pcpstack.common.server and
 prints its port; `python -m tests.common.echo_service call ADDRESS TEXT` calls it once and prints the
 client's trace id. Both set up telemetry first, as every service entry point does.
 """
@@ -12,9 +12,9 @@ import sys
 
 import grpc
 
-from services.common.channel import open_channel
-from services.common.server import ServerOptions, serve_until_signalled, start_server
-from services.common.telemetry import current_trace_id, setup_telemetry, shutdown_telemetry, tracer
+from pcpstack.common.channel import open_channel
+from pcpstack.common.server import ServerOptions, serve_until_signalled, start_server
+from pcpstack.common.telemetry import current_trace_id, setup_telemetry, shutdown_telemetry, tracer
 
 SERVICE = "test.Echo"
 METHOD = f"/{SERVICE}/Echo"

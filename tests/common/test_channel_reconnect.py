@@ -7,8 +7,8 @@ import asyncio
 
 import grpc
 
-from services.common.channel import open_channel
-from services.common.server import ServerOptions, start_server
+from pcpstack.common.channel import open_channel
+from pcpstack.common.server import ServerOptions, start_server
 from tests.common.echo_service import METHOD, SERVICE, register
 
 

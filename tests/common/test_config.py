@@ -8,7 +8,7 @@ import sys
 
 import pytest
 
-from services.common.config import ConfigError, EngineConfig, load_configs, parse_overrides
+from pcpstack.common.config import ConfigError, EngineConfig, load_configs, parse_overrides
 
 SEED = {
     "motor_engine_prefill_config": {
@@ -126,7 +126,7 @@ def test_config_check_cli_prints_resolution_and_exits_2_on_violation(tmp_path, c
     good = tmp_path / "good.json"
     good.write_text(json.dumps(SEED))
     run = subprocess.run(
-        [sys.executable, "-m", "services.cli", "config", "check", str(good)],
+        [sys.executable, "-m", "pcpstack.cli", "config", "check", str(good)],
         capture_output=True,
         text=True,
         env=child_env,
@@ -139,7 +139,7 @@ def test_config_check_cli_prints_resolution_and_exits_2_on_violation(tmp_path, c
     seed["motor_engine_prefill_config"]["engine_config"]["nnodes"] = 3
     bad.write_text(json.dumps(seed))
     run = subprocess.run(
-        [sys.executable, "-m", "services.cli", "config", "check", str(bad)],
+        [sys.executable, "-m", "pcpstack.cli", "config", "check", str(bad)],
         capture_output=True,
         text=True,
         env=child_env,

@@ -7,7 +7,7 @@ import io
 import json
 import logging
 
-from services.common import logs
+from pcpstack.common import logs
 
 
 def test_log_lines_carry_service_and_request_id_across_awaits(monkeypatch) -> None:

@@ -11,8 +11,8 @@ import urllib.request
 
 import pytest
 
-from services.kvstore.client import KvStoreClient
-from services.stack import free_port
+from pcpstack.cli.stack import free_port
+from pcpstack.kvstore.client import KvStoreClient
 
 
 def scrape(url: str, timeout: float = 30.0) -> str:
@@ -34,7 +34,7 @@ def test_kvstore_metrics_are_scrapeable_and_count_bytes(child_env) -> None:
         [
             sys.executable,
             "-m",
-            "services.cli",
+            "pcpstack.cli",
             "serve",
             "kvstore",
             "--port",

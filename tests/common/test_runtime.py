@@ -13,8 +13,8 @@ import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 
-from services.common.channel import open_channel
-from services.common.telemetry import read_span_file
+from pcpstack.common.channel import open_channel
+from pcpstack.common.telemetry import read_span_file
 from tests.common.echo_service import METHOD, SERVICE
 
 

@@ -4,7 +4,7 @@ Compose gives every service a host named after it. Here each service gets its ow
 instead (a, b random per run, so concurrent runs on a shared machine never meet) and its declared
 `command` is rewritten: `0.0.0.0` becomes the service's own address, a service name given to --host or
 --advertise and every `name:port` become the mapped address, and a bind-mounted container path becomes
-the file in compose/. The image's entry point `pcpstack` becomes `python -m services.cli`.
+the file in compose/. The image's entry point `pcpstack` becomes `python -m pcpstack.cli`.
 """
 
 from __future__ import annotations
@@ -18,7 +18,7 @@ from typing import Any
 
 from ruamel.yaml import YAML
 
-from services.stack import LocalStack, StackOptions
+from pcpstack.cli.stack import LocalStack, StackOptions
 
 ROOT = Path(__file__).resolve().parents[2]
 COMPOSE_DIR = ROOT / "compose"

@@ -28,12 +28,12 @@ from typing import Any
 
 import pytest
 
-from services import cli
-from services.common.channel import open_channel
-from services.common.config import load_config_file
-from services.decode.client import DecodeClient, build_request
-from services.proto.pcpstack.v1 import registry_pb2, registry_pb2_grpc
-from services.stack import free_port
+from pcpstack.cli import main as cli
+from pcpstack.cli.stack import free_port
+from pcpstack.common.channel import open_channel
+from pcpstack.common.config import load_config_file
+from pcpstack.decode.client import DecodeClient, build_request
+from pcpstack.v1 import registry_pb2, registry_pb2_grpc
 from tests.compose.loopback import (
     COMPOSE_DIR,
     COMPOSE_FILE,

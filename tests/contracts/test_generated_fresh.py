@@ -40,5 +40,5 @@ def test_freshness_check_detects_a_changed_proto(tmp_path: Path, monkeypatch) ->
         (protos / source.name).write_text(text)
     monkeypatch.setattr(gen, "PROTO_ROOT", tmp_path / "protos")
     generate(tmp_path / "out")
-    edited = (tmp_path / "out" / "pcpstack" / "v1" / "common_pb2.py").read_bytes()
-    assert edited != (DEFAULT_OUT / "pcpstack" / "v1" / "common_pb2.py").read_bytes()
+    edited = (tmp_path / "out" / "common_pb2.py").read_bytes()
+    assert edited != (DEFAULT_OUT / "common_pb2.py").read_bytes()

@@ -6,7 +6,7 @@ import pytest
 from google.protobuf import descriptor
 from google.protobuf.message import Message
 
-from services.proto.pcpstack.v1 import common_pb2, decode_pb2, kvstore_pb2, prefill_pb2, registry_pb2
+from pcpstack.v1 import common_pb2, decode_pb2, kvstore_pb2, prefill_pb2, registry_pb2
 
 MODULES = (common_pb2, registry_pb2, prefill_pb2, kvstore_pb2, decode_pb2)
 _SCALARS = {

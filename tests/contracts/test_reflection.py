@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 from google.protobuf import descriptor_pb2
 
-from services.common.channel import open_channel
-from services.proto.pcpstack.v1 import decode_pb2, kvstore_pb2, prefill_pb2, registry_pb2
+from pcpstack.common.channel import open_channel
+from pcpstack.v1 import decode_pb2, kvstore_pb2, prefill_pb2, registry_pb2
 from tests.helpers import start_stack
 
 EXPECTED = {

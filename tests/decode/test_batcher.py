@@ -7,9 +7,9 @@ import threading
 import pytest
 import torch
 
-from services.decode.batcher import Batcher, DecodeRequest, TokenEvent, accept_token
-from services.engine.engine import Engine
-from services.engine.sampling import SamplingParams, StopChecker, make_generator, sample
+from pcpstack.decode.batcher import Batcher, DecodeRequest, TokenEvent, accept_token
+from pcpstack.engine.engine import Engine
+from pcpstack.engine.sampling import SamplingParams, StopChecker, make_generator, sample
 
 
 @pytest.fixture(scope="module")

@@ -6,8 +6,8 @@ import asyncio
 
 import pytest
 
-from services.decode.router import NoReadySet, SetRouter
-from services.proto.pcpstack.v1 import registry_pb2
+from pcpstack.decode.router import NoReadySet, SetRouter
+from pcpstack.v1 import registry_pb2
 
 
 def sets(*entries: tuple[str, int, str]) -> registry_pb2.ResolveResponse:

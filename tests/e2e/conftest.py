@@ -15,7 +15,7 @@ def hf_reference():
     import torch
     from transformers import AutoModelForCausalLM
 
-    from services.engine.weights import default_model_path
+    from pcpstack.engine.weights import default_model_path
 
     path = default_model_path()
     model = AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name, dtype=torch.float32)

@@ -12,9 +12,9 @@ import time
 
 import pytest
 
-from services.common.channel import open_channel
-from services.decode.client import DecodeClient, build_request
-from services.proto.pcpstack.v1 import registry_pb2, registry_pb2_grpc
+from pcpstack.common.channel import open_channel
+from pcpstack.decode.client import DecodeClient, build_request
+from pcpstack.v1 import registry_pb2, registry_pb2_grpc
 from tests.helpers import child_pids, start_stack
 
 
@@ -32,7 +32,7 @@ def test_up_prints_endpoints_serves_and_stops_cleanly_on_ctrl_c(tmp_path, child_
         [
             sys.executable,
             "-m",
-            "services.cli",
+            "pcpstack.cli",
             "up",
             "--pcp",
             "2",
@@ -59,7 +59,7 @@ def test_up_prints_endpoints_serves_and_stops_cleanly_on_ctrl_c(tmp_path, child_
             [
                 sys.executable,
                 "-m",
-                "services.cli",
+                "pcpstack.cli",
                 "generate",
                 "--target",
                 endpoints["decode"],

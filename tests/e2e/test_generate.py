@@ -12,8 +12,8 @@ import asyncio
 import grpc
 import pytest
 
-from services.decode.client import DecodeClient, build_request
-from services.kvstore.client import KvStoreClient
+from pcpstack.decode.client import DecodeClient, build_request
+from pcpstack.kvstore.client import KvStoreClient
 from tests.helpers import start_stack
 
 PROMPTS = [

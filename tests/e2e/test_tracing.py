@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from services.common.telemetry import read_span_file
-from services.decode.client import DecodeClient, build_request
+from pcpstack.common.telemetry import read_span_file
+from pcpstack.decode.client import DecodeClient, build_request
 from tests.helpers import start_stack
 
 

@@ -4,8 +4,8 @@
 import pytest
 import torch
 
-from services.engine.engine import Engine
-from services.engine.weights import LoadedModel, default_model_path, load_model
+from pcpstack.engine.engine import Engine
+from pcpstack.engine.weights import LoadedModel, default_model_path, load_model
 
 
 @pytest.fixture(scope="session")

@@ -7,7 +7,7 @@ import math
 import pytest
 import torch
 
-from services.engine.engine import Engine
+from pcpstack.engine.engine import Engine
 
 ATOL = 1e-4
 

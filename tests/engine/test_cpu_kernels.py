@@ -7,9 +7,9 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from services.engine import cpu_kernels, quant
-from services.engine.model import Linear
-from services.engine.weights import default_model_path, load_model
+from pcpstack.engine import cpu_kernels, quant
+from pcpstack.engine.model import Linear
+from pcpstack.engine.weights import default_model_path, load_model
 from tests.engine.conftest import hf_logits
 
 pytestmark = pytest.mark.skipif(cpu_kernels.library() is None, reason="no C compiler: kernels not built")

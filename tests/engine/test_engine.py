@@ -3,12 +3,12 @@
 import pytest
 import torch
 
-from services.engine.config import ModelArgs
-from services.engine.device import default_dtype, pick_device
-from services.engine.engine import Engine
-from services.engine.kv_cache import OutOfBlocksError
-from services.engine.sampling import SamplingParams
-from services.engine.weights import load_model
+from pcpstack.engine.config import ModelArgs
+from pcpstack.engine.device import default_dtype, pick_device
+from pcpstack.engine.engine import Engine
+from pcpstack.engine.kv_cache import OutOfBlocksError
+from pcpstack.engine.sampling import SamplingParams
+from pcpstack.engine.weights import load_model
 
 
 def test_cpu_machine_picks_cpu_and_fp32():

@@ -4,9 +4,9 @@ configs, checked against transformers on small random models; tokenizer.json and
 import pytest
 import torch
 
-from services.engine.engine import Engine
-from services.engine.tokenizer import Tokenizer
-from services.engine.weights import load_model
+from pcpstack.engine.engine import Engine
+from pcpstack.engine.tokenizer import Tokenizer
+from pcpstack.engine.weights import load_model
 from tests.engine.conftest import engine_logits, hf_logits
 
 transformers = pytest.importorskip("transformers")

@@ -4,9 +4,9 @@ decode, tokenization and the chat template."""
 import pytest
 import torch
 
-from services.engine.engine import Engine
-from services.engine.sampling import SamplingParams
-from services.engine.weights import load_model
+from pcpstack.engine.engine import Engine
+from pcpstack.engine.sampling import SamplingParams
+from pcpstack.engine.weights import load_model
 from tests.engine.conftest import engine_logits, hf_logits
 
 pytestmark = pytest.mark.slow

@@ -6,7 +6,7 @@ import sys
 import pytest
 import torch
 
-from services.engine.kv_cache import BlockAllocator, KvLayout, OutOfBlocksError, PagedKVCache, slots_for
+from pcpstack.engine.kv_cache import BlockAllocator, KvLayout, OutOfBlocksError, PagedKVCache, slots_for
 
 LAYOUT = KvLayout("model-a", num_layers=2, num_kv_heads=3, head_dim=4, dtype="float32", block_size=4)
 
@@ -39,7 +39,7 @@ def test_slots_beyond_block_table_are_refused():
 
 def test_fingerprint_is_stable_across_processes():
     code = (
-        "from services.engine.kv_cache import KvLayout;"
+        "from pcpstack.engine.kv_cache import KvLayout;"
         "print(KvLayout('model-a', 2, 3, 4, 'float32', 4).fingerprint())"
     )
     other = subprocess.run(

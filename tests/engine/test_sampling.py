@@ -3,8 +3,8 @@
 import pytest
 import torch
 
-from services.engine.sampling import SamplingParams, StopChecker, make_generator, sample, sample_batch
-from services.engine.tokenizer import Tokenizer
+from pcpstack.engine.sampling import SamplingParams, StopChecker, make_generator, sample, sample_batch
+from pcpstack.engine.tokenizer import Tokenizer
 
 LOGITS = torch.tensor([1.0, 3.0, 2.5, 0.5, 2.9])
 

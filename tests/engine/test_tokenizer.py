@@ -2,7 +2,7 @@
 
 import pytest
 
-from services.engine.tokenizer import IncrementalDecoder, Tokenizer
+from pcpstack.engine.tokenizer import IncrementalDecoder, Tokenizer
 
 
 @pytest.fixture(scope="module")

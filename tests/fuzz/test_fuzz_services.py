@@ -14,10 +14,12 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from services.common import security
-from services.common.channel import open_channel
-from services.kvstore.server import KvStoreServerConfig, serve
-from services.proto.pcpstack.v1 import (
+from pcpstack.common import security
+from pcpstack.common.channel import open_channel
+from pcpstack.kvstore.server import KvStoreServerConfig, serve
+from pcpstack.registry.membership import Settings
+from pcpstack.registry.server import start_registry
+from pcpstack.v1 import (
     common_pb2,
     decode_pb2,
     kvstore_pb2,
@@ -25,8 +27,6 @@ from services.proto.pcpstack.v1 import (
     registry_pb2,
     registry_pb2_grpc,
 )
-from services.registry.membership import Settings
-from services.registry.server import start_registry
 from tests.fuzz.harness import LoopRunner, call, judge, serving
 from tests.fuzz.messages import messages
 from tests.helpers import start_stack
@@ -140,8 +140,8 @@ def test_fuzzed_kvstore_rpcs_get_chosen_statuses_and_leak_no_reservation(
 def test_fuzzed_prefill_and_decode_rpcs_get_chosen_statuses_and_the_stack_still_generates(
     tmp_path: Path,
 ) -> None:
-    from services.decode.client import DecodeClient, build_request
-    from services.kvstore.client import KvStoreClient
+    from pcpstack.decode.client import DecodeClient, build_request
+    from pcpstack.kvstore.client import KvStoreClient
 
     stack = start_stack(tmp_path, pcp=2, model="tiny")
     try:

@@ -14,16 +14,14 @@ from pathlib import Path
 import openai
 import pytest
 
-from services.common.telemetry import read_span_file
-from services.stack import free_port
-from tests.conftest import ROOT
+from pcpstack.cli.stack import free_port
+from pcpstack.common.telemetry import read_span_file
 from tests.helpers import RunningStack, start_stack
 
 
 def child_environment(trace_file: Path | None = None) -> dict[str, str]:
     """The environment of a service process: repo importable, unbuffered, spans to trace_file if given."""
     env = {k: v for k, v in os.environ.items() if not k.startswith("OTEL_") and k != "PCPSTACK_TRACE_FILE"}
-    env["PYTHONPATH"] = str(ROOT) + os.pathsep + env.get("PYTHONPATH", "")
     env["PYTHONUNBUFFERED"] = "1"
     if trace_file is not None:
         env["PCPSTACK_TRACE_FILE"] = str(trace_file)
@@ -48,7 +46,7 @@ class GatewayProcess:
         self.log_path = log_path
         self._log = log_path.open("w")
         self.process = subprocess.Popen(
-            [sys.executable, "-m", "services.cli", "serve", "gateway", "--port", str(self.port), *args],
+            [sys.executable, "-m", "pcpstack.cli", "serve", "gateway", "--port", str(self.port), *args],
             stdout=self._log,
             stderr=subprocess.STDOUT,
             env=env,
@@ -91,7 +89,7 @@ class ServiceProcesses:
 
     def spawn(self, name: str, args: list[str]) -> None:
         log = (self.log_dir / f"{name}.log").open("w")
-        command = [sys.executable, "-m", "services.cli", "serve", *args]
+        command = [sys.executable, "-m", "pcpstack.cli", "serve", *args]
         self.processes.append(subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, env=self.env))
 
     def stop(self) -> None:

@@ -5,7 +5,7 @@ from __future__ import annotations
 import grpc
 import pytest
 
-from services.gateway.errors import error_from_rpc, param_of
+from pcpstack.gateway.errors import error_from_rpc, param_of
 
 
 @pytest.mark.parametrize(

@@ -11,7 +11,7 @@ import secrets
 import openai
 import pytest
 
-from services.decode.client import DecodeClient, build_request
+from pcpstack.decode.client import DecodeClient, build_request
 from tests.gateway.conftest import http_get, spans_of_trace
 
 pytestmark = pytest.mark.slow

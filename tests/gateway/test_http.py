@@ -7,9 +7,9 @@ import asyncio
 
 from aiohttp.test_utils import TestClient, TestServer
 
-from services.gateway.server import GatewaySettings, create_app
-from services.gateway.upstream import DecodePool
-from services.stack import free_port
+from pcpstack.cli.stack import free_port
+from pcpstack.gateway.server import GatewaySettings, create_app
+from pcpstack.gateway.upstream import DecodePool
 
 MODEL = "SmolLM2-135M-Instruct"
 

@@ -5,8 +5,8 @@ from __future__ import annotations
 
 import pytest
 
-from services.gateway.errors import ApiError
-from services.gateway.openai_requests import (
+from pcpstack.gateway.errors import ApiError
+from pcpstack.gateway.openai_requests import (
     CHAT_DEFAULT_MAX_TOKENS,
     COMPLETION_DEFAULT_MAX_TOKENS,
     parse_chat,

@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import json
 
-from services.gateway.openai_requests import parse_chat, parse_completion
-from services.gateway.openai_responses import ResponseShaper, sse, token_logprobs
-from services.proto.pcpstack.v1 import decode_pb2
+from pcpstack.gateway.openai_requests import parse_chat, parse_completion
+from pcpstack.gateway.openai_responses import ResponseShaper, sse, token_logprobs
+from pcpstack.v1 import decode_pb2
 
 MODEL = "m"
 SUMMARY = decode_pb2.GenerateSummary(

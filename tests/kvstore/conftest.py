@@ -6,7 +6,7 @@ import contextlib
 from collections.abc import AsyncIterator
 from pathlib import Path
 
-from services.kvstore.server import KvStoreServer, KvStoreServerConfig, serve
+from pcpstack.kvstore.server import KvStoreServer, KvStoreServerConfig, serve
 
 
 @contextlib.asynccontextmanager

@@ -8,7 +8,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from services.kvstore.checksum import crc32c, crc32c_combine, crc32c_two_threads
+from pcpstack.kvstore.checksum import crc32c, crc32c_combine, crc32c_two_threads
 
 
 @given(st.binary(max_size=300), st.binary(max_size=300))

@@ -12,8 +12,8 @@ import textwrap
 
 import pytest
 
-from services.kvstore.client import KvStoreClient
-from services.kvstore.shm import SegmentStore
+from pcpstack.kvstore.client import KvStoreClient
+from pcpstack.kvstore.shm import SegmentStore
 from tests.kvstore.conftest import running_store, segment_files
 
 # Speaks the real protocol up to the middle of a put, says READY, then waits to be killed.
@@ -21,8 +21,8 @@ _HALF_A_PUT = textwrap.dedent(
     """
     import asyncio, mmap, os, sys
     import grpc
-    from services.kvstore.checksum import crc32c
-    from services.proto.pcpstack.v1 import kvstore_pb2 as pb, kvstore_pb2_grpc
+    from pcpstack.kvstore.checksum import crc32c
+    from pcpstack.v1 import kvstore_pb2 as pb, kvstore_pb2_grpc
 
     async def main(address, mode, shm_dir):
         size = 8 << 20
@@ -84,7 +84,7 @@ def test_writer_killed_midway_leaves_no_object_reservation_or_segment(mode: str,
 @pytest.mark.timeout(60)
 def test_segments_of_a_killed_store_are_reclaimed_by_the_next_store(child_env):
     store = subprocess.Popen(
-        [sys.executable, "-m", "services.cli", "serve", "kvstore", "--port", "0"],
+        [sys.executable, "-m", "pcpstack.cli", "serve", "kvstore", "--port", "0"],
         stdout=subprocess.PIPE,
         stderr=subprocess.DEVNULL,
         env=child_env,

@@ -11,17 +11,17 @@ import random
 import grpc
 import pytest
 
-from services.kvstore.client import KvStoreClient, make_key
-from services.kvstore.errors import (
+from pcpstack.kvstore.client import KvStoreClient, make_key
+from pcpstack.kvstore.errors import (
     AlreadyExists,
     CapacityExceeded,
     ChecksumMismatch,
     FingerprintMismatch,
     NotFound,
 )
-from services.kvstore.shm import fill_segment
-from services.proto.pcpstack.v1 import kvstore_pb2 as pb
-from services.proto.pcpstack.v1 import kvstore_pb2_grpc
+from pcpstack.kvstore.shm import fill_segment
+from pcpstack.v1 import kvstore_pb2 as pb
+from pcpstack.v1 import kvstore_pb2_grpc
 from tests.kvstore.conftest import running_store, segment_files
 
 CHUNK = 64 << 10
@@ -105,7 +105,7 @@ def _header(total: int, chunk: int = 4) -> pb.PutRequest:
 
 
 def _chunk(offset: int, data: bytes, crc: int | None = None) -> pb.PutRequest:
-    from services.kvstore.checksum import crc32c
+    from pcpstack.kvstore.checksum import crc32c
 
     return pb.PutRequest(
         chunk=pb.PutChunk(offset=offset, data=data, crc32c=crc32c(data) if crc is None else crc)

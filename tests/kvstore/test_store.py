@@ -4,14 +4,14 @@ from __future__ import annotations
 
 import pytest
 
-from services.kvstore.errors import (
+from pcpstack.kvstore.errors import (
     AlreadyExists,
     CapacityExceeded,
     FingerprintMismatch,
     InvalidArgument,
     NotFound,
 )
-from services.kvstore.store import KvStore, StoreConfig
+from pcpstack.kvstore.store import KvStore, StoreConfig
 
 
 class Payloads:

@@ -5,8 +5,8 @@ from __future__ import annotations
 from hypothesis import given
 from hypothesis import strategies as st
 
-from services.kvstore.wire import encode_chunk
-from services.proto.pcpstack.v1 import kvstore_pb2 as pb
+from pcpstack.kvstore.wire import encode_chunk
+from pcpstack.v1 import kvstore_pb2 as pb
 
 
 @given(st.integers(0, 2**64 - 1), st.binary(max_size=1000), st.integers(0, 2**32 - 1))

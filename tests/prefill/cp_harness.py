@@ -11,11 +11,11 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from services.engine.engine import Engine
-from services.engine.kv_cache import blocks_needed
-from services.prefill.context_parallel import KvAllGather, init_pcp_group, prefill_share
-from services.prefill.split import DualChunkSplit
-from services.stack import free_port
+from pcpstack.cli.stack import free_port
+from pcpstack.engine.engine import Engine
+from pcpstack.engine.kv_cache import blocks_needed
+from pcpstack.prefill.context_parallel import KvAllGather, init_pcp_group, prefill_share
+from pcpstack.prefill.split import DualChunkSplit
 
 BLOCK_SIZE = 16
 

@@ -11,7 +11,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from services.prefill.split import DualChunkSplit
+from pcpstack.prefill.split import DualChunkSplit
 from tests.prefill.cp_harness import prefill_all, run_pcp
 
 TOL = 1e-4

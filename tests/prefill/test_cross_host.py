@@ -19,12 +19,12 @@ from pathlib import Path
 import pytest
 import torch
 
-from services.common.channel import open_channel
-from services.engine.engine import Engine
-from services.kvstore.client import KvStoreClient
-from services.prefill.client import PrefillClient
-from services.proto.pcpstack.v1 import common_pb2, registry_pb2, registry_pb2_grpc
-from services.stack import free_port
+from pcpstack.cli.stack import free_port
+from pcpstack.common.channel import open_channel
+from pcpstack.engine.engine import Engine
+from pcpstack.kvstore.client import KvStoreClient
+from pcpstack.prefill.client import PrefillClient
+from pcpstack.v1 import common_pb2, registry_pb2, registry_pb2_grpc
 
 pytestmark = [
     pytest.mark.slow,
@@ -67,10 +67,9 @@ def two_hosts():
 
 def spawn(args: list[str], log: Path, netns: str | None = None) -> subprocess.Popen:
     env = dict(os.environ, PYTHONUNBUFFERED="1")
-    env["PYTHONPATH"] = str(Path(__file__).resolve().parents[2]) + os.pathsep + env.get("PYTHONPATH", "")
     prefix = ["ip", "netns", "exec", netns] if netns else []
     return subprocess.Popen(
-        [*prefix, sys.executable, "-m", "services.cli", *args],
+        [*prefix, sys.executable, "-m", "pcpstack.cli", *args],
         stdout=log.open("w"),
         stderr=subprocess.STDOUT,
         env=env,

@@ -16,12 +16,12 @@ import grpc
 import pytest
 import torch
 
-from services.common.channel import open_channel
-from services.engine.engine import Engine
-from services.kvstore.client import KvStoreClient
-from services.prefill.client import PrefillClient
-from services.prefill.replica import replica_owner
-from services.proto.pcpstack.v1 import common_pb2, registry_pb2, registry_pb2_grpc
+from pcpstack.common.channel import open_channel
+from pcpstack.engine.engine import Engine
+from pcpstack.kvstore.client import KvStoreClient
+from pcpstack.prefill.client import PrefillClient
+from pcpstack.prefill.replica import replica_owner
+from pcpstack.v1 import common_pb2, registry_pb2, registry_pb2_grpc
 from tests.helpers import child_pids, start_stack
 
 BLOCK_SIZE = 128

@@ -9,8 +9,8 @@ import torch
 from hypothesis import given
 from hypothesis import strategies as st
 
-from services.prefill.replica import replica_owner
-from services.prefill.split import DualChunkSplit
+from pcpstack.prefill.replica import replica_owner
+from pcpstack.prefill.split import DualChunkSplit
 
 
 def test_eight_tokens_over_two_ranks_pair_first_and_last_chunks() -> None:

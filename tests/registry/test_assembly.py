@@ -5,8 +5,8 @@ from __future__ import annotations
 from hypothesis import given
 from hypothesis import strategies as st
 
-from services.common.config import EngineConfig
-from services.registry.assembly import (
+from pcpstack.common.config import EngineConfig
+from pcpstack.registry.assembly import (
     Candidate,
     SetShape,
     assignment_problems,

@@ -7,8 +7,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from services.common.config import EngineConfig
-from services.registry.membership import (
+from pcpstack.common.config import EngineConfig
+from pcpstack.registry.membership import (
     Ack,
     AssemblyTimedOut,
     Assign,

@@ -11,14 +11,14 @@ import time
 import grpc
 import pytest
 
-from services.common.channel import open_channel
-from services.common.config import EngineConfig
-from services.proto.pcpstack.v1 import common_pb2, registry_pb2, registry_pb2_grpc
-from services.registry.client import RegistrationRefused, RegistryClient
-from services.registry.membership import Settings
-from services.registry.server import start_registry
-from services.registry.status import render
-from services.stack import free_port
+from pcpstack.cli.stack import free_port
+from pcpstack.cli.status import render
+from pcpstack.common.channel import open_channel
+from pcpstack.common.config import EngineConfig
+from pcpstack.registry.client import RegistrationRefused, RegistryClient
+from pcpstack.registry.membership import Settings
+from pcpstack.registry.server import start_registry
+from pcpstack.v1 import common_pb2, registry_pb2, registry_pb2_grpc
 
 pytestmark = pytest.mark.timeout(60)
 FAST = Settings(lease_s=0.6, assembly_timeout_s=0.5, restore_grace_s=0.0)
@@ -251,7 +251,7 @@ def _spawn_registry(port: int, env: dict[str, str]) -> subprocess.Popen:
         [
             sys.executable,
             "-m",
-            "services.cli",
+            "pcpstack.cli",
             "serve",
             "registry",
             "--port",

@@ -12,11 +12,11 @@ import time
 from collections.abc import Callable, Coroutine
 from pathlib import Path
 
-from services.common.channel import open_channel
-from services.decode.client import DecodeClient, Generation, build_request
-from services.kvstore.client import KvStoreClient
-from services.proto.pcpstack.v1 import registry_pb2, registry_pb2_grpc
-from services.stack import LocalStack, Service, StackOptions
+from pcpstack.cli.stack import LocalStack, Service, StackOptions
+from pcpstack.common.channel import open_channel
+from pcpstack.decode.client import DecodeClient, Generation, build_request
+from pcpstack.kvstore.client import KvStoreClient
+from pcpstack.v1 import registry_pb2, registry_pb2_grpc
 from tests.helpers import RunningStack, child_pids
 
 
@@ -73,7 +73,7 @@ def kill_service(stack: RunningStack, name: str) -> Service:
 def restart_service(stack: RunningStack, victim: Service) -> Service:
     """Starts a killed service again with its original command line, environment and address."""
     cmdline = list(victim.process.args)
-    index = cmdline.index("services.cli")
+    index = cmdline.index("pcpstack.cli")
     args = cmdline[index + 1 :]
     stack.stack.services.remove(victim)
     log_name = victim.name + "-restarted"

@@ -15,7 +15,7 @@ from collections.abc import Iterator
 import grpc
 import pytest
 
-from services.decode.client import DecodeClient, build_request
+from pcpstack.decode.client import DecodeClient, build_request
 from tests.helpers import RunningStack
 from tests.reliability.support import (
     generate,

@@ -20,9 +20,9 @@ import time
 import grpc
 import pytest
 
-from services.prefill.client import PrefillClient
-from services.proto.pcpstack.v1 import common_pb2, registry_pb2
-from services.stack import free_port
+from pcpstack.cli.stack import free_port
+from pcpstack.prefill.client import PrefillClient
+from pcpstack.v1 import common_pb2, registry_pb2
 from tests.prefill.test_cross_host import ip, spawn, two_hosts, wait_for_set
 from tests.reliability.support import list_nodes, list_sets, wait_until
 

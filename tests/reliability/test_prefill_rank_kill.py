@@ -17,7 +17,7 @@ from collections.abc import Iterator
 import grpc
 import pytest
 
-from services.proto.pcpstack.v1 import registry_pb2
+from pcpstack.v1 import registry_pb2
 from tests.helpers import RunningStack
 from tests.reliability.support import (
     generate,

@@ -6,8 +6,8 @@ from pathlib import Path
 
 import pytest
 
-from services.certs import write_certs
-from services.common import security
+from pcpstack.cli.certs import write_certs
+from pcpstack.common import security
 
 TOKEN = "test-token-0123456789abcdef"
 

@@ -13,12 +13,12 @@ from pathlib import Path
 import grpc
 import pytest
 
-from services.common import security
-from services.common.channel import open_channel
-from services.common.server import ServerOptions
-from services.proto.pcpstack.v1 import common_pb2, registry_pb2, registry_pb2_grpc
-from services.registry.membership import Settings
-from services.registry.server import start_registry
+from pcpstack.common import security
+from pcpstack.common.channel import open_channel
+from pcpstack.common.server import ServerOptions
+from pcpstack.registry.membership import Settings
+from pcpstack.registry.server import start_registry
+from pcpstack.v1 import common_pb2, registry_pb2, registry_pb2_grpc
 from tests.conftest import ROOT
 from tests.security.conftest import TOKEN, tls
 
@@ -61,7 +61,7 @@ def test_a_service_started_with_half_a_tls_config_exits_naming_the_rule(certs: P
         [
             sys.executable,
             "-m",
-            "services.cli",
+            "pcpstack.cli",
             "serve",
             "registry",
             "--port",
@@ -163,7 +163,7 @@ def test_the_refusal_names_the_field_and_the_rule() -> None:
 
 
 def test_a_host_the_node_certificate_names_may_be_advertised(tmp_path: Path) -> None:
-    from services.certs import write_certs
+    from pcpstack.cli.certs import write_certs
 
     write_certs(tmp_path, names=["server", "node"], ips=["127.0.0.1", "192.0.2.9"])
 

@@ -8,8 +8,8 @@ from pathlib import Path
 import grpc
 import pytest
 
-from services.common import security
-from services.decode.client import DecodeClient, build_request
+from pcpstack.common import security
+from pcpstack.decode.client import DecodeClient, build_request
 from tests.helpers import start_stack
 from tests.security.conftest import TOKEN
 

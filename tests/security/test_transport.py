@@ -11,12 +11,12 @@ import grpc
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from services.common import security
-from services.common.channel import open_channel
-from services.common.server import ServerOptions
-from services.proto.pcpstack.v1 import common_pb2, registry_pb2, registry_pb2_grpc
-from services.registry.membership import Settings
-from services.registry.server import start_registry
+from pcpstack.common import security
+from pcpstack.common.channel import open_channel
+from pcpstack.common.server import ServerOptions
+from pcpstack.registry.membership import Settings
+from pcpstack.registry.server import start_registry
+from pcpstack.v1 import common_pb2, registry_pb2, registry_pb2_grpc
 from tests.conftest import ROOT
 from tests.security.conftest import TOKEN, tls, token_only
 
@@ -59,7 +59,7 @@ def test_pcpstack_certs_writes_a_ca_and_certificates_that_load(tmp_path: Path) -
         [
             sys.executable,
             "-m",
-            "services.cli",
+            "pcpstack.cli",
             "certs",
             "--out",
             str(out),

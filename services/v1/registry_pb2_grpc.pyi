@@ -7,7 +7,7 @@ resolution for routers.
 
 from collections import abc as _abc
 from grpc import aio as _aio
-from services.proto.pcpstack.v1 import registry_pb2 as _registry_pb2
+from pcpstack.v1 import registry_pb2 as _registry_pb2
 import abc as _abc_1
 import grpc as _grpc
 import sys

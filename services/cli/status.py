@@ -8,8 +8,8 @@ import sys
 
 import grpc
 
-from services.common.channel import open_channel
-from services.proto.pcpstack.v1 import common_pb2, registry_pb2, registry_pb2_grpc
+from pcpstack.common.channel import open_channel
+from pcpstack.v1 import common_pb2, registry_pb2, registry_pb2_grpc
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:

@@ -22,11 +22,11 @@ import urllib.request
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from services.common import security
-from services.common.channel import open_channel
-from services.common.config import served_model_name
-from services.common.tunables import GLIBC_TUNABLES
-from services.proto.pcpstack.v1 import registry_pb2, registry_pb2_grpc
+from pcpstack.common import security
+from pcpstack.common.channel import open_channel
+from pcpstack.common.config import served_model_name
+from pcpstack.common.tunables import GLIBC_TUNABLES
+from pcpstack.v1 import registry_pb2, registry_pb2_grpc
 
 
 def free_port(host: str = "127.0.0.1") -> int:
@@ -88,8 +88,6 @@ class LocalStack:
 
     def _env(self) -> dict[str, str]:
         env = dict(os.environ)
-        root = str(Path(__file__).resolve().parent.parent)
-        env["PYTHONPATH"] = root + os.pathsep + env.get("PYTHONPATH", "")
         env["PYTHONUNBUFFERED"] = "1"
         env.setdefault("GLIBC_TUNABLES", ":".join(GLIBC_TUNABLES))
         if self.options.trace_file:
@@ -101,7 +99,7 @@ class LocalStack:
         log_path = self._log_dir / f"{name}.log"
         log = log_path.open("w")
         process = subprocess.Popen(
-            [sys.executable, "-m", "services.cli", *args],
+            [sys.executable, "-m", "pcpstack.cli", *args],
             stdout=log,
             stderr=subprocess.STDOUT,
             env=self._env(),

@@ -3,7 +3,7 @@
 import grpc
 import warnings
 
-from services.proto.pcpstack.v1 import kvstore_pb2 as pcpstack_dot_v1_dot_kvstore__pb2
+from pcpstack.v1 import kvstore_pb2 as pcpstack_dot_v1_dot_kvstore__pb2
 
 GRPC_GENERATED_VERSION = '1.85.1'
 GRPC_VERSION = grpc.__version__

@@ -1,8 +1,8 @@
 """The `pcpstack` command: serve a service, check a config, inspect the cluster, run benchmarks.
 
-Each service ships `services/<name>/main.py` with `add_arguments(parser)` and `run(args) -> int`; each
-benchmark area ships `bench/<area>.py` with `add_arguments(parser)` and `run(args) -> dict`. This module
-only wires them into subcommands, importing a service's code when its subcommand is used.
+Each service ships `pcpstack.<name>.main` (folder `services/<name>/`) with `add_arguments(parser)` and
+`run(args) -> int`; this module only wires them into subcommands, importing a service's code when its
+subcommand is used. `bench` runs the checkout's benchmarks (`python -m bench`), which are not installed.
 """
 
 from __future__ import annotations
@@ -10,14 +10,15 @@ from __future__ import annotations
 import argparse
 import importlib
 import json
+import subprocess
 import sys
 from pathlib import Path
 
-from services.common.config import ConfigError, load_config_file, parse_overrides
+from pcpstack.common.config import ConfigError, load_config_file, parse_overrides
 
 SERVICES = ("registry", "prefill", "decode", "kvstore", "gateway")
-BENCHES = ("engine", "registry", "kv", "prefill", "peers", "e2e")
-RESULTS_DIR = Path("bench") / "results"
+# The source checkout this package was installed from (editable install): bench/ lives there.
+CHECKOUT = Path(__file__).resolve().parent.parent.parent
 
 
 def _module_or_none(name: str):
@@ -47,16 +48,16 @@ def _config_check(args: argparse.Namespace) -> int:
     return 0
 
 
-def _bench(args: argparse.Namespace) -> int:
-    payload = importlib.import_module(f"bench.{args.area}").run(args)
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
-    (out / f"{args.area}.json").write_text(json.dumps(payload, indent=2) + "\n")
-    if args.json:
-        print(json.dumps(payload, indent=2))
-    else:
-        print(f"{args.area}: {json.dumps(payload)}")
-    return 0
+def _bench(argv: list[str]) -> int:
+    """Runs `python -m bench ARGS` in the checkout; benchmarks are a development tool, not installed."""
+    if not (CHECKOUT / "bench" / "__main__.py").is_file():
+        print(
+            "pcpstack bench: the benchmarks live in a source checkout (bench/), not in the package; "
+            "run it from an editable install (make venv)",
+            file=sys.stderr,
+        )
+        return 2
+    return subprocess.run([sys.executable, "-m", "bench", *argv], cwd=CHECKOUT).returncode
 
 
 def build_parser(argv: list[str]) -> argparse.ArgumentParser:
@@ -70,7 +71,7 @@ def build_parser(argv: list[str]) -> argparse.ArgumentParser:
     serve_sub = serve.add_subparsers(dest="service", required=True)
     for name in SERVICES:
         service_parser = serve_sub.add_parser(name, help=f"run the {name} service")
-        module = _module_or_none(f"services.{name}.main") if name in wanted else None
+        module = _module_or_none(f"pcpstack.{name}.main") if name in wanted else None
         if module is not None:
             module.add_arguments(service_parser)
             service_parser.set_defaults(handler=module.run)
@@ -88,7 +89,7 @@ def build_parser(argv: list[str]) -> argparse.ArgumentParser:
     )
     check.set_defaults(handler=_config_check)
 
-    from services import commands
+    from pcpstack.cli import commands
 
     up = sub.add_parser(
         "up", help="start a local stack (registry, kvstore, prefill sets, decode) until Ctrl-C"
@@ -100,47 +101,33 @@ def build_parser(argv: list[str]) -> argparse.ArgumentParser:
     generate.set_defaults(handler=commands.run_generate)
     certs = sub.add_parser("certs", help="make a development CA and service certificates for mutual TLS")
     if "certs" in wanted:
-        from services import certs as certs_module
+        from pcpstack.cli import certs as certs_module
 
         certs_module.add_arguments(certs)
         certs.set_defaults(handler=certs_module.run)
 
-    for command, module_name in (("status", "services.registry.status"),):
+    for command, module_name in (("status", "pcpstack.cli.status"),):
         module = _module_or_none(module_name)
         if module is not None:
             command_parser = sub.add_parser(command, help=(module.__doc__ or command).splitlines()[0])
             module.add_arguments(command_parser)
             command_parser.set_defaults(handler=module.run)
 
-    bench = sub.add_parser("bench", help="benchmarks; JSON results go to bench/results/")
-    bench_sub = bench.add_subparsers(dest="area", required=True)
-    for area in (*BENCHES, "all"):  # bench/all.py runs each area in its own process, then the report
-        area_parser = bench_sub.add_parser(area, help=f"benchmark {area}")
-        area_parser.add_argument("--json", action="store_true", help="print the results as JSON")
-        area_parser.add_argument("--out", default=str(RESULTS_DIR), help="folder for the JSON results")
-        area_parser.set_defaults(handler=_bench)
-        if area in wanted:
-            module = _module_or_none(f"bench.{area}")
-            if module is not None:
-                module.add_arguments(area_parser)
-    report_parser = bench_sub.add_parser("report", help="regenerate BENCHMARKS.md and plots from the results")
-    if "report" in wanted:
-        from bench import report
-
-        report.add_arguments(report_parser)
-        report_parser.set_defaults(handler=report.run)
+    sub.add_parser(
+        "bench",
+        add_help=False,
+        help="benchmarks of a source checkout (python -m bench); results in bench/results/",
+    )
     return parser
 
 
 def main(argv: list[str] | None = None) -> int:
     """Entry point of the `pcpstack` console script."""
     argv = sys.argv[1:] if argv is None else argv
+    if argv[:1] == ["bench"]:
+        return _bench(argv[1:])
     args = build_parser(argv).parse_args(argv)
     if not hasattr(args, "handler"):
         print(f"pcpstack: {' '.join(argv[:2])} is not available in this build", file=sys.stderr)
         return 2
     return int(args.handler(args) or 0)
-
-
-if __name__ == "__main__":
-    sys.exit(main())

@@ -3,7 +3,7 @@
 import grpc
 import warnings
 
-from services.proto.pcpstack.v1 import prefill_pb2 as pcpstack_dot_v1_dot_prefill__pb2
+from pcpstack.v1 import decode_pb2 as pcpstack_dot_v1_dot_decode__pb2
 
 GRPC_GENERATED_VERSION = '1.85.1'
 GRPC_VERSION = grpc.__version__
@@ -18,15 +18,15 @@ except ImportError:
 if _version_not_supported:
     raise RuntimeError(
         f'The grpc package installed is at version {GRPC_VERSION},'
-        + ' but the generated code in pcpstack/v1/prefill_pb2_grpc.py depends on'
+        + ' but the generated code in pcpstack/v1/decode_pb2_grpc.py depends on'
         + f' grpcio>={GRPC_GENERATED_VERSION}.'
         + f' Please upgrade your grpc module to grpcio>={GRPC_GENERATED_VERSION}'
         + f' or downgrade your generated code using grpcio-tools<={GRPC_VERSION}.'
     )
 
 
-class PrefillServiceStub:
-    """Context-parallel prefill of one prompt.
+class DecodeServiceStub:
+    """Text generation.
     """
 
     def __init__(self, channel):
@@ -35,47 +35,46 @@ class PrefillServiceStub:
         Args:
             channel: A grpc.Channel.
         """
-        self.Prefill = channel.unary_unary(
-                '/pcpstack.v1.PrefillService/Prefill',
-                request_serializer=pcpstack_dot_v1_dot_prefill__pb2.PrefillRequest.SerializeToString,
-                response_deserializer=pcpstack_dot_v1_dot_prefill__pb2.PrefillResponse.FromString,
+        self.Generate = channel.unary_stream(
+                '/pcpstack.v1.DecodeService/Generate',
+                request_serializer=pcpstack_dot_v1_dot_decode__pb2.GenerateRequest.SerializeToString,
+                response_deserializer=pcpstack_dot_v1_dot_decode__pb2.GenerateResponse.FromString,
                 _registered_method=True)
 
 
-class PrefillServiceServicer:
-    """Context-parallel prefill of one prompt.
+class DecodeServiceServicer:
+    """Text generation.
     """
 
-    def Prefill(self, request, context):
-        """Prefills the prompt across the set's PCP ranks, pushes one complete KV replica to the KV store
-        and returns the first generated token with a handle to the replica.
+    def Generate(self, request, context):
+        """Generates an answer, streaming tokens as they are produced and ending with a summary.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
 
-def add_PrefillServiceServicer_to_server(servicer, server):
+def add_DecodeServiceServicer_to_server(servicer, server):
     rpc_method_handlers = {
-            'Prefill': grpc.unary_unary_rpc_method_handler(
-                    servicer.Prefill,
-                    request_deserializer=pcpstack_dot_v1_dot_prefill__pb2.PrefillRequest.FromString,
-                    response_serializer=pcpstack_dot_v1_dot_prefill__pb2.PrefillResponse.SerializeToString,
+            'Generate': grpc.unary_stream_rpc_method_handler(
+                    servicer.Generate,
+                    request_deserializer=pcpstack_dot_v1_dot_decode__pb2.GenerateRequest.FromString,
+                    response_serializer=pcpstack_dot_v1_dot_decode__pb2.GenerateResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
-            'pcpstack.v1.PrefillService', rpc_method_handlers)
+            'pcpstack.v1.DecodeService', rpc_method_handlers)
     server.add_generic_rpc_handlers((generic_handler,))
-    server.add_registered_method_handlers('pcpstack.v1.PrefillService', rpc_method_handlers)
+    server.add_registered_method_handlers('pcpstack.v1.DecodeService', rpc_method_handlers)
 
 
  # This class is part of an EXPERIMENTAL API.
-class PrefillService:
-    """Context-parallel prefill of one prompt.
+class DecodeService:
+    """Text generation.
     """
 
     @staticmethod
-    def Prefill(request,
+    def Generate(request,
             target,
             options=(),
             channel_credentials=None,
@@ -85,12 +84,12 @@ class PrefillService:
             wait_for_ready=None,
             timeout=None,
             metadata=None):
-        return grpc.experimental.unary_unary(
+        return grpc.experimental.unary_stream(
             request,
             target,
-            '/pcpstack.v1.PrefillService/Prefill',
-            pcpstack_dot_v1_dot_prefill__pb2.PrefillRequest.SerializeToString,
-            pcpstack_dot_v1_dot_prefill__pb2.PrefillResponse.FromString,
+            '/pcpstack.v1.DecodeService/Generate',
+            pcpstack_dot_v1_dot_decode__pb2.GenerateRequest.SerializeToString,
+            pcpstack_dot_v1_dot_decode__pb2.GenerateResponse.FromString,
             options,
             channel_credentials,
             insecure,

@@ -11,8 +11,8 @@ import time
 
 import grpc
 
-from services.decode.client import DecodeClient, build_request
-from services.stack import LocalStack, StackOptions
+from pcpstack.cli.stack import LocalStack, StackOptions
+from pcpstack.decode.client import DecodeClient, build_request
 
 
 def add_stack_arguments(parser: argparse.ArgumentParser) -> None:

@@ -9,7 +9,7 @@ from collections import abc as _abc
 from google.protobuf import descriptor as _descriptor
 from google.protobuf import message as _message
 from google.protobuf.internal import containers as _containers
-from services.proto.pcpstack.v1 import common_pb2 as _common_pb2
+from pcpstack.v1 import common_pb2 as _common_pb2
 import builtins as _builtins
 import sys
 import typing as _typing

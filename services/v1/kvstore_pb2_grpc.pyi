@@ -7,7 +7,7 @@ committed, pinned until released or until their lease expires, and evicted LRU w
 
 from collections import abc as _abc
 from grpc import aio as _aio
-from services.proto.pcpstack.v1 import kvstore_pb2 as _kvstore_pb2
+from pcpstack.v1 import kvstore_pb2 as _kvstore_pb2
 import abc as _abc_1
 import grpc as _grpc
 import sys

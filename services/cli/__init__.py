@@ -1,0 +1,1 @@
+"""The `pcpstack` command line: `serve`, `up`, `generate`, `status`, `config check`, `certs` and `bench`."""

@@ -1,1 +1,0 @@
-"""Generated from protos/ by tools/gen_protos.py; do not edit."""
