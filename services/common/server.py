@@ -21,6 +21,7 @@ from grpc_health.v1.health import aio as health_aio
 from grpc_reflection.v1alpha import reflection
 
 from pcpstack.common import security as security_mod
+from pcpstack.common.rpc_errors import ErrorInterceptor
 
 log = logging.getLogger(__name__)
 
@@ -95,7 +96,10 @@ async def start_server(
     reflection and marked SERVING in health.
     """
     security = options.security if options.security is not None else security_mod.current()
-    server = grpc.aio.server(options=options.channel_options(), interceptors=security.server_interceptors())
+    # The error interceptor is innermost: authentication runs before it, and a servicer's ServiceError
+    # reaches the caller as its gRPC status.
+    interceptors = [*security.server_interceptors(), ErrorInterceptor()]
+    server = grpc.aio.server(options=options.channel_options(), interceptors=interceptors)
     register(server)
     health = health_aio.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health, server)

@@ -1,0 +1,75 @@
+"""Where `ServiceError`s meet gRPC: the one mapping between pcpstack's error kinds and gRPC statuses.
+
+Servers: `start_server` installs `ErrorInterceptor`, so a servicer method (or a core it calls) simply raises a
+ServiceError and the caller receives its status and message; a servicer that has already streamed part of an
+answer may also call `abort(context, error)`. Clients: `error_from_rpc` turns a failed call back into the
+same kind.
+"""
+
+from __future__ import annotations
+
+import inspect
+from collections.abc import Awaitable, Callable
+from typing import Any, NoReturn
+
+import grpc
+
+from pcpstack.common.errors import ServiceError, error_of_code
+
+
+def status_of(error: ServiceError) -> grpc.StatusCode:
+    """The gRPC status an error travels as."""
+    known = error.code in grpc.StatusCode.__members__
+    return grpc.StatusCode[error.code] if known else grpc.StatusCode.UNKNOWN
+
+
+async def abort(context: grpc.aio.ServicerContext, error: ServiceError) -> NoReturn:
+    """Ends the call with the error's status and message."""
+    await context.abort(status_of(error), str(error))
+
+
+def error_from_rpc(exc: grpc.aio.AioRpcError) -> ServiceError:
+    """The ServiceError of the kind a failed call's status names, with the server's message."""
+    return error_of_code(exc.code().name, exc.details() or "")
+
+
+def _unary(behaviour: Callable[..., Awaitable[Any]]) -> Callable[..., Awaitable[Any]]:
+    async def wrapped(request_or_iterator, context):
+        try:
+            return await behaviour(request_or_iterator, context)
+        except ServiceError as exc:
+            await abort(context, exc)
+
+    return wrapped
+
+
+def _streaming(behaviour: Callable[..., Any]) -> Callable[..., Any]:
+    async def wrapped(request_or_iterator, context):
+        try:
+            async for response in behaviour(request_or_iterator, context):
+                yield response
+        except ServiceError as exc:
+            await abort(context, exc)
+
+    return wrapped
+
+
+def _wrap(behaviour: Callable[..., Any]) -> Callable[..., Any]:
+    return _streaming(behaviour) if inspect.isasyncgenfunction(behaviour) else _unary(behaviour)
+
+
+class ErrorInterceptor(grpc.aio.ServerInterceptor):
+    """Answers a ServiceError raised by any servicer method with its gRPC status and message."""
+
+    async def intercept_service(self, continuation, handler_call_details):
+        handler = await continuation(handler_call_details)
+        if handler is None:
+            return None
+        serializers = (handler.request_deserializer, handler.response_serializer)
+        if handler.unary_unary:
+            return grpc.unary_unary_rpc_method_handler(_wrap(handler.unary_unary), *serializers)
+        if handler.unary_stream:
+            return grpc.unary_stream_rpc_method_handler(_wrap(handler.unary_stream), *serializers)
+        if handler.stream_unary:
+            return grpc.stream_unary_rpc_method_handler(_wrap(handler.stream_unary), *serializers)
+        return grpc.stream_stream_rpc_method_handler(_wrap(handler.stream_stream), *serializers)
