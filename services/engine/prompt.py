@@ -1,0 +1,74 @@
+"""The one check of a prompt before any work is done on it: decode and prefill both call it.
+
+A prompt is valid when it holds at least one token, every id is below the vocabulary size, it fits the
+model's context (with room for `max_tokens` more when the caller will generate them), and its sampling
+parameters are in range. A violation raises `InvalidArgument` naming the field, the value and the rule, so a
+servicer answers INVALID_ARGUMENT without a line of its own.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from pcpstack.common.errors import InvalidArgument
+from pcpstack.engine.sampling import SamplingParams, sampling_from_wire
+
+
+@dataclass(frozen=True)
+class PromptLimits:
+    """What a model accepts: ids below `vocab_size`, at most `max_seq_len` tokens in prompt plus answer."""
+
+    vocab_size: int
+    max_seq_len: int
+
+
+def check_token_ids(
+    token_ids: Sequence[int], limits: PromptLimits, *, field: str = "token_ids", max_tokens: int = 0
+) -> list[int]:
+    """The ids as a list, or InvalidArgument naming `field` (or `sampling.max_tokens` when only the answer
+    does not fit); `max_tokens` is the room the caller will generate into (0: prefill, the prompt alone)."""
+    ids = list(token_ids)
+    if not ids:
+        raise InvalidArgument(f"{field}: the prompt is empty; it must hold at least one token")
+    bad = next((i for i, t in enumerate(ids) if not 0 <= t < limits.vocab_size), None)
+    if bad is not None:
+        raise InvalidArgument(
+            f"{field}[{bad}]={ids[bad]} is not below the vocabulary size {limits.vocab_size}"
+        )
+    if len(ids) > limits.max_seq_len:
+        raise InvalidArgument(
+            f"{field}: {len(ids)} tokens exceed the model context of {limits.max_seq_len} tokens"
+        )
+    if len(ids) + max_tokens > limits.max_seq_len:
+        raise InvalidArgument(
+            f"sampling.max_tokens={max_tokens} with {len(ids)} prompt tokens exceeds the model context of "
+            f"{limits.max_seq_len} tokens"
+        )
+    return ids
+
+
+def check_sampling(wire: Any, *, default_max_tokens: int | None = None) -> SamplingParams:
+    """Typed sampling parameters from a pcpstack.v1.SamplingParams message, or InvalidArgument naming the
+    field (`sampling.<name>`); `default_max_tokens` fills an unset max_tokens (None: it is required)."""
+    try:
+        return sampling_from_wire(wire, default_max_tokens=default_max_tokens)
+    except ValueError as exc:
+        raise InvalidArgument(str(exc)) from None
+
+
+def check_prompt(
+    token_ids: Sequence[int],
+    sampling: Any,
+    limits: PromptLimits,
+    *,
+    field: str = "token_ids",
+    default_max_tokens: int | None = None,
+    generates: bool = True,
+) -> tuple[list[int], SamplingParams]:
+    """The prompt's ids and typed sampling parameters, both checked; `generates` False (prefill, which
+    samples one token) checks the prompt alone against the context, not prompt plus max_tokens."""
+    params = check_sampling(sampling, default_max_tokens=default_max_tokens)
+    ids = check_token_ids(token_ids, limits, field=field, max_tokens=params.max_tokens if generates else 0)
+    return ids, params
