@@ -192,6 +192,7 @@ class KvHandle(_message.Message):
     SOURCE_PCP_RANK_FIELD_NUMBER: _builtins.int
     STORE_ADDRESS_FIELD_NUMBER: _builtins.int
     TOTAL_BYTES_FIELD_NUMBER: _builtins.int
+    CAPABILITY_FIELD_NUMBER: _builtins.int
     key: _builtins.str
     """Store key; names the request and carries the fingerprint."""
     fingerprint: _builtins.str
@@ -204,6 +205,11 @@ class KvHandle(_message.Message):
     """host:port of the KV store holding the replica."""
     total_bytes: _builtins.int
     """Size of the replica in bytes."""
+    capability: _builtins.str
+    """Read capability the store issued when the replica was committed (PutCommitted.capability); the
+    reader presents it to Get and Release. A bearer secret: pass it on only to the replica's reader and
+    never log it.
+    """
     @_builtins.property
     def layout(self) -> Global___KvLayout:
         """The layout the fingerprint was computed from."""
@@ -218,10 +224,11 @@ class KvHandle(_message.Message):
         source_pcp_rank: _builtins.int = ...,
         store_address: _builtins.str = ...,
         total_bytes: _builtins.int = ...,
+        capability: _builtins.str = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["layout", b"layout"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["fingerprint", b"fingerprint", "key", b"key", "layout", b"layout", "num_tokens", b"num_tokens", "source_pcp_rank", b"source_pcp_rank", "store_address", b"store_address", "total_bytes", b"total_bytes"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["capability", b"capability", "fingerprint", b"fingerprint", "key", b"key", "layout", b"layout", "num_tokens", b"num_tokens", "source_pcp_rank", b"source_pcp_rank", "store_address", b"store_address", "total_bytes", b"total_bytes"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

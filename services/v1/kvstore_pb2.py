@@ -24,7 +24,7 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x19pcpstack/v1/kvstore.proto\x12\x0bpcpstack.v1\"\x8b\x01\n\tPutHeader\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\x13\n\x0b\x66ingerprint\x18\x02 \x01(\t\x12\x13\n\x0btotal_bytes\x18\x03 \x01(\x04\x12\x12\n\nchunk_size\x18\x04 \x01(\r\x12\x10\n\x08lease_ms\x18\x05 \x01(\r\x12\x0f\n\x07use_shm\x18\x06 \x01(\x08\x12\x10\n\x08metadata\x18\x07 \x01(\x0c\"8\n\x08PutChunk\x12\x0e\n\x06offset\x18\x01 \x01(\x04\x12\x0c\n\x04\x64\x61ta\x18\x02 \x01(\x0c\x12\x0e\n\x06\x63rc32c\x18\x03 \x01(\r\"\x1b\n\tPutCommit\x12\x0e\n\x06\x63rc32c\x18\x01 \x01(\r\"\x1f\n\x0bPutAccepted\x12\x10\n\x08shm_name\x18\x01 \x01(\t\"O\n\x0cPutCommitted\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\x13\n\x0btotal_bytes\x18\x02 \x01(\x04\x12\x1d\n\x15lease_expires_unix_ms\x18\x03 \x01(\x04\"\x90\x01\n\nPutRequest\x12(\n\x06header\x18\x01 \x01(\x0b\x32\x16.pcpstack.v1.PutHeaderH\x00\x12&\n\x05\x63hunk\x18\x02 \x01(\x0b\x32\x15.pcpstack.v1.PutChunkH\x00\x12(\n\x06\x63ommit\x18\x03 \x01(\x0b\x32\x16.pcpstack.v1.PutCommitH\x00\x42\x06\n\x04\x62ody\"s\n\x0bPutResponse\x12,\n\x08\x61\x63\x63\x65pted\x18\x01 \x01(\x0b\x32\x18.pcpstack.v1.PutAcceptedH\x00\x12.\n\tcommitted\x18\x02 \x01(\x0b\x32\x19.pcpstack.v1.PutCommittedH\x00\x42\x06\n\x04\x62ody\"Z\n\nGetRequest\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\x13\n\x0b\x66ingerprint\x18\x02 \x01(\t\x12\x16\n\x0emax_chunk_size\x18\x03 \x01(\r\x12\x12\n\naccept_shm\x18\x04 \x01(\x08\"T\n\tGetHeader\x12\x13\n\x0btotal_bytes\x18\x01 \x01(\x04\x12\x0e\n\x06\x63rc32c\x18\x02 \x01(\r\x12\x10\n\x08metadata\x18\x03 \x01(\x0c\x12\x10\n\x08shm_name\x18\x04 \x01(\t\"g\n\x0bGetResponse\x12(\n\x06header\x18\x01 \x01(\x0b\x32\x16.pcpstack.v1.GetHeaderH\x00\x12&\n\x05\x63hunk\x18\x02 \x01(\x0b\x32\x15.pcpstack.v1.PutChunkH\x00\x42\x06\n\x04\x62ody\"\x1d\n\x0eReleaseRequest\x12\x0b\n\x03key\x18\x01 \x01(\t\"#\n\x0fReleaseResponse\x12\x10\n\x08released\x18\x01 \x01(\x08\"\x1a\n\x0bStatRequest\x12\x0b\n\x03key\x18\x01 \x01(\t\"\x83\x01\n\nObjectStat\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\x13\n\x0btotal_bytes\x18\x02 \x01(\x04\x12\x0e\n\x06pinned\x18\x03 \x01(\x08\x12\x0f\n\x07readers\x18\x04 \x01(\r\x12\x13\n\x0b\x66ingerprint\x18\x05 \x01(\t\x12\x1d\n\x15lease_expires_unix_ms\x18\x06 \x01(\x04\"\xee\x02\n\x0cStatResponse\x12\x0f\n\x07objects\x18\x01 \x01(\x04\x12\r\n\x05\x62ytes\x18\x02 \x01(\x04\x12\x14\n\x0cpinned_bytes\x18\x03 \x01(\x04\x12\x16\n\x0e\x63\x61pacity_bytes\x18\x04 \x01(\x04\x12\x11\n\tevictions\x18\x05 \x01(\x04\x12\x16\n\x0elease_expiries\x18\x06 \x01(\x04\x12\x14\n\x0crefused_puts\x18\x07 \x01(\x04\x12\x10\n\x08\x62ytes_in\x18\x08 \x01(\x04\x12\x11\n\tbytes_out\x18\t \x01(\x04\x12\x16\n\x0ereserved_bytes\x18\n \x01(\x04\x12\'\n\x06object\x18\x0b \x01(\x0b\x32\x17.pcpstack.v1.ObjectStat\x12\x14\n\x0c\x61\x62orted_puts\x18\x0c \x01(\x04\x12\x19\n\x11repeated_releases\x18\r \x01(\x04\x12\x14\n\x0cpooled_bytes\x18\x0e \x01(\x04\x12\x0f\n\x07shm_dir\x18\x0f \x01(\t\x12\x11\n\tshm_probe\x18\x10 \x01(\t\"\x1c\n\rDeleteRequest\x12\x0b\n\x03key\x18\x01 \x01(\t\"!\n\x0e\x44\x65leteResponse\x12\x0f\n\x07\x64\x65leted\x18\x01 \x01(\x08\x32\xd2\x02\n\x0eKvStoreService\x12<\n\x03Put\x12\x17.pcpstack.v1.PutRequest\x1a\x18.pcpstack.v1.PutResponse(\x01\x30\x01\x12<\n\x03Get\x12\x17.pcpstack.v1.GetRequest\x1a\x18.pcpstack.v1.GetResponse(\x01\x30\x01\x12\x44\n\x07Release\x12\x1b.pcpstack.v1.ReleaseRequest\x1a\x1c.pcpstack.v1.ReleaseResponse\x12;\n\x04Stat\x12\x18.pcpstack.v1.StatRequest\x1a\x19.pcpstack.v1.StatResponse\x12\x41\n\x06\x44\x65lete\x12\x1a.pcpstack.v1.DeleteRequest\x1a\x1b.pcpstack.v1.DeleteResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x19pcpstack/v1/kvstore.proto\x12\x0bpcpstack.v1\"\x8b\x01\n\tPutHeader\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\x13\n\x0b\x66ingerprint\x18\x02 \x01(\t\x12\x13\n\x0btotal_bytes\x18\x03 \x01(\x04\x12\x12\n\nchunk_size\x18\x04 \x01(\r\x12\x10\n\x08lease_ms\x18\x05 \x01(\r\x12\x0f\n\x07use_shm\x18\x06 \x01(\x08\x12\x10\n\x08metadata\x18\x07 \x01(\x0c\"8\n\x08PutChunk\x12\x0e\n\x06offset\x18\x01 \x01(\x04\x12\x0c\n\x04\x64\x61ta\x18\x02 \x01(\x0c\x12\x0e\n\x06\x63rc32c\x18\x03 \x01(\r\"\x1b\n\tPutCommit\x12\x0e\n\x06\x63rc32c\x18\x01 \x01(\r\"\x1f\n\x0bPutAccepted\x12\x10\n\x08shm_name\x18\x01 \x01(\t\"c\n\x0cPutCommitted\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\x13\n\x0btotal_bytes\x18\x02 \x01(\x04\x12\x1d\n\x15lease_expires_unix_ms\x18\x03 \x01(\x04\x12\x12\n\ncapability\x18\x04 \x01(\t\"\x90\x01\n\nPutRequest\x12(\n\x06header\x18\x01 \x01(\x0b\x32\x16.pcpstack.v1.PutHeaderH\x00\x12&\n\x05\x63hunk\x18\x02 \x01(\x0b\x32\x15.pcpstack.v1.PutChunkH\x00\x12(\n\x06\x63ommit\x18\x03 \x01(\x0b\x32\x16.pcpstack.v1.PutCommitH\x00\x42\x06\n\x04\x62ody\"s\n\x0bPutResponse\x12,\n\x08\x61\x63\x63\x65pted\x18\x01 \x01(\x0b\x32\x18.pcpstack.v1.PutAcceptedH\x00\x12.\n\tcommitted\x18\x02 \x01(\x0b\x32\x19.pcpstack.v1.PutCommittedH\x00\x42\x06\n\x04\x62ody\"n\n\nGetRequest\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\x13\n\x0b\x66ingerprint\x18\x02 \x01(\t\x12\x16\n\x0emax_chunk_size\x18\x03 \x01(\r\x12\x12\n\naccept_shm\x18\x04 \x01(\x08\x12\x12\n\ncapability\x18\x05 \x01(\t\"T\n\tGetHeader\x12\x13\n\x0btotal_bytes\x18\x01 \x01(\x04\x12\x0e\n\x06\x63rc32c\x18\x02 \x01(\r\x12\x10\n\x08metadata\x18\x03 \x01(\x0c\x12\x10\n\x08shm_name\x18\x04 \x01(\t\"g\n\x0bGetResponse\x12(\n\x06header\x18\x01 \x01(\x0b\x32\x16.pcpstack.v1.GetHeaderH\x00\x12&\n\x05\x63hunk\x18\x02 \x01(\x0b\x32\x15.pcpstack.v1.PutChunkH\x00\x42\x06\n\x04\x62ody\"1\n\x0eReleaseRequest\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\x12\n\ncapability\x18\x02 \x01(\t\"#\n\x0fReleaseResponse\x12\x10\n\x08released\x18\x01 \x01(\x08\".\n\x0bStatRequest\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\x12\n\ncapability\x18\x02 \x01(\t\"\x83\x01\n\nObjectStat\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\x13\n\x0btotal_bytes\x18\x02 \x01(\x04\x12\x0e\n\x06pinned\x18\x03 \x01(\x08\x12\x0f\n\x07readers\x18\x04 \x01(\r\x12\x13\n\x0b\x66ingerprint\x18\x05 \x01(\t\x12\x1d\n\x15lease_expires_unix_ms\x18\x06 \x01(\x04\"\xee\x02\n\x0cStatResponse\x12\x0f\n\x07objects\x18\x01 \x01(\x04\x12\r\n\x05\x62ytes\x18\x02 \x01(\x04\x12\x14\n\x0cpinned_bytes\x18\x03 \x01(\x04\x12\x16\n\x0e\x63\x61pacity_bytes\x18\x04 \x01(\x04\x12\x11\n\tevictions\x18\x05 \x01(\x04\x12\x16\n\x0elease_expiries\x18\x06 \x01(\x04\x12\x14\n\x0crefused_puts\x18\x07 \x01(\x04\x12\x10\n\x08\x62ytes_in\x18\x08 \x01(\x04\x12\x11\n\tbytes_out\x18\t \x01(\x04\x12\x16\n\x0ereserved_bytes\x18\n \x01(\x04\x12\'\n\x06object\x18\x0b \x01(\x0b\x32\x17.pcpstack.v1.ObjectStat\x12\x14\n\x0c\x61\x62orted_puts\x18\x0c \x01(\x04\x12\x19\n\x11repeated_releases\x18\r \x01(\x04\x12\x14\n\x0cpooled_bytes\x18\x0e \x01(\x04\x12\x0f\n\x07shm_dir\x18\x0f \x01(\t\x12\x11\n\tshm_probe\x18\x10 \x01(\t\"0\n\rDeleteRequest\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\x12\n\ncapability\x18\x02 \x01(\t\"!\n\x0e\x44\x65leteResponse\x12\x0f\n\x07\x64\x65leted\x18\x01 \x01(\x08\x32\xd2\x02\n\x0eKvStoreService\x12<\n\x03Put\x12\x17.pcpstack.v1.PutRequest\x1a\x18.pcpstack.v1.PutResponse(\x01\x30\x01\x12<\n\x03Get\x12\x17.pcpstack.v1.GetRequest\x1a\x18.pcpstack.v1.GetResponse(\x01\x30\x01\x12\x44\n\x07Release\x12\x1b.pcpstack.v1.ReleaseRequest\x1a\x1c.pcpstack.v1.ReleaseResponse\x12;\n\x04Stat\x12\x18.pcpstack.v1.StatRequest\x1a\x19.pcpstack.v1.StatResponse\x12\x41\n\x06\x44\x65lete\x12\x1a.pcpstack.v1.DeleteRequest\x1a\x1b.pcpstack.v1.DeleteResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -40,31 +40,31 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_PUTACCEPTED']._serialized_start=271
   _globals['_PUTACCEPTED']._serialized_end=302
   _globals['_PUTCOMMITTED']._serialized_start=304
-  _globals['_PUTCOMMITTED']._serialized_end=383
-  _globals['_PUTREQUEST']._serialized_start=386
-  _globals['_PUTREQUEST']._serialized_end=530
-  _globals['_PUTRESPONSE']._serialized_start=532
-  _globals['_PUTRESPONSE']._serialized_end=647
-  _globals['_GETREQUEST']._serialized_start=649
-  _globals['_GETREQUEST']._serialized_end=739
-  _globals['_GETHEADER']._serialized_start=741
-  _globals['_GETHEADER']._serialized_end=825
-  _globals['_GETRESPONSE']._serialized_start=827
-  _globals['_GETRESPONSE']._serialized_end=930
-  _globals['_RELEASEREQUEST']._serialized_start=932
-  _globals['_RELEASEREQUEST']._serialized_end=961
-  _globals['_RELEASERESPONSE']._serialized_start=963
-  _globals['_RELEASERESPONSE']._serialized_end=998
-  _globals['_STATREQUEST']._serialized_start=1000
-  _globals['_STATREQUEST']._serialized_end=1026
-  _globals['_OBJECTSTAT']._serialized_start=1029
-  _globals['_OBJECTSTAT']._serialized_end=1160
-  _globals['_STATRESPONSE']._serialized_start=1163
-  _globals['_STATRESPONSE']._serialized_end=1529
-  _globals['_DELETEREQUEST']._serialized_start=1531
-  _globals['_DELETEREQUEST']._serialized_end=1559
-  _globals['_DELETERESPONSE']._serialized_start=1561
-  _globals['_DELETERESPONSE']._serialized_end=1594
-  _globals['_KVSTORESERVICE']._serialized_start=1597
-  _globals['_KVSTORESERVICE']._serialized_end=1935
+  _globals['_PUTCOMMITTED']._serialized_end=403
+  _globals['_PUTREQUEST']._serialized_start=406
+  _globals['_PUTREQUEST']._serialized_end=550
+  _globals['_PUTRESPONSE']._serialized_start=552
+  _globals['_PUTRESPONSE']._serialized_end=667
+  _globals['_GETREQUEST']._serialized_start=669
+  _globals['_GETREQUEST']._serialized_end=779
+  _globals['_GETHEADER']._serialized_start=781
+  _globals['_GETHEADER']._serialized_end=865
+  _globals['_GETRESPONSE']._serialized_start=867
+  _globals['_GETRESPONSE']._serialized_end=970
+  _globals['_RELEASEREQUEST']._serialized_start=972
+  _globals['_RELEASEREQUEST']._serialized_end=1021
+  _globals['_RELEASERESPONSE']._serialized_start=1023
+  _globals['_RELEASERESPONSE']._serialized_end=1058
+  _globals['_STATREQUEST']._serialized_start=1060
+  _globals['_STATREQUEST']._serialized_end=1106
+  _globals['_OBJECTSTAT']._serialized_start=1109
+  _globals['_OBJECTSTAT']._serialized_end=1240
+  _globals['_STATRESPONSE']._serialized_start=1243
+  _globals['_STATRESPONSE']._serialized_end=1609
+  _globals['_DELETEREQUEST']._serialized_start=1611
+  _globals['_DELETEREQUEST']._serialized_end=1659
+  _globals['_DELETERESPONSE']._serialized_start=1661
+  _globals['_DELETERESPONSE']._serialized_end=1694
+  _globals['_KVSTORESERVICE']._serialized_start=1697
+  _globals['_KVSTORESERVICE']._serialized_end=2035
 # @@protoc_insertion_point(module_scope)

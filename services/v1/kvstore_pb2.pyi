@@ -40,7 +40,9 @@ class PutHeader(_message.Message):
     chunk_size: _builtins.int
     """Size of every chunk except the last; chunks must arrive in order."""
     lease_ms: _builtins.int
-    """Pin lease in milliseconds: the object is reclaimed if not released by then. 0 means the default."""
+    """Pin lease in milliseconds: the object is reclaimed if not released by then. 0 means the default;
+    more than the store's cap (its --max-lease-ms) is refused with INVALID_ARGUMENT naming the cap.
+    """
     use_shm: _builtins.bool
     """Same-host fast path: the store answers with a shared-memory segment to fill; then no chunks
     follow, only the commit. Ask for it only when Stat's shm_probe is visible from this host.
@@ -151,22 +153,29 @@ class PutCommitted(_message.Message):
     KEY_FIELD_NUMBER: _builtins.int
     TOTAL_BYTES_FIELD_NUMBER: _builtins.int
     LEASE_EXPIRES_UNIX_MS_FIELD_NUMBER: _builtins.int
+    CAPABILITY_FIELD_NUMBER: _builtins.int
     key: _builtins.str
     """The key now committed."""
     total_bytes: _builtins.int
     """Bytes stored."""
     lease_expires_unix_ms: _builtins.int
     """When the pin lease ends, milliseconds since the Unix epoch."""
+    capability: _builtins.str
+    """Read capability of the object: an unguessable token the store issued at commit and tells only the
+    writer. Get, Release, Delete and Stat's object details require it; hand it only to the reader
+    (KvHandle.capability) and never log it.
+    """
     def __init__(
         self,
         *,
         key: _builtins.str = ...,
         total_bytes: _builtins.int = ...,
         lease_expires_unix_ms: _builtins.int = ...,
+        capability: _builtins.str = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["key", b"key", "lease_expires_unix_ms", b"lease_expires_unix_ms", "total_bytes", b"total_bytes"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["capability", b"capability", "key", b"key", "lease_expires_unix_ms", b"lease_expires_unix_ms", "total_bytes", b"total_bytes"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -252,6 +261,7 @@ class GetRequest(_message.Message):
     FINGERPRINT_FIELD_NUMBER: _builtins.int
     MAX_CHUNK_SIZE_FIELD_NUMBER: _builtins.int
     ACCEPT_SHM_FIELD_NUMBER: _builtins.int
+    CAPABILITY_FIELD_NUMBER: _builtins.int
     key: _builtins.str
     """The key."""
     fingerprint: _builtins.str
@@ -260,6 +270,10 @@ class GetRequest(_message.Message):
     """Largest chunk the reader wants; 0 means the store's default."""
     accept_shm: _builtins.bool
     """The reader is on the store's host and accepts a shared-memory hand-off."""
+    capability: _builtins.str
+    """The object's capability (PutCommitted.capability); missing or wrong is refused with
+    PERMISSION_DENIED.
+    """
     def __init__(
         self,
         *,
@@ -267,10 +281,11 @@ class GetRequest(_message.Message):
         fingerprint: _builtins.str = ...,
         max_chunk_size: _builtins.int = ...,
         accept_shm: _builtins.bool = ...,
+        capability: _builtins.str = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["accept_shm", b"accept_shm", "fingerprint", b"fingerprint", "key", b"key", "max_chunk_size", b"max_chunk_size"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["accept_shm", b"accept_shm", "capability", b"capability", "fingerprint", b"fingerprint", "key", b"key", "max_chunk_size", b"max_chunk_size"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -352,16 +367,22 @@ class ReleaseRequest(_message.Message):
     DESCRIPTOR: _descriptor.Descriptor
 
     KEY_FIELD_NUMBER: _builtins.int
+    CAPABILITY_FIELD_NUMBER: _builtins.int
     key: _builtins.str
     """The key."""
+    capability: _builtins.str
+    """The object's capability (PutCommitted.capability); missing or wrong is refused with
+    PERMISSION_DENIED.
+    """
     def __init__(
         self,
         *,
         key: _builtins.str = ...,
+        capability: _builtins.str = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["key", b"key"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["capability", b"capability", "key", b"key"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -396,16 +417,22 @@ class StatRequest(_message.Message):
     DESCRIPTOR: _descriptor.Descriptor
 
     KEY_FIELD_NUMBER: _builtins.int
+    CAPABILITY_FIELD_NUMBER: _builtins.int
     key: _builtins.str
-    """When set, report on this object as well."""
+    """When set, report on this object as well (only when capability is the object's)."""
+    capability: _builtins.str
+    """The capability of the object named by key: without the right one the answer holds the store's
+    counters only, exactly as for a key that does not exist.
+    """
     def __init__(
         self,
         *,
         key: _builtins.str = ...,
+        capability: _builtins.str = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["key", b"key"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["capability", b"capability", "key", b"key"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -546,16 +573,22 @@ class DeleteRequest(_message.Message):
     DESCRIPTOR: _descriptor.Descriptor
 
     KEY_FIELD_NUMBER: _builtins.int
+    CAPABILITY_FIELD_NUMBER: _builtins.int
     key: _builtins.str
     """The key."""
+    capability: _builtins.str
+    """The object's capability (PutCommitted.capability); missing or wrong is refused with
+    PERMISSION_DENIED.
+    """
     def __init__(
         self,
         *,
         key: _builtins.str = ...,
+        capability: _builtins.str = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["key", b"key"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["capability", b"capability", "key", b"key"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

@@ -86,14 +86,16 @@ class KvStoreServiceServicer:
         raise NotImplementedError('Method not implemented!')
 
     def Release(self, request, context):
-        """Unpins an object: the reader has what it needs. Only the first release counts.
+        """Unpins an object: the reader has what it needs. Only the first release counts. Get, Release and
+        Delete present the object's capability, which the store issued to the writer at commit.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
     def Stat(self, request, context):
-        """Counters and gauges of the store, or the state of one object.
+        """Counters and gauges of the store (to anyone), and the state of one object (to a caller that
+        presents its capability).
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')

@@ -47,9 +47,13 @@ class KvStoreServiceStub:
     side when it no longer needs the segment; until then the object is kept alive.
     """
     Release: _grpc.UnaryUnaryMultiCallable[_kvstore_pb2.ReleaseRequest, _kvstore_pb2.ReleaseResponse]
-    """Unpins an object: the reader has what it needs. Only the first release counts."""
+    """Unpins an object: the reader has what it needs. Only the first release counts. Get, Release and
+    Delete present the object's capability, which the store issued to the writer at commit.
+    """
     Stat: _grpc.UnaryUnaryMultiCallable[_kvstore_pb2.StatRequest, _kvstore_pb2.StatResponse]
-    """Counters and gauges of the store, or the state of one object."""
+    """Counters and gauges of the store (to anyone), and the state of one object (to a caller that
+    presents its capability).
+    """
     Delete: _grpc.UnaryUnaryMultiCallable[_kvstore_pb2.DeleteRequest, _kvstore_pb2.DeleteResponse]
     """Removes an object now, pinned or not; a Get already reading it finishes first."""
 
@@ -70,9 +74,13 @@ class KvStoreServiceAsyncStub(KvStoreServiceStub):
     side when it no longer needs the segment; until then the object is kept alive.
     """
     Release: _aio.UnaryUnaryMultiCallable[_kvstore_pb2.ReleaseRequest, _kvstore_pb2.ReleaseResponse]  # type: ignore[assignment]
-    """Unpins an object: the reader has what it needs. Only the first release counts."""
+    """Unpins an object: the reader has what it needs. Only the first release counts. Get, Release and
+    Delete present the object's capability, which the store issued to the writer at commit.
+    """
     Stat: _aio.UnaryUnaryMultiCallable[_kvstore_pb2.StatRequest, _kvstore_pb2.StatResponse]  # type: ignore[assignment]
-    """Counters and gauges of the store, or the state of one object."""
+    """Counters and gauges of the store (to anyone), and the state of one object (to a caller that
+    presents its capability).
+    """
     Delete: _aio.UnaryUnaryMultiCallable[_kvstore_pb2.DeleteRequest, _kvstore_pb2.DeleteResponse]  # type: ignore[assignment]
     """Removes an object now, pinned or not; a Get already reading it finishes first."""
 
@@ -108,7 +116,9 @@ class KvStoreServiceServicer(metaclass=_abc_1.ABCMeta):
         request: _kvstore_pb2.ReleaseRequest,
         context: _ServicerContext,
     ) -> _typing.Union[_kvstore_pb2.ReleaseResponse, _abc.Awaitable[_kvstore_pb2.ReleaseResponse]]:
-        """Unpins an object: the reader has what it needs. Only the first release counts."""
+        """Unpins an object: the reader has what it needs. Only the first release counts. Get, Release and
+        Delete present the object's capability, which the store issued to the writer at commit.
+        """
 
     @_abc_1.abstractmethod
     def Stat(
@@ -116,7 +126,9 @@ class KvStoreServiceServicer(metaclass=_abc_1.ABCMeta):
         request: _kvstore_pb2.StatRequest,
         context: _ServicerContext,
     ) -> _typing.Union[_kvstore_pb2.StatResponse, _abc.Awaitable[_kvstore_pb2.StatResponse]]:
-        """Counters and gauges of the store, or the state of one object."""
+        """Counters and gauges of the store (to anyone), and the state of one object (to a caller that
+        presents its capability).
+        """
 
     @_abc_1.abstractmethod
     def Delete(
