@@ -1,13 +1,18 @@
 """OpenAI request bodies -> GenerateRequest: OpenAI and vLLM parameter conventions, defaults and checks.
 
-Checked here: what the JSON shape and the wire form need (types, n=1, the prompt's form, unsigned fields,
-top_p > 0 because the wire reads 0 as "disabled", parameters this server cannot honour). Value rules the
-engine owns (temperature >= 0, the context length, ...) are left to the decode worker, whose message the
-gateway passes on with the parameter it names.
+`load_body` turns the raw body into JSON values every later step can trust: valid Unicode (a lone UTF-16
+surrogate such as "\\ud800" is legal JSON but cannot be encoded into a protobuf string), finite numbers, and
+at most MAX_JSON_DEPTH levels of nesting (Python's JSON decoder recurses, so a deep body would exhaust the
+stack). Checked after that: what the JSON shape and the wire form need (types, n=1, the prompt's form,
+unsigned fields, top_p > 0 because the wire reads 0 as "disabled", parameters this server cannot honour).
+Value rules the engine owns (temperature >= 0, the context length, ...) are left to the decode worker,
+whose message the gateway passes on with the parameter it names.
 """
 
 from __future__ import annotations
 
+import json
+import math
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -37,6 +42,8 @@ _UNSUPPORTED: dict[str, tuple[object, ...]] = {
     "response_format": ({"type": "text"},),
 }
 _CHAT_ROLES = {"developer": "system"}  # OpenAI's newer name for the system role
+# An OpenAI body nests a handful of levels (messages -> content parts); anything near this is an attack.
+MAX_JSON_DEPTH = 32
 
 
 @dataclass(frozen=True)
@@ -74,6 +81,67 @@ class ParsedRequest:
             logprobs=self.logprobs,
             model=self.model,
         )
+
+
+def load_body(raw: bytes, charset: str | None = None) -> Any:
+    """The JSON value of a request body; raises ApiError (400, param "body" or the top-level key that holds
+    the bad value) for text that is not JSON, a lone surrogate, a non-finite number or too deep nesting."""
+    try:
+        text = raw.decode(charset or "utf-8")
+    except LookupError:
+        raise bad_request("body", f"charset={charset!r} is unknown; send the body as UTF-8 JSON") from None
+    except UnicodeDecodeError as exc:
+        raise bad_request(
+            "body", f"the request body is not valid {charset or 'utf-8'} at byte {exc.start}: send UTF-8 JSON"
+        ) from None
+    try:
+        body = json.loads(text, parse_constant=_refuse_constant)
+    except RecursionError:
+        raise _too_deep() from None
+    except ValueError as exc:  # JSONDecodeError, and ints beyond Python's digit limit
+        raise bad_request("body", f"the request body must be JSON ({exc})") from None
+    _check_values(body)
+    return body
+
+
+def _refuse_constant(name: str) -> None:
+    raise ValueError(f"{name} is not a JSON value")
+
+
+def _too_deep() -> ApiError:
+    return bad_request("body", f"the request body nests JSON more than {MAX_JSON_DEPTH} levels deep")
+
+
+def _check_values(body: Any) -> None:
+    """Checks every string and number of the body, walking it without recursion (a recursive walk would
+    overflow the stack where the parser nearly did)."""
+    pending: list[tuple[Any, int, str | None]] = [(body, 1, None)]
+    while pending:
+        value, depth, param = pending.pop()
+        if isinstance(value, str):
+            _check_text(value, param)
+        elif isinstance(value, float) and not math.isfinite(value):
+            raise bad_request(param or "body", f"{param or 'the body'} holds a number beyond the float range")
+        elif isinstance(value, dict | list):
+            if depth > MAX_JSON_DEPTH:
+                raise _too_deep()
+            for key, item in value.items() if isinstance(value, dict) else enumerate(value):
+                if isinstance(key, str):
+                    _check_text(key, param)
+                # The top-level key names the OpenAI parameter a message should point at.
+                pending.append((item, depth + 1, param or (key if isinstance(key, str) else None)))
+
+
+def _check_text(text: str, param: str | None) -> None:
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as exc:
+        bad = text[exc.start]
+        raise bad_request(
+            param or "body",
+            f"{param or 'the body'} contains the lone surrogate {bad!r} at index {exc.start}, which is not "
+            "valid Unicode: a UTF-16 surrogate must be followed by its pair",
+        ) from None
 
 
 def parse_completion(body: Any, served_model: str) -> ParsedRequest:

@@ -8,7 +8,6 @@ request still gets its HTTP error status; an error after that is sent as a last 
 
 from __future__ import annotations
 
-import json
 import logging
 import time
 import uuid
@@ -19,11 +18,13 @@ import grpc
 from aiohttp import web
 from opentelemetry import propagate, trace
 
+from pcpstack.common.errors import InvalidArgument
+from pcpstack.common.ids import check_request_id
 from pcpstack.common.logs import request_id_var
 from pcpstack.common.telemetry import current_trace_id, tracer
-from pcpstack.gateway.errors import ApiError, error_from_rpc, service_unavailable
+from pcpstack.gateway.errors import ApiError, bad_request, error_from_rpc, service_unavailable
 from pcpstack.gateway.metrics import CONTENT_TYPE, GatewayMetrics
-from pcpstack.gateway.openai_requests import ParsedRequest, parse_chat, parse_completion
+from pcpstack.gateway.openai_requests import ParsedRequest, load_body, parse_chat, parse_completion
 from pcpstack.gateway.openai_responses import SSE_DONE, ResponseShaper, sse
 from pcpstack.gateway.upstream import DecodePool
 from pcpstack.v1 import decode_pb2
@@ -135,12 +136,8 @@ async def _generate(
 ) -> web.StreamResponse:
     """Parses, calls Decode.Generate and answers whole or streamed."""
     settings, pool = request.app[_SETTINGS], request.app[_POOL]
-    try:
-        body = await request.json()
-    except (json.JSONDecodeError, UnicodeDecodeError):
-        raise ApiError(400, "the request body must be JSON", param="body") from None
-    parsed = parse(body, settings.model_name)
-    request_id = request.headers.get(REQUEST_ID_HEADER) or uuid.uuid4().hex
+    request_id = _request_id(request)
+    parsed = parse(load_body(await request.read(), request.charset), settings.model_name)
     request[_REQUEST_ID] = request_id
     request_id_var.set(request_id)
     shaper = ResponseShaper(parsed, f"{id_prefix}-{request_id}", int(time.time()))
@@ -164,6 +161,17 @@ async def _generate(
     finally:
         await messages.aclose()
         call.cancel()  # a no-op once finished; stops decode when the client went away
+
+
+def _request_id(request: web.Request) -> str:
+    """The caller's X-Request-Id, checked by the rule every edge applies; a fresh id when none is given."""
+    given = request.headers.get(REQUEST_ID_HEADER)
+    if not given:
+        return uuid.uuid4().hex
+    try:
+        return check_request_id(given, field=REQUEST_ID_HEADER)
+    except InvalidArgument as exc:
+        raise bad_request(REQUEST_ID_HEADER, str(exc)) from None
 
 
 class _FirstToken:

@@ -66,6 +66,20 @@ class GatewayProcess:
             time.sleep(0.3)
         raise RuntimeError(f"the gateway was not healthy after {timeout:.0f} s")
 
+    def wait_listening(self, timeout: float = 60.0) -> GatewayProcess:
+        """Waits until the HTTP server answers /v1/models (whether or not any decode worker serves)."""
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if self.process.poll() is not None:
+                raise RuntimeError(f"the gateway exited:\n{self.log_path.read_text()[-3000:]}")
+            try:
+                if http_get(f"{self.url}/v1/models", timeout=3)[0] == 200:
+                    return self
+            except OSError:
+                pass
+            time.sleep(0.2)
+        raise RuntimeError(f"the gateway did not listen within {timeout:.0f} s")
+
     def client(self) -> openai.OpenAI:
         """An openai client for this gateway that never retries (so a 503 is seen as it is)."""
         return openai.OpenAI(base_url=f"{self.url}/v1", api_key="unused", max_retries=0, timeout=300)
@@ -123,6 +137,20 @@ def gateway(traced_stack) -> Iterator[GatewayProcess]:
     )
     try:
         yield process.wait_healthy()
+    finally:
+        process.stop()
+
+
+@pytest.fixture(scope="module")
+def gateway_alone(tmp_path_factory) -> Iterator[GatewayProcess]:
+    """A gateway process whose only decode worker address has nobody listening: what it refuses by itself
+    it answers with a 400, anything it would pass on with a 503."""
+    folder = tmp_path_factory.mktemp("gateway-alone")
+    process = GatewayProcess(
+        ["--decode", f"127.0.0.1:{free_port()}"], folder / "gateway.log", child_environment()
+    )
+    try:
+        yield process.wait_listening()
     finally:
         process.stop()
 

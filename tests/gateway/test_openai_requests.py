@@ -9,6 +9,8 @@ from pcpstack.gateway.errors import ApiError
 from pcpstack.gateway.openai_requests import (
     CHAT_DEFAULT_MAX_TOKENS,
     COMPLETION_DEFAULT_MAX_TOKENS,
+    MAX_JSON_DEPTH,
+    load_body,
     parse_chat,
     parse_completion,
 )
@@ -142,3 +144,25 @@ def test_a_body_that_is_not_an_object_is_a_400() -> None:
     with pytest.raises(ApiError) as caught:
         parse_completion(["prompt"], MODEL)
     assert caught.value.status == 400
+
+
+def test_a_body_nested_exactly_to_the_limit_loads_and_one_more_level_is_refused() -> None:
+    def nested(depth: int) -> bytes:
+        return b"[" * depth + b"]" * depth
+
+    assert load_body(nested(MAX_JSON_DEPTH)) is not None
+    with pytest.raises(ApiError) as caught:
+        load_body(nested(MAX_JSON_DEPTH + 1))
+    assert caught.value.param == "body" and str(MAX_JSON_DEPTH) in caught.value.message
+
+
+def test_a_lone_surrogate_in_a_key_is_refused_as_the_body() -> None:
+    with pytest.raises(ApiError) as caught:
+        load_body(b'{"\\ud800": 1}')
+    assert caught.value.param == "body" and "lone surrogate" in caught.value.message
+
+
+def test_an_unknown_charset_is_a_400_naming_it() -> None:
+    with pytest.raises(ApiError) as caught:
+        load_body(b"{}", "no-such-charset")
+    assert caught.value.status == 400 and "no-such-charset" in caught.value.message
