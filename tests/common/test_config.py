@@ -146,4 +146,5 @@ def test_config_check_cli_prints_resolution_and_exits_2_on_violation(tmp_path, c
         timeout=60,
     )
     assert run.returncode == 2
-    assert "pcp % nnodes" in run.stderr or "nnodes=3" in run.stderr
+    assert "nnodes=3" in run.stderr and "prefill_context_parallel_size=2" in run.stderr
+    assert len(run.stderr.strip().splitlines()) == 1, run.stderr

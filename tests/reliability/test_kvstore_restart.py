@@ -49,7 +49,6 @@ def test_kvstore_killed_fails_in_flight_requests_cleanly_and_later_ones_succeed(
     time.sleep(0.5)  # its KV is loaded: prefill and fetch take milliseconds on the tiny model
     signal_all(ranks, signal.SIGSTOP)
     in_flight = [in_thread(generate(stack.decode, p, timeout=DEADLINE_S)) for p in PROMPTS]
-    sent_at = time.monotonic()
     try:
         wait_prefill_in_flight(stack)
         victim = kill_service(stack, "kvstore")
@@ -59,8 +58,8 @@ def test_kvstore_killed_fails_in_flight_requests_cleanly_and_later_ones_succeed(
     for future in in_flight:
         with pytest.raises(grpc.aio.AioRpcError) as info:
             future.result(timeout=DEADLINE_S + 15)
+        # UNAVAILABLE, not DEADLINE_EXCEEDED: they failed before their deadline
         assert info.value.code() == grpc.StatusCode.UNAVAILABLE, info.value.details()
-    assert time.monotonic() - sent_at < DEADLINE_S
     assert len(streaming.result(timeout=DEADLINE_S + 15).token_ids) == 1500
 
     restart_service(stack, victim)
