@@ -2,9 +2,15 @@
 
 The client picks the transport itself: when the store's shared-memory probe is visible from this process
 (same host, same /dev/shm) bytes go through a store-owned segment and gRPC carries only its name;
-otherwise, or with prefer_shm=False, they stream in checksummed chunks. Either way every byte is checked
-against CRC32C and a mismatch raises ChecksumMismatch. Errors from the store arrive as the classes of
-pcpstack.kvstore.errors (NotFound, AlreadyExists, FingerprintMismatch, CapacityExceeded, ...).
+otherwise, or with prefer_shm=False, they stream in checksummed chunks (stream.py, the same rules the
+store applies). Either way every byte is checked against CRC32C and a mismatch raises ChecksumMismatch.
+Errors from the store arrive as the kinds of pcpstack.common.errors, refined to the store's own classes
+where its status has one meaning (FingerprintMismatch, CapacityExceeded, ChecksumMismatch,
+CapabilityDenied); NotFound, AlreadyExists and InvalidArgument as they are.
+
+Capabilities: `put` returns the object's capability (in `StoredReplica`); the writer hands it to the one
+reader it means to, who passes it to `get`, `release` and `delete`. Anyone may `stat` the store's counters;
+an object's details need its capability.
 
 Tensors: pass `tensor.numpy()` (or any C-contiguous buffer) to put; `torch.frombuffer(data, dtype=...)`
 reads what get returns without a copy.
@@ -14,16 +20,24 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
 
 import grpc
 
 from pcpstack.common.channel import open_channel
+from pcpstack.common.errors import ServiceError
+from pcpstack.common.rpc_errors import error_from_rpc
 from pcpstack.common.server import DEFAULT_MAX_MESSAGE_BYTES
-from pcpstack.kvstore.checksum import crc32c, crc32c_combine
-from pcpstack.kvstore.errors import ChecksumMismatch, KvStoreError, error_for_code
-from pcpstack.kvstore.server import DEFAULT_CHUNK_BYTES, SERVICE_NAME
+from pcpstack.kvstore.errors import (
+    CapabilityDenied,
+    CapacityExceeded,
+    ChecksumMismatch,
+    FingerprintMismatch,
+    ProtocolError,
+)
 from pcpstack.kvstore.shm import anonymous_buffer, copy_segment, fill_segment, shares_memory_with
-from pcpstack.kvstore.wire import encode_chunk, serialize
+from pcpstack.kvstore.stream import DEFAULT_CHUNK_BYTES, ChunkReceiver, ChunkSender, verify_object
+from pcpstack.kvstore.wire import SERVICE_NAME, serialize
 from pcpstack.v1 import kvstore_pb2 as pb
 from pcpstack.v1 import kvstore_pb2_grpc
 
@@ -33,6 +47,30 @@ FINGERPRINT_KEY_CHARS = 16
 def make_key(request_id: str, fingerprint: str) -> str:
     """The store key of a request's KV replica: the request id plus a prefix of the layout fingerprint."""
     return f"{request_id}/{fingerprint[:FINGERPRINT_KEY_CHARS]}"
+
+
+@dataclass(frozen=True)
+class StoredReplica:
+    """What a committed put tells its writer."""
+
+    key: str
+    total_bytes: int
+    lease_expires_unix_ms: int
+    # The object's read capability: a bearer secret, hence kept out of the repr (and so out of logs).
+    capability: str = field(repr=False)
+
+
+# The store raises exactly one error per these statuses, so the client can restore the precise class.
+_STORE_ERRORS: dict[str, type[ServiceError]] = {
+    kind.code: kind for kind in (FingerprintMismatch, CapacityExceeded, ChecksumMismatch, CapabilityDenied)
+}
+
+
+def _store_error(exc: grpc.aio.AioRpcError) -> ServiceError:
+    """The store's error a failed call stands for (error_from_rpc's kind, refined where it is one class)."""
+    error = error_from_rpc(exc)
+    refined = _STORE_ERRORS.get(error.code)
+    return refined(str(error)) if refined is not None else error
 
 
 def _as_bytes_view(data) -> memoryview:
@@ -90,8 +128,10 @@ class KvStoreClient:
 
     async def put(
         self, key: str, fingerprint: str, data, lease_ms: int = 0, metadata: bytes = b""
-    ) -> pb.PutCommitted:
-        """Stores data (bytes or any C-contiguous buffer) under key, pinned for lease_ms (0: the default)."""
+    ) -> StoredReplica:
+        """Stores data (bytes or any C-contiguous buffer) under key, pinned for lease_ms (0: the store's
+        default; more than its cap is refused with InvalidArgument). The result carries the capability
+        its reader must present."""
         view = _as_bytes_view(data)
         use_shm = await self.uses_shm()
         header = pb.PutHeader(
@@ -120,39 +160,44 @@ class KvStoreClient:
             committed = (await self._read(call, "committed")).committed
             # Read to the end of the stream so the call (and its trace span) completes rather than being cut.
             await call.read()
-            return committed
+            return StoredReplica(
+                committed.key, committed.total_bytes, committed.lease_expires_unix_ms, committed.capability
+            )
         except grpc.aio.AioRpcError as exc:
-            raise error_for_code(exc.code().name, exc.details() or "") from exc
+            raise _store_error(exc) from exc
         finally:
             call.cancel()  # no-op once finished; stops the stream if anything above failed
 
     async def _send_chunks(self, call, view: memoryview) -> int:
-        crc = 0
-        for offset in range(0, view.nbytes, self._chunk_bytes):
-            data = view[offset : offset + self._chunk_bytes]
-            chunk_crc = crc32c(data)
-            await call.write(encode_chunk(offset, data, chunk_crc))
-            crc = crc32c_combine(crc, chunk_crc, len(data))
-        return crc
+        sender = ChunkSender(view.nbytes, self._chunk_bytes)
+        for offset, length in sender.spans():
+            await call.write(sender.encode(offset, view[offset : offset + length]))
+        return sender.crc32c
 
     @staticmethod
     async def _read(call, expected: str):
         message = await call.read()
         if message is grpc.aio.EOF:
-            raise error_for_code((await call.code()).name, await call.details())
+            # The store ended the stream without a status error: a protocol break, not a refusal.
+            raise ProtocolError(f"store ended the stream where {expected} was expected")
         if message.WhichOneof("body") != expected:
-            raise KvStoreError(f"store sent {message.WhichOneof('body')} where {expected} was expected")
+            raise ProtocolError(f"store sent {message.WhichOneof('body')} where {expected} was expected")
         return message
 
-    async def get(self, key: str, fingerprint: str) -> tuple[memoryview, bytes]:
+    async def get(self, key: str, fingerprint: str, capability: str) -> tuple[memoryview, bytes]:
         """The object's bytes (a writable buffer torch.frombuffer can wrap) and its metadata.
 
-        Raises ChecksumMismatch when the bytes do not match their CRC32C, FingerprintMismatch when the
-        object was written with another fingerprint, NotFound when there is no such object.
+        Raises CapabilityDenied without the object's capability, ChecksumMismatch when the bytes do not
+        match their CRC32C, FingerprintMismatch when the object was written with another fingerprint,
+        NotFound when there is no such object.
         """
         use_shm = await self.uses_shm()
         request = pb.GetRequest(
-            key=key, fingerprint=fingerprint, max_chunk_size=self._chunk_bytes, accept_shm=use_shm
+            key=key,
+            fingerprint=fingerprint,
+            max_chunk_size=self._chunk_bytes,
+            accept_shm=use_shm,
+            capability=capability,
         )
         requests = _Requests(request)
         call = self._stub.Get(requests)
@@ -165,59 +210,51 @@ class KvStoreClient:
                     )
                 finally:
                     requests.finish()
+                verify_object(key, crc, header.crc32c, "the store")
             else:
                 requests.finish()
-                data, crc = await self._receive_chunks(call, header.total_bytes)
-            if crc != header.crc32c:
-                raise ChecksumMismatch(
-                    f"object {key!r} read back with CRC32C {crc:#010x}; "
-                    f"the store recorded {header.crc32c:#010x}"
-                )
+                data = await self._receive_chunks(call, key, header)
             return data, header.metadata
         except grpc.aio.AioRpcError as exc:
-            raise error_for_code(exc.code().name, exc.details() or "") from exc
+            raise _store_error(exc) from exc
         finally:
             call.cancel()
 
-    async def _receive_chunks(self, call, total_bytes: int) -> tuple[memoryview, int]:
-        data = anonymous_buffer(total_bytes)
-        received = 0
-        crc = 0
+    @staticmethod
+    async def _receive_chunks(call, key: str, header: pb.GetHeader) -> memoryview:
+        data = anonymous_buffer(header.total_bytes)
+
+        def write(offset: int, chunk: bytes) -> None:
+            data[offset : offset + len(chunk)] = chunk
+
+        receiver = ChunkReceiver(key, header.total_bytes, header.chunk_size, write, malformed=ProtocolError)
         async for message in call:
-            chunk = message.chunk
-            if message.WhichOneof("body") != "chunk" or chunk.offset != received:
-                raise KvStoreError(f"store sent an out-of-order message at offset {received}")
-            chunk_crc = crc32c(chunk.data)
-            if chunk_crc != chunk.crc32c:
-                raise ChecksumMismatch(
-                    f"chunk at offset {chunk.offset} has CRC32C {chunk_crc:#010x}, "
-                    f"message says {chunk.crc32c:#010x}"
-                )
-            data[received : received + len(chunk.data)] = chunk.data
-            received += len(chunk.data)
-            crc = crc32c_combine(crc, chunk_crc, len(chunk.data))
-        if received != total_bytes:
-            raise KvStoreError(f"store sent {received} bytes of {total_bytes}")
-        return data, crc
+            if message.WhichOneof("body") != "chunk":
+                raise ProtocolError(f"store sent {message.WhichOneof('body')} among the chunks of {key!r}")
+            receiver.add(message.chunk)
+        receiver.finish(header.crc32c, "the store")
+        return data
 
-    async def release(self, key: str) -> bool:
+    async def release(self, key: str, capability: str) -> bool:
         """Unpins key: True if this call released it, False if it already was (harmless)."""
-        return (await self._unary(self._stub.Release, pb.ReleaseRequest(key=key))).released
+        request = pb.ReleaseRequest(key=key, capability=capability)
+        return (await self._unary(self._stub.Release, request)).released
 
-    async def delete(self, key: str) -> bool:
+    async def delete(self, key: str, capability: str) -> bool:
         """Removes key now; False if it did not exist."""
-        return (await self._unary(self._stub.Delete, pb.DeleteRequest(key=key))).deleted
+        request = pb.DeleteRequest(key=key, capability=capability)
+        return (await self._unary(self._stub.Delete, request)).deleted
 
-    async def stat(self, key: str = "") -> pb.StatResponse:
-        """The store's gauges and counters, and key's state when given and present."""
-        return await self._unary(self._stub.Stat, pb.StatRequest(key=key))
+    async def stat(self, key: str = "", capability: str = "") -> pb.StatResponse:
+        """The store's gauges and counters, and key's state when given, present and capability is its own."""
+        return await self._unary(self._stub.Stat, pb.StatRequest(key=key, capability=capability))
 
     @staticmethod
     async def _unary(method, request):
         try:
             return await method(request)
         except grpc.aio.AioRpcError as exc:
-            raise error_for_code(exc.code().name, exc.details() or "") from exc
+            raise _store_error(exc) from exc
 
 
 class _Requests:

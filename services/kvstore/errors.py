@@ -1,72 +1,58 @@
-"""Errors of the KV store, shared by the core, the servicer and the client.
+"""Errors of the KV store: kinds of pcpstack's one error hierarchy (pcpstack.common.errors).
 
-Each error names the gRPC status code it travels as (by name, so the core stays free of gRPC); the
-servicer aborts with that code and the client turns the code back into the same class.
+The core and the servicer raise these; the common interceptor sends each as its gRPC status; the client
+turns a status back into the same kind with `error_from_rpc`. The generic kinds are re-exported under the
+names callers already import from here (`except NotFound` works whichever side raised it). The store's
+own errors subclass a kind, so `except FailedPrecondition` catches a FingerprintMismatch too; a client
+receiving one over gRPC gets the kind (FailedPrecondition), a caller of the core the subclass.
 """
 
 from __future__ import annotations
 
+from pcpstack.common.errors import (
+    AlreadyExists,
+    DataLoss,
+    FailedPrecondition,
+    Internal,
+    InvalidArgument,
+    NotFound,
+    PermissionDenied,
+    ResourceExhausted,
+    ServiceError,
+)
 
-class KvStoreError(Exception):
-    """Base of every KV store error; `code` is the gRPC status code name it travels as."""
+__all__ = [
+    "AlreadyExists",
+    "CapabilityDenied",
+    "CapacityExceeded",
+    "ChecksumMismatch",
+    "FingerprintMismatch",
+    "Internal",
+    "InvalidArgument",
+    "KvStoreError",
+    "NotFound",
+    "ProtocolError",
+]
 
-    code = "UNKNOWN"
-
-
-class InvalidArgument(KvStoreError):
-    """A request is malformed; the message names the field."""
-
-    code = "INVALID_ARGUMENT"
-
-
-class AlreadyExists(KvStoreError):
-    """The key is already committed (or being put): keys are write-once."""
-
-    code = "ALREADY_EXISTS"
-
-
-class NotFound(KvStoreError):
-    """No object with that key."""
-
-    code = "NOT_FOUND"
+# Every KV store error is a ServiceError; the alias keeps `except KvStoreError` meaning "any store error".
+KvStoreError = ServiceError
 
 
-class FingerprintMismatch(KvStoreError):
+class FingerprintMismatch(FailedPrecondition):
     """The reader's model/KV-layout fingerprint differs from the writer's."""
 
-    code = "FAILED_PRECONDITION"
 
-
-class CapacityExceeded(KvStoreError):
+class CapacityExceeded(ResourceExhausted):
     """The object cannot fit in the memory budget even after evicting every released object."""
 
-    code = "RESOURCE_EXHAUSTED"
 
-
-class ChecksumMismatch(KvStoreError):
+class ChecksumMismatch(DataLoss):
     """Bytes do not match their CRC32C: a chunk or a whole object is corrupt."""
 
-    code = "DATA_LOSS"
+
+class CapabilityDenied(PermissionDenied):
+    """The caller did not present the object's capability (missing or wrong)."""
 
 
-_BY_CODE = {
-    cls.code: cls
-    for cls in (
-        InvalidArgument,
-        AlreadyExists,
-        NotFound,
-        FingerprintMismatch,
-        CapacityExceeded,
-        ChecksumMismatch,
-    )
-}
-
-
-def error_for_code(code_name: str, message: str) -> KvStoreError:
-    """The error class for a gRPC status code name (KvStoreError with that code for any other)."""
-    cls = _BY_CODE.get(code_name)
-    if cls is not None:
-        return cls(message)
-    error = KvStoreError(f"{code_name}: {message}")
-    error.code = code_name
-    return error
+class ProtocolError(Internal):
+    """The peer broke the stream's protocol (a message out of order, bytes missing)."""

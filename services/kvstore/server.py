@@ -1,8 +1,10 @@
 """The KvStoreService servicer: protobuf in, core calls, protobuf out; plus the lease reaper and metrics.
 
-The core (store.py) decides; the segments (shm.py) hold the bytes. This module checks the shape of each
-stream (header first, chunks in order, one commit), verifies checksums, and makes sure every way a stream
-can end (commit, bad data, a writer or reader that vanished) leaves the core consistent.
+The core (store.py) decides; the segments (shm.py) hold the bytes; stream.py checks chunks the same way the
+client does. This module checks the shape of each stream (header first, then chunks or the shared-memory
+hand-off, one commit) and makes sure every way a stream can end (commit, bad data, a writer or reader that
+vanished) leaves the core consistent. Refusals are raised as the store's error kinds; the common
+interceptor (installed by start_server) sends each as its gRPC status, after the cleanup in `finally`.
 """
 
 from __future__ import annotations
@@ -17,20 +19,19 @@ from dataclasses import dataclass
 import grpc
 from opentelemetry.metrics import CallbackOptions, Observation
 
+from pcpstack.common.errors import ResourceExhausted, ServiceError
 from pcpstack.common.server import RunningServer, ServerOptions, start_server
 from pcpstack.common.telemetry import meter
-from pcpstack.kvstore.checksum import crc32c, crc32c_combine
-from pcpstack.kvstore.errors import ChecksumMismatch, InvalidArgument, KvStoreError
+from pcpstack.kvstore.errors import InvalidArgument
 from pcpstack.kvstore.shm import Segment, SegmentStore
-from pcpstack.kvstore.store import KvStore, PendingPut, StoreConfig, StoredObject
-from pcpstack.kvstore.wire import encode_chunk, serialize
+from pcpstack.kvstore.store import DEFAULT_MAX_LEASE_MS, KvStore, PendingPut, StoreConfig, StoredObject
+from pcpstack.kvstore.stream import DEFAULT_CHUNK_BYTES, ChunkReceiver, ChunkSender, verify_object
+from pcpstack.kvstore.wire import SERVICE_NAME, serialize
 from pcpstack.v1 import kvstore_pb2 as pb
 from pcpstack.v1 import kvstore_pb2_grpc
 
 log = logging.getLogger(__name__)
 
-SERVICE_NAME = "pcpstack.v1.KvStoreService"
-DEFAULT_CHUNK_BYTES = 1 << 20  # measured best of 512 KiB..16 MiB on the gRPC path here
 _MESSAGE_OVERHEAD = 1024  # room for the non-data fields of a chunk message
 
 
@@ -43,13 +44,18 @@ class KvStoreServerConfig:
     shm_dir: str = "/dev/shm"
     reap_interval_s: float = 0.5
     default_chunk_bytes: int = DEFAULT_CHUNK_BYTES
+    max_lease_ms: int = DEFAULT_MAX_LEASE_MS
 
     def __post_init__(self) -> None:
-        StoreConfig(self.capacity_bytes, self.default_lease_ms)
+        self.store_config()  # validates the core's part
         if self.reap_interval_s <= 0:
             raise ValueError(f"reap_interval_s must be > 0, got {self.reap_interval_s}")
         if self.default_chunk_bytes <= 0:
             raise ValueError(f"default_chunk_bytes must be > 0, got {self.default_chunk_bytes}")
+
+    def store_config(self) -> StoreConfig:
+        """The core's part of this config."""
+        return StoreConfig(self.capacity_bytes, self.default_lease_ms, self.max_lease_ms)
 
 
 class _StreamEnded(InvalidArgument):
@@ -99,11 +105,12 @@ class KvStoreServicer(kvstore_pb2_grpc.KvStoreServiceServicer):
                     key=obj.key,
                     total_bytes=obj.total_bytes,
                     lease_expires_unix_ms=_unix_ms(obj.lease_expires),
+                    capability=obj.capability,  # the writer alone learns it, here
                 )
             )
-        except KvStoreError as exc:
+        except ServiceError as exc:
             refused = not isinstance(exc, _StreamEnded)
-            await context.abort(grpc.StatusCode[exc.code], str(exc))
+            raise
         finally:
             if pending is not None:
                 # Reached on refusal, on a broken stream and on cancellation: nothing is left behind.
@@ -116,7 +123,7 @@ class KvStoreServicer(kvstore_pb2_grpc.KvStoreServiceServicer):
         try:
             pending.payload = self.segments.allocate(pending.total_bytes)
         except OSError as exc:
-            raise KvStoreError(
+            raise ResourceExhausted(
                 f"cannot allocate {pending.total_bytes} bytes of shared memory: {exc}"
             ) from exc
         self._trim_pool()
@@ -134,12 +141,7 @@ class KvStoreServicer(kvstore_pb2_grpc.KvStoreServiceServicer):
         if message.WhichOneof("body") != "commit":
             raise InvalidArgument("on the shared-memory path the message after the header must be the commit")
         actual = 0 if segment is None else await asyncio.to_thread(segment.crc32c, pending.total_bytes)
-        if actual != message.commit.crc32c:
-            raise ChecksumMismatch(
-                f"segment of key {pending.key!r} has CRC32C {actual:#010x}, "
-                f"commit says {message.commit.crc32c:#010x}"
-            )
-        return actual
+        return verify_object(pending.key, actual, message.commit.crc32c, "its commit")
 
     async def _receive_chunks(
         self,
@@ -148,44 +150,20 @@ class KvStoreServicer(kvstore_pb2_grpc.KvStoreServiceServicer):
         segment: Segment | None,
         chunk_size: int,
     ) -> int:
-        received = 0
-        crc = 0
+        receiver = ChunkReceiver(
+            pending.key,
+            pending.total_bytes,
+            chunk_size,
+            write=lambda offset, data: segment.write(offset, data),
+            malformed=InvalidArgument,
+        )
         async for message in requests:
             kind = message.WhichOneof("body")
             if kind == "commit":
-                if received != pending.total_bytes:
-                    raise InvalidArgument(
-                        f"commit after {received} bytes but the header announced "
-                        f"total_bytes={pending.total_bytes}"
-                    )
-                if crc != message.commit.crc32c:
-                    raise ChecksumMismatch(
-                        f"object {pending.key!r} has CRC32C {crc:#010x}, "
-                        f"commit says {message.commit.crc32c:#010x}"
-                    )
-                return crc
+                return receiver.finish(message.commit.crc32c, "its commit")
             if kind != "chunk":
                 raise InvalidArgument(f"unexpected {kind} in a Put after the header")
-            chunk = message.chunk
-            expected = min(chunk_size, pending.total_bytes - received)
-            if chunk.offset != received:
-                raise InvalidArgument(
-                    f"chunk offset {chunk.offset} but {received} bytes were received so far"
-                )
-            if len(chunk.data) != expected or expected == 0:
-                raise InvalidArgument(
-                    f"chunk at offset {chunk.offset} has {len(chunk.data)} bytes; expected {expected} "
-                    f"(chunk_size={chunk_size}, total_bytes={pending.total_bytes})"
-                )
-            chunk_crc = crc32c(chunk.data)
-            if chunk_crc != chunk.crc32c:
-                raise ChecksumMismatch(
-                    f"chunk at offset {chunk.offset} of key {pending.key!r} has CRC32C {chunk_crc:#010x}, "
-                    f"message says {chunk.crc32c:#010x}"
-                )
-            segment.write(received, chunk.data)
-            crc = crc32c_combine(crc, chunk_crc, expected)
-            received += expected
+            receiver.add(message.chunk)
         raise _StreamEnded(f"Put stream of key {pending.key!r} ended before its commit")
 
     async def Get(
@@ -197,15 +175,17 @@ class KvStoreServicer(kvstore_pb2_grpc.KvStoreServiceServicer):
             request = await anext(request_iterator, None)
             if request is None:
                 raise InvalidArgument("a Get stream must start with a GetRequest")
-            obj = self.store.begin_get(request.key, request.fingerprint)
+            obj = self.store.begin_get(request.key, request.fingerprint, request.capability)
             segment: Segment | None = obj.payload
             use_shm = request.accept_shm and segment is not None
+            chunk_size = min(request.max_chunk_size or self._config.default_chunk_bytes, self._max_chunk)
             yield pb.GetResponse(
                 header=pb.GetHeader(
                     total_bytes=obj.total_bytes,
                     crc32c=obj.crc32c,
                     metadata=obj.metadata,
                     shm_name=segment.name if use_shm else "",
+                    chunk_size=0 if use_shm else chunk_size,
                 )
             )
             if use_shm:
@@ -214,28 +194,22 @@ class KvStoreServicer(kvstore_pb2_grpc.KvStoreServiceServicer):
                     pass
                 sent = obj.total_bytes
                 return
-            chunk_size = min(request.max_chunk_size or self._config.default_chunk_bytes, self._max_chunk)
-            for offset in range(0, obj.total_bytes, chunk_size):
-                length = min(chunk_size, obj.total_bytes - offset)
+            sender = ChunkSender(obj.total_bytes, chunk_size)
+            for offset, length in sender.spans():
                 with segment.view(offset, length) as data:
-                    encoded = encode_chunk(offset, data, crc32c(data))
+                    encoded = sender.encode(offset, data)
                 yield encoded
                 sent += length
-        except KvStoreError as exc:
-            await context.abort(grpc.StatusCode[exc.code], str(exc))
         finally:
             if obj is not None:
                 self.store.end_get(obj, sent)
                 self._trim_pool()
 
     async def Release(self, request: pb.ReleaseRequest, context) -> pb.ReleaseResponse:
-        try:
-            return pb.ReleaseResponse(released=self.store.release(request.key))
-        except KvStoreError as exc:
-            await context.abort(grpc.StatusCode[exc.code], str(exc))
+        return pb.ReleaseResponse(released=self.store.release(request.key, request.capability))
 
     async def Delete(self, request: pb.DeleteRequest, context) -> pb.DeleteResponse:
-        deleted = self.store.delete(request.key)
+        deleted = self.store.delete(request.key, request.capability)
         self._trim_pool()
         return pb.DeleteResponse(deleted=deleted)
 
@@ -247,7 +221,8 @@ class KvStoreServicer(kvstore_pb2_grpc.KvStoreServiceServicer):
             shm_dir=str(self.segments.directory),
             shm_probe=self.segments.probe_name,
         )
-        obj = self.store.find(request.key) if request.key else None
+        # Counters are for anyone; an object's details only for a holder of its capability.
+        obj = self.store.describe(request.key, request.capability) if request.key else None
         if obj is not None:
             response.object.CopyFrom(
                 pb.ObjectStat(
@@ -354,7 +329,7 @@ async def serve(config: KvStoreServerConfig, options: ServerOptions | None = Non
     """Starts a KV store server (with its reaper) and returns it."""
     options = options or ServerOptions()
     segments = SegmentStore(config.shm_dir)
-    store = KvStore(StoreConfig(config.capacity_bytes, config.default_lease_ms), on_free=segments.recycle)
+    store = KvStore(config.store_config(), on_free=segments.recycle)
     servicer = KvStoreServicer(store, segments, config, options.max_message_bytes - _MESSAGE_OVERHEAD)
     if segments.reclaimed_orphans:
         log.warning("reclaimed segments of a dead store", extra={"segments": segments.reclaimed_orphans})

@@ -1,9 +1,13 @@
 """The KV store core: objects, two-phase puts, pins and leases, LRU eviction and accounting. No gRPC here.
 
 Life of an object:
-- `begin_put` checks the key, reserves its bytes (evicting released objects, least recently used first,
-  when needed) and returns a PendingPut; nothing is visible yet. `commit_put` publishes it, pinned, with a
-  lease; `abort_put` drops it and frees what it held.
+- `begin_put` checks the key and the lease (at most `max_lease_ms`), reserves its bytes (evicting released
+  objects, least recently used first, when needed) and returns a PendingPut; nothing is visible yet.
+  `commit_put` publishes it, pinned, with a lease and a fresh capability; `abort_put` drops it and frees
+  what it held.
+- The capability is an unguessable token only the writer learns (from the commit). Reading, releasing,
+  deleting and describing an object all require it (CapabilityDenied otherwise), so a peer that can reach
+  the store but was not handed the capability cannot read or unpin anyone's KV.
 - A pinned object is never evicted. `release` unpins it (once; a repeat is harmless and counted) and puts
   it in the LRU cache of released objects; a lease that runs out before the release reclaims it (`expire`).
 - A reader (`begin_get` .. `end_get`) keeps its object alive: an object deleted or expired while being read
@@ -16,12 +20,14 @@ use it any more.
 
 from __future__ import annotations
 
+import secrets
 from collections import OrderedDict
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from pcpstack.kvstore.errors import (
     AlreadyExists,
+    CapabilityDenied,
     CapacityExceeded,
     FingerprintMismatch,
     InvalidArgument,
@@ -29,6 +35,13 @@ from pcpstack.kvstore.errors import (
 )
 
 MAX_KEY_BYTES = 512
+DEFAULT_MAX_LEASE_MS = 600_000  # ten minutes: far above any prefill-to-decode hand-off
+_CAPABILITY_BYTES = 24  # 192 random bits
+
+
+def new_capability() -> str:
+    """A fresh, unguessable capability (URL-safe text)."""
+    return secrets.token_urlsafe(_CAPABILITY_BYTES)
 
 
 @dataclass(frozen=True)
@@ -37,12 +50,19 @@ class StoreConfig:
 
     capacity_bytes: int
     default_lease_ms: int = 60_000
+    # A writer may pin memory for at most this long: a huge lease would strand bytes after a lost release.
+    max_lease_ms: int = DEFAULT_MAX_LEASE_MS
 
     def __post_init__(self) -> None:
         if self.capacity_bytes <= 0:
             raise ValueError(f"capacity_bytes must be > 0, got {self.capacity_bytes}")
-        if self.default_lease_ms <= 0:
-            raise ValueError(f"default_lease_ms must be > 0, got {self.default_lease_ms}")
+        if self.max_lease_ms <= 0:
+            raise ValueError(f"max_lease_ms must be > 0, got {self.max_lease_ms}")
+        if not 0 < self.default_lease_ms <= self.max_lease_ms:
+            raise ValueError(
+                f"default_lease_ms must be in 1..max_lease_ms ({self.max_lease_ms}), "
+                f"got {self.default_lease_ms}"
+            )
 
 
 @dataclass(eq=False)
@@ -69,6 +89,7 @@ class StoredObject:
     payload: object
     pinned: bool
     lease_expires: float
+    capability: str = field(default="", repr=False)  # a bearer secret: kept out of reprs and logs
     readers: int = 0
     doomed: bool = False  # left the index while being read; freed when the last read ends
 
@@ -127,6 +148,11 @@ class KvStore:
                 raise InvalidArgument(f"total_bytes must be >= 0, got {total_bytes}")
             if lease_ms < 0:
                 raise InvalidArgument(f"lease_ms must be >= 0, got {lease_ms}")
+            if lease_ms > self.config.max_lease_ms:
+                raise InvalidArgument(
+                    f"lease_ms={lease_ms} exceeds this store's cap of {self.config.max_lease_ms} ms "
+                    "(its --max-lease-ms); ask for a shorter lease or 0 for the default"
+                )
             if key in self._objects:
                 raise AlreadyExists(f"key {key!r} is already committed; keys are write-once")
             if key in self._pending:
@@ -143,7 +169,8 @@ class KvStore:
         return pending
 
     def commit_put(self, pending: PendingPut, crc32c: int, now: float) -> StoredObject:
-        """Publishes a verified put: the object is visible, pinned, and its lease starts now."""
+        """Publishes a verified put: the object is visible, pinned, its lease starts now, and it gets the
+        capability its readers must present (obj.capability, for the writer alone)."""
         self._forget_pending(pending)
         obj = StoredObject(
             key=pending.key,
@@ -154,6 +181,7 @@ class KvStore:
             payload=pending.payload,
             pinned=True,
             lease_expires=now + pending.lease_ms / 1000,
+            capability=new_capability(),
         )
         self._objects[obj.key] = obj
         self._used_bytes += obj.total_bytes
@@ -203,9 +231,10 @@ class KvStore:
 
     # ---- reads, releases, deletes -----------------------------------------------------------------------
 
-    def begin_get(self, key: str, fingerprint: str) -> StoredObject:
-        """Starts a read: checks the fingerprint, keeps the object alive and marks it recently used."""
-        obj = self._lookup(key)
+    def begin_get(self, key: str, fingerprint: str, capability: str) -> StoredObject:
+        """Starts a read: checks the capability and the fingerprint, keeps the object alive and marks it
+        recently used."""
+        obj = self._authorised(key, capability)
         if fingerprint != obj.fingerprint:
             raise FingerprintMismatch(
                 f"object {key!r} was written with fingerprint {obj.fingerprint!r} but the reader expects "
@@ -223,9 +252,9 @@ class KvStore:
         if obj.doomed and obj.readers == 0:
             self._free(obj)
 
-    def release(self, key: str) -> bool:
+    def release(self, key: str, capability: str) -> bool:
         """Unpins an object; True the first time, False (counted, harmless) on any repeat."""
-        obj = self._lookup(key)
+        obj = self._authorised(key, capability)
         if not obj.pinned:
             self._stats.repeated_releases += 1
             return False
@@ -234,12 +263,11 @@ class KvStore:
         self._released[key] = obj
         return True
 
-    def delete(self, key: str) -> bool:
+    def delete(self, key: str, capability: str) -> bool:
         """Removes an object now, pinned or not; a read in progress finishes first. False if unknown."""
-        obj = self._objects.get(key)
-        if obj is None:
+        if key not in self._objects:
             return False
-        self._remove(obj)
+        self._remove(self._authorised(key, capability))
         return True
 
     def expire(self, now: float) -> int:
@@ -254,6 +282,17 @@ class KvStore:
         obj = self._objects.get(key)
         if obj is None:
             raise NotFound(f"no object with key {key!r}")
+        return obj
+
+    def _authorised(self, key: str, capability: str) -> StoredObject:
+        """The object, when capability is its own (NotFound, CapabilityDenied otherwise)."""
+        obj = self._lookup(key)
+        if not _same_secret(capability, obj.capability):
+            # Names the key, never the capability (neither the right one nor the one presented).
+            raise CapabilityDenied(
+                f"object {key!r}: the capability presented is "
+                f"{'wrong' if capability else 'missing'}; only the writer's commit hands it out"
+            )
         return obj
 
     def _remove(self, obj: StoredObject) -> None:
@@ -290,5 +329,16 @@ class KvStore:
             self._remove(obj)
 
     def find(self, key: str) -> StoredObject | None:
-        """The committed object with this key, if any."""
+        """The committed object with this key, if any (for the store itself: no capability check)."""
         return self._objects.get(key)
+
+    def describe(self, key: str, capability: str) -> StoredObject | None:
+        """The committed object with this key when capability is its own; None otherwise, so a caller
+        without it cannot even tell whether the object exists."""
+        obj = self._objects.get(key)
+        return obj if obj is not None and _same_secret(capability, obj.capability) else None
+
+
+def _same_secret(presented: str, expected: str) -> bool:
+    """Constant-time comparison (bytes, so any text presented compares safely); empty never matches."""
+    return bool(presented) and secrets.compare_digest(presented.encode(), expected.encode())

@@ -8,6 +8,8 @@ the peer parses it with the generated classes.
 
 from __future__ import annotations
 
+SERVICE_NAME = "pcpstack.v1.KvStoreService"  # full name of the service, for hand-registered methods
+
 # `chunk` is field 2 of both PutRequest and GetResponse; in PutChunk, offset = 1, data = 2, crc32c = 3.
 _CHUNK_TAG = b"\x12"
 _OFFSET_TAG = b"\x08"

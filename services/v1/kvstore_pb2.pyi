@@ -301,6 +301,7 @@ class GetHeader(_message.Message):
     CRC32C_FIELD_NUMBER: _builtins.int
     METADATA_FIELD_NUMBER: _builtins.int
     SHM_NAME_FIELD_NUMBER: _builtins.int
+    CHUNK_SIZE_FIELD_NUMBER: _builtins.int
     total_bytes: _builtins.int
     """Size of the object."""
     crc32c: _builtins.int
@@ -312,6 +313,10 @@ class GetHeader(_message.Message):
     The reader maps it read-only, copies what it needs and then half-closes the Get; the store may
     reuse the segment afterwards.
     """
+    chunk_size: _builtins.int
+    """Streaming path: size of every chunk but the last (the reader's max_chunk_size or less), so the
+    reader checks each chunk's size as the store checks a writer's. 0 when shm_name is set.
+    """
     def __init__(
         self,
         *,
@@ -319,10 +324,11 @@ class GetHeader(_message.Message):
         crc32c: _builtins.int = ...,
         metadata: _builtins.bytes = ...,
         shm_name: _builtins.str = ...,
+        chunk_size: _builtins.int = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["crc32c", b"crc32c", "metadata", b"metadata", "shm_name", b"shm_name", "total_bytes", b"total_bytes"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["chunk_size", b"chunk_size", "crc32c", b"crc32c", "metadata", b"metadata", "shm_name", b"shm_name", "total_bytes", b"total_bytes"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

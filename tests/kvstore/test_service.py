@@ -1,5 +1,5 @@
-"""The KV store over real gRPC: round trips on both paths, integrity, refusals, leases, eviction and
-concurrency."""
+"""The KV store over real gRPC: round trips on both paths, integrity, refusals, capabilities, leases,
+eviction and concurrency."""
 
 from __future__ import annotations
 
@@ -14,9 +14,11 @@ import pytest
 from pcpstack.kvstore.client import KvStoreClient, make_key
 from pcpstack.kvstore.errors import (
     AlreadyExists,
+    CapabilityDenied,
     CapacityExceeded,
     ChecksumMismatch,
     FingerprintMismatch,
+    InvalidArgument,
     NotFound,
 )
 from pcpstack.kvstore.shm import fill_segment
@@ -42,7 +44,7 @@ def test_round_trip_of_many_sizes(prefer_shm: bool):
                 key = make_key(f"req-{size}", "f" * 40)
                 committed = await client.put(key, "fp", payload, metadata=b'{"layers": 2}')
                 assert committed.total_bytes == size
-                data, metadata = await client.get(key, "fp")
+                data, metadata = await client.get(key, "fp", committed.capability)
                 assert bytes(data) == payload and metadata == b'{"layers": 2}'
             assert segment_files(server)  # committed objects live in segments whichever path wrote them
 
@@ -56,8 +58,8 @@ def test_round_trip_of_100_mb(prefer_shm: bool):
     async def body():
         async with running_store() as server, KvStoreClient(server.address, prefer_shm=prefer_shm) as client:
             payload = os.urandom(100 * 1000 * 1000)
-            await client.put("big", "fp", memoryview(payload))
-            data, _ = await client.get("big", "fp")
+            committed = await client.put("big", "fp", memoryview(payload))
+            data, _ = await client.get("big", "fp", committed.capability)
             assert data == payload
             assert (await client.stat()).bytes_out == len(payload)
 
@@ -71,8 +73,8 @@ def test_tensor_bytes_round_trip_without_copy_on_read():
     async def body():
         async with running_store() as server, KvStoreClient(server.address) as client:
             kv = torch.randn(4, 8, 16, dtype=torch.float32)
-            await client.put("t", "fp", kv.numpy())
-            data, _ = await client.get("t", "fp")
+            committed = await client.put("t", "fp", kv.numpy())
+            data, _ = await client.get("t", "fp", committed.capability)
             back = torch.frombuffer(data, dtype=torch.float32).view(4, 8, 16)
             assert torch.equal(back, kv)
             assert np.shares_memory(np.frombuffer(data, dtype=np.uint8), back.numpy())
@@ -181,10 +183,10 @@ def test_malformed_put_is_invalid_argument_naming_the_problem(messages, detail):
 def test_reader_detects_corrupted_bytes(prefer_shm: bool):
     async def body():
         async with running_store() as server, KvStoreClient(server.address, prefer_shm=prefer_shm) as client:
-            await client.put("k", "fp", b"x" * 10_000)
+            committed = await client.put("k", "fp", b"x" * 10_000)
             server.servicer.store.find("k").payload.write(5_000, b"y")  # bit rot inside the store
             with pytest.raises(ChecksumMismatch, match="CRC32C"):
-                await client.get("k", "fp")
+                await client.get("k", "fp", committed.capability)
 
     asyncio.run(body())
 
@@ -192,18 +194,18 @@ def test_reader_detects_corrupted_bytes(prefer_shm: bool):
 def test_refusals_carry_their_status_codes():
     async def body():
         async with running_store(capacity_bytes=1000) as server, KvStoreClient(server.address) as client:
-            await client.put("k", "fp", b"abc")
+            committed = await client.put("k", "fp", b"abc")
             with pytest.raises(AlreadyExists):
                 await client.put("k", "fp", b"abc")
             with pytest.raises(FingerprintMismatch):
-                await client.get("k", "other-model")
+                await client.get("k", "other-model", committed.capability)
             with pytest.raises(NotFound):
-                await client.get("missing", "fp")
+                await client.get("missing", "fp", committed.capability)
             with pytest.raises(NotFound):
-                await client.release("missing")
+                await client.release("missing", committed.capability)
             with pytest.raises(CapacityExceeded, match="needs 2000 bytes"):
                 await client.put("huge", "fp", bytes(2000))
-            assert await client.delete("missing") is False
+            assert await client.delete("missing", "") is False
             stats = await client.stat()
             assert (stats.objects, stats.reserved_bytes, stats.refused_puts) == (1, 0, 2)
 
@@ -213,11 +215,11 @@ def test_refusals_carry_their_status_codes():
 def test_release_is_counted_once_and_repeats_are_reported():
     async def body():
         async with running_store() as server, KvStoreClient(server.address) as client:
-            await client.put("k", "fp", b"abc")
-            assert (await client.stat("k")).object.pinned
-            assert await client.release("k") is True
-            assert await client.release("k") is False
-            stats = await client.stat("k")
+            capability = (await client.put("k", "fp", b"abc")).capability
+            assert (await client.stat("k", capability)).object.pinned
+            assert await client.release("k", capability) is True
+            assert await client.release("k", capability) is False
+            stats = await client.stat("k", capability)
             assert (stats.object.pinned, stats.pinned_bytes, stats.repeated_releases) == (False, 0, 1)
 
     asyncio.run(body())
@@ -227,7 +229,7 @@ def test_release_is_counted_once_and_repeats_are_reported():
 def test_lease_expiry_reclaims_the_object():
     async def body():
         async with running_store(reap_interval_s=0.05) as server, KvStoreClient(server.address) as client:
-            await client.put("k", "fp", b"x" * 1000, lease_ms=100)
+            short = await client.put("k", "fp", b"x" * 1000, lease_ms=100)
             await client.put("kept", "fp", b"x" * 1000, lease_ms=60_000)
             for _ in range(100):
                 if (await client.stat()).lease_expiries:
@@ -236,7 +238,7 @@ def test_lease_expiry_reclaims_the_object():
             stats = await client.stat()
             assert (stats.lease_expiries, stats.objects, stats.bytes) == (1, 1, 1000)
             with pytest.raises(NotFound):
-                await client.get("k", "fp")
+                await client.get("k", "fp", short.capability)
 
     asyncio.run(body())
 
@@ -244,14 +246,17 @@ def test_lease_expiry_reclaims_the_object():
 def test_eviction_under_pressure_is_lru_among_released_and_spares_pinned():
     async def body():
         async with running_store(capacity_bytes=4000) as server, KvStoreClient(server.address) as client:
+            capabilities = {}
             for key in ("a", "b", "c", "pinned"):
-                await client.put(key, "fp", bytes(1000))
+                capabilities[key] = (await client.put(key, "fp", bytes(1000))).capability
             for key in ("a", "b", "c"):
-                await client.release(key)
-            await client.get("a", "fp")
+                await client.release(key, capabilities[key])
+            await client.get("a", "fp", capabilities["a"])
             await client.put("new", "fp", bytes(2000))
             present = {
-                key for key in ("a", "b", "c", "pinned") if (await client.stat(key)).HasField("object")
+                key
+                for key, capability in capabilities.items()
+                if (await client.stat(key, capability)).HasField("object")
             }
             assert present == {"a", "pinned"}
             stats = await client.stat()
@@ -272,11 +277,11 @@ def test_32_concurrent_writers_and_readers_stay_correct(prefer_shm: bool):
             payloads = {f"w{i}": random.randbytes(random.randrange(0, 300_000)) for i in range(32)}
 
             async def writer_then_reader(key: str) -> None:
-                await client.put(key, "fp", payloads[key])
+                capability = (await client.put(key, "fp", payloads[key])).capability
                 for _ in range(3):
-                    data, _ = await client.get(key, "fp")
+                    data, _ = await client.get(key, "fp", capability)
                     assert bytes(data) == payloads[key]
-                assert await client.release(key)
+                assert await client.release(key, capability)
 
             await asyncio.gather(*(writer_then_reader(key) for key in payloads))
             stats = await client.stat()
@@ -292,5 +297,108 @@ def test_stop_frees_every_segment():
             await client.put("k", "fp", bytes(10_000))
             segments = server.servicer.segments
         assert not list(segments.directory.glob(f"pcpkv-{segments.token}*"))
+
+    asyncio.run(body())
+
+
+async def _raw_get(address: str, request: pb.GetRequest) -> grpc.aio.AioRpcError | list[pb.GetResponse]:
+    async with grpc.aio.insecure_channel(address) as channel:
+        call = kvstore_pb2_grpc.KvStoreServiceStub(channel).Get(iter([request]), timeout=10)
+        try:
+            return [message async for message in call]
+        except grpc.aio.AioRpcError as exc:
+            return exc
+
+
+@PATHS
+def test_get_without_the_capability_is_permission_denied_naming_the_key(prefer_shm: bool):
+    async def body():
+        async with running_store() as server, KvStoreClient(server.address, prefer_shm=prefer_shm) as client:
+            committed = await client.put("req-1/abc", "fp", b"secret kv" * 1000)
+            other = await client.put("req-2/abc", "fp", b"other kv")
+            for presented in ("", "forged-token", other.capability):
+                request = pb.GetRequest(
+                    key="req-1/abc", fingerprint="fp", capability=presented, accept_shm=prefer_shm
+                )
+                error = await _raw_get(server.address, request)
+                assert isinstance(error, grpc.aio.AioRpcError)
+                assert error.code() == grpc.StatusCode.PERMISSION_DENIED
+                assert "'req-1/abc'" in error.details() and committed.capability not in error.details()
+                with pytest.raises(CapabilityDenied, match="req-1/abc"):
+                    await client.get("req-1/abc", "fp", presented)
+            stats = await client.stat()
+            assert (stats.bytes_out, server.servicer.store.find("req-1/abc").readers) == (0, 0)
+            data, _ = await client.get("req-1/abc", "fp", committed.capability)
+            assert bytes(data) == b"secret kv" * 1000
+
+    asyncio.run(body())
+
+
+def test_release_and_delete_without_the_capability_are_refused_and_leave_the_pin():
+    async def body():
+        async with running_store() as server, KvStoreClient(server.address) as client:
+            committed = await client.put("k", "fp", b"abc")
+            for refused in (client.release("k", ""), client.delete("k", "forged-token")):
+                with pytest.raises(CapabilityDenied, match="'k'"):
+                    await refused
+            stats = await client.stat("k", committed.capability)
+            assert (stats.object.pinned, stats.pinned_bytes, stats.objects) == (True, 3, 1)
+            assert await client.release("k", committed.capability) is True
+            assert await client.delete("k", committed.capability) is True
+
+    asyncio.run(body())
+
+
+def test_stat_shows_counters_to_anyone_and_an_object_only_with_its_capability():
+    async def body():
+        async with running_store() as server, KvStoreClient(server.address) as client:
+            committed = await client.put("k", "fp", b"abc")
+            for presented in ("", "forged-token"):
+                anonymous = await client.stat("k", presented)
+                assert (anonymous.objects, anonymous.bytes) == (1, 3)
+                assert not anonymous.HasField("object")
+            holder = await client.stat("k", committed.capability)
+            assert (holder.object.key, holder.object.total_bytes, holder.object.pinned) == ("k", 3, True)
+            # The capability travels in the commit's answer only: never back out of Stat.
+            assert committed.capability.encode() not in holder.SerializeToString()
+
+    asyncio.run(body())
+
+
+def test_capability_is_kept_out_of_the_put_result_repr():
+    async def body():
+        async with running_store() as server, KvStoreClient(server.address) as client:
+            committed = await client.put("k", "fp", b"abc")
+            assert len(committed.capability) >= 32 and committed.capability not in repr(committed)
+
+    asyncio.run(body())
+
+
+@pytest.mark.parametrize("lease_ms", [5001, 2**32 - 1], ids=["just-above", "49-days"])
+def test_lease_above_the_cap_is_invalid_argument_naming_the_cap(lease_ms: int):
+    async def body():
+        async with (
+            running_store(default_lease_ms=1000, max_lease_ms=5000) as server,
+            KvStoreClient(server.address) as client,
+        ):
+            header = pb.PutHeader(key="k", fingerprint="fp", total_bytes=4, chunk_size=4, lease_ms=lease_ms)
+            error = await _raw_put(server.address, [pb.PutRequest(header=header)])
+            assert isinstance(error, grpc.aio.AioRpcError)
+            assert error.code() == grpc.StatusCode.INVALID_ARGUMENT
+            assert "cap of 5000 ms" in error.details() and f"lease_ms={lease_ms}" in error.details()
+            with pytest.raises(InvalidArgument, match="cap of 5000 ms"):
+                await client.put("k", "fp", b"abcd", lease_ms=lease_ms)
+            stats = await client.stat()
+            assert (stats.objects, stats.reserved_bytes, stats.refused_puts) == (0, 0, 2)
+            assert (await client.put("k", "fp", b"abcd", lease_ms=5000)).total_bytes == 4
+
+    asyncio.run(body())
+
+
+def test_store_caps_leases_at_ten_minutes_by_default():
+    async def body():
+        async with running_store() as server, KvStoreClient(server.address) as client:
+            with pytest.raises(InvalidArgument, match="cap of 600000 ms"):
+                await client.put("k", "fp", b"abcd", lease_ms=2**32 - 1)
 
     asyncio.run(body())

@@ -1,0 +1,39 @@
+"""The store as a real process: its flags reach the store it serves."""
+
+from __future__ import annotations
+
+import asyncio
+import signal
+import subprocess
+import sys
+
+import pytest
+
+from pcpstack.kvstore.client import KvStoreClient
+from pcpstack.kvstore.errors import InvalidArgument
+
+LEASE_FLAGS = ["--default-lease-ms", "500", "--max-lease-ms", "1000"]
+
+
+@pytest.mark.timeout(60)
+def test_max_lease_flag_caps_the_lease_a_writer_may_ask_for(child_env):
+    store = subprocess.Popen(
+        [sys.executable, "-m", "pcpstack.cli", "serve", "kvstore", "--port", "0", *LEASE_FLAGS],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.DEVNULL,
+        env=child_env,
+        text=True,
+    )
+    try:
+        address = store.stdout.readline().rsplit(" ", 1)[1].strip()
+
+        async def body() -> None:
+            async with KvStoreClient(address) as client:
+                with pytest.raises(InvalidArgument, match="cap of 1000 ms"):
+                    await client.put("k", "fp", b"abcd", lease_ms=2**32 - 1)
+                assert (await client.put("k", "fp", b"abcd", lease_ms=1000)).total_bytes == 4
+
+        asyncio.run(body())
+    finally:
+        store.send_signal(signal.SIGTERM)
+        store.wait(timeout=30)
