@@ -14,9 +14,9 @@ import asyncio
 import os
 import statistics
 import subprocess
-import sys
 import time
 
+from pcpstack.cli.launch import spawn_service
 from pcpstack.common.tunables import ensure_glibc_tunables
 
 _UNITS = {
@@ -48,18 +48,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def _start_store(capacity: int) -> tuple[subprocess.Popen, str]:
-    proc = subprocess.Popen(
-        [
-            sys.executable,
-            "-m",
-            "pcpstack.cli",
-            "serve",
-            "kvstore",
-            "--port",
-            "0",
-            "--capacity-bytes",
-            str(capacity),
-        ],
+    proc = spawn_service(
+        "kvstore",
+        ["--port", "0", "--capacity-bytes", str(capacity)],
         stdout=subprocess.PIPE,
         stderr=subprocess.DEVNULL,
         text=True,
@@ -82,15 +73,15 @@ async def _measure(address: str, prefer_shm: bool, size: int, repeats: int, chun
         for i in range(repeats + 1):
             key = f"bench-{prefer_shm}-{i}"
             start = time.perf_counter()
-            await client.put(key, "bench", payload)
+            capability = (await client.put(key, "bench", payload)).capability
             puts.append(time.perf_counter() - start)
             start = time.perf_counter()
-            data, _ = await client.get(key, "bench")
+            data, _ = await client.get(key, "bench", capability)
             gets.append(time.perf_counter() - start)
             if data.nbytes != size:
                 raise RuntimeError(f"read back {data.nbytes} bytes of {size}")
             del data
-            await client.delete(key)
+            await client.delete(key, capability)
     (first_put, *puts), (first_get, *gets) = puts, gets
     return {
         "put_mb_s": round(size / statistics.median(puts) / 1e6, 1),

@@ -12,13 +12,13 @@ import os
 import random
 import shutil
 import subprocess
-import sys
 import time
 from pathlib import Path
 
 import pytest
 import torch
 
+from pcpstack.cli.launch import spawn_service
 from pcpstack.cli.stack import free_port
 from pcpstack.common.channel import open_channel
 from pcpstack.engine.engine import Engine
@@ -66,15 +66,11 @@ def two_hosts():
 
 
 def spawn(args: list[str], log: Path, netns: str | None = None) -> subprocess.Popen:
-    env = dict(os.environ, PYTHONUNBUFFERED="1")
+    """Starts `pcpstack serve ARGS` (ARGS begins with the service), inside network namespace netns if
+    given, in a session of its own."""
+    service, *flags = args
     prefix = ["ip", "netns", "exec", netns] if netns else []
-    return subprocess.Popen(
-        [*prefix, sys.executable, "-m", "pcpstack.cli", *args],
-        stdout=log.open("w"),
-        stderr=subprocess.STDOUT,
-        env=env,
-        start_new_session=True,
-    )
+    return spawn_service(service, flags, log=log, prefix=prefix, start_new_session=True)
 
 
 async def wait_for_set(registry: str, timeout: float) -> registry_pb2.PcpSet:
@@ -182,7 +178,7 @@ def test_two_hosts_form_one_set_and_prefill_exactly(two_hosts, tmp_path) -> None
             finally:
                 await client.close()
             async with KvStoreClient(reply.kv.store_address, prefer_shm=False) as store:
-                data, _ = await store.get(reply.kv.key, reply.kv.fingerprint)
+                data, _ = await store.get(reply.kv.key, reply.kv.fingerprint, reply.kv.capability)
             return reply, torch.frombuffer(bytearray(data), dtype=torch.float32)
 
         ids = torch.randint(0, 256, (77,), generator=torch.Generator().manual_seed(1)).tolist()

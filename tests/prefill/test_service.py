@@ -1,8 +1,9 @@
 """The prefill service in real processes: registry, KV store and a PCP=2 prefill node on the tiny model.
 
 The replica the set pushes equals single-rank prefill; concurrent requests queue without deadlock; bad
-requests are refused before any rank works; a dead rank makes requests fail fast with UNAVAILABLE, takes the
-set out of routing, and the set re-forms with a newer generation.
+requests are refused before any rank works; one request's failure (a refused push) fails that request alone
+and the set serves the next; a dead rank makes requests fail fast with UNAVAILABLE, takes the set out of
+routing, and the set re-forms with a newer generation.
 """
 
 from __future__ import annotations
@@ -26,6 +27,10 @@ from tests.helpers import child_pids, start_stack
 
 BLOCK_SIZE = 128
 GREEDY = common_pb2.SamplingParams(max_tokens=1, temperature=0)
+# The tiny model's KV takes 512 bytes a token: the store holds the tests' prompts (at most a few hundred
+# tokens) but refuses a replica of STORE_OVERFLOW tokens.
+KV_CAPACITY_BYTES = 1 << 20
+STORE_OVERFLOW = 4000
 
 
 @pytest.fixture(scope="module")
@@ -35,7 +40,13 @@ def reference() -> Engine:
 
 @pytest.fixture(scope="module")
 def stack(tmp_path_factory):
-    running = start_stack(tmp_path_factory.mktemp("prefill-stack"), pcp=2, decode=0, model="tiny")
+    running = start_stack(
+        tmp_path_factory.mktemp("prefill-stack"),
+        pcp=2,
+        decode=0,
+        model="tiny",
+        kv_capacity_bytes=KV_CAPACITY_BYTES,
+    )
     yield running
     running.stop()
 
@@ -44,15 +55,17 @@ def prefill_address(stack) -> str:
     return next(s.address for s in stack.stack.services if s.name == "prefill-0")
 
 
-async def prefill_and_fetch(stack, request_id: str, ids: list[int]):
+async def prefill_and_fetch(
+    stack, request_id: str, ids: list[int], sampling: common_pb2.SamplingParams = GREEDY, **options
+):
     client = PrefillClient(prefill_address(stack))
     try:
-        reply = await client.prefill(request_id, ids, GREEDY, timeout=60)
+        reply = await client.prefill(request_id, ids, sampling, timeout=60, **options)
     finally:
         await client.close()
     async with KvStoreClient(reply.kv.store_address) as store:
-        data, _ = await store.get(reply.kv.key, reply.kv.fingerprint)
-        await store.release(reply.kv.key)
+        data, _ = await store.get(reply.kv.key, reply.kv.fingerprint, reply.kv.capability)
+        await store.release(reply.kv.key, reply.kv.capability)
     layout = reply.kv.layout
     kv = torch.frombuffer(bytearray(data), dtype=torch.float32)
     return reply, kv.view(layout.num_layers, 2, reply.kv.num_tokens, layout.num_kv_heads, layout.head_dim)
@@ -130,6 +143,60 @@ def test_wrong_expected_fingerprint_is_failed_precondition(stack) -> None:
     with pytest.raises(grpc.aio.AioRpcError) as info:
         stack.run(call())
     assert info.value.code() == grpc.StatusCode.FAILED_PRECONDITION
+
+
+def prefill_error(stack, request_id: str, ids: list[int], **options) -> grpc.aio.AioRpcError:
+    """The error a prefill that must fail answers with."""
+    with pytest.raises(grpc.aio.AioRpcError) as info:
+        stack.run(prefill_and_fetch(stack, request_id, ids, **options))
+    return info.value
+
+
+@pytest.mark.slow
+def test_positive_temperature_too_small_to_divide_by_is_served_greedily_and_the_set_stays(
+    stack, reference
+) -> None:
+    generation = stack.run(_sets(stack))[0].generation
+    tiny = common_pb2.SamplingParams(max_tokens=1, temperature=1e-45)
+    reply, _ = stack.run(prefill_and_fetch(stack, "tiny-temperature", prompt(12), tiny))
+    assert reply.first_token_id == single_rank(reference, prompt(12))[0]
+    assert reply.generation == generation
+    assert stack.run(prefill_and_fetch(stack, "after-tiny", prompt(9)))[0].generation == generation
+
+
+@pytest.mark.slow
+def test_same_request_id_twice_in_a_row_both_succeed_under_distinct_keys(stack) -> None:
+    first, _ = stack.run(prefill_and_fetch(stack, "reused-id", prompt(7)))
+    second, _ = stack.run(prefill_and_fetch(stack, "reused-id", prompt(7)))
+    assert first.kv.key != second.kv.key
+    assert first.kv.key.startswith("reused-id") and second.kv.key.startswith("reused-id")
+    assert first.first_token_id == second.first_token_id
+
+
+@pytest.mark.slow
+def test_a_kvstore_address_the_registry_does_not_list_is_refused_naming_it(stack) -> None:
+    error = prefill_error(stack, "elsewhere", prompt(5), kvstore_address="127.0.0.1:1")
+    assert error.code() == grpc.StatusCode.PERMISSION_DENIED
+    assert "127.0.0.1:1" in error.details()
+    listed, _ = stack.run(
+        prefill_and_fetch(stack, "listed-store", prompt(5), kvstore_address=stack.stack.kvstore_address)
+    )
+    assert listed.kv.store_address == stack.stack.kvstore_address
+
+
+@pytest.mark.slow
+def test_a_refused_push_fails_that_request_alone_and_leaves_no_pending_task(stack) -> None:
+    generation = stack.run(_sets(stack))[0].generation
+    overflow = torch.randint(0, 256, (STORE_OVERFLOW,), generator=torch.Generator().manual_seed(1)).tolist()
+    for attempt in range(2):
+        error = prefill_error(stack, f"overflow-{attempt}", overflow)
+        assert error.code() == grpc.StatusCode.RESOURCE_EXHAUSTED, error.details()
+        assert "could not push its KV replica" in error.details()
+    reply, _ = stack.run(prefill_and_fetch(stack, "after-overflow", prompt(10)))
+    assert reply.generation == generation
+    log = next(s for s in stack.stack.services if s.name == "prefill-0").log_path.read_text()
+    assert "Task was destroyed but it is pending" not in log
+    assert "asynchronous generator is already running" not in log
 
 
 async def _sets(stack) -> list[registry_pb2.PcpSet]:
