@@ -2,10 +2,15 @@
 
 Each request owns a torch.Generator seeded from its seed, and rows are sampled one request at a time, so a
 request's tokens never depend on which other requests share its batch.
+
+Sampling is numerically safe for every value validation accepts: a temperature below MIN_TEMPERATURE is
+greedy (dividing by it would overflow the logits to inf), probabilities come from a max-shifted softmax in
+float32, and when no finite probability is left (NaN logits, everything masked) the best token is taken.
 """
 
 import math
 import os
+import struct
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -16,6 +21,13 @@ from pcpstack.engine.tokenizer import IncrementalDecoder, Tokenizer
 
 FINISH_STOP = "stop"
 FINISH_LENGTH = "length"
+# Below this a temperature is greedy: logits / 1e-45 overflow float32, and at 1e-6 the softmax of any two
+# distinct float32 logits is already one-hot.
+MIN_TEMPERATURE = 1e-6
+# to_bytes layout: max_tokens, temperature, top_k, top_p, seed (-1: unset), ignore_eos, counts of stop
+# strings and stop token ids; then each stop string (u32 length, utf-8) and the stop ids (int64 each).
+_FIXED = struct.Struct("<qdqdq?II")
+_LENGTH = struct.Struct("<I")
 
 
 @dataclass
@@ -53,8 +65,54 @@ class SamplingParams:
 
     @property
     def greedy(self) -> bool:
-        """Whether the most likely token is always taken."""
-        return self.temperature == 0
+        """Whether the most likely token is always taken (temperature 0, or too small to divide by)."""
+        return self.temperature < MIN_TEMPERATURE
+
+    def to_bytes(self) -> bytes:
+        """A compact encoding that from_bytes reads back exactly (what a prefill job carries to its ranks)."""
+        stops = [s.encode() for s in self.stop]
+        parts = [
+            _FIXED.pack(
+                self.max_tokens,
+                self.temperature,
+                self.top_k,
+                self.top_p,
+                -1 if self.seed is None else self.seed,
+                self.ignore_eos,
+                len(stops),
+                len(self.stop_token_ids),
+            )
+        ]
+        parts += [_LENGTH.pack(len(s)) + s for s in stops]
+        parts.append(struct.pack(f"<{len(self.stop_token_ids)}q", *self.stop_token_ids))
+        return b"".join(parts)
+
+    @classmethod
+    def from_bytes(cls, data: bytes | memoryview, offset: int = 0) -> tuple["SamplingParams", int]:
+        """The params encoded by to_bytes at `offset`, and the offset just past them."""
+        max_tokens, temperature, top_k, top_p, seed, ignore_eos, n_stop, n_ids = _FIXED.unpack_from(
+            data, offset
+        )
+        offset += _FIXED.size
+        stop = []
+        for _ in range(n_stop):
+            (length,) = _LENGTH.unpack_from(data, offset)
+            offset += _LENGTH.size
+            stop.append(bytes(data[offset : offset + length]).decode())
+            offset += length
+        ids = list(struct.unpack_from(f"<{n_ids}q", data, offset))
+        offset += 8 * n_ids
+        params = cls(
+            max_tokens=max_tokens,
+            temperature=temperature,
+            top_k=top_k,
+            top_p=top_p,
+            seed=None if seed < 0 else seed,
+            stop=stop,
+            stop_token_ids=ids,
+            ignore_eos=ignore_eos,
+        )
+        return params, offset
 
 
 def make_generator(seed: int | None) -> torch.Generator:
@@ -68,17 +126,32 @@ def sample(logits: torch.Tensor, params: SamplingParams, generator: torch.Genera
     """One token id from logits [vocab] under `params`, drawing randomness only from `generator`."""
     if params.greedy:
         return int(logits.argmax())
-    logits = logits.float().cpu() / params.temperature
+    # NaN is never a candidate; +inf would make the shifted softmax NaN, so it caps at the float32 max.
+    logits = logits.float().cpu().nan_to_num(nan=-math.inf, posinf=torch.finfo(torch.float32).max)
+    best = int(logits.argmax())
+    logits = logits / params.temperature
     if 0 < params.top_k < logits.numel():
         kth_best = torch.topk(logits, params.top_k).values[-1]
         logits = logits.masked_fill(logits < kth_best, -math.inf)
     if params.top_p < 1:
         sorted_logits, order = logits.sort(descending=True)
-        cumulative = sorted_logits.softmax(-1).cumsum(-1)
+        probs = _softmax(sorted_logits)
         # Drop a token when the tokens before it already reach top_p; the best token always stays.
-        drop = cumulative - sorted_logits.softmax(-1) >= params.top_p
+        drop = probs.cumsum(-1) - probs >= params.top_p
+        drop[0] = False
         logits = logits.index_fill(0, order[drop], -math.inf)
-    return int(torch.multinomial(logits.softmax(-1), 1, generator=generator))
+    probs = _softmax(logits)
+    if not bool(torch.isfinite(probs).all()) or float(probs.sum()) <= 0:
+        return best  # nothing left to draw from (every logit NaN or -inf)
+    return int(torch.multinomial(probs, 1, generator=generator))
+
+
+def _softmax(logits: torch.Tensor) -> torch.Tensor:
+    """softmax shifted by the largest finite logit; all zeros (never NaN) when no logit is finite."""
+    top = logits.max()
+    if not bool(torch.isfinite(top)):
+        return torch.zeros_like(logits)
+    return (logits - top).exp() / (logits - top).exp().sum()
 
 
 def sample_batch(

@@ -4,7 +4,8 @@ The node registers with the registry, waits for its assignment on the Session st
 process per local PCP rank (numbered from the assignment) and reports the set ready once every local rank
 has loaded the model and joined the process group. On the master node (node_rank 0) it serves Prefill by
 handing jobs to global rank 0. When a rank dies, or the group stops making progress, the node fails the
-requests in flight with UNAVAILABLE, tells the registry, stops its ranks and waits to be re-assigned.
+requests in flight with UNAVAILABLE (SetUnavailable), tells the registry, stops its ranks and waits to be
+re-assigned.
 """
 
 from __future__ import annotations
@@ -16,12 +17,15 @@ import multiprocessing as mp
 import threading
 import time
 from collections.abc import Callable
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
 from multiprocessing.connection import Connection
 
 from pcpstack.engine.kv_cache import KvLayout
+from pcpstack.engine.prompt import PromptLimits
 from pcpstack.engine.weights import load_model
-from pcpstack.prefill.rank import PrefillJob, PrefillOutcome, RankReady, RankSpec, rank_main
+from pcpstack.prefill.errors import NotMaster, SetUnavailable
+from pcpstack.prefill.job import PrefillJob, PrefillOutcome
+from pcpstack.prefill.rank import RankReady, RankSpec, rank_main
 from pcpstack.v1 import registry_pb2
 
 log = logging.getLogger(__name__)
@@ -32,10 +36,15 @@ class ModelInfo:
     """What the node knows of its model without running it: enough to validate requests and build handles."""
 
     fingerprint: str
-    layout: dict
+    layout: KvLayout
     vocab_size: int
     max_seq_len: int
     num_kv_heads: int
+
+    @property
+    def limits(self) -> PromptLimits:
+        """What a prompt for this model may hold."""
+        return PromptLimits(self.vocab_size, self.max_seq_len)
 
     @classmethod
     def probe(cls, model: str | None, block_size: int) -> ModelInfo:
@@ -44,15 +53,11 @@ class ModelInfo:
         layout = KvLayout.for_model(loaded.model_id, loaded.args, loaded.dtype, block_size)
         return cls(
             layout.fingerprint(),
-            asdict(layout),
+            layout,
             loaded.args.vocab_size,
             loaded.args.max_seq_len,
             loaded.args.n_kv_heads,
         )
-
-
-class SetUnavailable(RuntimeError):
-    """The node has no ready set to run a job on (not assigned yet, starting, or failed)."""
 
 
 @dataclass(frozen=True)
@@ -211,21 +216,30 @@ class RankSupervisor:
                 )
                 return
 
-    async def run_job(self, job: PrefillJob) -> PrefillOutcome:
-        """Runs one job on the set (jobs queue one at a time); raises SetUnavailable if the set cannot."""
+    def ready_set(self) -> RunningSet:
+        """The set a job would run on now; SetUnavailable when none is ready, NotMaster on a headless node."""
+        running = self.current
+        if running is None or not running.ready.is_set() or running.failed:
+            detail = f": {running.failed}" if running is not None and running.failed else ""
+            raise SetUnavailable(f"this node has no ready PCP set{detail}")
+        if not running.is_master:
+            raise NotMaster(
+                f"this node is headless in set {running.assignment.set_id}; send Prefill to its master at "
+                f"{running.assignment.master_addr}"
+            )
+        return running
+
+    async def run_job(self, job: PrefillJob) -> tuple[RunningSet, PrefillOutcome]:
+        """Runs one job (jobs queue one at a time) and returns the set that ran it with its outcome; raises
+        SetUnavailable when the set cannot run it. A failure of the job alone is in the outcome."""
         self.waiting += 1
         try:
             async with self._job_lock:
-                running = self.current
-                if running is None or not running.ready.is_set() or running.failed:
-                    detail = f": {running.failed}" if running is not None and running.failed else ""
-                    raise SetUnavailable(f"this node has no ready PCP set{detail}")
-                if not running.is_master:
-                    raise SetUnavailable("this node is headless: send Prefill to its set's master")
+                running = self.ready_set()
                 running.pending = asyncio.get_running_loop().create_future()
                 master = next(r for r in running.ranks if r.pcp_rank == 0)
                 master.conn.send(job)
-                return await running.pending
+                return running, await running.pending
         finally:
             self.waiting -= 1
 

@@ -1,27 +1,27 @@
 """One PCP rank process: loads the model, joins its set's process group and runs prefill steps.
 
 Global rank 0 takes jobs from its node (the supervisor process) over a pipe and hands each one to every
-rank through the process group itself (a broadcast of a header, the tokens and a small JSON payload), so
-ranks never talk over a side channel. The other ranks wait in that broadcast. While idle, rank 0 sends an
-idle tick every `idle_tick_s`, which keeps the group's collective timeout from firing and proves to each
-rank's node that the group is making progress (the heartbeat of a headless rank is that progress, never
-a fake inference request).
+rank through the process group itself (a broadcast of a header, then the job's own encoding), so ranks
+never talk over a side channel. The other ranks wait in that broadcast. While idle, rank 0 sends an idle
+tick every `idle_tick_s`, which keeps the group's collective timeout from firing and proves to each rank's
+node that the group is making progress (the heartbeat of a headless rank is that progress, never a fake
+inference request).
 
 After the forward every rank holds the whole prompt's K/V. The rank picked by `replica_owner` pushes its
-replica to the KV store; every rank then frees its blocks, and one all-gather brings the first token and
-the push result back to rank 0.
+replica to the KV store; every rank then frees its blocks, and one all-gather of `RankShare`s brings the
+first token and the push result back to rank 0. A failure that belongs to one request (its sampling, its
+push) travels in the shares: every rank still takes part in the all-gather, so the group stays in step and
+the set serves the next job.
 """
 
 from __future__ import annotations
 
 import asyncio
-import json
 import logging
 import os
-import struct
 import time
 from collections.abc import Callable
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass
 from multiprocessing.connection import Connection
 from multiprocessing.sharedctypes import Synchronized
 
@@ -29,16 +29,18 @@ import torch
 import torch.distributed as dist
 from opentelemetry.propagate import extract
 
+from pcpstack.common.errors import Internal, ServiceError, Unavailable
 from pcpstack.common.telemetry import setup_telemetry, shutdown_telemetry, tracer
 from pcpstack.engine.engine import Engine
-from pcpstack.engine.sampling import SamplingParams, make_generator, sample
-from pcpstack.kvstore.client import KvStoreClient, make_key
+from pcpstack.engine.sampling import make_generator, sample
+from pcpstack.kvstore.client import KvStoreClient
 from pcpstack.prefill.context_parallel import (
     KvAllGather,
     configure_gloo_interface,
     init_pcp_group,
     prefill_share,
 )
+from pcpstack.prefill.job import PrefillJob, PrefillOutcome, RankShare
 from pcpstack.prefill.replica import replica_owner
 from pcpstack.prefill.split import DualChunkSplit
 
@@ -46,9 +48,19 @@ log = logging.getLogger(__name__)
 _tracer = tracer(__name__)
 
 OP_IDLE, OP_PREFILL, OP_STOP = 0, 1, 2
-_HEADER = 4  # int64: op, num_tokens, payload bytes, reserved
-_RESULT = struct.Struct("<qqqqq")  # first token (-1: not the owner), push failed, bytes, forward us, push us
-_RESULT_BYTES = 512  # the result struct, then an error message (utf-8, zero padded)
+# A store's refusal of one replica: a fresh channel would be refused the same way.
+_REFUSALS = {
+    "INVALID_ARGUMENT",
+    "ALREADY_EXISTS",
+    "RESOURCE_EXHAUSTED",
+    "FAILED_PRECONDITION",
+    "PERMISSION_DENIED",
+}
+
+
+def _header(op: int, payload_bytes: int = 0) -> torch.Tensor:
+    """The first broadcast of every round: the op and the size of the job that follows."""
+    return torch.tensor([op, payload_bytes], dtype=torch.long)
 
 
 @dataclass(frozen=True)
@@ -68,69 +80,59 @@ class RankSpec:
 
 
 @dataclass(frozen=True)
-class PrefillJob:
-    """One prompt handed by the node to rank 0."""
-
-    request_id: str
-    token_ids: list[int]
-    sampling: dict
-    kvstore_address: str
-    lease_ms: int
-    # W3C trace context of the caller's span, so every rank's work joins the request's trace.
-    trace_context: dict[str, str] = field(default_factory=dict)
-
-
-@dataclass(frozen=True)
-class PrefillOutcome:
-    """What rank 0 reports back to its node for one job."""
-
-    request_id: str
-    first_token_id: int
-    replica_rank: int
-    total_bytes: int
-    forward_seconds: float
-    push_seconds: float
-    error: str = ""
-
-
-@dataclass(frozen=True)
 class RankReady:
     """Sent once the rank has its model loaded and has joined the group."""
 
     pcp_rank: int
     fingerprint: str
-    layout: dict
     vocab_size: int
     max_seq_len: int
 
 
 class ReplicaPusher:
-    """Pushes KV replicas to a KV store from this (synchronous) rank process."""
+    """Pushes KV replicas to a KV store from this (synchronous) rank process.
+
+    The pusher's event loop runs only while a push does. Whatever a push leaves behind in it (gRPC's
+    request-stream task of a call the store ended early) is finished before the push returns, so no task is
+    left pending in a loop that will not run until the next push (it would be destroyed pending).
+    """
 
     def __init__(self) -> None:
         self._loop = asyncio.new_event_loop()
         self._clients: dict[str, KvStoreClient] = {}
 
-    def push(
-        self, address: str, key: str, fingerprint: str, data: memoryview, lease_ms: int, metadata: bytes
-    ) -> None:
-        """Stores one replica; raises the store's error."""
+    def push(self, address: str, key: str, fingerprint: str, data: memoryview, lease_ms: int) -> str:
+        """Stores one replica and returns its read capability; raises the store's error."""
         try:
-            self._loop.run_until_complete(self._push(address, key, fingerprint, data, lease_ms, metadata))
+            return self._run(self._push(address, key, fingerprint, data, lease_ms))
         except Exception as exc:
+            if getattr(exc, "code", "") in _REFUSALS:
+                raise
             # A store that restarted leaves the cached channel broken: retry once on a fresh channel.
             log.warning("KV push to %s failed (%s); retrying on a new channel", address, exc)
             stale = self._clients.pop(address, None)
             if stale is not None:
-                self._loop.run_until_complete(stale.close())
-            self._loop.run_until_complete(self._push(address, key, fingerprint, data, lease_ms, metadata))
+                self._run(stale.close())
+            return self._run(self._push(address, key, fingerprint, data, lease_ms))
 
-    async def _push(
-        self, address: str, key: str, fingerprint: str, data: memoryview, lease_ms: int, metadata: bytes
-    ) -> None:
+    def _run(self, coroutine) -> str:
+        try:
+            return self._loop.run_until_complete(coroutine)
+        finally:
+            self._settle()
+
+    def _settle(self) -> None:
+        leftovers = [task for task in asyncio.all_tasks(self._loop) if not task.done()]
+        for task in leftovers:
+            task.cancel()
+        if leftovers:
+            self._loop.run_until_complete(asyncio.gather(*leftovers, return_exceptions=True))
+
+    async def _push(self, address: str, key: str, fingerprint: str, data: memoryview, lease_ms: int) -> str:
         if address not in self._clients:  # created inside the loop its channel belongs to
             self._clients[address] = KvStoreClient(address)
-        await self._clients[address].put(key, fingerprint, data, lease_ms=lease_ms, metadata=metadata)
+        committed = await self._clients[address].put(key, fingerprint, data, lease_ms=lease_ms)
+        return committed.capability
 
 
 class RankWorker:
@@ -145,101 +147,87 @@ class RankWorker:
 
     def step(self, job: PrefillJob | None) -> tuple[int, PrefillOutcome | None]:
         """One round of the group: rank 0 passes its job (None: idle tick). Returns (op, rank 0's outcome)."""
-        header = torch.zeros(_HEADER, dtype=torch.long)
-        payload = b""
-        if self.spec.pcp_rank == 0:
-            if job is None:
-                header[0] = OP_IDLE
-            else:
-                payload = json.dumps(
-                    {k: v for k, v in asdict(job).items() if k != "token_ids"}, separators=(",", ":")
-                ).encode()
-                header[:3] = torch.tensor([OP_PREFILL, len(job.token_ids), len(payload)])
+        payload = None
+        header = _header(OP_IDLE)
+        if self.spec.pcp_rank == 0 and job is not None:
+            payload = job.to_tensor()
+            header = _header(OP_PREFILL, payload.numel())
         dist.broadcast(header, src=0)
-        op, num_tokens, payload_len = (int(x) for x in header[:3])
+        op, payload_bytes = header.tolist()
         if op != OP_PREFILL:
             return op, None
-        tokens = (
-            torch.tensor(job.token_ids, dtype=torch.long)
-            if job
-            else torch.empty(num_tokens, dtype=torch.long)
-        )
-        blob = (
-            torch.frombuffer(bytearray(payload), dtype=torch.uint8)
-            if job
-            else torch.empty(payload_len, dtype=torch.uint8)
-        )
-        dist.broadcast(tokens, src=0)
-        dist.broadcast(blob, src=0)
-        request = json.loads(bytes(blob.tolist()).decode()) if job is None else asdict(job)
-        return op, self._prefill(tokens, request)
+        if payload is None:
+            payload = torch.empty(payload_bytes, dtype=torch.uint8)
+        dist.broadcast(payload, src=0)
+        return op, self._prefill(job if job is not None else PrefillJob.from_tensor(payload))
 
-    def _prefill(self, tokens: torch.Tensor, request: dict) -> PrefillOutcome | None:
+    def _prefill(self, job: PrefillJob) -> PrefillOutcome | None:
         spec = self.spec
-        split = DualChunkSplit(len(tokens), spec.pcp_size)
-        owner = replica_owner(request["request_id"], spec.pcp_size)
-        with _tracer.start_as_current_span(
-            "prefill.rank", context=extract(request.get("trace_context", {}))
-        ) as span:
+        owner = replica_owner(job.request_id, spec.pcp_size)
+        with _tracer.start_as_current_span("prefill.rank", context=extract(job.trace_context)) as span:
             span.set_attribute("pcpstack.pcp_rank", spec.pcp_rank)
             span.set_attribute("pcpstack.replica_owner", owner == spec.pcp_rank)
-            return self._run(tokens, request, split, owner)
+            share = self._run(job, owner)
+        shares = [torch.empty(RankShare.SIZE, dtype=torch.uint8) for _ in range(spec.pcp_size)]
+        dist.all_gather(shares, share.to_tensor())
+        if spec.pcp_rank != 0:
+            return None
+        return PrefillOutcome.combine(job, owner, [RankShare.from_tensor(s) for s in shares])
 
-    def _run(
-        self, tokens: torch.Tensor, request: dict, split: DualChunkSplit, owner: int
-    ) -> PrefillOutcome | None:
+    def _run(self, job: PrefillJob, owner: int) -> RankShare:
+        """This rank's part of a job: its forward share, the first token (on the rank holding the last
+        position) and the push (on the owner). A failure of sampling or of the push is returned, not
+        raised, so this rank still joins the all-gather; a failure inside the forward's collectives is the
+        set's and propagates."""
         spec, engine = self.spec, self.engine
-        seq_id = request["request_id"]
-        first_token, push_failed, total_bytes, push_us, error = -1, 0, 0, 0, ""
+        seq_id = job.kv_key  # unique per attempt, whatever the request id
+        tokens = torch.tensor(job.token_ids, dtype=torch.long)
+        split = DualChunkSplit(len(tokens), spec.pcp_size)
         try:
             state = engine.reserve(seq_id, len(tokens))
             started = time.perf_counter()
-            logits = prefill_share(
-                engine, state, tokens, split, spec.pcp_rank, KvAllGather(split, on_progress=self.on_progress)
-            )
+            exchange = KvAllGather(split, on_progress=self.on_progress)
+            logits = prefill_share(engine, state, tokens, split, spec.pcp_rank, exchange)
             forward_us = int((time.perf_counter() - started) * 1e6)
+            first_token = -1
             if logits is not None:
-                params = SamplingParams(**request["sampling"])
-                first_token = sample(logits, params, make_generator(params.seed))
-            if spec.pcp_rank == owner:
-                started = time.perf_counter()
-                replica = engine.export_sequence(seq_id).contiguous()
-                total_bytes = replica.numel() * replica.element_size()
                 try:
-                    self.pusher.push(
-                        request["kvstore_address"],
-                        make_key(seq_id, self.fingerprint),
-                        self.fingerprint,
-                        memoryview(replica.numpy()).cast("B"),
-                        request["lease_ms"],
-                        json.dumps({"num_tokens": len(tokens), **asdict(engine.layout)}).encode(),
-                    )
-                except Exception as exc:  # the store's error travels to rank 0, which answers the caller
-                    push_failed, error = 1, f"rank {spec.pcp_rank} could not push its KV replica: {exc}"
-                    log.warning(error)
-                push_us = int((time.perf_counter() - started) * 1e6)
+                    first_token = sample(logits, job.sampling, make_generator(job.sampling.seed))
+                except Exception as exc:  # a bug in one request's sampling must not break the group
+                    log.exception("rank %d could not sample request %s", spec.pcp_rank, job.request_id)
+                    error = f"sampling the first token failed: {type(exc).__name__}: {exc}"
+                    return RankShare(forward_us=forward_us, error_code=Internal.code, error=error)
+            if spec.pcp_rank != owner:
+                return RankShare(first_token_id=first_token, forward_us=forward_us)
+            return self._push(job, first_token, forward_us)
         finally:
             # Only the selected replica lives on (in the store); every rank frees its copy at once.
             engine.free(seq_id)
-        mine = bytearray(_RESULT_BYTES)
-        _RESULT.pack_into(mine, 0, first_token, push_failed, total_bytes, forward_us, push_us)
-        message = error.encode()[: _RESULT_BYTES - _RESULT.size]
-        mine[_RESULT.size : _RESULT.size + len(message)] = message
-        shares = [torch.empty(_RESULT_BYTES, dtype=torch.uint8) for _ in range(spec.pcp_size)]
-        dist.all_gather(shares, torch.frombuffer(mine, dtype=torch.uint8))
-        if spec.pcp_rank != 0:
-            return None
-        results = [_RESULT.unpack_from(bytes(s.tolist())) for s in shares]
-        errors = [bytes(s.tolist())[_RESULT.size :].rstrip(b"\0").decode(errors="replace") for s in shares]
-        token = next(r[0] for r in results if r[0] >= 0)
-        return PrefillOutcome(
-            request_id=request["request_id"],
-            first_token_id=token,
-            replica_rank=owner,
-            total_bytes=results[owner][2],
-            forward_seconds=max(r[3] for r in results) / 1e6,
-            push_seconds=results[owner][4] / 1e6,
-            error=errors[owner] if results[owner][1] else "",
+
+    def _push(self, job: PrefillJob, first_token: int, forward_us: int) -> RankShare:
+        started = time.perf_counter()
+        try:
+            replica = self.engine.export_sequence(job.kv_key).contiguous()
+            capability = self.pusher.push(
+                job.kvstore_address,
+                job.kv_key,
+                self.fingerprint,
+                memoryview(replica.numpy()).cast("B"),
+                job.lease_ms,
+            )
+        except Exception as exc:  # the store's error travels to rank 0, which answers the caller with it
+            code = exc.code if isinstance(exc, ServiceError) else Unavailable.code
+            message = (
+                f"rank {self.spec.pcp_rank} could not push its KV replica to {job.kvstore_address}: {exc}"
+            )
+            log.warning(message)
+            return RankShare(first_token, forward_us=forward_us, error_code=code, error=message)
+        return RankShare(
+            first_token_id=first_token,
+            total_bytes=replica.numel() * replica.element_size(),
+            forward_us=forward_us,
+            push_us=int((time.perf_counter() - started) * 1e6),
+            capability=capability,
         )
 
 
@@ -260,13 +248,7 @@ def rank_main(spec: RankSpec, conn: Connection, progress: Synchronized) -> None:
         )
         worker = RankWorker(spec, engine, on_progress=lambda: setattr(progress, "value", time.time()))
         conn.send(
-            RankReady(
-                spec.pcp_rank,
-                worker.fingerprint,
-                asdict(engine.layout),
-                engine.args.vocab_size,
-                engine.args.max_seq_len,
-            )
+            RankReady(spec.pcp_rank, worker.fingerprint, engine.args.vocab_size, engine.args.max_seq_len)
         )
         progress.value = time.time()
         while True:
@@ -274,8 +256,7 @@ def rank_main(spec: RankSpec, conn: Connection, progress: Synchronized) -> None:
             if spec.pcp_rank == 0 and conn.poll(spec.idle_tick_s):
                 job = conn.recv()
                 if job is None:  # the node asks the set to stop
-                    header = torch.tensor([OP_STOP, 0, 0, 0])
-                    dist.broadcast(header, src=0)
+                    dist.broadcast(_header(OP_STOP), src=0)
                     break
             op, outcome = worker.step(job)
             progress.value = time.time()

@@ -112,3 +112,33 @@ def test_max_tokens_finishes_with_length(byte_tokenizer):
 def test_stop_strings_without_tokenizer_are_refused():
     with pytest.raises(ValueError, match="needs a tokenizer"):
         StopChecker(SamplingParams(stop=["x"]), [0], None)
+
+
+@pytest.mark.parametrize("temperature", [1e-45, 5e-324, 1e-7])
+def test_a_positive_temperature_too_small_to_divide_by_is_greedy(temperature):
+    params = SamplingParams(temperature=temperature).validate()
+    assert {sample(LOGITS, params, make_generator(s)) for s in range(10)} == {1}
+
+
+@pytest.mark.parametrize("top_p", [5e-324, 1e-300])
+def test_a_tiny_top_p_keeps_the_best_token(top_p):
+    params = SamplingParams(temperature=1.0, top_p=top_p).validate()
+    assert {sample(LOGITS, params, make_generator(s)) for s in range(10)} == {1}
+
+
+def test_a_huge_temperature_and_top_k_still_sample_a_valid_token():
+    params = SamplingParams(temperature=1e308, top_k=2**62).validate()
+    assert all(0 <= sample(LOGITS, params, make_generator(s)) < 5 for s in range(20))
+
+
+def test_non_finite_logits_never_raise_and_nan_is_never_drawn():
+    logits = torch.tensor([float("nan"), float("inf"), 2.0, -float("inf")])
+    params = SamplingParams(temperature=0.5, top_p=0.5)
+    assert {sample(logits, params, make_generator(s)) for s in range(10)} == {1}
+    every_nan = torch.full((4,), float("nan"))
+    assert 0 <= sample(every_nan, SamplingParams(temperature=1.0), make_generator(0)) < 4
+
+
+def test_params_read_back_exactly_from_their_encoding():
+    params = SamplingParams(5, 0.3, 7, 0.8, 12, ["a", "ü"], [3, 4], True)
+    assert SamplingParams.from_bytes(params.to_bytes()) == (params, len(params.to_bytes()))

@@ -1,0 +1,23 @@
+"""Errors of the prefill service, as kinds of the shared hierarchy (pcpstack.common.errors).
+
+The common interceptor answers each with its kind's gRPC status, so the servicer only raises them. A set
+that cannot run work (not assigned, starting, failed) is UNAVAILABLE: the caller should go to another set.
+An error of one request (its sampling failed, the store refused its replica) is reported with the kind of
+its cause, and the set keeps serving.
+"""
+
+from __future__ import annotations
+
+from pcpstack.common.errors import FailedPrecondition, PermissionDenied, Unavailable
+
+
+class SetUnavailable(Unavailable):
+    """The node has no ready set to run a job on (not assigned yet, starting, or failed)."""
+
+
+class NotMaster(FailedPrecondition):
+    """The node is headless in its set: Prefill is served by the set's master only."""
+
+
+class StoreNotListed(PermissionDenied):
+    """A request named a KV store the registry does not list; ranks push only to listed stores."""

@@ -1,0 +1,180 @@
+"""The typed work of a PCP set: one job in, one outcome out, and how each crosses the process group.
+
+The servicer builds a `PrefillJob` (the prompt, its checked sampling parameters and the KV key it computed
+once); the node hands it to global rank 0, which broadcasts `job.to_tensor()` to every rank. After the
+forward each rank contributes a fixed-size `RankShare` to one all-gather, and rank 0 folds the shares into
+the `PrefillOutcome` its node answers with. Nothing on this path is a dict or JSON.
+"""
+
+from __future__ import annotations
+
+import struct
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+import torch
+
+from pcpstack.common.errors import Internal, ServiceError, error_of_code
+from pcpstack.engine.sampling import SamplingParams
+
+_LENGTH = struct.Struct("<I")
+_JOB_FIXED = struct.Struct("<qII")  # lease_ms, number of tokens, number of trace-context entries
+
+
+def _pack_str(text: str) -> bytes:
+    data = text.encode()
+    return _LENGTH.pack(len(data)) + data
+
+
+def _unpack_str(data: memoryview, offset: int) -> tuple[str, int]:
+    (length,) = _LENGTH.unpack_from(data, offset)
+    offset += _LENGTH.size
+    return bytes(data[offset : offset + length]).decode(), offset + length
+
+
+@dataclass(frozen=True)
+class PrefillJob:
+    """One prompt for the set: what every rank needs to run it and push its replica."""
+
+    request_id: str
+    # The store key of this attempt's replica (computed once, by the servicer; unique per attempt).
+    kv_key: str
+    token_ids: list[int]
+    sampling: SamplingParams
+    kvstore_address: str
+    lease_ms: int
+    # W3C trace context of the caller's span, so every rank's work joins the request's trace.
+    trace_context: dict[str, str] = field(default_factory=dict)
+
+    def to_bytes(self) -> bytes:
+        """The job as bytes that from_bytes reads back exactly."""
+        parts = [
+            _JOB_FIXED.pack(self.lease_ms, len(self.token_ids), len(self.trace_context)),
+            _pack_str(self.request_id),
+            _pack_str(self.kv_key),
+            _pack_str(self.kvstore_address),
+            self.sampling.to_bytes(),
+        ]
+        for key, value in self.trace_context.items():
+            parts += [_pack_str(key), _pack_str(value)]
+        # Token ids are below the vocabulary size, far from 2**32.
+        parts.append(struct.pack(f"<{len(self.token_ids)}I", *self.token_ids))
+        return b"".join(parts)
+
+    @classmethod
+    def from_bytes(cls, data: bytes | memoryview) -> PrefillJob:
+        """The job encoded by to_bytes."""
+        view = memoryview(data)
+        lease_ms, num_tokens, num_trace = _JOB_FIXED.unpack_from(view, 0)
+        offset = _JOB_FIXED.size
+        request_id, offset = _unpack_str(view, offset)
+        kv_key, offset = _unpack_str(view, offset)
+        kvstore_address, offset = _unpack_str(view, offset)
+        sampling, offset = SamplingParams.from_bytes(view, offset)
+        trace_context = {}
+        for _ in range(num_trace):
+            key, offset = _unpack_str(view, offset)
+            trace_context[key], offset = _unpack_str(view, offset)
+        token_ids = list(struct.unpack_from(f"<{num_tokens}I", view, offset))
+        return cls(request_id, kv_key, token_ids, sampling, kvstore_address, lease_ms, trace_context)
+
+    def to_tensor(self) -> torch.Tensor:
+        """The job as a uint8 tensor, for the rank broadcast."""
+        return torch.frombuffer(bytearray(self.to_bytes()), dtype=torch.uint8)
+
+    @classmethod
+    def from_tensor(cls, tensor: torch.Tensor) -> PrefillJob:
+        """The job a broadcast delivered."""
+        return cls.from_bytes(tensor.numpy().tobytes())
+
+
+# first token id (-1: not sampled here), replica bytes, forward us, push us, then the byte lengths of the
+# error code, the capability and the error message, which follow in that order.
+_SHARE_FIXED = struct.Struct("<qqqqHHH")
+
+
+@dataclass(frozen=True)
+class RankShare:
+    """What one rank reports after a job, in one all-gather of SIZE bytes per rank."""
+
+    SIZE = 1024
+
+    first_token_id: int = -1  # set by the rank that holds the last prompt position
+    total_bytes: int = 0  # bytes of the replica, set by the replica owner once pushed
+    forward_us: int = 0
+    push_us: int = 0
+    capability: str = ""  # the store's read capability of the pushed replica
+    error_code: str = ""  # the common.errors kind (gRPC status name) of this rank's failure
+    error: str = ""
+
+    def to_tensor(self) -> torch.Tensor:
+        """SIZE bytes as a uint8 tensor; an error message too long for the rest is cut."""
+        code, capability = self.error_code.encode(), self.capability.encode()
+        room = self.SIZE - _SHARE_FIXED.size - len(code) - len(capability)
+        if room < 0:
+            raise ValueError(f"error code and capability take {-room} bytes more than a RankShare holds")
+        # Cut on a character boundary so the message still decodes.
+        message = self.error.encode()[:room].decode(errors="ignore").encode()
+        data = bytearray(self.SIZE)
+        fixed = (self.first_token_id, self.total_bytes, self.forward_us, self.push_us)
+        _SHARE_FIXED.pack_into(data, 0, *fixed, len(code), len(capability), len(message))
+        tail = code + capability + message
+        data[_SHARE_FIXED.size : _SHARE_FIXED.size + len(tail)] = tail
+        return torch.frombuffer(data, dtype=torch.uint8)
+
+    @classmethod
+    def from_tensor(cls, tensor: torch.Tensor) -> RankShare:
+        """The share one rank contributed."""
+        data = tensor.numpy().tobytes()
+        token, total, forward_us, push_us, n_code, n_cap, n_msg = _SHARE_FIXED.unpack_from(data, 0)
+        offset = _SHARE_FIXED.size
+        code = data[offset : offset + n_code].decode()
+        capability = data[offset + n_code : offset + n_code + n_cap].decode()
+        message = data[offset + n_code + n_cap : offset + n_code + n_cap + n_msg].decode()
+        return cls(token, total, forward_us, push_us, capability, code, message)
+
+
+@dataclass(frozen=True)
+class PrefillOutcome:
+    """What rank 0 reports back to its node for one job."""
+
+    request_id: str
+    kv_key: str
+    first_token_id: int
+    replica_rank: int
+    total_bytes: int
+    forward_seconds: float
+    push_seconds: float
+    capability: str = ""
+    # The kind (gRPC status name) and message of the first rank's failure; empty when the job succeeded.
+    error_code: str = ""
+    error: str = ""
+    # Whether the replica is in the store (it may be, even for a failed job: then nobody will read it).
+    replica_stored: bool = False
+
+    @classmethod
+    def combine(cls, job: PrefillJob, replica_rank: int, shares: Sequence[RankShare]) -> PrefillOutcome:
+        """Rank 0's view of a job from every rank's share (shares[i] is global rank i's)."""
+        owner = shares[replica_rank]
+        failed = next((s for s in shares if s.error), None)
+        first_token = next((s.first_token_id for s in shares if s.first_token_id >= 0), -1)
+        code, error = (failed.error_code, failed.error) if failed else ("", "")
+        if not error and first_token < 0:
+            code, error = Internal.code, "no rank sampled the first token"
+        return cls(
+            request_id=job.request_id,
+            kv_key=job.kv_key,
+            first_token_id=first_token,
+            replica_rank=replica_rank,
+            total_bytes=owner.total_bytes,
+            forward_seconds=max(s.forward_us for s in shares) / 1e6,
+            push_seconds=owner.push_us / 1e6,
+            capability=owner.capability,
+            error_code=code,
+            error=error,
+            replica_stored=not owner.error and owner.total_bytes > 0,
+        )
+
+    def error_kind(self) -> ServiceError | None:
+        """The failure as an error of its kind (None when the job succeeded)."""
+        return error_of_code(self.error_code or Internal.code, self.error) if self.error else None
