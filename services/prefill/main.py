@@ -94,12 +94,11 @@ class PrefillNode:
         self.registry = None
         self.running = None
 
-    async def default_kvstore(self) -> str:
-        """--kvstore, else the first KV store the registry knows (cached when the registry is down)."""
-        if self.args.kvstore:
-            return self.args.kvstore
+    async def kv_stores(self) -> list[str]:
+        """The stores ranks may push to: --kvstore, then those the registry lists (cached when it is down)."""
         resolved = await self.registry.resolve()
-        return resolved.kvstore[0].address if resolved.kvstore else ""
+        listed = [store.address for store in resolved.kvstore]
+        return [self.args.kvstore, *listed] if self.args.kvstore else listed
 
     def _on_set_failure(self, running: RunningSet, reason: str) -> None:
         asyncio.get_running_loop().create_task(self._handle_failure(running, reason))
@@ -157,7 +156,7 @@ class PrefillNode:
 
     async def serve(self) -> None:
         """Runs until SIGTERM/SIGINT."""
-        servicer = PrefillServicer(self.supervisor, self.info, self.default_kvstore, self.args.kv_lease_ms)
+        servicer = PrefillServicer(self.supervisor, self.info, self.kv_stores, self.args.kv_lease_ms)
         self.running = await start_server(
             lambda server: prefill_pb2_grpc.add_PrefillServiceServicer_to_server(servicer, server),
             [SERVICE_NAME],
