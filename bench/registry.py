@@ -1,6 +1,6 @@
 """Registry benchmark: assembly latency for N prefill nodes and the registry's CPU while they heartbeat.
 
-The registry runs in its own process (`pcpstack serve registry`); N RegistryClient instances run here.
+The registry runs in its own process (`pcpstack serve registry`); N NodeSession instances run here.
 Reported: the time from the last registration to the last assignment delivered, and the registry's CPU
 (from /proc) while every session heartbeats once a second (lease 3 s).
 """
@@ -18,7 +18,7 @@ from pathlib import Path
 from pcpstack.cli.stack import free_port
 from pcpstack.common.channel import open_channel
 from pcpstack.common.config import EngineConfig
-from pcpstack.registry.client import RegistryClient
+from pcpstack.registry.client import NodeSession
 from pcpstack.v1 import registry_pb2, registry_pb2_grpc
 
 
@@ -50,7 +50,7 @@ async def _measure(address: str, pid: int, nodes: int, duration: float) -> dict:
     await _wait_serving(address)
     config = EngineConfig(data_parallel_size=nodes // 2, nnodes=2, prefill_context_parallel_size=2)
     clients = [
-        RegistryClient(
+        NodeSession(
             address, f"node-{i}", "prefill", f"127.0.0.1:{20000 + i}", config, "fp", rpc_deadline_s=30
         )
         for i in range(nodes)

@@ -66,17 +66,13 @@ def resolve_config(args: argparse.Namespace) -> EngineConfig:
 
 async def serve(args: argparse.Namespace, config: EngineConfig, engine: Engine) -> None:
     """Runs the worker until SIGTERM/SIGINT."""
-    from pcpstack.registry.client import RegistryClient
+    from pcpstack.registry.client import NodeSession, Resolver
 
     batcher = Batcher(engine, max_batch=args.max_batch)
     kv_clients: dict = {}
     fingerprint = engine.layout.fingerprint()
-    registry_box: list = []
-
-    async def resolve():
-        return await registry_box[0].resolve()
-
-    router = SetRouter(resolve, fingerprint)
+    resolver = Resolver(args.registry)
+    router = SetRouter(resolver.resolve, fingerprint)
     settings = DecodeSettings(
         model_name=served_model_name(config.model),
         kv_fingerprint=fingerprint,
@@ -91,7 +87,7 @@ async def serve(args: argparse.Namespace, config: EngineConfig, engine: Engine) 
     )
     address = f"{args.advertise or args.host}:{running.port}"
     node_id = args.node_id or f"{socket.gethostname()}-decode-{running.port}"
-    registry = RegistryClient(
+    registry = NodeSession(
         args.registry,
         node_id=node_id,
         role="decode",
@@ -101,12 +97,12 @@ async def serve(args: argparse.Namespace, config: EngineConfig, engine: Engine) 
         device_count=1,
         load=lambda: batcher.queue_depth,
     )
-    registry_box.append(registry)
     await registry.start()
     print(f"decode worker {node_id} listening on {address}", flush=True)
 
     async def on_stop() -> None:
         await registry.close()
+        await resolver.close()
         batcher.close()
         for client in kv_clients.values():
             await client.close()

@@ -1,17 +1,18 @@
-"""Choosing a ready PCP set for a request.
+"""Choosing a ready PCP set for a request: routing policy over the registry resolver's typed answer.
 
-The registry's Resolve answer is cached for a short time and kept when the registry cannot be reached, so
-routing goes on from the last known endpoints while the registry restarts. Between refreshes the router
-adds the requests it sent itself to each set's reported load, so a burst spreads over the sets.
+The resolver owns the cache (and keeps the last endpoints while the registry is away or restarting); the
+router only filters by KV fingerprint, skips sets that just failed, and picks the least loaded. Between
+the resolver's refreshes it adds the requests it sent itself to each set's reported load, so a burst spreads
+over the sets.
 """
 
 from __future__ import annotations
 
 import logging
-import time
 from collections.abc import Awaitable, Callable
 
-from pcpstack.v1 import registry_pb2
+from pcpstack.common.errors import ServiceError
+from pcpstack.registry.endpoints import PrefillEndpoint, Resolution
 
 log = logging.getLogger(__name__)
 
@@ -23,36 +24,28 @@ class NoReadySet(RuntimeError):
 class SetRouter:
     """Least-loaded choice among the ready sets whose KV fingerprint matches this decode worker's."""
 
-    def __init__(
-        self,
-        resolve: Callable[[], Awaitable[registry_pb2.ResolveResponse]],
-        kv_fingerprint: str,
-        ttl_s: float = 1.0,
-        clock: Callable[[], float] = time.monotonic,
-    ) -> None:
+    def __init__(self, resolve: Callable[[], Awaitable[Resolution]], kv_fingerprint: str) -> None:
+        """resolve is the resolver's (cached) Resolve, e.g. `Resolver.resolve`."""
         self._resolve = resolve
         self._fingerprint = kv_fingerprint
-        self._ttl = ttl_s
-        self._clock = clock
-        self._sets: list[registry_pb2.PrefillSetEndpoint] = []
-        self._fetched_at = -float("inf")
         self._in_flight: dict[str, int] = {}
+        # set id -> the answer it was forgotten under; a newer answer brings the set back
+        self._forgotten: dict[str, Resolution] = {}
+        self._answer: Resolution | None = None
 
-    async def _refresh(self) -> None:
-        if self._clock() - self._fetched_at < self._ttl:
-            return
-        try:
-            answer = await self._resolve()
-        except Exception as exc:  # keep routing from the cache while the registry is away
-            log.warning("resolve failed, routing from %d cached sets: %s", len(self._sets), exc)
-            return
-        self._sets = [s for s in answer.prefill_sets if s.kv_fingerprint == self._fingerprint]
-        self._fetched_at = self._clock()
-
-    async def choose(self, exclude: set[str] = frozenset()) -> registry_pb2.PrefillSetEndpoint:
+    async def choose(self, exclude: set[str] = frozenset()) -> PrefillEndpoint:
         """The least loaded ready set not in `exclude` (set ids); raises NoReadySet when there is none."""
-        await self._refresh()
-        choices = [s for s in self._sets if s.set_id not in exclude]
+        try:
+            self._answer = await self._resolve()
+        except ServiceError as exc:
+            raise NoReadySet(f"no ready prefill set is known: {exc}") from None
+        self._forgotten = {s: a for s, a in self._forgotten.items() if a is self._answer}
+        skipped = set(exclude) | set(self._forgotten)
+        choices = [
+            s
+            for s in self._answer.prefill_sets
+            if s.kv_fingerprint == self._fingerprint and s.set_id not in skipped
+        ]
         if not choices:
             raise NoReadySet(
                 "no ready prefill set serves this model and KV layout"
@@ -69,5 +62,6 @@ class SetRouter:
         self._in_flight[set_id] = max(self._in_flight.get(set_id, 0) - 1, 0)
 
     def forget(self, set_id: str) -> None:
-        """Drops a set that failed until the next refresh says otherwise."""
-        self._sets = [s for s in self._sets if s.set_id != set_id]
+        """Skips a set that failed until the resolver's next fresh answer says otherwise."""
+        if self._answer is not None:
+            self._forgotten[set_id] = self._answer

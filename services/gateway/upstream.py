@@ -14,9 +14,10 @@ import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from pcpstack.common.channel import open_channel
+from pcpstack.common.errors import ServiceError
 from pcpstack.decode.client import DecodeClient
 from pcpstack.gateway.errors import service_unavailable
-from pcpstack.registry.client import RegistryClient
+from pcpstack.registry.client import Resolver
 
 HEALTH_TIMEOUT_S = 2.0
 
@@ -29,12 +30,7 @@ class DecodePool:
         if not addresses and not registry_address:
             raise ValueError("DecodePool needs decode addresses or a registry address")
         self._fixed = list(addresses)
-        # Only Resolve is used: the gateway never registers, so the role and addresses are placeholders.
-        self._registry = (
-            RegistryClient(registry_address, node_id="gateway", role="decode", advertised_address="")
-            if registry_address
-            else None
-        )
+        self._registry = Resolver(registry_address) if registry_address else None
         self._clients: dict[str, DecodeClient] = {}
         self._health_channels: dict[str, grpc.aio.Channel] = {}
         self._turn = itertools.count()
@@ -45,12 +41,9 @@ class DecodePool:
         if self._registry is not None:
             try:
                 answer = await self._registry.resolve()
-            except grpc.aio.AioRpcError as exc:
+            except ServiceError as exc:
                 if not found:
-                    raise service_unavailable(
-                        f"the registry at {self._registry.address} is unreachable ({exc.code().name}) "
-                        "and no decode worker is known"
-                    ) from None
+                    raise service_unavailable(f"{exc}; no decode worker is known") from None
             else:
                 found += [w.address for w in answer.decode if w.address not in found]
         if not found:

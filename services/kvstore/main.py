@@ -73,10 +73,10 @@ def run(args: argparse.Namespace) -> int:
         print(f"kvstore listening on {server.address}", flush=True)
         registry = None
         if args.registry:
-            from pcpstack.registry.client import RegistryClient
+            from pcpstack.registry.client import NodeSession
 
             port = server.address.rsplit(":", 1)[1]
-            registry = RegistryClient(
+            registry = NodeSession(
                 args.registry,
                 node_id=args.node_id or f"{socket.gethostname()}-kvstore-{port}",
                 role="kvstore",

@@ -68,7 +68,7 @@ class PrefillNode:
     """Glue between the registry session, the rank supervisor and the gRPC server."""
 
     def __init__(self, args: argparse.Namespace, config: EngineConfig, info: ModelInfo) -> None:
-        from pcpstack.registry.client import RegistryClient
+        from pcpstack.registry.client import NodeSession, Resolver
 
         self.args = args
         self.config = config
@@ -90,13 +90,14 @@ class PrefillNode:
             collective_timeout_s=args.collective_timeout,
         )
         self.supervisor = RankSupervisor(self.options, info, self._on_set_failure)
-        self.registry_cls = RegistryClient
+        self.registry_cls = NodeSession
+        self.resolver = Resolver(args.registry)
         self.registry = None
         self.running = None
 
     async def kv_stores(self) -> list[str]:
         """The stores ranks may push to: --kvstore, then those the registry lists (cached when it is down)."""
-        resolved = await self.registry.resolve()
+        resolved = await self.resolver.resolve()
         listed = [store.address for store in resolved.kvstore]
         return [self.args.kvstore, *listed] if self.args.kvstore else listed
 
@@ -188,6 +189,7 @@ class PrefillNode:
                 task.cancel()
             await self.supervisor.stop("node shutting down")
             await self.registry.close()
+            await self.resolver.close()
 
         await serve_until_signalled(self.running, on_stop)
 

@@ -10,7 +10,9 @@ pairs. Rules kept here:
   the slot is re-formed with a new generation from the pool;
 - generations are globally monotonic: every new set gets max(seen) + 1, including generations carried by
   nodes after a restart;
-- a set is routable only once every member reported ready for its generation.
+- a set is routable only once every member reported ready for its generation;
+- a live node id is bound to the session that registered it (the node process's instance token and, with
+  mTLS, its certificate): another session may take the id over only once the first one has ended.
 """
 
 from __future__ import annotations
@@ -19,6 +21,7 @@ import enum
 from dataclasses import asdict, dataclass, field
 
 from pcpstack.common.config import EngineConfig
+from pcpstack.common.errors import FailedPrecondition, InvalidArgument, NotFound
 from pcpstack.registry.assembly import (
     Assignment,
     Candidate,
@@ -28,6 +31,7 @@ from pcpstack.registry.assembly import (
     group_label,
     plan_sets,
 )
+from pcpstack.registry.endpoints import PrefillEndpoint, Resolution, ServiceEndpoint
 
 ROLES = ("prefill", "decode", "kvstore")
 SNAPSHOT_VERSION = 1
@@ -50,12 +54,9 @@ class SetState(enum.Enum):
     BROKEN = "broken"
 
 
-class Refused(Exception):
-    """A request the registry refuses. kind is "invalid_argument", "failed_precondition" or "not_found"."""
-
-    def __init__(self, kind: str, message: str) -> None:
-        super().__init__(message)
-        self.kind = kind
+class NodeIdInUse(FailedPrecondition):
+    """The node id is bound to another live session; it frees up once that session ends (its lease expires
+    or it deregisters), so a restarted node may retry."""
 
 
 @dataclass(frozen=True)
@@ -66,6 +67,8 @@ class Settings:
     assembly_timeout_s: float = 60.0
     restore_grace_s: float = 6.0
     dead_retention_s: float = 600.0
+    # after a (re)start, how long live nodes may take to come back (their sessions retry every 2 s at most)
+    warmup_s: float = 5.0
 
 
 @dataclass(frozen=True)
@@ -80,6 +83,8 @@ class Registration:
     kv_fingerprint: str = ""
     current_assignment: Assignment | None = None
     dist_host: str = ""
+    # who registered: the node process's instance token and, with mTLS, its certificate's names
+    session: str = ""
 
     @property
     def model(self) -> str:
@@ -185,38 +190,6 @@ class SetView:
     model: str
 
 
-@dataclass(frozen=True)
-class PrefillEndpoint:
-    """A routable PCP set."""
-
-    set_id: str
-    generation: int
-    address: str
-    pcp_size: int
-    load: int
-    kv_fingerprint: str
-    model: str
-
-
-@dataclass(frozen=True)
-class ServiceEndpoint:
-    """A routable decode worker or KV store."""
-
-    node_id: str
-    address: str
-    load: int
-    kv_fingerprint: str
-
-
-@dataclass(frozen=True)
-class Resolution:
-    """Where to send work."""
-
-    prefill_sets: list[PrefillEndpoint]
-    decode: list[ServiceEndpoint]
-    kvstore: list[ServiceEndpoint]
-
-
 def split_host_port(address: str) -> tuple[str, int]:
     """("host", port) from "host:port" or "[v6]:port"; raises ValueError when it is not one."""
     host, sep, port = address.rpartition(":")
@@ -308,6 +281,7 @@ class Membership:
         self._sets: dict[str, _Set] = {}
         self._seq = 0
         self._max_generation = 0
+        self._started = now
         self._grace_until = now + settings.restore_grace_s
         self._grace_over = settings.restore_grace_s <= 0
         self._snapshot_restored = snapshot is not None
@@ -318,12 +292,15 @@ class Membership:
 
     def register(self, reg: Registration, now: float) -> tuple[Assignment | None, Outgoing]:
         """Adds or refreshes a node; returns its assignment (if it has one now) and the commands for
-        other nodes. Raises Refused for bad input or a config that disagrees with its peers."""
+        other nodes. Raises InvalidArgument for bad input, FailedPrecondition for a config that disagrees
+        with its peers, and NodeIdInUse when the id is bound to another live session."""
         self._validate(reg)
+        existing = self._nodes.get(reg.node_id)
+        if existing is not None and existing.alive:
+            self._check_session(existing, reg.session, "register")
         group = self._group(reg.role, reg.model)
         self._check_peers(group, reg)
         out: Outgoing = []
-        existing = self._nodes.get(reg.node_id)
         if existing is not None and existing.alive and existing.registration.same_node_as(reg):
             existing.last_seen = now
             if existing.assignment is not None:
@@ -348,9 +325,12 @@ class Membership:
             (nid, c) for nid, c in out if not (nid == reg.node_id and isinstance(c, Assign))
         ]
 
-    def open_session(self, node_id: str, now: float) -> None:
-        """A node opened its Session stream. Raises Refused(not_found) for an unknown or dead node."""
-        self._live_node(node_id).last_seen = now
+    def open_session(self, node_id: str, now: float, session: str = "") -> None:
+        """A node opened its Session stream. Raises NotFound for an unknown or dead node and NodeIdInUse
+        when `session` is not the one that registered it."""
+        node = self._live_node(node_id)
+        self._check_session(node, session, "open a session for")
+        node.last_seen = now
 
     def heartbeat(self, node_id: str, generation: int, load: int, now: float) -> Ack | Refusal:
         """Renews a node's lease and records its load; a non-zero stale generation is refused (the lease
@@ -394,11 +374,14 @@ class Membership:
         self._update_readiness(pcp_set)
         return Ack(current), []
 
-    def deregister(self, node_id: str, now: float) -> tuple[bool, Outgoing]:
-        """Removes a node for good; its set, if any, breaks. Returns whether the node was known."""
+    def deregister(self, node_id: str, now: float, session: str = "") -> tuple[bool, Outgoing]:
+        """Removes a node for good; its set, if any, breaks. Returns whether the node was known. Only the
+        session that registered a live node may remove it (NodeIdInUse otherwise)."""
         node = self._nodes.get(node_id)
         if node is None:
             return False, []
+        if node.alive:
+            self._check_session(node, session, "deregister")
         return True, self._remove(node, f"member {node_id} deregistered", now)
 
     # --- time --------------------------------------------------------------------------------------
@@ -461,7 +444,14 @@ class Membership:
             )
         for found in endpoints.values():
             found.sort(key=lambda e: (e.load, e.node_id))
-        return Resolution(prefill, endpoints["decode"], endpoints["kvstore"])
+        return Resolution(tuple(prefill), tuple(endpoints["decode"]), tuple(endpoints["kvstore"]))
+
+    def warming(self, now: float) -> bool:
+        """True until every node that was alive before a (re)start has had time to come back: during the
+        restore grace, and for warmup_s (at least two leases) after the start. Empty endpoint lists are
+        then not yet the truth."""
+        warmup = max(self.settings.warmup_s, 2 * self.settings.lease_s)
+        return self.restoring or now < self._started + warmup
 
     def nodes(self, now: float) -> list[NodeView]:
         """Every known node, in registration order."""
@@ -554,21 +544,20 @@ class Membership:
 
     def _validate(self, reg: Registration) -> None:
         if not reg.node_id:
-            raise Refused("invalid_argument", "node_id is required (a stable identity of the node)")
+            raise InvalidArgument("node_id is required (a stable identity of the node)")
         if reg.role not in ROLES:
-            raise Refused("invalid_argument", f"role is required: one of {', '.join(ROLES)}")
+            raise InvalidArgument(f"role is required: one of {', '.join(ROLES)}")
         try:
             split_host_port(reg.address)
         except ValueError as exc:
-            raise Refused("invalid_argument", str(exc)) from None
+            raise InvalidArgument(str(exc)) from None
         config = reg.engine_config
         if reg.role != "kvstore" and config is None:
-            raise Refused("invalid_argument", f"engine_config is required for a {reg.role} node")
+            raise InvalidArgument(f"engine_config is required for a {reg.role} node")
         if reg.role == "prefill" and config is not None and reg.device_count:
             needed = config.tensor_parallel_size * config.pcp_ranks_per_node
             if reg.device_count < needed:
-                raise Refused(
-                    "failed_precondition",
+                raise FailedPrecondition(
                     f"device_count={reg.device_count} but tensor_parallel_size="
                     f"{config.tensor_parallel_size} x (prefill_context_parallel_size / nnodes)="
                     f"{config.pcp_ranks_per_node} needs {needed} devices per node",
@@ -584,11 +573,18 @@ class Membership:
         if reg.kv_fingerprint != group.kv_fingerprint:
             differences.append(f"kv_fingerprint={reg.kv_fingerprint!r} (peers: {group.kv_fingerprint!r})")
         if differences:
-            raise Refused(
-                "failed_precondition",
+            raise FailedPrecondition(
                 f"node {reg.node_id} disagrees with its {reg.role} peers of model "
                 f"{reg.model or '(default)'!r} (e.g. {peer.node_id}): {'; '.join(differences)}. Every "
                 f"{reg.role} node of one model must run the same engine config and KV fingerprint",
+            )
+
+    def _check_session(self, node: _Node, session: str, action: str) -> None:
+        if node.registration.session != session:
+            raise NodeIdInUse(
+                f"node_id={node.registration.node_id!r} is bound to the live session of the node at "
+                f"{node.registration.address}; another session cannot {action} it until that session ends "
+                "(its lease expires or it deregisters). Give each node its own --node-id"
             )
 
     def _group(self, role: str, model: str) -> _Group:
@@ -608,11 +604,9 @@ class Membership:
     def _live_node(self, node_id: str) -> _Node:
         node = self._nodes.get(node_id)
         if node is None:
-            raise Refused("not_found", f"node {node_id!r} is not registered; call Register first")
+            raise NotFound(f"node {node_id!r} is not registered; call Register first")
         if not node.alive:
-            raise Refused(
-                "not_found", f"node {node_id!r} was declared dead (missed its lease); register again"
-            )
+            raise NotFound(f"node {node_id!r} was declared dead (missed its lease); register again")
         return node
 
     def _node_state(self, node: _Node) -> NodeState:

@@ -1,4 +1,5 @@
-"""Set routing as plain logic: least loaded, fingerprint filter, cache while the registry is away."""
+"""Set routing as plain policy over the resolver's typed answer: least loaded, fingerprint filter, failed
+sets skipped until the next fresh answer, a clear error when nothing is ready."""
 
 from __future__ import annotations
 
@@ -6,25 +7,15 @@ import asyncio
 
 import pytest
 
+from pcpstack.common.errors import Unavailable
 from pcpstack.decode.router import NoReadySet, SetRouter
-from pcpstack.v1 import registry_pb2
+from pcpstack.registry.endpoints import PrefillEndpoint, Resolution
 
 
-def sets(*entries: tuple[str, int, str]) -> registry_pb2.ResolveResponse:
-    return registry_pb2.ResolveResponse(
-        prefill_sets=[
-            registry_pb2.PrefillSetEndpoint(set_id=s, address=f"{s}:1", load=load, kv_fingerprint=fp)
-            for s, load, fp in entries
-        ]
+def sets(*entries: tuple[str, int, str]) -> Resolution:
+    return Resolution(
+        prefill_sets=tuple(PrefillEndpoint(s, 1, f"{s}:1", 2, load, fp, "") for s, load, fp in entries)
     )
-
-
-class FakeClock:
-    def __init__(self) -> None:
-        self.now = 0.0
-
-    def __call__(self) -> float:
-        return self.now
 
 
 def test_picks_least_loaded_matching_set_and_spreads_a_burst() -> None:
@@ -33,7 +24,7 @@ def test_picks_least_loaded_matching_set_and_spreads_a_burst() -> None:
     async def resolve():
         return answer
 
-    router = SetRouter(resolve, "fp", clock=FakeClock())
+    router = SetRouter(resolve, "fp")
 
     async def scenario() -> list[str]:
         chosen = []
@@ -47,37 +38,34 @@ def test_picks_least_loaded_matching_set_and_spreads_a_burst() -> None:
     assert asyncio.run(scenario()) == ["b", "b", "a", "b"]
 
 
-def test_excluded_and_forgotten_sets_are_skipped() -> None:
-    async def resolve():
-        return sets(("a", 0, "fp"), ("b", 5, "fp"))
+def test_excluded_sets_are_skipped_and_a_forgotten_set_until_a_fresh_answer() -> None:
+    answers = {"current": sets(("a", 0, "fp"), ("b", 5, "fp"))}
 
-    router = SetRouter(resolve, "fp", clock=FakeClock())
+    async def resolve():
+        return answers["current"]
+
+    router = SetRouter(resolve, "fp")
     assert asyncio.run(router.choose(exclude={"a"})).set_id == "b"
-    router.forget("b")
+    router.forget("a")
+    assert asyncio.run(router.choose()).set_id == "b"  # the same (cached) answer: a stays out
+    answers["current"] = sets(("a", 0, "fp"), ("b", 5, "fp"))  # a fresh answer lists a again
     assert asyncio.run(router.choose()).set_id == "a"
+    router.forget("b")
     with pytest.raises(NoReadySet, match="tried"):
         asyncio.run(router.choose(exclude={"a"}))
 
 
-def test_cached_sets_serve_while_the_registry_is_down() -> None:
-    clock = FakeClock()
-    up = {"value": True}
-
+def test_a_registry_with_nothing_cached_is_no_ready_set_naming_the_cause() -> None:
     async def resolve():
-        if not up["value"]:
-            raise ConnectionError("registry down")
-        return sets(("a", 0, "fp"))
+        raise Unavailable("the registry at r:1 is unreachable (UNAVAILABLE) and no endpoints are cached")
 
-    router = SetRouter(resolve, "fp", ttl_s=1.0, clock=clock)
-    assert asyncio.run(router.choose()).set_id == "a"
-    up["value"] = False
-    clock.now = 30.0
-    assert asyncio.run(router.choose()).set_id == "a"
+    with pytest.raises(NoReadySet, match="unreachable"):
+        asyncio.run(SetRouter(resolve, "fp").choose())
 
 
 def test_no_set_at_all_is_a_clear_error() -> None:
     async def resolve():
-        return registry_pb2.ResolveResponse()
+        return Resolution()
 
     with pytest.raises(NoReadySet, match="no ready prefill set"):
-        asyncio.run(SetRouter(resolve, "fp", clock=FakeClock()).choose())
+        asyncio.run(SetRouter(resolve, "fp").choose())

@@ -1,11 +1,10 @@
-"""The registry over real gRPC on loopback, with real RegistryClient instances: assignment, readiness,
-errors, eviction and re-forming, fencing, and a registry process killed and restarted."""
+"""The registry over real gRPC on loopback, with real NodeSession and Resolver instances: assignment,
+readiness, errors, eviction and re-forming, fencing, node ids bound to their sessions, and a registry
+process killed and restarted."""
 
 from __future__ import annotations
 
 import asyncio
-import subprocess
-import sys
 import time
 
 import grpc
@@ -15,10 +14,12 @@ from pcpstack.cli.stack import free_port
 from pcpstack.cli.status import render
 from pcpstack.common.channel import open_channel
 from pcpstack.common.config import EngineConfig
-from pcpstack.registry.client import RegistrationRefused, RegistryClient
+from pcpstack.common.errors import FailedPrecondition
+from pcpstack.registry.client import NodeSession, Resolver
 from pcpstack.registry.membership import Settings
 from pcpstack.registry.server import start_registry
 from pcpstack.v1 import common_pb2, registry_pb2, registry_pb2_grpc
+from tests.registry.support import spawn_registry
 
 pytestmark = pytest.mark.timeout(60)
 FAST = Settings(lease_s=0.6, assembly_timeout_s=0.5, restore_grace_s=0.0)
@@ -29,8 +30,8 @@ def _run(coro):
     return asyncio.run(asyncio.wait_for(coro, 45))
 
 
-def _client(address: str, index: int, config: EngineConfig = CONFIG, **kwargs) -> RegistryClient:
-    return RegistryClient(
+def _client(address: str, index: int, config: EngineConfig = CONFIG, **kwargs) -> NodeSession:
+    return NodeSession(
         address,
         f"node-{index}",
         "prefill",
@@ -42,7 +43,7 @@ def _client(address: str, index: int, config: EngineConfig = CONFIG, **kwargs) -
     )
 
 
-async def _assigned(clients: list[RegistryClient]) -> list[registry_pb2.Assignment]:
+async def _assigned(clients: list[NodeSession]) -> list[registry_pb2.Assignment]:
     assignments = []
     for client in clients:
         command = await client.next_command(timeout=5)
@@ -51,7 +52,7 @@ async def _assigned(clients: list[RegistryClient]) -> list[registry_pb2.Assignme
     return assignments
 
 
-async def _started(address: str, indices, **kwargs) -> list[RegistryClient]:
+async def _started(address: str, indices, **kwargs) -> list[NodeSession]:
     clients = [_client(address, i, **kwargs) for i in indices]
     for client in clients:
         await client.start()
@@ -59,7 +60,7 @@ async def _started(address: str, indices, **kwargs) -> list[RegistryClient]:
     return clients
 
 
-async def _ready(clients: list[RegistryClient]) -> None:
+async def _ready(clients: list[NodeSession]) -> None:
     for client in clients:
         a = client.assignment
         await client.report_status(a.set_id, a.generation, ready=True)
@@ -77,6 +78,7 @@ def test_nodes_get_assignments_and_sets_become_routable_once_ready():
     async def scenario():
         registry = await start_registry(FAST)
         clients = await _started(registry.address, range(4))
+        resolver = Resolver(registry.address)
         try:
             assignments = await _assigned(clients)
             assert [(a.dp_rank, a.node_rank, a.headless) for a in assignments] == [
@@ -87,10 +89,9 @@ def test_nodes_get_assignments_and_sets_become_routable_once_ready():
             ]
             assert assignments[1].master_addr == "127.0.0.1" and assignments[1].master_port == 7100
             assert list(assignments[3].pcp_ranks) == [1]
-            assert (await clients[0].resolve()).prefill_sets == []
+            assert (await resolver.resolve()).prefill_sets == ()
             await _ready(clients)
-            clients[0]._resolved.clear()
-            found = await _until(lambda: _resolved_sets(clients[0]))
+            found = await _until(lambda: _resolved_sets(registry.address))
             assert sorted(e.address for e in found) == ["127.0.0.1:9000", "127.0.0.1:9002"]
             async with open_channel(registry.address) as channel:
                 stub = registry_pb2_grpc.RegistryServiceStub(channel)
@@ -102,18 +103,22 @@ def test_nodes_get_assignments_and_sets_become_routable_once_ready():
         finally:
             for client in clients:
                 await client.close()
+            await resolver.close()
             await registry.stop()
 
     _run(scenario())
 
 
-async def _resolved_sets(client: RegistryClient):
-    """Fresh (uncached) ready sets; none while the registry is unreachable."""
-    client._resolved.clear()
-    try:
-        return list((await client.resolve()).prefill_sets)
-    except grpc.aio.AioRpcError:
-        return []
+async def _resolved_sets(address: str) -> list[registry_pb2.PrefillSetEndpoint]:
+    """The registry's own answer now (no client cache): ready sets; none while it is unreachable."""
+    async with open_channel(address, default_deadline=2.0) as channel:
+        try:
+            answer = await registry_pb2_grpc.RegistryServiceStub(channel).Resolve(
+                registry_pb2.ResolveRequest()
+            )
+        except grpc.aio.AioRpcError:
+            return []
+    return list(answer.prefill_sets)
 
 
 def test_bad_registrations_are_refused_with_the_right_code():
@@ -148,10 +153,8 @@ def test_bad_registrations_are_refused_with_the_right_code():
             (first,) = await _started(registry.address, [0])
             mismatched = _client(registry.address, 1, config=EngineConfig(data_parallel_size=2, nnodes=1))
             await mismatched.start()
-            with pytest.raises(RegistrationRefused) as refused:
+            with pytest.raises(FailedPrecondition, match=r"nnodes=1 \(peers: 2\)"):
                 await mismatched.wait_registered(timeout=5)
-            assert refused.value.code == grpc.StatusCode.FAILED_PRECONDITION
-            assert "nnodes=1 (peers: 2)" in refused.value.details
             await mismatched.close()
             await first.close()
         finally:
@@ -171,7 +174,7 @@ def test_a_silent_member_is_evicted_its_set_stopped_and_reformed_with_a_new_gene
             stop = await clients[0].next_command(timeout=5)
             assert isinstance(stop, registry_pb2.StopCommand) and "node-1 missed its lease" in stop.reason
             assert clients[0].assignment is None
-            found = await _until(lambda: _resolved_sets(clients[2]))
+            found = await _until(lambda: _resolved_sets(registry.address))
             assert [e.set_id for e in found] == [assignments[2].set_id]
             (late,) = await _started(registry.address, [4])
             reformed = (await _assigned([clients[0]]))[0]
@@ -203,7 +206,8 @@ def test_a_stale_generation_status_is_refused_on_the_session():
             a = assignments[0]
             async with open_channel(registry.address) as channel:
                 stub = registry_pb2_grpc.RegistryServiceStub(channel)
-                call = stub.Session(timeout=5)
+                # on behalf of node-0's own session (another session may not speak for node-0)
+                call = stub.Session(timeout=5, metadata=clients[0].call_metadata)
                 await call.write(registry_pb2.SessionRequest(open=registry_pb2.SessionOpen(node_id="node-0")))
                 stale = registry_pb2.RankStatus(set_id=a.set_id, generation=a.generation - 1, ready=True)
                 await call.write(registry_pb2.SessionRequest(status=stale))
@@ -222,16 +226,17 @@ def test_a_stale_generation_status_is_refused_on_the_session():
 def test_decode_and_kvstore_appear_in_resolve_and_an_incomplete_assembly_is_reported():
     async def scenario():
         registry = await start_registry(FAST)
-        decode = RegistryClient(
+        decode = NodeSession(
             registry.address, "dec-0", "decode", "127.0.0.1:9500", EngineConfig(role="decode")
         )
-        store = RegistryClient(registry.address, "kv-0", "kvstore", "127.0.0.1:9600")
+        store = NodeSession(registry.address, "kv-0", "kvstore", "127.0.0.1:9600")
+        resolver = Resolver(registry.address)
         (lonely,) = await _started(registry.address, [0])
         try:
             for client in (decode, store):
                 await client.start()
                 await client.wait_registered(timeout=5)
-            found = await decode.resolve()
+            found = await resolver.resolve()
             assert [e.node_id for e in found.decode] == ["dec-0"] and [e.address for e in found.kvstore] == [
                 "127.0.0.1:9600"
             ]
@@ -241,32 +246,10 @@ def test_decode_and_kvstore_appear_in_resolve_and_an_incomplete_assembly_is_repo
         finally:
             for client in (decode, store, lonely):
                 await client.close(deregister=True)
+            await resolver.close()
             await registry.stop()
 
     _run(scenario())
-
-
-def _spawn_registry(port: int, env: dict[str, str]) -> subprocess.Popen:
-    return subprocess.Popen(
-        [
-            sys.executable,
-            "-m",
-            "pcpstack.cli",
-            "serve",
-            "registry",
-            "--port",
-            str(port),
-            "--lease",
-            "1",
-            "--restore-grace",
-            "3",
-            "--log-level",
-            "WARNING",
-        ],
-        env=env,
-        stdout=subprocess.DEVNULL,
-        stderr=subprocess.DEVNULL,
-    )
 
 
 @pytest.mark.slow
@@ -274,10 +257,11 @@ def test_a_killed_and_restarted_registry_gets_the_same_sets_back_without_relaunc
     port = free_port()
     address = f"127.0.0.1:{port}"
     config = EngineConfig(data_parallel_size=1, nnodes=2, prefill_context_parallel_size=2)
-    procs = [_spawn_registry(port, child_env)]
+    procs = [spawn_registry(port, child_env)]
 
     async def scenario():
-        clients = [_client(address, i, config=config, resolve_ttl_s=0.0) for i in range(2)]
+        clients = [_client(address, i, config=config) for i in range(2)]
+        resolver = Resolver(address, ttl_s=0.0)
         for client in clients:
             await client.start()
         try:
@@ -285,14 +269,15 @@ def test_a_killed_and_restarted_registry_gets_the_same_sets_back_without_relaunc
                 await client.wait_registered(timeout=15)
             assignments = await _assigned(clients)
             await _ready(clients)
-            await _until(lambda: _resolved_sets(clients[0]), timeout=10)
+            await _until(lambda: _resolved_sets(address), timeout=10)
+            assert [e.set_id for e in (await resolver.resolve()).prefill_sets] == [assignments[0].set_id]
             procs[0].kill()
             procs[0].wait()
             # routing continues from the cache while the registry is down
-            cached = await clients[0].resolve()
+            cached = await resolver.resolve()
             assert [e.set_id for e in cached.prefill_sets] == [assignments[0].set_id]
-            procs.append(_spawn_registry(port, child_env))
-            found = await _until(lambda: _resolved_sets(clients[1]), timeout=15)
+            procs.append(spawn_registry(port, child_env))
+            found = await _until(lambda: _resolved_sets(address), timeout=15)
             assert [(e.set_id, e.generation) for e in found] == [
                 (assignments[0].set_id, assignments[0].generation)
             ]
@@ -303,6 +288,7 @@ def test_a_killed_and_restarted_registry_gets_the_same_sets_back_without_relaunc
         finally:
             for client in clients:
                 await client.close()
+            await resolver.close()
 
     try:
         _run(scenario())

@@ -1,0 +1,123 @@
+"""Where to send work, asked of the registry: Resolve with one cache, answered as typed endpoints.
+
+    resolver = Resolver("registry:7000")
+    found = await resolver.resolve()        # Resolution: prefill_sets, decode, kvstore
+    ...
+    await resolver.close()
+
+Decode's set router, the gateway, prefill (its default KV store) and the CLI use it; nothing here registers.
+Answers are reused for ttl_s. While the registry cannot be reached the last answer is served. Just after a
+registry (re)start the registry may not have heard from every live node yet and says so (`warming`); an
+endpoint list that is empty then is not believed: the last non-empty one is kept, so routing goes on from
+the cached endpoints until the nodes are back.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, replace
+
+import grpc
+
+from pcpstack.common.channel import open_channel
+from pcpstack.common.errors import Unavailable
+from pcpstack.common.rpc_errors import error_from_rpc
+from pcpstack.registry.convert import WARMING_METADATA, resolution_from_proto
+from pcpstack.registry.endpoints import Resolution
+from pcpstack.v1 import registry_pb2, registry_pb2_grpc
+
+log = logging.getLogger(__name__)
+
+# Reconnect quickly once a restarted registry listens again (gRPC's default backoff grows to minutes).
+CHANNEL_OPTIONS = (
+    ("grpc.initial_reconnect_backoff_ms", 100),
+    ("grpc.min_reconnect_backoff_ms", 100),
+    ("grpc.max_reconnect_backoff_ms", 1000),
+)
+_TRANSPORT = (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED)
+
+
+@dataclass(frozen=True)
+class _Cached:
+    fetched_at: float
+    answer: Resolution
+
+
+def _kept_while_warming(fresh: Resolution, last: Resolution) -> Resolution:
+    """A warming registry's answer, with each empty list replaced by the last known non-empty one."""
+    return replace(
+        fresh,
+        prefill_sets=fresh.prefill_sets or last.prefill_sets,
+        decode=fresh.decode or last.decode,
+        kvstore=fresh.kvstore or last.kvstore,
+    )
+
+
+class Resolver:
+    """The registry's Resolve, cached per model."""
+
+    def __init__(
+        self,
+        address: str,
+        *,
+        ttl_s: float = 1.0,
+        rpc_deadline_s: float = 5.0,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        self.address = address
+        self._ttl_s = ttl_s
+        self._rpc_deadline_s = rpc_deadline_s
+        self._clock = clock
+        self._cache: dict[str, _Cached] = {}
+        self._channel: grpc.aio.Channel | None = None
+        self._stub: registry_pb2_grpc.RegistryServiceStub | None = None
+
+    async def resolve(self, model: str = "", *, fresh: bool = False) -> Resolution:
+        """Ready prefill sets (least loaded first), decode and KV store endpoints of `model` ("" = all).
+
+        A cached answer younger than ttl_s is reused unless `fresh`. When the registry cannot be reached the
+        last answer is served; with none cached, raises Unavailable (or the kind the registry answered)."""
+        now = self._clock()
+        cached = self._cache.get(model)
+        if cached is not None and not fresh and now - cached.fetched_at < self._ttl_s:
+            return cached.answer
+        try:
+            answer = await self._ask(model)
+        except grpc.aio.AioRpcError as exc:
+            if cached is None:
+                if exc.code() in _TRANSPORT:
+                    raise Unavailable(
+                        f"the registry at {self.address} is unreachable ({exc.code().name}) and no "
+                        "endpoints are cached"
+                    ) from None
+                raise error_from_rpc(exc) from None
+            log.warning(
+                "registry unreachable; serving cached endpoints",
+                extra={"age_s": round(now - cached.fetched_at, 1), "error": exc.code().name},
+            )
+            return cached.answer
+        if answer.warming and cached is not None:
+            answer = _kept_while_warming(answer, cached.answer)
+        self._cache[model] = _Cached(now, answer)
+        return answer
+
+    async def _ask(self, model: str) -> Resolution:
+        if self._stub is None:
+            self._channel = open_channel(
+                self.address, default_deadline=self._rpc_deadline_s, extra_options=CHANNEL_OPTIONS
+            )
+            self._stub = registry_pb2_grpc.RegistryServiceStub(self._channel)
+        call = self._stub.Resolve(registry_pb2.ResolveRequest(model=model), timeout=self._rpc_deadline_s)
+        response = await call
+        trailer = await call.trailing_metadata()
+        warming = any(key == WARMING_METADATA for key, _ in trailer or ())
+        return resolution_from_proto(response, warming)
+
+    async def close(self) -> None:
+        """Closes the channel (a later resolve opens a new one)."""
+        if self._channel is not None:
+            await self._channel.close()
+        self._channel = None
+        self._stub = None
