@@ -11,10 +11,10 @@ import argparse
 import asyncio
 import os
 import subprocess
-import sys
 import time
 from pathlib import Path
 
+from pcpstack.cli.launch import spawn_service
 from pcpstack.cli.stack import free_port
 from pcpstack.common.channel import open_channel
 from pcpstack.common.config import EngineConfig
@@ -90,23 +90,11 @@ def run(args: argparse.Namespace) -> dict:
     if args.nodes < 2 or args.nodes % 2:
         raise SystemExit(f"--nodes={args.nodes} must be an even number >= 2")
     port = free_port()
-    registry = subprocess.Popen(
+    registry = spawn_service(
+        "registry",
         [
-            sys.executable,
-            "-m",
-            "pcpstack.cli",
-            "serve",
-            "registry",
-            "--port",
-            str(port),
-            "--lease",
-            str(args.lease),
-            "--restore-grace",
-            "0",
-            "--assembly-timeout",
-            "600",
-            "--log-level",
-            "WARNING",
+            *("--port", str(port), "--lease", str(args.lease), "--restore-grace", "0"),
+            *("--assembly-timeout", "600", "--log-level", "WARNING"),
         ],
         stdout=subprocess.DEVNULL,
     )

@@ -2,18 +2,16 @@
 
 from __future__ import annotations
 
-import os
 from pathlib import Path
 
 import pytest
+
+from pcpstack.cli import launch
 
 ROOT = Path(__file__).resolve().parent.parent
 
 
 @pytest.fixture
 def child_env() -> dict[str, str]:
-    """Environment for subprocesses: output unbuffered, telemetry exporters off."""
-    env = {k: v for k, v in os.environ.items() if not k.startswith("OTEL_")}
-    env["PYTHONUNBUFFERED"] = "1"
-    env.pop("PCPSTACK_TRACE_FILE", None)
-    return env
+    """Environment for subprocesses: output unbuffered, telemetry exporters off (launch.child_env)."""
+    return launch.child_env(inherit_telemetry=False)

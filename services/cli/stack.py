@@ -15,17 +15,16 @@ import os
 import signal
 import socket
 import subprocess
-import sys
 import tempfile
 import time
 import urllib.request
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from pcpstack.cli.launch import child_env, spawn_service
 from pcpstack.common import security
 from pcpstack.common.channel import open_channel
 from pcpstack.common.config import served_model_name
-from pcpstack.common.tunables import GLIBC_TUNABLES
 from pcpstack.v1 import registry_pb2, registry_pb2_grpc
 
 
@@ -87,24 +86,12 @@ class LocalStack:
         self.gateway_url = ""
 
     def _env(self) -> dict[str, str]:
-        env = dict(os.environ)
-        env["PYTHONUNBUFFERED"] = "1"
-        env.setdefault("GLIBC_TUNABLES", ":".join(GLIBC_TUNABLES))
-        if self.options.trace_file:
-            env["PCPSTACK_TRACE_FILE"] = self.options.trace_file
-        env.update(self.options.extra_env)
-        return env
+        return child_env(trace_file=self.options.trace_file or None, extra=self.options.extra_env)
 
-    def _spawn(self, name: str, address: str, args: list[str]) -> Service:
+    def _spawn(self, name: str, address: str, service_name: str, args: list[str]) -> Service:
+        """Starts `pcpstack serve SERVICE_NAME ARGS` as the stack's process `name`, in its own session."""
         log_path = self._log_dir / f"{name}.log"
-        log = log_path.open("w")
-        process = subprocess.Popen(
-            [sys.executable, "-m", "pcpstack.cli", *args],
-            stdout=log,
-            stderr=subprocess.STDOUT,
-            env=self._env(),
-            start_new_session=True,
-        )
+        process = spawn_service(service_name, args, log=log_path, env=self._env(), start_new_session=True)
         service = Service(name, address, process, log_path)
         self.services.append(service)
         return service
@@ -138,16 +125,16 @@ class LocalStack:
         self._spawn(
             "registry",
             self.registry_address,
-            ["serve", "registry", "--port", str(port), "--lease", str(o.lease_s), "--restore-grace", "0"],
+            "registry",
+            ["--port", str(port), "--lease", str(o.lease_s), "--restore-grace", "0"],
         )
         port = free_port()
         self.kvstore_address = f"127.0.0.1:{port}"
         self._spawn(
             "kvstore",
             self.kvstore_address,
+            "kvstore",
             [
-                "serve",
-                "kvstore",
                 "--port",
                 str(port),
                 "--capacity-bytes",
@@ -165,9 +152,8 @@ class LocalStack:
             self._spawn(
                 f"prefill-{index}",
                 f"{host}:{port}",
+                "prefill",
                 [
-                    "serve",
-                    "prefill",
                     "--registry",
                     self.registry_address,
                     "--host",
@@ -193,8 +179,6 @@ class LocalStack:
             address = f"127.0.0.1:{port}"
             self.decode_addresses.append(address)
             args = [
-                "serve",
-                "decode",
                 "--registry",
                 self.registry_address,
                 "--port",
@@ -206,16 +190,15 @@ class LocalStack:
             ]
             if o.decode_threads:
                 args += ["--threads", str(o.decode_threads)]
-            self._spawn(f"decode-{index}", address, args)
+            self._spawn(f"decode-{index}", address, "decode", args)
         if o.gateway:
             port = free_port()
             self.gateway_url = f"http://127.0.0.1:{port}"
             self._spawn(
                 "gateway",
                 f"127.0.0.1:{port}",
+                "gateway",
                 [
-                    "serve",
-                    "gateway",
                     "--port",
                     str(port),
                     "--registry",

@@ -9,16 +9,20 @@ A config file looks like the seed orchestrator's:
 
 engine_config keys may use hyphens or underscores. Command-line overrides (`key=value`) are applied on
 top. Every rule violation raises ConfigError naming the keys, their values and the rule, so a user knows
-what to change.
+what to change. The `check_*` functions state the rules the services' own configs share (ports, addresses,
+durations, model sources), so every service words them the same way.
 """
 
 from __future__ import annotations
 
 import json
+import math
+import os
 from dataclasses import asdict, dataclass, fields, replace
 from pathlib import Path
 from typing import Any
 
+from pcpstack.common.errors import FailedPrecondition
 from pcpstack.v1 import common_pb2
 
 ROLE_SECTIONS = {
@@ -29,13 +33,79 @@ DEFAULT_BLOCK_SIZE = 128
 TRANSFER_MODES = ("whole", "layerwise")
 
 
-class ConfigError(ValueError):
-    """A configuration that breaks a rule. `keys` are the offending keys, `rule` the rule's statement."""
+class ConfigError(FailedPrecondition, ValueError):
+    """A configuration that breaks a rule. `keys` are the offending keys, `rule` the rule's statement.
+
+    A FailedPrecondition: a node whose config breaks a rule cannot be served as configured (the registry
+    refuses its registration with that status); a ValueError too, for callers that catch bad values.
+    """
 
     def __init__(self, message: str, keys: tuple[str, ...] = (), rule: str = "") -> None:
         super().__init__(message)
         self.keys = keys
         self.rule = rule
+
+    @classmethod
+    def broken(cls, key: str, value: object, rule: str) -> ConfigError:
+        """The error for one key: the message reads `key=value: rule`."""
+        return cls(f"{key}={value!r}: {rule}", (key,), rule)
+
+
+def _is_int(value: object) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _is_number(value: object) -> bool:
+    return (_is_int(value) or isinstance(value, float)) and math.isfinite(value)
+
+
+def check_port(key: str, value: object, allow_zero: bool = True) -> None:
+    """A TCP port to bind: 1..65535, or 0 (any free port) when allow_zero."""
+    low = 0 if allow_zero else 1
+    if not _is_int(value) or not low <= value <= 65535:
+        raise ConfigError.broken(key, value, f"must be a TCP port in {low}..65535")
+
+
+def check_positive(key: str, value: object) -> None:
+    """A size, count or duration that must be > 0."""
+    if not _is_number(value) or value <= 0:
+        raise ConfigError.broken(key, value, "must be > 0")
+
+
+def check_non_negative(key: str, value: object, meaning_of_zero: str = "") -> None:
+    """A size, count or duration that must be >= 0 (0 often means "the default"; say so)."""
+    if not _is_number(value) or value < 0:
+        zero = f" ({meaning_of_zero})" if meaning_of_zero else ""
+        raise ConfigError.broken(key, value, f"must be >= 0{zero}")
+
+
+def check_address(key: str, value: str, required: bool = False) -> None:
+    """A peer to dial, HOST:PORT with a port in 1..65535; empty is allowed unless required."""
+    if not value:
+        if required:
+            raise ConfigError.broken(key, value, "is required (HOST:PORT)")
+        return
+    host, sep, port = value.rpartition(":")
+    if not sep or not host or not port.isdigit() or not 0 < int(port) < 65536:
+        raise ConfigError.broken(key, value, "must be HOST:PORT with a port in 1..65535")
+
+
+def check_model_source(key: str, model: str) -> None:
+    """A model a node can load: empty (the embedded default), 'tiny', a .gguf file or a model folder.
+
+    Checked before anything is loaded, so a mistyped path is refused at once and not after a slow import.
+    """
+    if not model or model == "tiny":
+        return
+    path = Path(model)
+    if path.is_dir():
+        return
+    if path.suffix != ".gguf":
+        raise ConfigError.broken(
+            key, model, "must be empty (the embedded model), 'tiny', a .gguf file or a model folder"
+        )
+    if not path.is_file() or not os.access(path, os.R_OK):
+        raise ConfigError.broken(key, model, "names a .gguf file that does not exist or cannot be read")
 
 
 def _key(name: str) -> str:
@@ -44,8 +114,8 @@ def _key(name: str) -> str:
 
 @dataclass(frozen=True)
 class EngineConfig:
-    """The engine configuration of one node. Sizes are >= 1; call validate() (done by every constructor
-    in this module) before use."""
+    """The engine configuration of one node, validated when built (sizes are >= 1, and DESIGN.md's rules
+    hold between them); an instance that exists is a valid one."""
 
     role: str = "prefill"
     engine_type: str = "pcpstack"
@@ -62,6 +132,9 @@ class EngineConfig:
     # KV heads of the model; needed by the DCP rule for GQA models. 0 = unknown (rule checked later,
     # once the model is loaded).
     num_kv_heads: int = 0
+
+    def __post_init__(self) -> None:
+        self.validate()
 
     @property
     def pcp_size(self) -> int:
@@ -321,8 +394,10 @@ def load_config_file(path: str | Path, overrides: dict[str, Any] | None = None) 
     """Reads a seed-style JSON file; see load_configs."""
     try:
         document = json.loads(Path(path).read_text())
-    except json.JSONDecodeError as exc:
-        raise ConfigError(f"{path}: not valid JSON: {exc}", (), "valid JSON") from exc
+    except OSError as exc:
+        raise ConfigError.broken("config", str(path), f"cannot be read ({exc.strerror or exc})") from None
+    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+        raise ConfigError.broken("config", str(path), f"must hold valid JSON ({exc})") from None
     return load_configs(document, overrides)
 
 

@@ -288,7 +288,8 @@ def add_security_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def security_from_args(args: argparse.Namespace) -> Security:
-    """Loads the flags' settings (environment for the flags not given); exits naming the broken rule."""
+    """Loads the flags' settings (environment for the flags not given); raises SecurityConfigError naming
+    the broken rule (the start-up path, pcpstack.common.startup, turns it into exit status 2)."""
     env = SecuritySettings.from_env()
     settings = SecuritySettings(
         ca_file=env.ca_file if args.tls_ca is None else args.tls_ca,
@@ -300,10 +301,7 @@ def security_from_args(args: argparse.Namespace) -> Security:
     if args.token is not None or args.token_file is not None:
         # A token flag replaces both token variables, so a flag and a stale variable never clash.
         settings = replace(settings, token=args.token or "", token_file=args.token_file or "")
-    try:
-        return load(settings)
-    except SecurityConfigError as exc:
-        raise SystemExit(f"security config error: {exc}") from None
+    return load(settings)
 
 
 # --- the server-side token check --------------------------------------------------------------------------

@@ -1,17 +1,15 @@
 """The one way a pcpstack service starts its gRPC server.
 
 Every server gets the standard health service, server reflection, a bind address that defaults to
-loopback, a configurable message size limit, and a graceful shutdown on SIGTERM/SIGINT (stop taking new
-calls, let running ones finish within a grace period, then cancel the rest). Its security (mutual TLS, the
+loopback, a configurable message size limit, and a graceful stop (health goes NOT_SERVING, no new calls,
+running ones finish within a grace period, then the rest are cancelled); the process around it starts and
+drains through pcpstack.common.startup. Its security (mutual TLS, the
 bearer-token check) is the process's configured one (pcpstack.common.security) unless options give another.
 """
 
 from __future__ import annotations
 
 import asyncio
-import contextlib
-import logging
-import signal
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 
@@ -22,8 +20,7 @@ from grpc_reflection.v1alpha import reflection
 
 from pcpstack.common import security as security_mod
 from pcpstack.common.rpc_errors import ErrorInterceptor
-
-log = logging.getLogger(__name__)
+from pcpstack.common.startup import Serving, serve_until_stopped
 
 DEFAULT_MAX_MESSAGE_BYTES = 64 * 1024 * 1024
 
@@ -122,22 +119,13 @@ async def start_server(
 
 
 async def serve_until_signalled(running: RunningServer, on_stop: Callable[[], object] | None = None) -> None:
-    """Serves until SIGTERM or SIGINT, then shuts down gracefully. on_stop runs first (sync or async)."""
-    loop = asyncio.get_running_loop()
-    stop = asyncio.Event()
-    for sig in (signal.SIGTERM, signal.SIGINT):
-        loop.add_signal_handler(sig, stop.set)
-    waiter = asyncio.ensure_future(running.wait_for_termination())
-    stopper = asyncio.ensure_future(stop.wait())
-    await asyncio.wait([waiter, stopper], return_when=asyncio.FIRST_COMPLETED)
-    if stop.is_set():
-        log.info("signal received; shutting down", extra={"address": running.address})
+    """Serves a bare server until SIGTERM or SIGINT, then shuts it down gracefully; on_stop (sync or async)
+    runs first. Services go through pcpstack.common.startup.run_service, which drains the same way."""
+
+    async def before_stop() -> None:
         if on_stop is not None:
             result = on_stop()
             if asyncio.iscoroutine(result):
                 await result
-        await running.stop()
-    for task in (waiter, stopper):
-        task.cancel()
-        with contextlib.suppress(asyncio.CancelledError):
-            await task
+
+    await serve_until_stopped(Serving.grpc(running, before_stop))

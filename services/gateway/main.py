@@ -8,24 +8,22 @@ workers the registry names.
 from __future__ import annotations
 
 import argparse
-import asyncio
-import signal
+from dataclasses import dataclass
 
-from aiohttp import web
-
-from pcpstack.common import security
-from pcpstack.common.config import DEFAULT_MODEL_NAME
-from pcpstack.common.logs import setup_logging
-from pcpstack.common.telemetry import setup_telemetry, shutdown_telemetry
-from pcpstack.gateway.server import GatewaySettings, create_app
-from pcpstack.gateway.upstream import DecodePool
-
-# The name decode workers serve the default model under (services/decode/main.py, served_model_name).
+from pcpstack.common.config import (
+    DEFAULT_MODEL_NAME,
+    ConfigError,
+    check_address,
+    check_port,
+    check_positive,
+)
+from pcpstack.common.startup import Serving, add_process_arguments, run_service
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     """Flags of `pcpstack serve gateway`."""
-    security.add_security_arguments(parser)
+    # The gateway's metrics are its own HTTP /metrics, so it has no --metrics.
+    add_process_arguments(parser, metrics=False)
     parser.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1)")
     parser.add_argument(
         "--port", type=int, default=8000, help="port to bind (default 8000; 0: any free port)"
@@ -53,37 +51,64 @@ def decode_addresses(values: list[str]) -> list[str]:
     return [address.strip() for value in values for address in value.split(",") if address.strip()]
 
 
-async def serve(args: argparse.Namespace) -> None:
-    """Serves until SIGTERM/SIGINT."""
-    pool = DecodePool(decode_addresses(args.decode), args.registry)
-    app = create_app(pool, GatewaySettings(args.model_name, args.request_timeout))
+@dataclass(frozen=True)
+class GatewayConfig:
+    """The gateway process's configuration, validated when built; errors name the flag."""
+
+    decode: tuple[str, ...] = ()
+    registry: str = ""
+    host: str = "127.0.0.1"
+    port: int = 8000
+    model_name: str = DEFAULT_MODEL_NAME
+    request_timeout: float = 600.0
+
+    def __post_init__(self) -> None:
+        if not self.decode and not self.registry:
+            raise ConfigError(
+                "--decode and --registry are both empty: give --decode HOST:PORT or --registry HOST:PORT",
+                ("--decode", "--registry"),
+                "an upstream is required",
+            )
+        for address in self.decode:
+            check_address("--decode", address)
+        check_address("--registry", self.registry)
+        check_port("--port", self.port)
+        if not self.model_name.strip():
+            raise ConfigError.broken("--model-name", self.model_name, "must not be empty")
+        check_positive("--request-timeout", self.request_timeout)
+
+    @classmethod
+    def from_args(cls, args: argparse.Namespace) -> GatewayConfig:
+        """The config the flags describe."""
+        return cls(
+            decode=tuple(decode_addresses(args.decode)),
+            registry=args.registry,
+            host=args.host,
+            port=args.port,
+            model_name=args.model_name,
+            request_timeout=args.request_timeout,
+        )
+
+
+async def start(config: GatewayConfig) -> Serving:
+    """Starts the HTTP server; draining lets running requests finish and closes the decode pool."""
+    from aiohttp import web
+
+    from pcpstack.gateway.server import GatewaySettings, create_app
+    from pcpstack.gateway.upstream import DecodePool
+
+    pool = DecodePool(list(config.decode), config.registry)
+    app = create_app(pool, GatewaySettings(config.model_name, config.request_timeout))
     # handler_cancellation: a client that hangs up cancels its handler, and so its decode request.
     runner = web.AppRunner(app, access_log=None, handler_cancellation=True)
     await runner.setup()
-    site = web.TCPSite(runner, args.host, args.port)
+    site = web.TCPSite(runner, config.host, config.port)
     await site.start()
     port = runner.addresses[0][1]
-    print(f"gateway listening on http://{args.host}:{port}/v1 (model {args.model_name})", flush=True)
-    stop = asyncio.Event()
-    loop = asyncio.get_running_loop()
-    for sig in (signal.SIGTERM, signal.SIGINT):
-        loop.add_signal_handler(sig, stop.set)
-    try:
-        await stop.wait()
-    finally:
-        await runner.cleanup()
+    print(f"gateway listening on http://{config.host}:{port}/v1 (model {config.model_name})", flush=True)
+    return Serving(runner.cleanup)
 
 
 def run(args: argparse.Namespace) -> int:
     """Entry point of `pcpstack serve gateway`."""
-    setup_logging("gateway")
-    security.configure(security.security_from_args(args))
-    if not decode_addresses(args.decode) and not args.registry:
-        print("config error: give --decode HOST:PORT or --registry HOST:PORT", flush=True)
-        return 2
-    setup_telemetry("gateway")
-    try:
-        asyncio.run(serve(args))
-    finally:
-        shutdown_telemetry()
-    return 0
+    return run_service("gateway", args, GatewayConfig.from_args, start)

@@ -7,28 +7,36 @@ messages are ~5x faster with them).
 from __future__ import annotations
 
 import argparse
-import asyncio
 import logging
+import os
 import socket
-import sys
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
-from pcpstack.common import security
-from pcpstack.common.logs import setup_logging
-from pcpstack.common.server import DEFAULT_MAX_MESSAGE_BYTES, ServerOptions, serve_until_signalled
-from pcpstack.common.telemetry import setup_telemetry, shutdown_telemetry
-from pcpstack.common.tunables import ensure_glibc_tunables
+from pcpstack.common.config import ConfigError, check_address, check_port, check_positive
+from pcpstack.common.server import DEFAULT_MAX_MESSAGE_BYTES, ServerOptions
+from pcpstack.common.startup import Serving, add_process_arguments, run_service
+
+if TYPE_CHECKING:
+    from pcpstack.kvstore.server import KvStoreServerConfig
 
 log = logging.getLogger(__name__)
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     """Adds the store's options to `pcpstack serve kvstore`."""
-    security.add_security_arguments(parser)
+    add_process_arguments(parser)
     parser.add_argument("--host", default="127.0.0.1", help="address to bind (default: loopback only)")
     parser.add_argument("--port", type=int, default=50053, help="port to bind (0: any free port)")
     parser.add_argument("--capacity-bytes", type=int, default=8 << 30, help="memory budget for objects")
     parser.add_argument(
         "--default-lease-ms", type=int, default=60_000, help="pin lease when a put gives none"
+    )
+    parser.add_argument(
+        "--max-lease-ms",
+        type=int,
+        default=None,
+        help="longest pin lease a writer may ask for (default: the store's)",
     )
     parser.add_argument("--shm-dir", default="/dev/shm", help="tmpfs directory for the store's segments")
     parser.add_argument(
@@ -42,54 +50,112 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--advertise", default="", help="host other nodes reach this store at (default: --host)"
     )
     parser.add_argument("--node-id", default="", help="stable node identity (default: hostname-port)")
-    parser.add_argument("--metrics", default="", metavar="HOST:PORT", help="serve Prometheus metrics here")
+
+
+@dataclass(frozen=True)
+class KvStoreConfig:
+    """The KV store process's configuration, validated when built; errors name the flag."""
+
+    host: str = "127.0.0.1"
+    port: int = 50053
+    capacity_bytes: int = 8 << 30
+    default_lease_ms: int = 60_000
+    # None: the store's own limit.
+    max_lease_ms: int | None = None
+    shm_dir: str = "/dev/shm"
+    reap_interval_s: float = 0.5
+    max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES
+    registry: str = ""
+    advertise: str = ""
+    node_id: str = ""
+
+    def __post_init__(self) -> None:
+        check_port("--port", self.port)
+        check_positive("--capacity-bytes", self.capacity_bytes)
+        check_positive("--default-lease-ms", self.default_lease_ms)
+        if self.max_lease_ms is not None:
+            check_positive("--max-lease-ms", self.max_lease_ms)
+            if self.default_lease_ms > self.max_lease_ms:
+                raise ConfigError(
+                    f"--default-lease-ms={self.default_lease_ms} and --max-lease-ms={self.max_lease_ms}: "
+                    "the default lease must not exceed the longest one",
+                    ("--default-lease-ms", "--max-lease-ms"),
+                    "default lease <= max lease",
+                )
+        check_positive("--reap-interval-s", self.reap_interval_s)
+        check_positive("--max-message-bytes", self.max_message_bytes)
+        check_address("--registry", self.registry)
+        if not os.path.isdir(self.shm_dir) or not os.access(self.shm_dir, os.W_OK | os.X_OK):
+            raise ConfigError.broken("--shm-dir", self.shm_dir, "must be a writable folder (a tmpfs)")
+        self.server_config()
+
+    @classmethod
+    def from_args(cls, args: argparse.Namespace) -> KvStoreConfig:
+        """The config the flags describe."""
+        return cls(
+            host=args.host,
+            port=args.port,
+            capacity_bytes=args.capacity_bytes,
+            default_lease_ms=args.default_lease_ms,
+            max_lease_ms=args.max_lease_ms,
+            shm_dir=args.shm_dir,
+            reap_interval_s=args.reap_interval_s,
+            max_message_bytes=args.max_message_bytes,
+            registry=args.registry,
+            advertise=args.advertise,
+            node_id=args.node_id,
+        )
+
+    def server_config(self) -> KvStoreServerConfig:
+        """The store server's own config; a rule it adds that these flags break is a ConfigError too."""
+        from pcpstack.kvstore.server import KvStoreServerConfig
+
+        limits = {} if self.max_lease_ms is None else {"max_lease_ms": self.max_lease_ms}
+        try:
+            return KvStoreServerConfig(
+                capacity_bytes=self.capacity_bytes,
+                default_lease_ms=self.default_lease_ms,
+                shm_dir=self.shm_dir,
+                reap_interval_s=self.reap_interval_s,
+                **limits,
+            )
+        except ValueError as exc:
+            raise ConfigError(f"kvstore: {exc}", (), "store limits") from None
+
+    def server_options(self) -> ServerOptions:
+        """Where the store listens."""
+        return ServerOptions(self.host, self.port, self.max_message_bytes)
+
+
+async def start(config: KvStoreConfig) -> Serving:
+    """Starts the store (and its registration); draining deregisters first, then stops the server."""
+    from pcpstack.kvstore.server import serve
+
+    server = await serve(config.server_config(), config.server_options())
+    log.info("kvstore serving", extra={"address": server.address, "capacity_bytes": config.capacity_bytes})
+    # The address line on stdout lets a parent that asked for port 0 find the store.
+    print(f"kvstore listening on {server.address}", flush=True)
+    registry = None
+    if config.registry:
+        from pcpstack.registry.client import NodeSession
+
+        port = server.address.rsplit(":", 1)[1]
+        registry = NodeSession(
+            config.registry,
+            node_id=config.node_id or f"{socket.gethostname()}-kvstore-{port}",
+            role="kvstore",
+            advertised_address=f"{config.advertise or config.host}:{port}",
+        )
+        await registry.start()
+
+    async def drain() -> None:
+        if registry is not None:
+            await registry.close(deregister=True)
+        await server.stop()
+
+    return Serving(drain, server.running.wait_for_termination())
 
 
 def run(args: argparse.Namespace) -> int:
     """Serves until SIGTERM or SIGINT; returns the exit status."""
-    ensure_glibc_tunables()
-    setup_logging("kvstore")
-    security.configure(security.security_from_args(args))
-    setup_telemetry("kvstore", metrics_address=args.metrics)
-    from pcpstack.kvstore.server import KvStoreServerConfig, serve
-
-    try:
-        config = KvStoreServerConfig(
-            capacity_bytes=args.capacity_bytes,
-            default_lease_ms=args.default_lease_ms,
-            shm_dir=args.shm_dir,
-            reap_interval_s=args.reap_interval_s,
-        )
-    except ValueError as exc:
-        print(f"kvstore: {exc}", file=sys.stderr)
-        return 2
-
-    async def main() -> None:
-        server = await serve(config, ServerOptions(args.host, args.port, args.max_message_bytes))
-        log.info(
-            "kvstore serving", extra={"address": server.address, "capacity_bytes": config.capacity_bytes}
-        )
-        # The address line on stdout lets a parent that asked for port 0 find the store.
-        print(f"kvstore listening on {server.address}", flush=True)
-        registry = None
-        if args.registry:
-            from pcpstack.registry.client import NodeSession
-
-            port = server.address.rsplit(":", 1)[1]
-            registry = NodeSession(
-                args.registry,
-                node_id=args.node_id or f"{socket.gethostname()}-kvstore-{port}",
-                role="kvstore",
-                advertised_address=f"{args.advertise or args.host}:{port}",
-            )
-            await registry.start()
-        try:
-            await serve_until_signalled(server.running)
-        finally:
-            if registry is not None:
-                await registry.close(deregister=True)
-            await server.stop()
-            shutdown_telemetry()
-
-    asyncio.run(main())
-    return 0
+    return run_service("kvstore", args, KvStoreConfig.from_args, start, glibc_tunables=True)

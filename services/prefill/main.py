@@ -2,7 +2,8 @@
 
 The node registers with the registry, receives its PCP set assignment, starts its local rank processes and,
 on the set's master, serves Prefill. It keeps doing so across set failures: when told to stop it returns to
-the pool and waits for the next assignment.
+the pool and waits for the next assignment. The flags become a PrefillConfig, checked before torch and the
+model are loaded (they are imported when the node starts), so a bad flag is refused at once.
 """
 
 from __future__ import annotations
@@ -11,23 +12,32 @@ import argparse
 import asyncio
 import logging
 import socket
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
-from pcpstack.common import security
-from pcpstack.common.config import ConfigError, EngineConfig, parse_overrides, role_config
-from pcpstack.common.logs import setup_logging
-from pcpstack.common.server import ServerOptions, serve_until_signalled, start_server
-from pcpstack.common.telemetry import setup_telemetry, shutdown_telemetry
-from pcpstack.common.tunables import ensure_glibc_tunables
-from pcpstack.prefill.node import ModelInfo, NodeOptions, RankSupervisor, RunningSet, SetUnavailable
-from pcpstack.prefill.server import SERVICE_NAME, PrefillServicer
-from pcpstack.v1 import prefill_pb2_grpc, registry_pb2
+from pcpstack.common.config import (
+    ConfigError,
+    EngineConfig,
+    check_address,
+    check_model_source,
+    check_non_negative,
+    check_port,
+    check_positive,
+    parse_overrides,
+    role_config,
+)
+from pcpstack.common.server import DEFAULT_MAX_MESSAGE_BYTES, ServerOptions, start_server
+from pcpstack.common.startup import Serving, add_process_arguments, run_service
+
+if TYPE_CHECKING:
+    from pcpstack.prefill.node import ModelInfo, RunningSet
 
 log = logging.getLogger(__name__)
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     """Flags of `pcpstack serve prefill`."""
-    security.add_security_arguments(parser)
+    add_process_arguments(parser)
     parser.add_argument("--registry", required=True, help="registry address HOST:PORT")
     parser.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1)")
     parser.add_argument("--port", type=int, default=0, help="port to bind (default: any free port)")
@@ -55,8 +65,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--collective-timeout", type=float, default=120.0, help="seconds before a collective fails"
     )
-    parser.add_argument("--max-message-bytes", type=int, default=64 * 1024 * 1024)
-    parser.add_argument("--metrics", default="", metavar="HOST:PORT", help="serve Prometheus metrics here")
+    parser.add_argument("--max-message-bytes", type=int, default=DEFAULT_MAX_MESSAGE_BYTES)
 
 
 def resolve_config(args: argparse.Namespace) -> EngineConfig:
@@ -64,42 +73,94 @@ def resolve_config(args: argparse.Namespace) -> EngineConfig:
     return role_config("prefill", args.config, parse_overrides(args.set), args.model)
 
 
-class PrefillNode:
-    """Glue between the registry session, the rank supervisor and the gRPC server."""
+@dataclass(frozen=True)
+class PrefillConfig:
+    """A prefill node's configuration, validated when built (before any model is loaded)."""
 
-    def __init__(self, args: argparse.Namespace, config: EngineConfig, info: ModelInfo) -> None:
-        from pcpstack.registry.client import NodeSession, Resolver
+    registry: str
+    engine: EngineConfig
+    host: str = "127.0.0.1"
+    port: int = 0
+    advertise: str = ""
+    node_id: str = ""
+    # 0: pcp / nnodes.
+    local_ranks: int = 0
+    threads_per_rank: int = 1
+    kvstore: str = ""
+    kv_lease_ms: int = 0
+    collective_timeout: float = 120.0
+    max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES
 
-        self.args = args
-        self.config = config
-        self.info = info
-        local_ranks = args.local_ranks or config.pcp_ranks_per_node
-        if local_ranks != config.pcp_ranks_per_node:
+    def __post_init__(self) -> None:
+        check_address("--registry", self.registry, required=True)
+        check_address("--kvstore", self.kvstore)
+        check_port("--port", self.port)
+        check_model_source("model", self.engine.model)
+        check_non_negative("--local-ranks", self.local_ranks, "0: pcp / nnodes")
+        if self.local_ranks and self.local_ranks != self.engine.pcp_ranks_per_node:
+            engine = self.engine
             raise ConfigError(
-                f"--local-ranks={local_ranks} but prefill_context_parallel_size={config.pcp_size} / "
-                f"nnodes={config.nnodes} = {config.pcp_ranks_per_node} ranks per node",
+                f"--local-ranks={self.local_ranks} but prefill_context_parallel_size={engine.pcp_size} / "
+                f"nnodes={engine.nnodes} = {engine.pcp_ranks_per_node} ranks per node",
                 ("local_ranks", "prefill_context_parallel_size", "nnodes"),
                 "local ranks == pcp / nnodes",
             )
-        self.options = NodeOptions(
-            model=config.model or None,
-            block_size=config.block_size,
-            advertised_host=args.advertise or args.host,
-            local_ranks=local_ranks,
+        check_positive("--threads-per-rank", self.threads_per_rank)
+        check_non_negative("--kv-lease-ms", self.kv_lease_ms, "0: the store's default")
+        check_positive("--collective-timeout", self.collective_timeout)
+        check_positive("--max-message-bytes", self.max_message_bytes)
+
+    @classmethod
+    def from_args(cls, args: argparse.Namespace) -> PrefillConfig:
+        """The config the flags (and the config file they name) describe."""
+        return cls(
+            registry=args.registry,
+            engine=resolve_config(args),
+            host=args.host,
+            port=args.port,
+            advertise=args.advertise,
+            node_id=args.node_id,
+            local_ranks=args.local_ranks,
             threads_per_rank=args.threads_per_rank,
-            collective_timeout_s=args.collective_timeout,
+            kvstore=args.kvstore,
+            kv_lease_ms=args.kv_lease_ms,
+            collective_timeout=args.collective_timeout,
+            max_message_bytes=args.max_message_bytes,
+        )
+
+    @property
+    def advertised_host(self) -> str:
+        """The host other nodes reach this one at."""
+        return self.advertise or self.host
+
+
+class PrefillNode:
+    """Glue between the registry session, the rank supervisor and the gRPC server."""
+
+    def __init__(self, config: PrefillConfig, engine: EngineConfig, info: ModelInfo) -> None:
+        from pcpstack.prefill.node import NodeOptions, RankSupervisor
+
+        self.config = config
+        self.engine = engine
+        self.info = info
+        self.options = NodeOptions(
+            model=engine.model or None,
+            block_size=engine.block_size,
+            advertised_host=config.advertised_host,
+            local_ranks=config.local_ranks or engine.pcp_ranks_per_node,
+            threads_per_rank=config.threads_per_rank,
+            collective_timeout_s=config.collective_timeout,
         )
         self.supervisor = RankSupervisor(self.options, info, self._on_set_failure)
-        self.registry_cls = NodeSession
-        self.resolver = Resolver(args.registry)
         self.registry = None
+        self.resolver = None
         self.running = None
 
     async def kv_stores(self) -> list[str]:
         """The stores ranks may push to: --kvstore, then those the registry lists (cached when it is down)."""
         resolved = await self.resolver.resolve()
         listed = [store.address for store in resolved.kvstore]
-        return [self.args.kvstore, *listed] if self.args.kvstore else listed
+        return [self.config.kvstore, *listed] if self.config.kvstore else listed
 
     def _on_set_failure(self, running: RunningSet, reason: str) -> None:
         asyncio.get_running_loop().create_task(self._handle_failure(running, reason))
@@ -111,10 +172,15 @@ class PrefillNode:
         await self.supervisor.stop(reason)
 
     async def _set_health(self, serving: bool) -> None:
+        from pcpstack.prefill.server import SERVICE_NAME
+
         if self.running is not None:
             await self.running.set_serving(SERVICE_NAME, serving)
 
     async def _follow_commands(self) -> None:
+        from pcpstack.prefill.node import SetUnavailable
+        from pcpstack.v1 import registry_pb2
+
         async for command in self.registry.commands():
             if isinstance(command, registry_pb2.AssignCommand):
                 assignment = command.assignment
@@ -155,26 +221,30 @@ class PrefillNode:
             await asyncio.sleep(1.0)
             self.supervisor.check_progress(stale_after_s=max(10.0, 5 * self.options.idle_tick_s))
 
-    async def serve(self) -> None:
-        """Runs until SIGTERM/SIGINT."""
-        servicer = PrefillServicer(self.supervisor, self.info, self.kv_stores, self.args.kv_lease_ms)
+    async def start(self) -> Serving:
+        """Serves Prefill, registers, and follows the registry's commands; draining stops the ranks."""
+        from pcpstack.prefill.server import SERVICE_NAME, PrefillServicer
+        from pcpstack.registry.client import NodeSession, Resolver
+        from pcpstack.v1 import prefill_pb2_grpc
+
+        config = self.config
+        self.resolver = Resolver(config.registry)
+        servicer = PrefillServicer(self.supervisor, self.info, self.kv_stores, config.kv_lease_ms)
         self.running = await start_server(
             lambda server: prefill_pb2_grpc.add_PrefillServiceServicer_to_server(servicer, server),
             [SERVICE_NAME],
-            ServerOptions(
-                host=self.args.host, port=self.args.port, max_message_bytes=self.args.max_message_bytes
-            ),
+            ServerOptions(host=config.host, port=config.port, max_message_bytes=config.max_message_bytes),
         )
         await self._set_health(False)
-        address = f"{self.options.advertised_host}:{self.running.port}"
-        node_id = self.args.node_id or f"{socket.gethostname()}-prefill-{self.running.port}"
-        self.registry = self.registry_cls(
-            self.args.registry,
+        address = f"{config.advertised_host}:{self.running.port}"
+        node_id = config.node_id or f"{socket.gethostname()}-prefill-{self.running.port}"
+        self.registry = NodeSession(
+            config.registry,
             node_id=node_id,
             role="prefill",
             advertised_address=address,
-            dist_host=self.options.advertised_host,
-            engine_config=self.config,
+            dist_host=config.advertised_host,
+            engine_config=self.engine,
             kv_fingerprint=self.info.fingerprint,
             device_count=self.options.local_ranks,
             load=lambda: self.supervisor.load,
@@ -184,31 +254,28 @@ class PrefillNode:
         print(f"prefill node {node_id} listening on {address}", flush=True)
         tasks = [asyncio.create_task(self._follow_commands()), asyncio.create_task(self._watch_progress())]
 
-        async def on_stop() -> None:
+        async def before_stop() -> None:
             for task in tasks:
                 task.cancel()
             await self.supervisor.stop("node shutting down")
             await self.registry.close()
             await self.resolver.close()
 
-        await serve_until_signalled(self.running, on_stop)
+        return Serving.grpc(self.running, before_stop)
+
+
+async def start(config: PrefillConfig) -> Serving:
+    """Reads the model's shape (the GQA rules need it), then starts the node."""
+    from pcpstack.prefill.node import ModelInfo
+
+    engine = config.engine
+    try:
+        info = ModelInfo.probe(engine.model or None, engine.block_size)
+    except (OSError, ValueError) as exc:
+        raise ConfigError.broken("model", engine.model, f"cannot be loaded ({exc})") from None
+    return await PrefillNode(config, engine.with_model_shape(info.num_kv_heads), info).start()
 
 
 def run(args: argparse.Namespace) -> int:
     """Entry point of `pcpstack serve prefill`."""
-    ensure_glibc_tunables()
-    setup_logging("prefill")
-    security.configure(security.security_from_args(args))
-    try:
-        config = resolve_config(args)
-        info = ModelInfo.probe(config.model or None, config.block_size)
-        config = config.with_model_shape(info.num_kv_heads)
-    except ConfigError as exc:
-        print(f"config error: {exc}", flush=True)
-        return 2
-    setup_telemetry("prefill", metrics_address=args.metrics)
-    try:
-        asyncio.run(PrefillNode(args, config, info).serve())
-    finally:
-        shutdown_telemetry()
-    return 0
+    return run_service("prefill", args, PrefillConfig.from_args, start, glibc_tunables=True)

@@ -3,16 +3,14 @@
 from __future__ import annotations
 
 import argparse
-import asyncio
 import logging
+from dataclasses import dataclass
 from pathlib import Path
 
-from pcpstack.common import security
-from pcpstack.common.logs import setup_logging
-from pcpstack.common.server import DEFAULT_MAX_MESSAGE_BYTES, ServerOptions, serve_until_signalled
-from pcpstack.common.telemetry import setup_telemetry, shutdown_telemetry
+from pcpstack.common.config import ConfigError, check_non_negative, check_port, check_positive
+from pcpstack.common.server import DEFAULT_MAX_MESSAGE_BYTES, ServerOptions
+from pcpstack.common.startup import Serving, add_process_arguments, run_service
 from pcpstack.registry.membership import Settings
-from pcpstack.registry.server import start_registry
 
 log = logging.getLogger(__name__)
 DEFAULT_PORT = 7000
@@ -20,7 +18,7 @@ DEFAULT_PORT = 7000
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     """The registry's command-line options."""
-    security.add_security_arguments(parser)
+    add_process_arguments(parser)
     parser.add_argument(
         "--verify-peer-address",
         action=argparse.BooleanOptionalAction,
@@ -50,36 +48,68 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--snapshot", type=Path, default=None, help="file to keep a snapshot in, so a restart is faster"
     )
     parser.add_argument("--max-message-bytes", type=int, default=DEFAULT_MAX_MESSAGE_BYTES)
-    parser.add_argument("--log-level", default="INFO")
-    parser.add_argument("--metrics", default="", metavar="HOST:PORT", help="serve Prometheus metrics here")
 
 
-def settings_from_args(args: argparse.Namespace) -> Settings:
-    """Settings from parsed options; refuses non-positive durations with a message naming the option."""
-    for name in ("lease", "assembly_timeout"):
-        if getattr(args, name) <= 0:
-            raise SystemExit(f"--{name.replace('_', '-')}={getattr(args, name)} must be > 0")
-    grace = 2 * args.lease if args.restore_grace is None else args.restore_grace
-    if grace < 0:
-        raise SystemExit(f"--restore-grace={grace} must be >= 0")
-    return Settings(lease_s=args.lease, assembly_timeout_s=args.assembly_timeout, restore_grace_s=grace)
+@dataclass(frozen=True)
+class RegistryConfig:
+    """The registry process's configuration, validated when built; errors name the flag."""
+
+    host: str = "127.0.0.1"
+    port: int = DEFAULT_PORT
+    lease: float = 3.0
+    assembly_timeout: float = 60.0
+    # None: 2 x lease.
+    restore_grace: float | None = None
+    snapshot: Path | None = None
+    verify_peer_address: bool = True
+    max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES
+
+    def __post_init__(self) -> None:
+        check_port("--port", self.port)
+        check_positive("--lease", self.lease)
+        check_positive("--assembly-timeout", self.assembly_timeout)
+        if self.restore_grace is not None:
+            check_non_negative("--restore-grace", self.restore_grace)
+        check_positive("--max-message-bytes", self.max_message_bytes)
+        if self.snapshot is not None and not self.snapshot.parent.is_dir():
+            raise ConfigError.broken("--snapshot", str(self.snapshot), "must be a file in an existing folder")
+
+    @classmethod
+    def from_args(cls, args: argparse.Namespace) -> RegistryConfig:
+        """The config the flags describe."""
+        return cls(
+            host=args.host,
+            port=args.port,
+            lease=args.lease,
+            assembly_timeout=args.assembly_timeout,
+            restore_grace=args.restore_grace,
+            snapshot=args.snapshot,
+            verify_peer_address=args.verify_peer_address,
+            max_message_bytes=args.max_message_bytes,
+        )
+
+    def settings(self) -> Settings:
+        """The registry core's timing."""
+        grace = 2 * self.lease if self.restore_grace is None else self.restore_grace
+        return Settings(lease_s=self.lease, assembly_timeout_s=self.assembly_timeout, restore_grace_s=grace)
+
+    def server_options(self) -> ServerOptions:
+        """Where the registry listens."""
+        return ServerOptions(host=self.host, port=self.port, max_message_bytes=self.max_message_bytes)
 
 
-async def _serve(args: argparse.Namespace) -> None:
-    settings = settings_from_args(args)
-    options = ServerOptions(host=args.host, port=args.port, max_message_bytes=args.max_message_bytes)
-    registry = await start_registry(settings, options, args.snapshot, args.verify_peer_address)
+async def start(config: RegistryConfig) -> Serving:
+    """Starts the registry; draining stops its clock and then its server."""
+    from pcpstack.registry.server import start_registry
+
+    settings = config.settings()
+    registry = await start_registry(
+        settings, config.server_options(), config.snapshot, config.verify_peer_address
+    )
     log.info("registry serving", extra={"address": registry.address, "lease_s": settings.lease_s})
-    await serve_until_signalled(registry.running, registry.stop)
+    return Serving.grpc(registry.running, registry.stop)
 
 
 def run(args: argparse.Namespace) -> int:
     """Serves until signalled; returns the exit status."""
-    setup_logging("registry", args.log_level)
-    security.configure(security.security_from_args(args))
-    setup_telemetry("registry", metrics_address=args.metrics)
-    try:
-        asyncio.run(_serve(args))
-    finally:
-        shutdown_telemetry()
-    return 0
+    return run_service("registry", args, RegistryConfig.from_args, start)

@@ -1,14 +1,26 @@
-"""Configuration: seed-style JSON in, typed config out, and every DESIGN.md rule enforced both ways."""
+"""Configuration: seed-style JSON in, typed config out, and every configuration rule (docs/architecture.md)
+enforced both ways."""
 
 from __future__ import annotations
 
 import json
 import subprocess
-import sys
 
 import pytest
 
-from pcpstack.common.config import ConfigError, EngineConfig, load_configs, parse_overrides
+from pcpstack.cli.launch import cli_command
+from pcpstack.common.config import (
+    ConfigError,
+    EngineConfig,
+    check_address,
+    check_model_source,
+    check_port,
+    check_positive,
+    load_config_file,
+    load_configs,
+    parse_overrides,
+)
+from pcpstack.common.errors import FailedPrecondition
 
 SEED = {
     "motor_engine_prefill_config": {
@@ -126,7 +138,7 @@ def test_config_check_cli_prints_resolution_and_exits_2_on_violation(tmp_path, c
     good = tmp_path / "good.json"
     good.write_text(json.dumps(SEED))
     run = subprocess.run(
-        [sys.executable, "-m", "pcpstack.cli", "config", "check", str(good)],
+        cli_command("config", "check", str(good)),
         capture_output=True,
         text=True,
         env=child_env,
@@ -139,7 +151,7 @@ def test_config_check_cli_prints_resolution_and_exits_2_on_violation(tmp_path, c
     seed["motor_engine_prefill_config"]["engine_config"]["nnodes"] = 3
     bad.write_text(json.dumps(seed))
     run = subprocess.run(
-        [sys.executable, "-m", "pcpstack.cli", "config", "check", str(bad)],
+        cli_command("config", "check", str(bad)),
         capture_output=True,
         text=True,
         env=child_env,
@@ -148,3 +160,54 @@ def test_config_check_cli_prints_resolution_and_exits_2_on_violation(tmp_path, c
     assert run.returncode == 2
     assert "nnodes=3" in run.stderr and "prefill_context_parallel_size=2" in run.stderr
     assert len(run.stderr.strip().splitlines()) == 1, run.stderr
+
+
+def test_an_engine_config_is_validated_when_built() -> None:
+    with pytest.raises(ConfigError, match="nnodes=0 must be an integer >= 1"):
+        EngineConfig(nnodes=0)
+
+
+def test_config_error_is_a_failed_precondition_naming_key_value_and_rule() -> None:
+    error = ConfigError.broken("--port", -1, "must be a TCP port in 0..65535")
+    assert isinstance(error, FailedPrecondition) and error.code == "FAILED_PRECONDITION"
+    assert str(error) == "--port=-1: must be a TCP port in 0..65535"
+    assert error.keys == ("--port",)
+
+
+@pytest.mark.parametrize(
+    ("check", "value", "rule"),
+    [
+        (check_port, -1, "TCP port in 0..65535"),
+        (check_port, 65536, "TCP port in 0..65535"),
+        (check_port, True, "TCP port in 0..65535"),
+        (check_positive, 0, "must be > 0"),
+        (check_positive, float("nan"), "must be > 0"),
+        (check_address, "no-port", "HOST:PORT"),
+        (check_address, "host:0", "HOST:PORT"),
+        (check_model_source, "/nowhere/model.gguf", "does not exist"),
+        (check_model_source, "/nowhere/model.bin", "a .gguf file or a model folder"),
+    ],
+)
+def test_shared_rules_refuse_naming_the_key_and_value(check, value, rule: str) -> None:
+    with pytest.raises(ConfigError, match=rule) as info:
+        check("--key", value)
+    assert str(info.value).startswith(f"--key={value!r}")
+
+
+def test_shared_rules_accept_valid_values(tmp_path) -> None:
+    check_port("--port", 0)
+    check_positive("--lease", 0.5)
+    check_address("--registry", "10.0.0.1:7000")
+    check_address("--kvstore", "")  # optional unless required
+    check_model_source("--model", "")
+    check_model_source("--model", "tiny")
+    check_model_source("--model", str(tmp_path))  # a model folder
+
+
+def test_a_config_file_that_cannot_be_read_or_parsed_is_a_config_error(tmp_path) -> None:
+    with pytest.raises(ConfigError, match="cannot be read"):
+        load_config_file(tmp_path / "missing.json")
+    broken = tmp_path / "broken.json"
+    broken.write_text("{not json")
+    with pytest.raises(ConfigError, match="must hold valid JSON"):
+        load_config_file(broken)

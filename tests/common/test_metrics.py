@@ -5,12 +5,12 @@ from __future__ import annotations
 import asyncio
 import re
 import subprocess
-import sys
 import time
 import urllib.request
 
 import pytest
 
+from pcpstack.cli.launch import spawn_service
 from pcpstack.cli.stack import free_port
 from pcpstack.kvstore.client import KvStoreClient
 
@@ -30,18 +30,9 @@ def scrape(url: str, timeout: float = 30.0) -> str:
 @pytest.mark.slow
 def test_kvstore_metrics_are_scrapeable_and_count_bytes(child_env) -> None:
     port, metrics_port = free_port(), free_port()
-    proc = subprocess.Popen(
-        [
-            sys.executable,
-            "-m",
-            "pcpstack.cli",
-            "serve",
-            "kvstore",
-            "--port",
-            str(port),
-            "--metrics",
-            f"127.0.0.1:{metrics_port}",
-        ],
+    proc = spawn_service(
+        "kvstore",
+        ["--port", str(port), "--metrics", f"127.0.0.1:{metrics_port}"],
         env=child_env,
         stdout=subprocess.DEVNULL,
         stderr=subprocess.DEVNULL,

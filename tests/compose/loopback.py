@@ -129,5 +129,7 @@ class ComposeStack(LocalStack):
         self.decode_addresses = [by_name["decode"].address]
         for c in self.commands:
             self.options.extra_env = c.env  # LocalStack gives every process the same extra_env
-            self._spawn(c.name, c.address, c.args)
+            verb, service, *args = c.args  # every compose command is `pcpstack serve SERVICE ...`
+            assert verb == "serve", c.args
+            self._spawn(c.name, c.address, service, args)
         await self._wait_ready(started)

@@ -12,6 +12,7 @@ import textwrap
 
 import pytest
 
+from pcpstack.cli.launch import spawn_service
 from pcpstack.kvstore.client import KvStoreClient
 from pcpstack.kvstore.shm import SegmentStore
 from tests.kvstore.conftest import running_store, segment_files
@@ -83,8 +84,9 @@ def test_writer_killed_midway_leaves_no_object_reservation_or_segment(mode: str,
 
 @pytest.mark.timeout(60)
 def test_segments_of_a_killed_store_are_reclaimed_by_the_next_store(child_env):
-    store = subprocess.Popen(
-        [sys.executable, "-m", "pcpstack.cli", "serve", "kvstore", "--port", "0"],
+    store = spawn_service(
+        "kvstore",
+        ["--port", "0"],
         stdout=subprocess.PIPE,
         stderr=subprocess.DEVNULL,
         env=child_env,

@@ -27,9 +27,9 @@ class TunedStack(LocalStack):
         super().__init__(options, progress=lambda message: None)
         self._extra_args = extra_args
 
-    def _spawn(self, name: str, address: str, args: list[str]) -> Service:
+    def _spawn(self, name: str, address: str, service_name: str, args: list[str]) -> Service:
         extra = [a for prefix, flags in self._extra_args.items() if name.startswith(prefix) for a in flags]
-        return super()._spawn(name, address, [*args, *extra])
+        return super()._spawn(name, address, service_name, [*args, *extra])
 
 
 def start_tuned_stack(tmp: Path, extra_args: dict[str, list[str]] | None = None, **options) -> RunningStack:
@@ -73,12 +73,12 @@ def kill_service(stack: RunningStack, name: str) -> Service:
 def restart_service(stack: RunningStack, victim: Service) -> Service:
     """Starts a killed service again with its original command line, environment and address."""
     cmdline = list(victim.process.args)
-    index = cmdline.index("pcpstack.cli")
-    args = cmdline[index + 1 :]
+    index = cmdline.index("serve")  # the command is launch.service_command(SERVICE, ARGS...)
+    service_name, args = cmdline[index + 1], cmdline[index + 2 :]
     stack.stack.services.remove(victim)
     log_name = victim.name + "-restarted"
     # LocalStack's own _spawn: the command line already holds any extra flags.
-    fresh = LocalStack._spawn(stack.stack, log_name, victim.address, args)
+    fresh = LocalStack._spawn(stack.stack, log_name, victim.address, service_name, args)
     fresh.name = victim.name
     return fresh
 

@@ -7,12 +7,12 @@ import asyncio
 import ipaddress
 import os
 import subprocess
-import sys
 from pathlib import Path
 
 import grpc
 import pytest
 
+from pcpstack.cli.launch import service_command
 from pcpstack.common import security
 from pcpstack.common.channel import open_channel
 from pcpstack.common.server import ServerOptions
@@ -58,17 +58,7 @@ def test_bad_security_settings_are_refused_naming_the_rule(
 
 def test_a_service_started_with_half_a_tls_config_exits_naming_the_rule(certs: Path, child_env) -> None:
     done = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "pcpstack.cli",
-            "serve",
-            "registry",
-            "--port",
-            "0",
-            "--tls-ca",
-            str(certs / "ca.pem"),
-        ],
+        service_command("registry", "--port", "0", "--tls-ca", str(certs / "ca.pem")),
         cwd=ROOT,
         env=child_env,
         capture_output=True,

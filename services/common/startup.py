@@ -1,0 +1,177 @@
+"""The one start-up path of every pcpstack service process.
+
+A service's `main.py` declares its flags, builds its typed config from them (a dataclass that validates
+itself) and hands a `start` coroutine to `run_service`, which does the rest the same way for everyone:
+
+1. glibc malloc tunables (the process re-executes itself once, before any work, when a service asks);
+2. the shared process flags: log level, Prometheus metrics address, transport security (flags or env);
+3. the service's config; a broken rule in any of them, or in `start`, ends the process with exit status 2
+   and one line on stderr that names the key, the value and the rule (no traceback);
+4. logging and telemetry;
+5. `start(config)`, which returns a `Serving`; then it serves until SIGTERM/SIGINT (or until it stops on
+   its own) and drains: the service's own stop steps, then its gRPC server goes NOT_SERVING in health,
+   stops taking calls and lets running ones finish within the grace period.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import logging
+import signal
+import sys
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, TypeVar
+
+from pcpstack.common import security
+from pcpstack.common.config import ConfigError, check_port
+from pcpstack.common.logs import setup_logging
+from pcpstack.common.telemetry import setup_telemetry, shutdown_telemetry
+from pcpstack.common.tunables import ensure_glibc_tunables
+
+if TYPE_CHECKING:
+    from pcpstack.common.server import RunningServer
+
+log = logging.getLogger(__name__)
+
+CONFIG_EXIT_STATUS = 2
+LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL")
+
+C = TypeVar("C")
+
+
+@dataclass(frozen=True)
+class ProcessConfig:
+    """What every service process shares: its name, log level and metrics address; validated when built."""
+
+    service: str
+    log_level: str = "INFO"
+    # HOST:PORT to serve Prometheus metrics on; empty: none.
+    metrics: str = ""
+
+    def __post_init__(self) -> None:
+        if self.log_level.upper() not in LOG_LEVELS:
+            raise ConfigError.broken("--log-level", self.log_level, f"must be one of {', '.join(LOG_LEVELS)}")
+        if self.metrics:
+            _, sep, port = self.metrics.rpartition(":")
+            if not sep or not port.isdigit():
+                raise ConfigError.broken("--metrics", self.metrics, "must be HOST:PORT")
+            check_port("--metrics", int(port))
+
+    @classmethod
+    def from_args(cls, service: str, args: argparse.Namespace) -> ProcessConfig:
+        """Reads the flags add_process_arguments declared."""
+        return cls(service, args.log_level, getattr(args, "metrics", ""))
+
+
+def add_process_arguments(parser: argparse.ArgumentParser, metrics: bool = True) -> None:
+    """The flags every service has: security (--tls-*, --token*), --log-level and, unless metrics is
+    False, --metrics."""
+    security.add_security_arguments(parser)
+    parser.add_argument("--log-level", default="INFO", help=f"one of {', '.join(LOG_LEVELS)} (default INFO)")
+    if metrics:
+        parser.add_argument(
+            "--metrics", default="", metavar="HOST:PORT", help="serve Prometheus metrics here"
+        )
+
+
+@dataclass
+class Serving:
+    """A started service as the start-up path drives it.
+
+    `drain` runs once when the process is told to stop (or when `stopped` completes): it stops what the
+    service started, in its order. `stopped`, when given, completes if the service ends on its own (its
+    gRPC server was stopped), so the process exits then too.
+    """
+
+    drain: Callable[[], Awaitable[None]]
+    stopped: Awaitable[object] | None = None
+
+    @classmethod
+    def grpc(
+        cls, running: RunningServer, before_stop: Callable[[], Awaitable[None]] | None = None
+    ) -> Serving:
+        """A gRPC service: `before_stop` (deregister, stop workers) first, then the server's graceful stop."""
+
+        async def drain() -> None:
+            if before_stop is not None:
+                await before_stop()
+            await running.stop()
+
+        return cls(drain, running.wait_for_termination())
+
+
+async def serve_until_stopped(serving: Serving) -> bool:
+    """Waits for SIGTERM/SIGINT or for the service to stop by itself, then drains it.
+
+    Returns True when a signal ended it.
+    """
+    loop = asyncio.get_running_loop()
+    signalled = asyncio.Event()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, signalled.set)
+    waiters = [asyncio.ensure_future(signalled.wait())]
+    if serving.stopped is not None:
+        waiters.append(asyncio.ensure_future(serving.stopped))
+    try:
+        await asyncio.wait(waiters, return_when=asyncio.FIRST_COMPLETED)
+        if signalled.is_set():
+            log.info("signal received; draining")
+        await serving.drain()
+    finally:
+        for waiter in waiters:
+            waiter.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await waiter
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            loop.remove_signal_handler(sig)
+    return signalled.is_set()
+
+
+def config_error_line(service: str, error: Exception) -> str:
+    """The one stderr line a refused start-up prints: service, then the error's own key=value: rule."""
+    text = " ".join(str(error).split())
+    return f"pcpstack serve {service}: config error: {text}"
+
+
+def run_service(
+    service: str,
+    args: argparse.Namespace,
+    build: Callable[[argparse.Namespace], C],
+    start: Callable[[C], Awaitable[Serving]],
+    *,
+    glibc_tunables: bool = False,
+) -> int:
+    """Starts one service process the shared way (see the module docstring); returns its exit status.
+
+    `build` turns the parsed flags into the service's typed config and must be cheap (no model loading):
+    it runs before logging and telemetry, so a bad flag costs nothing. `start` does the heavy work (a
+    model load may still find a config that breaks a rule: a ConfigError from it exits 2 as well).
+    """
+    if glibc_tunables:
+        ensure_glibc_tunables()
+    try:
+        process = ProcessConfig.from_args(service, args)
+        process_security = security.security_from_args(args)
+        config = build(args)
+    except (ConfigError, security.SecurityConfigError) as exc:
+        print(config_error_line(service, exc), file=sys.stderr, flush=True)
+        return CONFIG_EXIT_STATUS
+    setup_logging(service, process.log_level.upper())
+    security.configure(process_security)
+    setup_telemetry(service, metrics_address=process.metrics)
+
+    async def main() -> None:
+        serving = await start(config)
+        await serve_until_stopped(serving)
+
+    try:
+        asyncio.run(main())
+    except ConfigError as exc:
+        print(config_error_line(service, exc), file=sys.stderr, flush=True)
+        return CONFIG_EXIT_STATUS
+    finally:
+        shutdown_telemetry()
+    return 0
