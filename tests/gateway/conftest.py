@@ -2,9 +2,7 @@
 
 from __future__ import annotations
 
-import os
 import subprocess
-import sys
 import time
 import urllib.error
 import urllib.request
@@ -14,18 +12,15 @@ from pathlib import Path
 import openai
 import pytest
 
+from pcpstack.cli.launch import child_env, spawn_service
 from pcpstack.cli.stack import free_port
 from pcpstack.common.telemetry import read_span_file
 from tests.helpers import RunningStack, start_stack
 
 
 def child_environment(trace_file: Path | None = None) -> dict[str, str]:
-    """The environment of a service process: repo importable, unbuffered, spans to trace_file if given."""
-    env = {k: v for k, v in os.environ.items() if not k.startswith("OTEL_") and k != "PCPSTACK_TRACE_FILE"}
-    env["PYTHONUNBUFFERED"] = "1"
-    if trace_file is not None:
-        env["PCPSTACK_TRACE_FILE"] = str(trace_file)
-    return env
+    """The environment of a service process: unbuffered, telemetry off but spans to trace_file if given."""
+    return child_env(inherit_telemetry=False, trace_file=trace_file)
 
 
 def http_get(url: str, timeout: float = 5.0) -> tuple[int, str]:
@@ -44,13 +39,7 @@ class GatewayProcess:
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.log_path = log_path
-        self._log = log_path.open("w")
-        self.process = subprocess.Popen(
-            [sys.executable, "-m", "pcpstack.cli", "serve", "gateway", "--port", str(self.port), *args],
-            stdout=self._log,
-            stderr=subprocess.STDOUT,
-            env=env,
-        )
+        self.process = spawn_service("gateway", ["--port", str(self.port), *args], log=log_path, env=env)
 
     def wait_healthy(self, timeout: float = 120.0) -> GatewayProcess:
         """Waits until /health answers 200 (a decode worker is serving)."""
@@ -91,7 +80,6 @@ class GatewayProcess:
         except subprocess.TimeoutExpired:
             self.process.kill()
             self.process.wait()
-        self._log.close()
 
 
 class ServiceProcesses:
@@ -102,9 +90,9 @@ class ServiceProcesses:
         self.processes: list[subprocess.Popen] = []
 
     def spawn(self, name: str, args: list[str]) -> None:
-        log = (self.log_dir / f"{name}.log").open("w")
-        command = [sys.executable, "-m", "pcpstack.cli", "serve", *args]
-        self.processes.append(subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, env=self.env))
+        """Starts `pcpstack serve ARGS` (ARGS begins with the service) logging to LOG_DIR/NAME.log."""
+        service, *flags = args
+        self.processes.append(spawn_service(service, flags, log=self.log_dir / f"{name}.log", env=self.env))
 
     def stop(self) -> None:
         for process in reversed(self.processes):
