@@ -19,6 +19,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from pcpstack.common.errors import Internal, ResourceExhausted, ServiceError
 from pcpstack.engine.engine import Engine
 from pcpstack.engine.kv_cache import blocks_needed
 from pcpstack.engine.sampling import SamplingParams, StopChecker, make_generator, sample_batch
@@ -34,7 +35,7 @@ class TokenEvent:
     text: str
     logprob: float | None = None
     finish_reason: str | None = None
-    error: str | None = None
+    error: ServiceError | None = None
 
 
 def accept_token(checker: StopChecker, token: int, logprob: float | None) -> TokenEvent | None:
@@ -127,7 +128,7 @@ class Batcher:
             except Exception as exc:  # a failed step fails its requests, never the worker
                 log.exception("decode step failed")
                 for request in list(self._active.values()):
-                    self._finish(request, TokenEvent(None, "", error=f"decode step failed: {exc}"))
+                    self._finish(request, TokenEvent(None, "", error=Internal(f"decode step failed: {exc}")))
         for request in [*self._active.values(), *self._waiting]:
             self._finish(request, TokenEvent(None, "", finish_reason="cancelled"))
 
@@ -163,7 +164,9 @@ class Batcher:
                     TokenEvent(
                         None,
                         "",
-                        error=f"prompt plus max_tokens needs {need} KV blocks; the cache has {capacity}",
+                        error=ResourceExhausted(
+                            f"prompt plus max_tokens needs {need} KV blocks; the cache has {capacity}"
+                        ),
                     ),
                 )
                 continue
@@ -175,7 +178,8 @@ class Batcher:
             try:
                 self.engine.adopt_sequence(request.seq_id, request.kv, request.num_tokens)
             except Exception as exc:
-                self._finish(request, TokenEvent(None, "", error=f"could not load the KV replica: {exc}"))
+                error = Internal(f"could not load the KV replica: {exc}")
+                self._finish(request, TokenEvent(None, "", error=error))
                 continue
             request.kv = torch.empty(0)  # the cache holds it now
             request.generator = make_generator(request.params.seed)

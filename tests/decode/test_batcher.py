@@ -7,6 +7,7 @@ import threading
 import pytest
 import torch
 
+from pcpstack.common.errors import ResourceExhausted
 from pcpstack.decode.batcher import Batcher, DecodeRequest, TokenEvent, accept_token
 from pcpstack.engine.engine import Engine
 from pcpstack.engine.sampling import SamplingParams, StopChecker, make_generator, sample
@@ -151,6 +152,7 @@ def test_request_larger_than_the_cache_is_refused_with_a_reason(prefill_engine: 
             request(prefill_engine, "big", prompts(prefill_engine.args.vocab_size)[2], params, sink)
         )
         assert sink.done.wait(10)
-        assert "KV blocks" in sink.events[-1].error
+        assert isinstance(sink.events[-1].error, ResourceExhausted)
+        assert "KV blocks" in str(sink.events[-1].error)
     finally:
         batcher.close()

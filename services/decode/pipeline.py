@@ -1,0 +1,436 @@
+"""Decode's request path as plain Python: one `generate` call per request, yielding what to stream.
+
+validate → route to a ready PCP set (one retry on another set if the first fails as a set) → the set
+prefills the prompt and pushes one KV replica to the store → fetch the replica → release it → join the
+continuous batch → stream tokens → a summary. The servicer (decode.server) only turns a GenerateRequest into a
+`GenerateInput` and these events into protobuf; failures are raised as the common error kinds.
+
+The store object is released exactly once on every path: after the fetch (or when no fetch is needed), when
+the request fails or is cancelled mid-fetch, and, when the caller leaves while the set is still prefilling,
+as soon as the set's answer names the replica nobody will load.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import logging
+import time
+import uuid
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+
+import grpc
+import torch
+from opentelemetry.metrics import Observation
+
+from pcpstack.common.errors import InvalidArgument, ServiceError, Unavailable, error_of_code
+from pcpstack.common.ids import check_request_id
+from pcpstack.common.logs import request_id_var
+from pcpstack.common.rpc_errors import error_from_rpc
+from pcpstack.common.telemetry import current_trace_id, meter, tracer
+from pcpstack.decode.batcher import Batcher, DecodeRequest, TokenEvent, accept_token
+from pcpstack.decode.router import NoReadySet, SetRouter
+from pcpstack.engine.engine import Engine
+from pcpstack.engine.prompt import PromptLimits, check_token_ids
+from pcpstack.engine.sampling import SamplingParams, StopChecker
+from pcpstack.kvstore.client import KvStoreClient
+from pcpstack.prefill.client import PrefillClient
+from pcpstack.registry.endpoints import PrefillEndpoint
+from pcpstack.v1 import common_pb2, prefill_pb2
+
+log = logging.getLogger(__name__)
+_tracer = tracer(__name__)
+_meter = meter("pcpstack.decode")
+_requests = _meter.create_counter("pcpstack.decode.requests", description="Generate requests by outcome")
+_ttft = _meter.create_histogram("pcpstack.decode.ttft", unit="s", description="time to first token")
+_tpot = _meter.create_histogram("pcpstack.decode.time_per_output_token", unit="s")
+_kv_bytes = _meter.create_counter("pcpstack.decode.kv_bytes_fetched", unit="By")
+# Without a deadline from the caller a request still ends some time.
+_DEFAULT_DEADLINE_S = 3600.0
+_CHAT_ROLES = ("system", "user", "assistant")
+
+
+@dataclass(frozen=True)
+class ChatMessage:
+    """One message of a chat prompt."""
+
+    role: str
+    content: str
+
+
+@dataclass(frozen=True)
+class TextPrompt:
+    """Plain text, tokenized as is."""
+
+    text: str
+
+
+@dataclass(frozen=True)
+class ChatPrompt:
+    """Chat messages, rendered with the model's chat template and a generation prompt."""
+
+    messages: tuple[ChatMessage, ...]
+
+
+@dataclass(frozen=True)
+class TokenPrompt:
+    """Ready token ids."""
+
+    ids: tuple[int, ...]
+
+
+Prompt = TextPrompt | ChatPrompt | TokenPrompt
+
+
+@dataclass(frozen=True)
+class GenerateInput:
+    """One request as the pipeline takes it: sampling already parsed (engine.prompt.check_sampling)."""
+
+    prompt: Prompt | None
+    sampling: SamplingParams
+    request_id: str = ""  # empty: the pipeline makes one
+    model: str = ""  # empty: the model this worker serves
+    logprobs: bool = False
+    timeout_s: float | None = None  # what the caller gives the whole request; None: no deadline
+
+
+@dataclass(frozen=True)
+class Delta:
+    """Newly generated text: one token (None while text is held back) and its log-probability if asked."""
+
+    token_id: int | None
+    text: str
+    logprob: float | None = None
+
+
+@dataclass(frozen=True)
+class Summary:
+    """The last event of a request."""
+
+    request_id: str
+    finish_reason: str  # "length", "stop" or "cancelled"
+    prompt_token_ids: list[int]
+    completion_tokens: int
+    ttft_s: float
+    total_s: float
+    trace_id: str
+
+
+@dataclass(frozen=True)
+class DecodeSettings:
+    """What the pipeline needs beyond the engine."""
+
+    model_name: str
+    kv_fingerprint: str
+    prefill_timeout_s: float = 300.0
+    kv_lease_ms: int = 0
+
+
+class GeneratePipeline:
+    """Serves requests on one decode worker: the engine's batch, a set router and the peers' clients."""
+
+    def __init__(self, engine: Engine, batcher: Batcher, router: SetRouter, settings: DecodeSettings) -> None:
+        self.engine = engine
+        self.batcher = batcher
+        self.router = router
+        self.settings = settings
+        self._limits = PromptLimits(engine.args.vocab_size, engine.args.max_seq_len)
+        self._prefill_clients: dict[str, PrefillClient] = {}
+        self._kv_clients: dict[str, KvStoreClient] = {}
+        # Releases of replicas whose caller left during prefill; kept so they are not garbage collected.
+        self._background: set[asyncio.Task] = set()
+        self._prefilling = 0
+        # Batch ids are unique per attempt: two requests may carry the same caller id.
+        self._sequence = itertools.count()
+        _meter.create_observable_gauge(
+            "pcpstack.decode.queue_depth",
+            callbacks=[lambda _: [Observation(batcher.queue_depth)]],
+            description="requests waiting for KV blocks or decoding",
+        )
+
+    @property
+    def prefills_in_flight(self) -> int:
+        """Prefill calls sent and not answered yet (including those whose caller left)."""
+        return self._prefilling
+
+    async def close(self) -> None:
+        """Waits for background releases, then closes the peers' channels."""
+        if self._background:
+            await asyncio.gather(*self._background, return_exceptions=True)
+        for client in [*self._prefill_clients.values(), *self._kv_clients.values()]:
+            await client.close()
+
+    # --- validate ----------------------------------------------------------------------------------------
+
+    def prompt_tokens(self, prompt: Prompt | None) -> tuple[list[int], str]:
+        """The prompt as token ids and the field it came from; raises InvalidArgument naming the field."""
+        tokenizer = self.engine.tokenizer
+        if prompt is None:
+            raise InvalidArgument("prompt: give one of text, chat or token_ids")
+        if isinstance(prompt, TokenPrompt):
+            return list(prompt.ids), "token_ids.ids"
+        kind = "text" if isinstance(prompt, TextPrompt) else "chat"
+        if tokenizer is None:
+            raise InvalidArgument(f"{kind}: this model has no tokenizer; send token_ids")
+        if isinstance(prompt, TextPrompt):
+            return (tokenizer.encode(prompt.text) if prompt.text else []), kind
+        if not prompt.messages:
+            raise InvalidArgument("chat.messages: must not be empty")
+        bad_role = next((m.role for m in prompt.messages if m.role not in _CHAT_ROLES), None)
+        if bad_role is not None:
+            raise InvalidArgument(f"chat.messages.role={bad_role!r} is not one of {', '.join(_CHAT_ROLES)}")
+        messages = [{"role": m.role, "content": m.content} for m in prompt.messages]
+        try:
+            rendered = tokenizer.apply_chat_template(messages)
+        except Exception as exc:
+            raise InvalidArgument(f"chat: the chat template failed: {exc}") from exc
+        return tokenizer.encode(rendered, add_special_tokens=False), kind
+
+    def validate(self, request: GenerateInput) -> list[int]:
+        """The prompt's token ids once the whole request is known to be servable here; or InvalidArgument."""
+        if request.model and request.model != self.settings.model_name:
+            raise InvalidArgument(
+                f"model={request.model!r} is not served here (this worker has {self.settings.model_name!r})"
+            )
+        if request.sampling.stop and self.engine.tokenizer is None:
+            raise InvalidArgument("sampling.stop: this model has no tokenizer")
+        ids, field = self.prompt_tokens(request.prompt)
+        return check_token_ids(ids, self._limits, field=field, max_tokens=request.sampling.max_tokens)
+
+    # --- the request path --------------------------------------------------------------------------------
+
+    async def generate(self, request: GenerateInput) -> AsyncIterator[Delta | Summary]:
+        """Deltas as tokens come, then one Summary; raises a ServiceError when the request fails.
+
+        Cancel the consuming task (or aclose the iterator) to cancel the request: its blocks are freed and
+        its store object released.
+        """
+        arrived = time.monotonic()
+        # An empty id gets one; a given one is checked here, at the edge, before any peer sees it.
+        request_id = check_request_id(request.request_id) if request.request_id else uuid.uuid4().hex
+        request_id_var.set(request_id)
+        deadline = arrived + (request.timeout_s if request.timeout_s is not None else _DEFAULT_DEADLINE_S)
+        outcome = "error"
+        with _tracer.start_as_current_span("decode.generate") as span:
+            span.set_attribute("pcpstack.request_id", request_id)
+            try:
+                try:
+                    ids = self.validate(request)
+                except InvalidArgument:
+                    outcome = "invalid"
+                    raise
+                span.set_attribute("pcpstack.prompt_tokens", len(ids))
+                reply = await self._prefill(request_id, ids, request.sampling, deadline)
+                async for event in self._decode(request_id, ids, request, reply, arrived):
+                    yield event
+                outcome = "ok"
+            except (asyncio.CancelledError, GeneratorExit):
+                outcome = "cancelled"
+                raise
+            finally:
+                _requests.add(1, {"outcome": outcome})
+
+    async def _decode(
+        self,
+        request_id: str,
+        ids: list[int],
+        request: GenerateInput,
+        reply: prefill_pb2.PrefillResponse,
+        arrived: float,
+    ) -> AsyncIterator[Delta | Summary]:
+        """Streams the first token (sampled by prefill) while the replica loads, then the batch's tokens."""
+        params = request.sampling
+        checker = StopChecker(params, self.engine.args.eos_token_ids, self.engine.tokenizer)
+        first = accept_token(checker, reply.first_token_id, None)
+        first_at: float | None = None
+        count = 0
+        # The fetch starts before the first token is handed on, so the KV loads while the client reads it.
+        fetch = asyncio.ensure_future(self._fetch_kv(reply.kv)) if checker.finish_reason is None else None
+        try:
+            if first is not None:
+                first_at = time.monotonic()
+                _ttft.record(first_at - arrived)
+                count += first.token_id is not None
+                yield Delta(first.token_id, first.text)
+            kv = await fetch if fetch is not None else None
+        finally:
+            if fetch is not None and not fetch.done():
+                fetch.cancel()
+                await asyncio.gather(fetch, return_exceptions=True)
+            # The one release of this replica: loaded, not needed, failed or cancelled alike.
+            await asyncio.shield(self._release(reply.kv))
+        finish_reason = checker.finish_reason
+        if kv is not None:
+            async for event in self._join_batch(request_id, ids, request, checker, kv):
+                if first_at is None:
+                    first_at = time.monotonic()
+                    _ttft.record(first_at - arrived)
+                count += event.token_id is not None
+                yield event
+            finish_reason = checker.finish_reason or "cancelled"
+        done = time.monotonic()
+        if count > 1 and first_at is not None:
+            _tpot.record((done - first_at) / (count - 1))
+        yield Summary(
+            request_id=request_id,
+            finish_reason=finish_reason or "cancelled",
+            prompt_token_ids=ids,
+            completion_tokens=count,
+            ttft_s=(first_at or done) - arrived,
+            total_s=done - arrived,
+            trace_id=current_trace_id(),
+        )
+
+    async def _join_batch(
+        self, request_id: str, ids: list[int], request: GenerateInput, checker: StopChecker, kv: torch.Tensor
+    ) -> AsyncIterator[Delta]:
+        """Decodes in the shared batch until the request finishes; leaving early cancels it there."""
+        events: asyncio.Queue[TokenEvent] = asyncio.Queue()
+        loop = asyncio.get_running_loop()
+        seq_id = f"{request_id}#{next(self._sequence)}"
+        self.batcher.submit(
+            DecodeRequest(
+                seq_id=seq_id,
+                kv=kv,
+                num_tokens=len(ids),
+                checker=checker,
+                params=request.sampling,
+                emit=lambda event: loop.call_soon_threadsafe(events.put_nowait, event),
+                logprobs=request.logprobs,
+            )
+        )
+        ended = False
+        try:
+            while True:
+                event = await events.get()
+                if event.error is not None:
+                    ended = True
+                    raise event.error
+                if event.finish_reason:
+                    ended = True
+                    return
+                yield Delta(event.token_id, event.text, event.logprob)
+        finally:
+            if not ended:
+                self.batcher.cancel(seq_id)
+
+    async def _prefill(
+        self, request_id: str, ids: list[int], params: SamplingParams, deadline: float
+    ) -> prefill_pb2.PrefillResponse:
+        """Prefill on the least loaded ready set; one retry on another set if the first fails as a set.
+
+        Only a failure of the set itself (UNAVAILABLE: a rank died, the set is unreachable) takes the set out
+        of routing; an error that belongs to this request fails it alone, with its own kind.
+        """
+        tried: set[str] = set()
+        last_error = ""
+        sampling = _sampling_wire(params)
+        for _ in range(2):
+            try:
+                # The registry lookup: Resolve, or its cached answer while fresh or the registry is away.
+                with _tracer.start_as_current_span("decode.route") as span:
+                    chosen = await self.router.choose(exclude=tried)
+                    span.set_attribute("pcpstack.set_id", chosen.set_id)
+            except NoReadySet as exc:
+                raise Unavailable(f"{exc}{'; ' + last_error if last_error else ''}") from None
+            tried.add(chosen.set_id)
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                break
+            try:
+                return await self._prefill_on(chosen, request_id, ids, sampling, remaining)
+            except (grpc.aio.AioRpcError, ServiceError) as exc:
+                error = error_from_rpc(exc) if isinstance(exc, grpc.aio.AioRpcError) else exc
+                last_error = f"set {chosen.set_id} failed: {error.code}: {error}"
+                if not isinstance(error, Unavailable):
+                    raise error_of_code(error.code, f"prefill on set {chosen.set_id}: {error}") from exc
+                self.router.forget(chosen.set_id)
+        raise Unavailable(last_error or "the request's deadline passed before prefill")
+
+    async def _prefill_on(
+        self,
+        chosen: PrefillEndpoint,
+        request_id: str,
+        ids: list[int],
+        sampling: common_pb2.SamplingParams,
+        remaining: float,
+    ) -> prefill_pb2.PrefillResponse:
+        """One Prefill call; if the caller leaves first, the call runs on and its replica is released."""
+        set_id, address = chosen.set_id, chosen.address
+        client = self._prefill_clients.get(address)
+        if client is None:
+            client = self._prefill_clients[address] = PrefillClient(address)
+        self.router.started(set_id)
+        self._prefilling += 1
+        call = asyncio.ensure_future(
+            client.prefill(
+                request_id,
+                ids,
+                sampling,
+                kv_lease_ms=self.settings.kv_lease_ms,
+                expected_fingerprint=self.settings.kv_fingerprint,
+                timeout=min(remaining, self.settings.prefill_timeout_s),
+            )
+        )
+        call.add_done_callback(lambda _: self._prefill_done(set_id))
+        try:
+            return await asyncio.shield(call)
+        except asyncio.CancelledError:
+            # The set has the request; its answer names a replica that only this worker can release.
+            call.add_done_callback(self._release_abandoned)
+            raise
+
+    def _prefill_done(self, set_id: str) -> None:
+        self._prefilling -= 1
+        self.router.finished(set_id)
+
+    def _release_abandoned(self, call: asyncio.Future) -> None:
+        if call.cancelled() or call.exception() is not None:
+            return
+        task = asyncio.ensure_future(self._release(call.result().kv))
+        self._background.add(task)
+        task.add_done_callback(self._background.discard)
+
+    def _kv_client(self, address: str) -> KvStoreClient:
+        client = self._kv_clients.get(address)
+        if client is None:
+            client = self._kv_clients[address] = KvStoreClient(address)
+        return client
+
+    async def _fetch_kv(self, handle: common_pb2.KvHandle) -> torch.Tensor:
+        """The replica as a tensor [layers, 2, tokens, kv_heads, head_dim]; Unavailable when it cannot."""
+        layout = self.engine.layout
+        with _tracer.start_as_current_span("decode.kv_fetch") as span:
+            span.set_attribute("pcpstack.kv_bytes", handle.total_bytes)
+            try:
+                data, _ = await self._kv_client(handle.store_address).get(
+                    handle.key, handle.fingerprint, handle.capability
+                )
+            except Exception as exc:
+                raise Unavailable(f"could not fetch the KV replica: {exc}") from exc
+        _kv_bytes.add(len(data))
+        kv = torch.frombuffer(bytearray(data) if isinstance(data, bytes) else data, dtype=layout.torch_dtype)
+        return kv.view(layout.num_layers, 2, handle.num_tokens, layout.num_kv_heads, layout.head_dim)
+
+    async def _release(self, handle: common_pb2.KvHandle) -> None:
+        try:
+            await self._kv_client(handle.store_address).release(handle.key, handle.capability)
+        except Exception as exc:  # the store's lease reclaims it anyway
+            log.warning("release of %s failed: %s", handle.key, exc)
+
+
+def _sampling_wire(params: SamplingParams) -> common_pb2.SamplingParams:
+    """The wire form of parsed sampling parameters, for the Prefill call."""
+    wire = common_pb2.SamplingParams(
+        max_tokens=params.max_tokens,
+        temperature=params.temperature,
+        top_k=params.top_k,
+        top_p=params.top_p,
+        stop=params.stop,
+        stop_token_ids=params.stop_token_ids,
+        ignore_eos=params.ignore_eos,
+    )
+    if params.seed is not None:
+        wire.seed = params.seed
+    return wire

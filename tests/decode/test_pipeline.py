@@ -1,0 +1,319 @@
+"""Decode's request path without gRPC on its own side: the pipeline in this process, driving a real registry,
+KV store and PCP=2 prefill set (tiny model) in their own processes.
+
+Answers equal the engine alone; bad requests are refused before any peer works; the store object is released
+exactly once whether the request ends, fails or is cancelled (while the set prefills, as its answer arrives,
+or while the replica loads); only a failure of the set takes it out of routing, never an error of one request.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+from contextlib import aclosing
+
+import pytest
+import torch
+
+from pcpstack.cli.stack import free_port
+from pcpstack.common.errors import InvalidArgument, ResourceExhausted, ServiceError
+from pcpstack.common.ids import MAX_REQUEST_ID_CHARS
+from pcpstack.decode.batcher import Batcher
+from pcpstack.decode.pipeline import (
+    DecodeSettings,
+    Delta,
+    GenerateInput,
+    GeneratePipeline,
+    Summary,
+    TokenPrompt,
+)
+from pcpstack.decode.router import SetRouter
+from pcpstack.engine.engine import Engine
+from pcpstack.engine.sampling import SamplingParams
+from pcpstack.kvstore.client import KvStoreClient
+from pcpstack.registry.endpoints import PrefillEndpoint, Resolution
+from pcpstack.registry.resolver import Resolver
+from tests.helpers import RunningStack, start_stack
+
+BLOCK_SIZE = 128
+# 1 MiB holds about 2000 tokens of the tiny model's KV (512 bytes a token): a 3000-token replica cannot fit.
+STORE_BYTES = 1 << 20
+TOO_BIG_FOR_THE_STORE = 3000
+
+
+@pytest.fixture(scope="module")
+def stack(tmp_path_factory) -> RunningStack:
+    running = start_stack(
+        tmp_path_factory.mktemp("pipeline-stack"),
+        pcp=2,
+        decode=0,
+        model="tiny",
+        block_size=BLOCK_SIZE,
+        kv_capacity_bytes=STORE_BYTES,
+    )
+    yield running
+    running.stop()
+
+
+@pytest.fixture(scope="module")
+def reference() -> Engine:
+    return Engine.load("tiny", block_size=BLOCK_SIZE)
+
+
+def make_pipeline(stack: RunningStack, router_cls: type[SetRouter] = SetRouter, **engine_options):
+    """A pipeline over the stack; its resolver's clock stands still, so a set it forgets stays forgotten."""
+    engine = Engine.load("tiny", block_size=BLOCK_SIZE, **engine_options)
+    fingerprint = engine.layout.fingerprint()
+    resolver = Resolver(stack.stack.registry_address, clock=lambda: 0.0)
+    router = router_cls(resolver.resolve, fingerprint)
+    settings = DecodeSettings(model_name="tiny", kv_fingerprint=fingerprint, prefill_timeout_s=60)
+    return GeneratePipeline(engine, Batcher(engine), router, settings), resolver
+
+
+@pytest.fixture
+def pipeline(stack):
+    made, resolver = make_pipeline(stack)
+    yield made
+    stack.run(made.close())
+    stack.run(resolver.close())
+    made.batcher.close()
+
+
+def prompt(n: int, seed: int = 0) -> tuple[int, ...]:
+    return tuple(torch.randint(0, 256, (n,), generator=torch.Generator().manual_seed(seed)).tolist())
+
+
+def greedy(max_tokens: int, **options) -> SamplingParams:
+    return SamplingParams(max_tokens=max_tokens, temperature=0, ignore_eos=True, **options)
+
+
+async def answer(pipeline: GeneratePipeline, request: GenerateInput) -> tuple[list[Delta], Summary]:
+    deltas: list[Delta] = []
+    async with aclosing(pipeline.generate(request)) as events:
+        async for event in events:
+            if isinstance(event, Delta):
+                deltas.append(event)
+            else:
+                return deltas, event
+    raise AssertionError("the pipeline ended without a summary")
+
+
+async def pinned_bytes(store_address: str) -> int:
+    """The store's pinned bytes once background releases have landed (waits for 0 a bounded while)."""
+    async with KvStoreClient(store_address) as store:
+        for _ in range(100):
+            stat = await store.stat()
+            if stat.pinned_bytes == 0:
+                return 0
+            await asyncio.sleep(0.05)
+        return stat.pinned_bytes
+
+
+async def prefills_answered(pipeline: GeneratePipeline) -> bool:
+    """Whether every Prefill call the pipeline sent has its answer (waits a bounded while)."""
+    for _ in range(600):
+        if pipeline.prefills_in_flight == 0:
+            return True
+        await asyncio.sleep(0.05)
+    return False
+
+
+async def bytes_stored(store_address: str) -> int:
+    async with KvStoreClient(store_address) as store:
+        return (await store.stat()).bytes_in
+
+
+@pytest.mark.slow
+def test_greedy_answer_equals_the_engine_alone_and_releases_the_replica(stack, pipeline, reference) -> None:
+    ids = prompt(40)
+    deltas, summary = stack.run(answer(pipeline, GenerateInput(TokenPrompt(ids), greedy(12))))
+    expected = reference.generate(list(ids), greedy(12)).token_ids
+    assert [d.token_id for d in deltas] == expected
+    assert summary.finish_reason == "length" and summary.completion_tokens == 12
+    assert summary.prompt_token_ids == list(ids)
+    assert stack.run(pinned_bytes(stack.stack.kvstore_address)) == 0
+
+
+@pytest.mark.slow
+def test_same_request_id_twice_at_once_gets_two_answers(stack, pipeline, reference) -> None:
+    # Batch sequences are per attempt, not per caller id: two callers sharing an id do not collide.
+    async def both():
+        return await asyncio.gather(
+            *(answer(pipeline, GenerateInput(TokenPrompt(prompt(30, s)), greedy(6), "same")) for s in (1, 2))
+        )
+
+    for seed, (deltas, summary) in zip((1, 2), stack.run(both()), strict=True):
+        assert [d.token_id for d in deltas] == reference.generate(list(prompt(30, seed)), greedy(6)).token_ids
+        assert summary.request_id == "same"
+
+
+@pytest.mark.slow
+def test_empty_request_id_gets_a_generated_one(stack, pipeline) -> None:
+    _, summary = stack.run(answer(pipeline, GenerateInput(TokenPrompt(prompt(5)), greedy(2))))
+    assert len(summary.request_id) == 32
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(
+    ("request_id", "needle"),
+    [("x" * (MAX_REQUEST_ID_CHARS + 1), f"at most {MAX_REQUEST_ID_CHARS}"), ("bad\nid", "printable ASCII")],
+)
+def test_bad_request_id_is_refused_at_the_edge_naming_the_rule(stack, pipeline, request_id, needle) -> None:
+    stored = stack.run(bytes_stored(stack.stack.kvstore_address))
+    with pytest.raises(InvalidArgument, match="request_id") as info:
+        stack.run(answer(pipeline, GenerateInput(TokenPrompt(prompt(5)), greedy(2), request_id)))
+    assert needle in str(info.value)
+    assert stack.run(bytes_stored(stack.stack.kvstore_address)) == stored  # no prefill ran
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(
+    ("ids", "sampling", "needle"),
+    [
+        ((), greedy(2), "token_ids.ids: the prompt is empty"),
+        ((1, 999), greedy(2), "token_ids.ids[1]=999 is not below the vocabulary size 320"),
+        (prompt(10), greedy(4090), "sampling.max_tokens=4090 with 10 prompt tokens"),
+    ],
+)
+def test_bad_prompt_is_refused_before_any_peer_works(stack, pipeline, ids, sampling, needle) -> None:
+    with pytest.raises(InvalidArgument) as info:
+        stack.run(answer(pipeline, GenerateInput(TokenPrompt(ids), sampling)))
+    assert needle in str(info.value)
+    assert pipeline.prefills_in_flight == 0
+
+
+@pytest.mark.slow
+def test_first_token_that_ends_the_request_releases_without_a_fetch(stack, pipeline) -> None:
+    deltas, summary = stack.run(answer(pipeline, GenerateInput(TokenPrompt(prompt(20)), greedy(1))))
+    assert len(deltas) == 1 and summary.finish_reason == "length"
+    assert stack.run(pinned_bytes(stack.stack.kvstore_address)) == 0
+
+
+@pytest.mark.slow
+def test_cancel_while_the_set_prefills_leaves_nothing_pinned(stack, pipeline) -> None:
+    async def cancel_during_prefill() -> None:
+        request = GenerateInput(TokenPrompt(prompt(1500)), greedy(50))
+        task = asyncio.ensure_future(answer(pipeline, request))
+        while pipeline.prefills_in_flight == 0:
+            assert not task.done()
+            await asyncio.sleep(0.001)
+        task.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await task
+
+    stored = stack.run(bytes_stored(stack.stack.kvstore_address))
+    stack.run(cancel_during_prefill())
+    assert stack.run(prefills_answered(pipeline))
+    assert stack.run(pinned_bytes(stack.stack.kvstore_address)) == 0
+    # The set did store the replica: it was released, not lost before it existed.
+    assert stack.run(bytes_stored(stack.stack.kvstore_address)) > stored
+
+
+class CancelsAsTheSetAnswers(SetRouter):
+    """A set router that cancels the request's task at the instant its set's answer arrives, before the
+    request has seen it: the window in which a replica used to stay pinned until its lease."""
+
+    victim: asyncio.Task | None = None
+
+    def finished(self, set_id: str) -> None:
+        super().finished(set_id)
+        if self.victim is not None:
+            self.victim.cancel()
+
+
+@pytest.mark.slow
+def test_cancel_as_the_set_answers_leaves_nothing_pinned(stack) -> None:
+    pipeline, resolver = make_pipeline(stack, CancelsAsTheSetAnswers)
+
+    async def cancel_as_answered() -> None:
+        task = asyncio.ensure_future(answer(pipeline, GenerateInput(TokenPrompt(prompt(200)), greedy(20))))
+        pipeline.router.victim = task
+        with pytest.raises(asyncio.CancelledError):
+            await task
+
+    try:
+        stored = stack.run(bytes_stored(stack.stack.kvstore_address))
+        stack.run(cancel_as_answered())
+        assert stack.run(bytes_stored(stack.stack.kvstore_address)) > stored
+        assert stack.run(pinned_bytes(stack.stack.kvstore_address)) == 0
+    finally:
+        stack.run(pipeline.close())
+        stack.run(resolver.close())
+        pipeline.batcher.close()
+
+
+@pytest.mark.slow
+def test_cancel_while_the_replica_loads_leaves_nothing_pinned(stack, pipeline) -> None:
+    async def leave_after_first_token() -> int:
+        request = GenerateInput(TokenPrompt(prompt(1000)), greedy(50))
+        async with aclosing(pipeline.generate(request)) as events:
+            first = await anext(events)
+        # Closing right after the first token: the replica's fetch had only just started.
+        return first.token_id
+
+    assert stack.run(leave_after_first_token()) is not None
+    assert stack.run(pinned_bytes(stack.stack.kvstore_address)) == 0
+    assert pipeline.batcher.queue_depth == 0
+
+
+@pytest.mark.slow
+def test_error_after_prefill_fails_the_request_and_releases_the_replica(stack) -> None:
+    # One KV block of 128 tokens on this worker: 100 prompt tokens plus 50 more cannot be admitted.
+    pipeline, resolver = make_pipeline(stack, num_blocks=1)
+    try:
+        with pytest.raises(ResourceExhausted, match="KV blocks"):
+            stack.run(answer(pipeline, GenerateInput(TokenPrompt(prompt(100)), greedy(50))))
+        assert stack.run(pinned_bytes(stack.stack.kvstore_address)) == 0
+    finally:
+        stack.run(pipeline.close())
+        stack.run(resolver.close())
+        pipeline.batcher.close()
+
+
+@pytest.mark.slow
+def test_request_level_failure_leaves_the_set_routable(stack, pipeline) -> None:
+    # The store refuses this request's replica (it cannot fit): an error of the request, not of the set.
+    with pytest.raises(ServiceError) as info:
+        stack.run(answer(pipeline, GenerateInput(TokenPrompt(prompt(TOO_BIG_FOR_THE_STORE)), greedy(1))))
+    assert info.value.code == "RESOURCE_EXHAUSTED", info.value
+    # The router's view never refreshes here, so a set it had dropped would stay dropped.
+    _, summary = stack.run(answer(pipeline, GenerateInput(TokenPrompt(prompt(10)), greedy(2))))
+    assert summary.completion_tokens == 2
+
+
+@pytest.mark.slow
+def test_unreachable_set_is_dropped_and_the_request_retried_on_another(stack, reference) -> None:
+    engine = Engine.load("tiny", block_size=BLOCK_SIZE)
+    resolver = Resolver(stack.stack.registry_address)
+
+    routing: list[Resolution] = []
+
+    async def with_a_dead_set() -> Resolution:
+        # One answer for the whole test (as a resolver between refreshes): the live set and, less loaded,
+        # a set whose address nobody listens on.
+        if not routing:
+            found = await resolver.resolve()
+            live = dataclasses.replace(found.prefill_sets[0], load=5)
+            nowhere = f"127.0.0.1:{free_port()}"
+            dead = PrefillEndpoint("dead-set", 1, nowhere, 2, 0, live.kv_fingerprint, "tiny")
+            routing.append(dataclasses.replace(found, prefill_sets=(dead, live)))
+        return routing[0]
+
+    router = SetRouter(with_a_dead_set, engine.layout.fingerprint())
+    settings = DecodeSettings(model_name="tiny", kv_fingerprint=engine.layout.fingerprint())
+    pipeline = GeneratePipeline(engine, Batcher(engine), router, settings)
+
+    async def twice() -> tuple[list[list[int]], str]:
+        answers = [await answer(pipeline, GenerateInput(TokenPrompt(prompt(8)), greedy(3))) for _ in range(2)]
+        chosen = await router.choose()
+        return [[d.token_id for d in deltas] for deltas, _ in answers], chosen.set_id
+
+    try:
+        answers, chosen = stack.run(twice())
+        expected = reference.generate(list(prompt(8)), greedy(3)).token_ids
+        assert answers == [expected, expected]
+        assert chosen != "dead-set"
+    finally:
+        stack.run(pipeline.close())
+        stack.run(resolver.close())
+        pipeline.batcher.close()
