@@ -4,28 +4,25 @@ from __future__ import annotations
 
 import json
 import subprocess
-import sys
 
 import pytest
 
 from bench.all import SMOKE_ARGS
+from pcpstack.cli.launch import cli_command
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("area", sorted(SMOKE_ARGS))
 def test_benchmark_smoke_run_writes_json(area, tmp_path, child_env) -> None:
     run = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "pcpstack.cli",
+        cli_command(
             "bench",
             area,
             "--json",
             "--out",
             str(tmp_path),
             *SMOKE_ARGS[area],
-        ],
+        ),
         capture_output=True,
         text=True,
         env=child_env,

@@ -7,11 +7,11 @@ import json
 import os
 import signal
 import subprocess
-import sys
 import time
 
 import pytest
 
+from pcpstack.cli.launch import cli_command
 from pcpstack.common.channel import open_channel
 from pcpstack.decode.client import DecodeClient, build_request
 from pcpstack.v1 import registry_pb2, registry_pb2_grpc
@@ -29,10 +29,7 @@ def _alive(pid: int) -> bool:
 @pytest.mark.slow
 def test_up_prints_endpoints_serves_and_stops_cleanly_on_ctrl_c(tmp_path, child_env) -> None:
     up = subprocess.Popen(
-        [
-            sys.executable,
-            "-m",
-            "pcpstack.cli",
+        cli_command(
             "up",
             "--pcp",
             "2",
@@ -40,7 +37,7 @@ def test_up_prints_endpoints_serves_and_stops_cleanly_on_ctrl_c(tmp_path, child_
             "tiny",
             "--log-dir",
             str(tmp_path),
-        ],
+        ),
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
         text=True,
@@ -56,10 +53,7 @@ def test_up_prints_endpoints_serves_and_stops_cleanly_on_ctrl_c(tmp_path, child_
         services = [int(p) for p in child_pids(up.pid)]
         assert len(services) >= 5  # registry, kvstore, prefill, decode, gateway
         run = subprocess.run(
-            [
-                sys.executable,
-                "-m",
-                "pcpstack.cli",
+            cli_command(
                 "generate",
                 "--target",
                 endpoints["decode"],
@@ -68,7 +62,7 @@ def test_up_prints_endpoints_serves_and_stops_cleanly_on_ctrl_c(tmp_path, child_
                 "5",
                 "--ignore-eos",
                 "hello",
-            ],
+            ),
             capture_output=True,
             text=True,
             env=child_env,

@@ -5,10 +5,10 @@ from __future__ import annotations
 import asyncio
 import signal
 import subprocess
-import sys
 
 import pytest
 
+from pcpstack.cli.launch import spawn_service
 from pcpstack.kvstore.client import KvStoreClient
 from pcpstack.kvstore.errors import InvalidArgument
 
@@ -17,8 +17,9 @@ LEASE_FLAGS = ["--default-lease-ms", "500", "--max-lease-ms", "1000"]
 
 @pytest.mark.timeout(60)
 def test_max_lease_flag_caps_the_lease_a_writer_may_ask_for(child_env):
-    store = subprocess.Popen(
-        [sys.executable, "-m", "pcpstack.cli", "serve", "kvstore", "--port", "0", *LEASE_FLAGS],
+    store = spawn_service(
+        "kvstore",
+        ["--port", "0", *LEASE_FLAGS],
         stdout=subprocess.PIPE,
         stderr=subprocess.DEVNULL,
         env=child_env,

@@ -4,32 +4,22 @@ from __future__ import annotations
 
 import asyncio
 import subprocess
-import sys
 import time
 
 import grpc
 
+from pcpstack.cli.launch import spawn_service
 from pcpstack.common.channel import open_channel
 from pcpstack.v1 import registry_pb2, registry_pb2_grpc
 
 
 def spawn_registry(port: int, env: dict[str, str], *, lease_s: float = 1.0, restore_grace_s: float = 3.0):
     """`pcpstack serve registry` on 127.0.0.1:port, as a process of its own."""
-    return subprocess.Popen(
+    return spawn_service(
+        "registry",
         [
-            sys.executable,
-            "-m",
-            "pcpstack.cli",
-            "serve",
-            "registry",
-            "--port",
-            str(port),
-            "--lease",
-            str(lease_s),
-            "--restore-grace",
-            str(restore_grace_s),
-            "--log-level",
-            "WARNING",
+            *("--port", str(port), "--lease", str(lease_s)),
+            *("--restore-grace", str(restore_grace_s), "--log-level", "WARNING"),
         ],
         env=env,
         stdout=subprocess.DEVNULL,

@@ -4,13 +4,13 @@ from __future__ import annotations
 
 import asyncio
 import subprocess
-import sys
 from pathlib import Path
 
 import grpc
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
+from pcpstack.cli.launch import cli_command
 from pcpstack.common import security
 from pcpstack.common.channel import open_channel
 from pcpstack.common.server import ServerOptions
@@ -56,10 +56,7 @@ def _with_registry(server_security: security.Security, check) -> None:
 def test_pcpstack_certs_writes_a_ca_and_certificates_that_load(tmp_path: Path) -> None:
     out = tmp_path / "certs"
     done = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "pcpstack.cli",
+        cli_command(
             "certs",
             "--out",
             str(out),
@@ -67,7 +64,7 @@ def test_pcpstack_certs_writes_a_ca_and_certificates_that_load(tmp_path: Path) -
             "registry",
             "--ip",
             "10.1.2.3",
-        ],
+        ),
         cwd=ROOT,
         capture_output=True,
         text=True,
