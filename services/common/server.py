@@ -19,6 +19,7 @@ from grpc_health.v1.health import aio as health_aio
 from grpc_reflection.v1alpha import reflection
 
 from pcpstack.common import security as security_mod
+from pcpstack.common.request_decoding import DecodingInterceptor
 from pcpstack.common.rpc_errors import ErrorInterceptor
 from pcpstack.common.startup import Serving, serve_until_stopped
 
@@ -93,9 +94,9 @@ async def start_server(
     reflection and marked SERVING in health.
     """
     security = options.security if options.security is not None else security_mod.current()
-    # The error interceptor is innermost: authentication runs before it, and a servicer's ServiceError
-    # reaches the caller as its gRPC status.
-    interceptors = [*security.server_interceptors(), ErrorInterceptor()]
+    # Authentication runs first; the error interceptor makes a servicer's ServiceError the caller's gRPC
+    # status; innermost, the decoding interceptor answers request bytes that do not decode INVALID_ARGUMENT.
+    interceptors = [*security.server_interceptors(), ErrorInterceptor(), DecodingInterceptor()]
     server = grpc.aio.server(options=options.channel_options(), interceptors=interceptors)
     register(server)
     health = health_aio.HealthServicer()
