@@ -70,11 +70,12 @@ class NodeSession:
         load: Callable[[], int] | None = None,
         rpc_deadline_s: float = 5.0,
         retry_max_s: float = 2.0,
-        in_use_patience_s: float = 15.0,
+        in_use_patience_s: float | None = None,
     ) -> None:
         """role is "prefill", "decode" or "kvstore"; load() is read at every heartbeat (queued plus running
         requests) and steers least-loaded routing. A node id still bound to an earlier session (a node
-        restarted within its old lease) is retried for in_use_patience_s before it counts as refused."""
+        restarted within its old lease) is retried until that session ends, or for in_use_patience_s when
+        given (then it counts as refused)."""
         if role not in ROLE_VALUES:
             raise ValueError(f"role={role!r} is not one of {', '.join(ROLE_VALUES)}")
         self.address = address
@@ -206,10 +207,11 @@ class NodeSession:
             except grpc.aio.AioRpcError as exc:
                 if _node_id_in_use(exc):
                     # the id is held by an earlier session (this node before a restart, or another node
-                    # with the same id): wait for that session's lease to run out, then give up
+                    # with the same id): it frees up when that session's lease runs out
                     now = time.monotonic()
                     in_use_since = now if in_use_since is None else in_use_since
-                    if now - in_use_since < self._in_use_patience_s:
+                    patience = self._in_use_patience_s
+                    if patience is None or now - in_use_since < patience:
                         log.warning(
                             "node id held by another session; retrying",
                             extra={"node_id": self.node_id, "error": exc.details(), "retry_in_s": delay},
