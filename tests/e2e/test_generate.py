@@ -1,8 +1,8 @@
 """The whole request path through real processes with SmolLM2: registry, kvstore, PCP prefill ranks, decode.
 
 Greedy answers equal HF transformers' for PCP=1, 2 and 3; concurrent requests equal the same requests run
-alone; seeded sampling repeats; a cancelled request leaves nothing pinned in the store; bad input gets
-INVALID_ARGUMENT naming the field.
+alone; seeded sampling repeats; a cancelled request leaves nothing pinned in the store; a request id can be
+sent again; bad input (a request id that breaks the id rule included) gets INVALID_ARGUMENT naming the field.
 """
 
 from __future__ import annotations
@@ -29,6 +29,17 @@ async def _answer(address: str, prompt, **sampling):
         return await client.generate(build_request(prompt, **sampling), timeout=300)
     finally:
         await client.close()
+
+
+async def pinned_bytes(store_address: str) -> int:
+    """The store's pinned bytes once releases in flight have landed (waits for 0 a bounded while)."""
+    async with KvStoreClient(store_address) as store:
+        for _ in range(100):
+            stat = await store.stat()
+            if stat.pinned_bytes == 0:
+                return 0
+            await asyncio.sleep(0.1)
+        return stat.pinned_bytes
 
 
 @pytest.mark.slow
@@ -102,22 +113,44 @@ def test_cancelled_request_leaves_nothing_pinned(smollm_stack_pcp2) -> None:
         await client.close()
         return received
 
-    async def pinned_bytes() -> int:
-        async with KvStoreClient(stack.stack.kvstore_address) as store:
-            for _ in range(50):
-                stat = await store.stat()
-                if stat.pinned_bytes == 0:
-                    return 0
-                await asyncio.sleep(0.1)
-            return stat.pinned_bytes
-
     assert stack.run(cancel_midway()) >= 3
-    assert stack.run(pinned_bytes()) == 0
+    assert stack.run(pinned_bytes(stack.stack.kvstore_address)) == 0
     # The worker still serves after the cancellation.
     assert (
         stack.run(_answer(stack.decode, "Hello", max_tokens=4, ignore_eos=True)).summary.completion_tokens
         == 4
     )
+
+
+@pytest.mark.slow
+def test_requests_cancelled_before_their_first_token_leave_nothing_pinned(smollm_stack_pcp2) -> None:
+    stack = smollm_stack_pcp2
+
+    async def cancel_after(delay_s: float) -> None:
+        client = DecodeClient(stack.decode)
+        call = client.stream(build_request(PROMPTS[2], max_tokens=50, ignore_eos=True))
+        await asyncio.sleep(delay_s)  # lands before Prefill is sent, while the set works, or as it answers
+        call.cancel()
+        await client.close()
+
+    for delay_s in (0.0, 0.05, 0.2, 0.5, 1.0):
+        stack.run(cancel_after(delay_s))
+    # The set takes its jobs in order: once a later request is answered, the cancelled ones were too.
+    follow_up = stack.run(_answer(stack.decode, "Hello", max_tokens=4, ignore_eos=True))
+    assert follow_up.summary.completion_tokens == 4
+    assert stack.run(pinned_bytes(stack.stack.kvstore_address)) == 0
+
+
+@pytest.mark.slow
+def test_reused_request_id_is_served_each_time(smollm_stack_pcp2) -> None:
+    # KV keys are per attempt, so a caller that re-sends an id gets an answer each time.
+    stack = smollm_stack_pcp2
+    answers = [
+        stack.run(_answer(stack.decode, "Hello", request_id="again", max_tokens=4, ignore_eos=True))
+        for _ in range(2)
+    ]
+    assert [a.summary.request_id for a in answers] == ["again", "again"]
+    assert answers[0].token_ids == answers[1].token_ids and len(answers[0].token_ids) == 4
 
 
 @pytest.mark.slow
@@ -131,6 +164,8 @@ def test_cancelled_request_leaves_nothing_pinned(smollm_stack_pcp2) -> None:
         ("Hi", {"max_tokens": 10_000_000}, "sampling.max_tokens"),
         ("Hi", {"model": "gpt-9"}, "model"),
         ([10**9], {}, "token_ids"),
+        ("Hi", {"request_id": "x" * 129}, "request_id is 129 characters; at most 128"),
+        ("Hi", {"request_id": "two words"}, "request_id contains ' '"),
     ],
 )
 def test_bad_requests_are_refused_naming_the_field(smollm_stack_pcp2, prompt, sampling, field) -> None:
