@@ -13,114 +13,28 @@ import dataclasses
 from contextlib import aclosing
 
 import pytest
-import torch
 
 from pcpstack.cli.stack import free_port
 from pcpstack.common.errors import InvalidArgument, ResourceExhausted, ServiceError
 from pcpstack.common.ids import MAX_REQUEST_ID_CHARS
 from pcpstack.decode.batcher import Batcher
-from pcpstack.decode.pipeline import (
-    DecodeSettings,
-    Delta,
-    GenerateInput,
-    GeneratePipeline,
-    Summary,
-    TokenPrompt,
-)
+from pcpstack.decode.pipeline import DecodeSettings, GenerateInput, GeneratePipeline, TokenPrompt
 from pcpstack.decode.router import SetRouter
 from pcpstack.engine.engine import Engine
-from pcpstack.engine.sampling import SamplingParams
-from pcpstack.kvstore.client import KvStoreClient
 from pcpstack.registry.endpoints import PrefillEndpoint, Resolution
 from pcpstack.registry.resolver import Resolver
-from tests.helpers import RunningStack, start_stack
-
-BLOCK_SIZE = 128
-# 1 MiB holds about 2000 tokens of the tiny model's KV (512 bytes a token): a 3000-token replica cannot fit.
-STORE_BYTES = 1 << 20
-TOO_BIG_FOR_THE_STORE = 3000
-
-
-@pytest.fixture(scope="module")
-def stack(tmp_path_factory) -> RunningStack:
-    running = start_stack(
-        tmp_path_factory.mktemp("pipeline-stack"),
-        pcp=2,
-        decode=0,
-        model="tiny",
-        block_size=BLOCK_SIZE,
-        kv_capacity_bytes=STORE_BYTES,
-    )
-    yield running
-    running.stop()
-
-
-@pytest.fixture(scope="module")
-def reference() -> Engine:
-    return Engine.load("tiny", block_size=BLOCK_SIZE)
-
-
-def make_pipeline(stack: RunningStack, router_cls: type[SetRouter] = SetRouter, **engine_options):
-    """A pipeline over the stack; its resolver's clock stands still, so a set it forgets stays forgotten."""
-    engine = Engine.load("tiny", block_size=BLOCK_SIZE, **engine_options)
-    fingerprint = engine.layout.fingerprint()
-    resolver = Resolver(stack.stack.registry_address, clock=lambda: 0.0)
-    router = router_cls(resolver.resolve, fingerprint)
-    settings = DecodeSettings(model_name="tiny", kv_fingerprint=fingerprint, prefill_timeout_s=60)
-    return GeneratePipeline(engine, Batcher(engine), router, settings), resolver
-
-
-@pytest.fixture
-def pipeline(stack):
-    made, resolver = make_pipeline(stack)
-    yield made
-    stack.run(made.close())
-    stack.run(resolver.close())
-    made.batcher.close()
-
-
-def prompt(n: int, seed: int = 0) -> tuple[int, ...]:
-    return tuple(torch.randint(0, 256, (n,), generator=torch.Generator().manual_seed(seed)).tolist())
-
-
-def greedy(max_tokens: int, **options) -> SamplingParams:
-    return SamplingParams(max_tokens=max_tokens, temperature=0, ignore_eos=True, **options)
-
-
-async def answer(pipeline: GeneratePipeline, request: GenerateInput) -> tuple[list[Delta], Summary]:
-    deltas: list[Delta] = []
-    async with aclosing(pipeline.generate(request)) as events:
-        async for event in events:
-            if isinstance(event, Delta):
-                deltas.append(event)
-            else:
-                return deltas, event
-    raise AssertionError("the pipeline ended without a summary")
-
-
-async def pinned_bytes(store_address: str) -> int:
-    """The store's pinned bytes once background releases have landed (waits for 0 a bounded while)."""
-    async with KvStoreClient(store_address) as store:
-        for _ in range(100):
-            stat = await store.stat()
-            if stat.pinned_bytes == 0:
-                return 0
-            await asyncio.sleep(0.05)
-        return stat.pinned_bytes
-
-
-async def prefills_answered(pipeline: GeneratePipeline) -> bool:
-    """Whether every Prefill call the pipeline sent has its answer (waits a bounded while)."""
-    for _ in range(600):
-        if pipeline.prefills_in_flight == 0:
-            return True
-        await asyncio.sleep(0.05)
-    return False
-
-
-async def bytes_stored(store_address: str) -> int:
-    async with KvStoreClient(store_address) as store:
-        return (await store.stat()).bytes_in
+from tests.decode.support import (
+    BLOCK_SIZE,
+    TOO_BIG_FOR_THE_STORE,
+    answer,
+    bytes_stored,
+    close_pipeline,
+    greedy,
+    make_pipeline,
+    pinned_bytes,
+    prefills_answered,
+    prompt,
+)
 
 
 @pytest.mark.slow
@@ -237,9 +151,7 @@ def test_cancel_as_the_set_answers_leaves_nothing_pinned(stack) -> None:
         assert stack.run(bytes_stored(stack.stack.kvstore_address)) > stored
         assert stack.run(pinned_bytes(stack.stack.kvstore_address)) == 0
     finally:
-        stack.run(pipeline.close())
-        stack.run(resolver.close())
-        pipeline.batcher.close()
+        close_pipeline(stack, pipeline, resolver)
 
 
 @pytest.mark.slow
@@ -265,9 +177,7 @@ def test_error_after_prefill_fails_the_request_and_releases_the_replica(stack) -
             stack.run(answer(pipeline, GenerateInput(TokenPrompt(prompt(100)), greedy(50))))
         assert stack.run(pinned_bytes(stack.stack.kvstore_address)) == 0
     finally:
-        stack.run(pipeline.close())
-        stack.run(resolver.close())
-        pipeline.batcher.close()
+        close_pipeline(stack, pipeline, resolver)
 
 
 @pytest.mark.slow
@@ -314,6 +224,4 @@ def test_unreachable_set_is_dropped_and_the_request_retried_on_another(stack, re
         assert answers == [expected, expected]
         assert chosen != "dead-set"
     finally:
-        stack.run(pipeline.close())
-        stack.run(resolver.close())
-        pipeline.batcher.close()
+        close_pipeline(stack, pipeline, resolver)
