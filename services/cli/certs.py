@@ -4,11 +4,13 @@ Writes ca.pem and ca-key.pem (reused when the folder already has them, so more s
 later) and <name>.pem / <name>-key.pem for each --name. Every service certificate is valid for both server
 and client authentication and covers the --dns names, the --ip addresses and the service's own name. Keys
 are written readable by their owner only. This is for development and tests: production should use the
-organisation's CA.
+organisation's CA. The defaults (localhost, 127.0.0.1) cover a local stack, whose services all listen on
+127.0.0.1:
 
-    pcpstack certs --out certs --ip 127.0.0.1 --dns localhost
+    pcpstack certs
     export PCPSTACK_TLS_CA=certs/ca.pem PCPSTACK_TLS_CERT=certs/registry.pem \\
-           PCPSTACK_TLS_KEY=certs/registry-key.pem
+           PCPSTACK_TLS_KEY=certs/registry-key.pem PCPSTACK_TOKEN=$(openssl rand -hex 32)
+    pcpstack up --pcp 2
 """
 
 from __future__ import annotations
@@ -18,7 +20,7 @@ import datetime
 import ipaddress
 import os
 import sys
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 
 from cryptography import x509
@@ -26,9 +28,13 @@ from cryptography.hazmat.primitives import hashes, serialization
 from cryptography.hazmat.primitives.asymmetric import ec
 from cryptography.x509.oid import ExtendedKeyUsageOID, NameOID
 
+from pcpstack.common import security
+
 DEFAULT_NAMES = ("registry", "kvstore", "prefill", "decode", "gateway")
 DEFAULT_DNS = ("localhost",)
 DEFAULT_IPS = ("127.0.0.1",)
+# The one address every service of a local stack (`pcpstack up`) binds and advertises.
+LOCAL_STACK_HOST = "127.0.0.1"
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -147,6 +153,38 @@ def make_service_cert(
         .sign(ca_key, hashes.SHA256())
     )
     return cert, key
+
+
+def certificate_covers(cert_pem: bytes, host: str) -> bool:
+    """Whether the (first) certificate in cert_pem names host, an IP or a DNS name, among its subject
+    alternative names: what a TLS peer that dials host checks."""
+    cert = x509.load_pem_x509_certificates(cert_pem)[0]
+    try:
+        names = cert.extensions.get_extension_for_class(x509.SubjectAlternativeName).value
+    except x509.ExtensionNotFound:
+        return False
+    try:
+        ip = ipaddress.ip_address(host)
+    except ValueError:
+        return host.lower() in (name.lower() for name in names.get_values_for_type(x509.DNSName))
+    return ip in names.get_values_for_type(x509.IPAddress)
+
+
+def local_stack_certificate_problem(env: Mapping[str, str]) -> str | None:
+    """Why the TLS certificate env names cannot serve a local stack, or None. Every service of a local stack
+    listens on LOCAL_STACK_HOST and its peers verify that address against the certificate; settings that
+    do not load are left to the services, which exit naming the broken rule."""
+    try:
+        tls = security.from_env(env).tls
+    except security.SecurityConfigError:
+        return None
+    if tls is None or certificate_covers(tls.cert, LOCAL_STACK_HOST):
+        return None
+    return (
+        f"{security.CERT_ENV}={env.get(security.CERT_ENV)!r} does not name {LOCAL_STACK_HOST}, the address "
+        "every service of a local stack listens on, so its peers would refuse every connection; make "
+        f"certificates with `pcpstack certs` (its defaults name it) or add `--ip {LOCAL_STACK_HOST}`"
+    )
 
 
 def _load_or_make_ca(out: Path, days: int) -> tuple[x509.Certificate, ec.EllipticCurvePrivateKey]:

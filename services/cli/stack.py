@@ -1,9 +1,10 @@
 """A whole pcpstack on this machine: registry, KV store, prefill sets and decode workers as processes.
 
 `pcpstack up` runs one until Ctrl-C; `pcpstack generate --local` starts one for a single request. Every
-service is a separate `pcpstack serve ...` process on loopback, exactly as in a real deployment. Each PCP
-set gets its own 127.0.0.x master address and its own master port (the rendezvous store of torch listens
-on every address of the host).
+service is a separate `pcpstack serve ...` process on loopback, exactly as in a real deployment. Every
+service binds and advertises 127.0.0.1 only, the address `pcpstack certs` puts in its certificates by
+default, so the stack also serves with mutual TLS; PCP sets differ by port, each with its own master port
+(the rendezvous store of torch listens on every address of the host).
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ import urllib.request
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from pcpstack.cli.certs import local_stack_certificate_problem
 from pcpstack.cli.launch import child_env, spawn_service
 from pcpstack.common import security
 from pcpstack.common.channel import open_channel
@@ -120,6 +122,9 @@ class LocalStack:
         """Starts every service and waits until the stack can serve; raises RuntimeError if it cannot."""
         o = self.options
         started = time.monotonic()
+        problem = local_stack_certificate_problem(self._env())
+        if problem is not None:
+            raise RuntimeError(problem)  # refused up front: the stack would say ready and serve nothing
         port = free_port()
         self.registry_address = f"127.0.0.1:{port}"
         self._spawn(
@@ -147,7 +152,8 @@ class LocalStack:
         )
         prefill_config = self._config_file("prefill")
         for index in range(o.prefill_sets):
-            host = f"127.0.0.{10 + index}"
+            # Not a 127.0.0.x of its own: TLS peers verify this address against the certificate.
+            host = "127.0.0.1"
             port = free_port(host)
             self._spawn(
                 f"prefill-{index}",
