@@ -21,7 +21,6 @@ from grpc_reflection.v1alpha import reflection
 from pcpstack.common import security as security_mod
 from pcpstack.common.request_decoding import DecodingInterceptor
 from pcpstack.common.rpc_errors import ErrorInterceptor
-from pcpstack.common.startup import Serving, serve_until_stopped
 
 DEFAULT_MAX_MESSAGE_BYTES = 64 * 1024 * 1024
 
@@ -122,6 +121,9 @@ async def start_server(
 async def serve_until_signalled(running: RunningServer, on_stop: Callable[[], object] | None = None) -> None:
     """Serves a bare server until SIGTERM or SIGINT, then shuts it down gracefully; on_stop (sync or async)
     runs first. Services go through pcpstack.common.startup.run_service, which drains the same way."""
+
+    # Imported here: the start-up path builds on this module.
+    from pcpstack.common.startup import Serving, serve_until_stopped
 
     async def before_stop() -> None:
         if on_stop is not None:

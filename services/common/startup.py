@@ -22,17 +22,25 @@ import logging
 import signal
 import sys
 from collections.abc import Awaitable, Callable
-from dataclasses import dataclass
-from typing import TYPE_CHECKING, TypeVar
+from dataclasses import dataclass, fields
+from typing import Any, ClassVar, TypeVar
 
 from pcpstack.common import security
-from pcpstack.common.config import ConfigError, check_port
+from pcpstack.common.config import (
+    ROLE_SECTIONS,
+    ConfigError,
+    EngineConfig,
+    check_address,
+    check_model_source,
+    check_port,
+    check_positive,
+    parse_overrides,
+    role_config,
+)
 from pcpstack.common.logs import setup_logging
+from pcpstack.common.server import DEFAULT_MAX_MESSAGE_BYTES, RunningServer, ServerOptions
 from pcpstack.common.telemetry import setup_telemetry, shutdown_telemetry
 from pcpstack.common.tunables import ensure_glibc_tunables
-
-if TYPE_CHECKING:
-    from pcpstack.common.server import RunningServer
 
 log = logging.getLogger(__name__)
 
@@ -40,6 +48,7 @@ CONFIG_EXIT_STATUS = 2
 LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL")
 
 C = TypeVar("C")
+N = TypeVar("N", bound="NodeConfig")
 
 
 @dataclass(frozen=True)
@@ -75,6 +84,70 @@ def add_process_arguments(parser: argparse.ArgumentParser, metrics: bool = True)
         parser.add_argument(
             "--metrics", default="", metavar="HOST:PORT", help="serve Prometheus metrics here"
         )
+
+
+def config_from_args(cls: type[C], args: argparse.Namespace, **given: Any) -> C:
+    """Builds a service config whose field names are the dests of its flags; `given` supplies the fields
+    that are computed from the flags rather than copied."""
+    values = {f.name: getattr(args, f.name) for f in fields(cls) if f.name not in given}
+    return cls(**values, **given)
+
+
+def add_node_arguments(parser: argparse.ArgumentParser, role: str) -> None:
+    """The flags of a model-serving node (prefill, decode): its registry, where it listens and is reached,
+    its identity, its engine config (a seed-style file, --set overrides, --model), and its message limit."""
+    parser.add_argument("--registry", required=True, help="registry address HOST:PORT")
+    parser.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1)")
+    parser.add_argument("--port", type=int, default=0, help="port to bind (default: any free port)")
+    parser.add_argument("--advertise", default="", help="host others reach this node at (default: --host)")
+    parser.add_argument("--node-id", default="", help="stable node identity (default: hostname-port)")
+    parser.add_argument("--config", help=f"seed-style JSON with {ROLE_SECTIONS[role]}")
+    parser.add_argument(
+        "--set", action="append", default=[], metavar="KEY=VALUE", help="engine_config override"
+    )
+    parser.add_argument(
+        "--model", default=None, help="model: a .gguf file, a HF folder, 'tiny'; default SmolLM2"
+    )
+    parser.add_argument("--max-message-bytes", type=int, default=DEFAULT_MAX_MESSAGE_BYTES)
+
+
+@dataclass(frozen=True)
+class NodeConfig:
+    """What every model-serving node's config holds (add_node_arguments' flags), validated when built.
+
+    A subclass sets `role` and adds its own fields (all with defaults) and checks.
+    """
+
+    role: ClassVar[str]
+
+    registry: str
+    engine: EngineConfig
+    host: str = "127.0.0.1"
+    port: int = 0
+    advertise: str = ""
+    node_id: str = ""
+    max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES
+
+    def __post_init__(self) -> None:
+        check_address("--registry", self.registry, required=True)
+        check_port("--port", self.port)
+        check_model_source("model", self.engine.model)
+        check_positive("--max-message-bytes", self.max_message_bytes)
+
+    @classmethod
+    def from_args(cls: type[N], args: argparse.Namespace) -> N:
+        """The config the flags (and the config file they name) describe."""
+        engine = role_config(cls.role, args.config, parse_overrides(args.set), args.model)
+        return config_from_args(cls, args, engine=engine)
+
+    @property
+    def advertised_host(self) -> str:
+        """The host other nodes reach this one at."""
+        return self.advertise or self.host
+
+    def server_options(self) -> ServerOptions:
+        """Where the node listens."""
+        return ServerOptions(host=self.host, port=self.port, max_message_bytes=self.max_message_bytes)
 
 
 @dataclass

@@ -17,7 +17,7 @@ from pcpstack.common.config import (
     check_port,
     check_positive,
 )
-from pcpstack.common.startup import Serving, add_process_arguments, run_service
+from pcpstack.common.startup import Serving, add_process_arguments, config_from_args, run_service
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -80,14 +80,7 @@ class GatewayConfig:
     @classmethod
     def from_args(cls, args: argparse.Namespace) -> GatewayConfig:
         """The config the flags describe."""
-        return cls(
-            decode=tuple(decode_addresses(args.decode)),
-            registry=args.registry,
-            host=args.host,
-            port=args.port,
-            model_name=args.model_name,
-            request_timeout=args.request_timeout,
-        )
+        return config_from_args(cls, args, decode=tuple(decode_addresses(args.decode)))
 
 
 async def start(config: GatewayConfig) -> Serving:

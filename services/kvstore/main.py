@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING
 
 from pcpstack.common.config import ConfigError, check_address, check_port, check_positive
 from pcpstack.common.server import DEFAULT_MAX_MESSAGE_BYTES, ServerOptions
-from pcpstack.common.startup import Serving, add_process_arguments, run_service
+from pcpstack.common.startup import Serving, add_process_arguments, config_from_args, run_service
 
 if TYPE_CHECKING:
     from pcpstack.kvstore.server import KvStoreServerConfig
@@ -92,19 +92,7 @@ class KvStoreConfig:
     @classmethod
     def from_args(cls, args: argparse.Namespace) -> KvStoreConfig:
         """The config the flags describe."""
-        return cls(
-            host=args.host,
-            port=args.port,
-            capacity_bytes=args.capacity_bytes,
-            default_lease_ms=args.default_lease_ms,
-            max_lease_ms=args.max_lease_ms,
-            shm_dir=args.shm_dir,
-            reap_interval_s=args.reap_interval_s,
-            max_message_bytes=args.max_message_bytes,
-            registry=args.registry,
-            advertise=args.advertise,
-            node_id=args.node_id,
-        )
+        return config_from_args(cls, args)
 
     def server_config(self) -> KvStoreServerConfig:
         """The store server's own config; a rule it adds that these flags break is a ConfigError too."""

@@ -13,21 +13,23 @@ import asyncio
 import logging
 import socket
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, ClassVar
 
 from pcpstack.common.config import (
     ConfigError,
     EngineConfig,
     check_address,
-    check_model_source,
     check_non_negative,
-    check_port,
     check_positive,
-    parse_overrides,
-    role_config,
 )
-from pcpstack.common.server import DEFAULT_MAX_MESSAGE_BYTES, ServerOptions, start_server
-from pcpstack.common.startup import Serving, add_process_arguments, run_service
+from pcpstack.common.server import start_server
+from pcpstack.common.startup import (
+    NodeConfig,
+    Serving,
+    add_node_arguments,
+    add_process_arguments,
+    run_service,
+)
 
 if TYPE_CHECKING:
     from pcpstack.prefill.node import ModelInfo, RunningSet
@@ -38,20 +40,7 @@ log = logging.getLogger(__name__)
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     """Flags of `pcpstack serve prefill`."""
     add_process_arguments(parser)
-    parser.add_argument("--registry", required=True, help="registry address HOST:PORT")
-    parser.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1)")
-    parser.add_argument("--port", type=int, default=0, help="port to bind (default: any free port)")
-    parser.add_argument(
-        "--advertise", default="", help="host other nodes reach this one at (default: --host)"
-    )
-    parser.add_argument("--node-id", default="", help="stable node identity (default: hostname-port)")
-    parser.add_argument("--config", help="seed-style JSON with motor_engine_prefill_config")
-    parser.add_argument(
-        "--set", action="append", default=[], metavar="KEY=VALUE", help="engine_config override"
-    )
-    parser.add_argument(
-        "--model", default=None, help="model: a .gguf file, a HF folder, 'tiny'; default SmolLM2"
-    )
+    add_node_arguments(parser, "prefill")
     parser.add_argument(
         "--local-ranks", type=int, default=0, help="PCP ranks on this node (default pcp/nnodes)"
     )
@@ -65,37 +54,24 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--collective-timeout", type=float, default=120.0, help="seconds before a collective fails"
     )
-    parser.add_argument("--max-message-bytes", type=int, default=DEFAULT_MAX_MESSAGE_BYTES)
-
-
-def resolve_config(args: argparse.Namespace) -> EngineConfig:
-    """The node's engine config: its config file section (or defaults) with --set and --model applied."""
-    return role_config("prefill", args.config, parse_overrides(args.set), args.model)
 
 
 @dataclass(frozen=True)
-class PrefillConfig:
+class PrefillConfig(NodeConfig):
     """A prefill node's configuration, validated when built (before any model is loaded)."""
 
-    registry: str
-    engine: EngineConfig
-    host: str = "127.0.0.1"
-    port: int = 0
-    advertise: str = ""
-    node_id: str = ""
+    role: ClassVar[str] = "prefill"
+
     # 0: pcp / nnodes.
     local_ranks: int = 0
     threads_per_rank: int = 1
     kvstore: str = ""
     kv_lease_ms: int = 0
     collective_timeout: float = 120.0
-    max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES
 
     def __post_init__(self) -> None:
-        check_address("--registry", self.registry, required=True)
+        super().__post_init__()
         check_address("--kvstore", self.kvstore)
-        check_port("--port", self.port)
-        check_model_source("model", self.engine.model)
         check_non_negative("--local-ranks", self.local_ranks, "0: pcp / nnodes")
         if self.local_ranks and self.local_ranks != self.engine.pcp_ranks_per_node:
             engine = self.engine
@@ -108,30 +84,6 @@ class PrefillConfig:
         check_positive("--threads-per-rank", self.threads_per_rank)
         check_non_negative("--kv-lease-ms", self.kv_lease_ms, "0: the store's default")
         check_positive("--collective-timeout", self.collective_timeout)
-        check_positive("--max-message-bytes", self.max_message_bytes)
-
-    @classmethod
-    def from_args(cls, args: argparse.Namespace) -> PrefillConfig:
-        """The config the flags (and the config file they name) describe."""
-        return cls(
-            registry=args.registry,
-            engine=resolve_config(args),
-            host=args.host,
-            port=args.port,
-            advertise=args.advertise,
-            node_id=args.node_id,
-            local_ranks=args.local_ranks,
-            threads_per_rank=args.threads_per_rank,
-            kvstore=args.kvstore,
-            kv_lease_ms=args.kv_lease_ms,
-            collective_timeout=args.collective_timeout,
-            max_message_bytes=args.max_message_bytes,
-        )
-
-    @property
-    def advertised_host(self) -> str:
-        """The host other nodes reach this one at."""
-        return self.advertise or self.host
 
 
 class PrefillNode:
@@ -233,7 +185,7 @@ class PrefillNode:
         self.running = await start_server(
             lambda server: prefill_pb2_grpc.add_PrefillServiceServicer_to_server(servicer, server),
             [SERVICE_NAME],
-            ServerOptions(host=config.host, port=config.port, max_message_bytes=config.max_message_bytes),
+            config.server_options(),
         )
         await self._set_health(False)
         address = f"{config.advertised_host}:{self.running.port}"

@@ -9,7 +9,7 @@ from pathlib import Path
 
 from pcpstack.common.config import ConfigError, check_non_negative, check_port, check_positive
 from pcpstack.common.server import DEFAULT_MAX_MESSAGE_BYTES, ServerOptions
-from pcpstack.common.startup import Serving, add_process_arguments, run_service
+from pcpstack.common.startup import Serving, add_process_arguments, config_from_args, run_service
 from pcpstack.registry.membership import Settings
 
 log = logging.getLogger(__name__)
@@ -77,16 +77,7 @@ class RegistryConfig:
     @classmethod
     def from_args(cls, args: argparse.Namespace) -> RegistryConfig:
         """The config the flags describe."""
-        return cls(
-            host=args.host,
-            port=args.port,
-            lease=args.lease,
-            assembly_timeout=args.assembly_timeout,
-            restore_grace=args.restore_grace,
-            snapshot=args.snapshot,
-            verify_peer_address=args.verify_peer_address,
-            max_message_bytes=args.max_message_bytes,
-        )
+        return config_from_args(cls, args)
 
     def settings(self) -> Settings:
         """The registry core's timing."""
