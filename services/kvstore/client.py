@@ -19,7 +19,7 @@ reads what get returns without a copy.
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncIterator
+import contextlib
 from dataclasses import dataclass, field
 
 import grpc
@@ -71,6 +71,19 @@ def _store_error(exc: grpc.aio.AioRpcError) -> ServiceError:
     error = error_from_rpc(exc)
     refined = _STORE_ERRORS.get(error.code)
     return refined(str(error)) if refined is not None else error
+
+
+async def _end_stream(call) -> None:
+    """Ends a reader/writer stream in any state without leaving a task behind.
+
+    A call still running is cancelled. On a channel with interceptors grpc feeds `write`s to the call
+    through a task that waits for the next write or the half-close; when the store ended the call first
+    (a refusal), nothing else would wake that task, and it would be destroyed pending with its loop. The
+    half-close wakes it (repeating one is harmless).
+    """
+    if not call.cancel():
+        with contextlib.suppress(asyncio.InvalidStateError, grpc.aio.AioRpcError):
+            await call.done_writing()
 
 
 def _as_bytes_view(data) -> memoryview:
@@ -166,7 +179,7 @@ class KvStoreClient:
         except grpc.aio.AioRpcError as exc:
             raise _store_error(exc) from exc
         finally:
-            call.cancel()  # no-op once finished; stops the stream if anything above failed
+            await _end_stream(call)
 
     async def _send_chunks(self, call, view: memoryview) -> int:
         sender = ChunkSender(view.nbytes, self._chunk_bytes)
@@ -199,9 +212,9 @@ class KvStoreClient:
             accept_shm=use_shm,
             capability=capability,
         )
-        requests = _Requests(request)
-        call = self._stub.Get(requests)
+        call = self._stub.Get()
         try:
+            await call.write(request)
             header = (await self._read(call, "header")).header
             if header.shm_name:
                 try:
@@ -209,16 +222,16 @@ class KvStoreClient:
                         copy_segment, self._shm_dir, header.shm_name, header.total_bytes
                     )
                 finally:
-                    requests.finish()
+                    await call.done_writing()  # the half-close: the store may reuse the segment now
                 verify_object(key, crc, header.crc32c, "the store")
             else:
-                requests.finish()
+                await call.done_writing()
                 data = await self._receive_chunks(call, key, header)
             return data, header.metadata
         except grpc.aio.AioRpcError as exc:
             raise _store_error(exc) from exc
         finally:
-            call.cancel()
+            await _end_stream(call)
 
     @staticmethod
     async def _receive_chunks(call, key: str, header: pb.GetHeader) -> memoryview:
@@ -228,7 +241,7 @@ class KvStoreClient:
             data[offset : offset + len(chunk)] = chunk
 
         receiver = ChunkReceiver(key, header.total_bytes, header.chunk_size, write, malformed=ProtocolError)
-        async for message in call:
+        while (message := await call.read()) is not grpc.aio.EOF:
             if message.WhichOneof("body") != "chunk":
                 raise ProtocolError(f"store sent {message.WhichOneof('body')} among the chunks of {key!r}")
             receiver.add(message.chunk)
@@ -255,19 +268,3 @@ class KvStoreClient:
             return await method(request)
         except grpc.aio.AioRpcError as exc:
             raise _store_error(exc) from exc
-
-
-class _Requests:
-    """The reader's side of a Get: one request, then held open until finish() (the half-close)."""
-
-    def __init__(self, request: pb.GetRequest) -> None:
-        self._request = request
-        self._done = asyncio.Event()
-
-    def finish(self) -> None:
-        """Half-closes the stream: the reader no longer needs the store's segment."""
-        self._done.set()
-
-    async def __aiter__(self) -> AsyncIterator[pb.GetRequest]:
-        yield self._request
-        await self._done.wait()

@@ -19,10 +19,10 @@ from dataclasses import dataclass
 import grpc
 from opentelemetry.metrics import CallbackOptions, Observation
 
-from pcpstack.common.errors import ResourceExhausted, ServiceError
+from pcpstack.common.errors import ServiceError
 from pcpstack.common.server import RunningServer, ServerOptions, start_server
 from pcpstack.common.telemetry import meter
-from pcpstack.kvstore.errors import InvalidArgument
+from pcpstack.kvstore.errors import CapacityExceeded, InvalidArgument
 from pcpstack.kvstore.shm import Segment, SegmentStore
 from pcpstack.kvstore.store import DEFAULT_MAX_LEASE_MS, KvStore, PendingPut, StoreConfig, StoredObject
 from pcpstack.kvstore.stream import DEFAULT_CHUNK_BYTES, ChunkReceiver, ChunkSender, verify_object
@@ -122,8 +122,8 @@ class KvStoreServicer(kvstore_pb2_grpc.KvStoreServiceServicer):
             return None
         try:
             pending.payload = self.segments.allocate(pending.total_bytes)
-        except OSError as exc:
-            raise ResourceExhausted(
+        except OSError as exc:  # the tmpfs is full: capacity, as the budget is
+            raise CapacityExceeded(
                 f"cannot allocate {pending.total_bytes} bytes of shared memory: {exc}"
             ) from exc
         self._trim_pool()

@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import gc
+import logging
 import os
 import random
 
@@ -402,3 +404,26 @@ def test_store_caps_leases_at_ten_minutes_by_default():
                 await client.put("k", "fp", b"abcd", lease_ms=2**32 - 1)
 
     asyncio.run(body())
+
+
+@PATHS
+def test_refused_put_and_get_leave_no_task_to_be_destroyed_pending(prefer_shm: bool, caplog):
+    async def body():
+        async with running_store() as server, KvStoreClient(server.address, prefer_shm=prefer_shm) as client:
+            committed = await client.put("k", "fp", b"abc")
+            with pytest.raises(AlreadyExists):
+                await client.put("k", "fp", b"abc")
+            with pytest.raises(InvalidArgument, match="cap"):
+                await client.put("long", "fp", b"abc", lease_ms=2**32 - 1)
+            for key, capability in (("k", "forged-token"), ("missing", committed.capability)):
+                with pytest.raises((CapabilityDenied, NotFound)):
+                    await client.get(key, "fp", capability)
+            with pytest.raises(FingerprintMismatch):
+                await client.get("k", "other-model", committed.capability)
+            for _ in range(3):  # the loop runs what the failed calls left to finish
+                await asyncio.sleep(0)
+            gc.collect()  # a request stream still waiting would now be destroyed, pending
+
+    with caplog.at_level(logging.ERROR, logger="asyncio"):
+        asyncio.run(body())
+    assert not [r for r in caplog.records if "destroyed but it is pending" in r.getMessage()]
