@@ -43,6 +43,19 @@ def start_stack(tmp: Path, **options) -> RunningStack:
     return RunningStack(StackOptions(log_dir=str(tmp), **options)).start()
 
 
+async def pinned_bytes(store_address: str) -> int:
+    """The KV store's pinned bytes once releases in flight have landed (waits for 0 a bounded while)."""
+    from pcpstack.kvstore.client import KvStoreClient
+
+    async with KvStoreClient(store_address) as store:
+        for _ in range(100):
+            stat = await store.stat()
+            if stat.pinned_bytes == 0:
+                return 0
+            await asyncio.sleep(0.1)
+        return stat.pinned_bytes
+
+
 def child_pids(pid: int) -> list[int]:
     """Direct children of a process, oldest first (by pid)."""
     children = []

@@ -61,17 +61,6 @@ async def answer(pipeline: GeneratePipeline, request: GenerateInput) -> tuple[li
     raise AssertionError("the pipeline ended without a summary")
 
 
-async def pinned_bytes(store_address: str) -> int:
-    """The store's pinned bytes once releases in flight have landed (waits for 0 a bounded while)."""
-    async with KvStoreClient(store_address) as store:
-        for _ in range(100):
-            stat = await store.stat()
-            if stat.pinned_bytes == 0:
-                return 0
-            await asyncio.sleep(0.05)
-        return stat.pinned_bytes
-
-
 async def prefills_answered(pipeline: GeneratePipeline) -> bool:
     """Whether every Prefill call the pipeline sent has its answer (waits a bounded while)."""
     for _ in range(600):

@@ -31,10 +31,10 @@ from tests.decode.support import (
     close_pipeline,
     greedy,
     make_pipeline,
-    pinned_bytes,
     prefills_answered,
     prompt,
 )
+from tests.helpers import pinned_bytes
 
 
 @pytest.mark.slow

@@ -13,8 +13,7 @@ import grpc
 import pytest
 
 from pcpstack.decode.client import DecodeClient, build_request
-from pcpstack.kvstore.client import KvStoreClient
-from tests.helpers import start_stack
+from tests.helpers import pinned_bytes, start_stack
 
 PROMPTS = [
     "The history of the printing press",
@@ -29,17 +28,6 @@ async def _answer(address: str, prompt, **sampling):
         return await client.generate(build_request(prompt, **sampling), timeout=300)
     finally:
         await client.close()
-
-
-async def pinned_bytes(store_address: str) -> int:
-    """The store's pinned bytes once releases in flight have landed (waits for 0 a bounded while)."""
-    async with KvStoreClient(store_address) as store:
-        for _ in range(100):
-            stat = await store.stat()
-            if stat.pinned_bytes == 0:
-                return 0
-            await asyncio.sleep(0.1)
-        return stat.pinned_bytes
 
 
 @pytest.mark.slow
