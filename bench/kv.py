@@ -16,7 +16,7 @@ import statistics
 import subprocess
 import time
 
-from pcpstack.cli.launch import spawn_service
+from pcpstack.cli.launch import spawn_and_wait_listening
 from pcpstack.common.tunables import ensure_glibc_tunables
 
 _UNITS = {
@@ -48,18 +48,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def _start_store(capacity: int) -> tuple[subprocess.Popen, str]:
-    proc = spawn_service(
-        "kvstore",
-        ["--port", "0", "--capacity-bytes", str(capacity)],
-        stdout=subprocess.PIPE,
-        stderr=subprocess.DEVNULL,
-        text=True,
-    )
-    line = proc.stdout.readline()
-    if "listening on" not in line:
-        proc.kill()
-        raise RuntimeError(f"kvstore did not start: {line!r}")
-    return proc, line.rsplit(" ", 1)[1].strip()
+    return spawn_and_wait_listening("kvstore", ["--port", "0", "--capacity-bytes", str(capacity)])
 
 
 async def _measure(address: str, prefer_shm: bool, size: int, repeats: int, chunk: int) -> dict:

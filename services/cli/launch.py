@@ -76,3 +76,20 @@ def spawn_service(
     with open(log, "w") as out:
         # The child holds its own copy of the descriptor; this one closes when Popen returns.
         return subprocess.Popen(command, env=env, stdout=out, stderr=subprocess.STDOUT, **popen)
+
+
+def spawn_and_wait_listening(
+    service: str, args: Sequence[str] = (), *, env: Mapping[str, str] | None = None, **popen: Any
+) -> tuple[subprocess.Popen, str]:
+    """Starts a service that announces `... listening on HOST:PORT` as its first stdout line (kvstore,
+    prefill, decode: handy with --port 0) and returns the process with that address. stderr is discarded
+    unless given; a service that exits or prints something else first is killed and reported."""
+    popen.setdefault("stderr", subprocess.DEVNULL)
+    process = spawn_service(service, args, env=env, stdout=subprocess.PIPE, text=True, **popen)
+    line = process.stdout.readline()
+    _, announced, address = line.strip().rpartition(" listening on ")
+    if not announced:
+        process.kill()
+        process.wait()
+        raise RuntimeError(f"pcpstack serve {service} did not start: {line!r}")
+    return process, address

@@ -12,7 +12,7 @@ import textwrap
 
 import pytest
 
-from pcpstack.cli.launch import spawn_service
+from pcpstack.cli.launch import spawn_and_wait_listening
 from pcpstack.kvstore.client import KvStoreClient
 from pcpstack.kvstore.shm import SegmentStore
 from tests.kvstore.conftest import running_store, segment_files
@@ -84,16 +84,8 @@ def test_writer_killed_midway_leaves_no_object_reservation_or_segment(mode: str,
 
 @pytest.mark.timeout(60)
 def test_segments_of_a_killed_store_are_reclaimed_by_the_next_store(child_env):
-    store = spawn_service(
-        "kvstore",
-        ["--port", "0"],
-        stdout=subprocess.PIPE,
-        stderr=subprocess.DEVNULL,
-        env=child_env,
-        text=True,
-    )
+    store, address = spawn_and_wait_listening("kvstore", ["--port", "0"], env=child_env)
     try:
-        address = store.stdout.readline().rsplit(" ", 1)[1].strip()
 
         async def fill() -> str:
             async with KvStoreClient(address) as client:

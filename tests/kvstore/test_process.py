@@ -4,11 +4,10 @@ from __future__ import annotations
 
 import asyncio
 import signal
-import subprocess
 
 import pytest
 
-from pcpstack.cli.launch import spawn_service
+from pcpstack.cli.launch import spawn_and_wait_listening
 from pcpstack.kvstore.client import KvStoreClient
 from pcpstack.kvstore.errors import InvalidArgument
 
@@ -17,16 +16,8 @@ LEASE_FLAGS = ["--default-lease-ms", "500", "--max-lease-ms", "1000"]
 
 @pytest.mark.timeout(60)
 def test_max_lease_flag_caps_the_lease_a_writer_may_ask_for(child_env):
-    store = spawn_service(
-        "kvstore",
-        ["--port", "0", *LEASE_FLAGS],
-        stdout=subprocess.PIPE,
-        stderr=subprocess.DEVNULL,
-        env=child_env,
-        text=True,
-    )
+    store, address = spawn_and_wait_listening("kvstore", ["--port", "0", *LEASE_FLAGS], env=child_env)
     try:
-        address = store.stdout.readline().rsplit(" ", 1)[1].strip()
 
         async def body() -> None:
             async with KvStoreClient(address) as client:
