@@ -89,7 +89,7 @@ class StoredObject:
     payload: object
     pinned: bool
     lease_expires: float
-    capability: str = field(default="", repr=False)  # a bearer secret: kept out of reprs and logs
+    capability: str = field(repr=False)  # a bearer secret: kept out of reprs and logs
     readers: int = 0
     doomed: bool = False  # left the index while being read; freed when the last read ends
 
