@@ -19,6 +19,7 @@ from grpc_health.v1.health import aio as health_aio
 from grpc_reflection.v1alpha import reflection
 
 from pcpstack.common import security as security_mod
+from pcpstack.common.config import check_non_negative, check_port, check_positive
 from pcpstack.common.request_decoding import DecodingInterceptor
 from pcpstack.common.rpc_errors import ErrorInterceptor
 
@@ -27,7 +28,7 @@ DEFAULT_MAX_MESSAGE_BYTES = 64 * 1024 * 1024
 
 @dataclass(frozen=True)
 class ServerOptions:
-    """Where and how a service listens."""
+    """Where and how a service listens; validated when built (ConfigError naming the field)."""
 
     host: str = "127.0.0.1"
     port: int = 0
@@ -35,6 +36,11 @@ class ServerOptions:
     grace_seconds: float = 5.0
     # None: the process-wide security (security.current()), which is plaintext and no token by default.
     security: security_mod.Security | None = None
+
+    def __post_init__(self) -> None:
+        check_port("port", self.port)
+        check_positive("max_message_bytes", self.max_message_bytes)
+        check_non_negative("grace_seconds", self.grace_seconds)
 
     def channel_options(self) -> list[tuple[str, int]]:
         """gRPC options that apply the message size limit in both directions."""

@@ -111,28 +111,44 @@ def add_node_arguments(parser: argparse.ArgumentParser, role: str) -> None:
     parser.add_argument("--max-message-bytes", type=int, default=DEFAULT_MAX_MESSAGE_BYTES)
 
 
-@dataclass(frozen=True)
-class NodeConfig:
+@dataclass(frozen=True, kw_only=True)
+class ListenConfig:
+    """Where a gRPC service listens (--host, --port, --max-message-bytes), validated when built.
+
+    The base of the services' configs; they are keyword-only so a subclass may add required fields.
+    """
+
+    host: str = "127.0.0.1"
+    port: int = 0
+    max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES
+
+    def __post_init__(self) -> None:
+        check_port("--port", self.port)
+        check_positive("--max-message-bytes", self.max_message_bytes)
+
+    def server_options(self) -> ServerOptions:
+        """The options start_server listens with."""
+        return ServerOptions(host=self.host, port=self.port, max_message_bytes=self.max_message_bytes)
+
+
+@dataclass(frozen=True, kw_only=True)
+class NodeConfig(ListenConfig):
     """What every model-serving node's config holds (add_node_arguments' flags), validated when built.
 
-    A subclass sets `role` and adds its own fields (all with defaults) and checks.
+    A subclass sets `role` and adds its own fields and checks.
     """
 
     role: ClassVar[str]
 
     registry: str
     engine: EngineConfig
-    host: str = "127.0.0.1"
-    port: int = 0
     advertise: str = ""
     node_id: str = ""
-    max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES
 
     def __post_init__(self) -> None:
+        super().__post_init__()
         check_address("--registry", self.registry, required=True)
-        check_port("--port", self.port)
         check_model_source("model", self.engine.model)
-        check_positive("--max-message-bytes", self.max_message_bytes)
 
     @classmethod
     def from_args(cls: type[N], args: argparse.Namespace) -> N:
@@ -144,10 +160,6 @@ class NodeConfig:
     def advertised_host(self) -> str:
         """The host other nodes reach this one at."""
         return self.advertise or self.host
-
-    def server_options(self) -> ServerOptions:
-        """Where the node listens."""
-        return ServerOptions(host=self.host, port=self.port, max_message_bytes=self.max_message_bytes)
 
 
 @dataclass

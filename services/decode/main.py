@@ -43,7 +43,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--kv-lease-ms", type=int, default=0, help="lease of replicas in the store")
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class DecodeConfig(NodeConfig):
     """A decode worker's configuration, validated when built (before any model is loaded)."""
 

@@ -13,9 +13,15 @@ import socket
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from pcpstack.common.config import ConfigError, check_address, check_port, check_positive
-from pcpstack.common.server import DEFAULT_MAX_MESSAGE_BYTES, ServerOptions
-from pcpstack.common.startup import Serving, add_process_arguments, config_from_args, run_service
+from pcpstack.common.config import ConfigError, check_address, check_positive
+from pcpstack.common.server import DEFAULT_MAX_MESSAGE_BYTES
+from pcpstack.common.startup import (
+    ListenConfig,
+    Serving,
+    add_process_arguments,
+    config_from_args,
+    run_service,
+)
 
 if TYPE_CHECKING:
     from pcpstack.kvstore.server import KvStoreServerConfig
@@ -52,11 +58,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--node-id", default="", help="stable node identity (default: hostname-port)")
 
 
-@dataclass(frozen=True)
-class KvStoreConfig:
+@dataclass(frozen=True, kw_only=True)
+class KvStoreConfig(ListenConfig):
     """The KV store process's configuration, validated when built; errors name the flag."""
 
-    host: str = "127.0.0.1"
     port: int = 50053
     capacity_bytes: int = 8 << 30
     default_lease_ms: int = 60_000
@@ -64,13 +69,12 @@ class KvStoreConfig:
     max_lease_ms: int | None = None
     shm_dir: str = "/dev/shm"
     reap_interval_s: float = 0.5
-    max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES
     registry: str = ""
     advertise: str = ""
     node_id: str = ""
 
     def __post_init__(self) -> None:
-        check_port("--port", self.port)
+        super().__post_init__()
         check_positive("--capacity-bytes", self.capacity_bytes)
         check_positive("--default-lease-ms", self.default_lease_ms)
         if self.max_lease_ms is not None:
@@ -83,7 +87,6 @@ class KvStoreConfig:
                     "default lease <= max lease",
                 )
         check_positive("--reap-interval-s", self.reap_interval_s)
-        check_positive("--max-message-bytes", self.max_message_bytes)
         check_address("--registry", self.registry)
         if not os.path.isdir(self.shm_dir) or not os.access(self.shm_dir, os.W_OK | os.X_OK):
             raise ConfigError.broken("--shm-dir", self.shm_dir, "must be a writable folder (a tmpfs)")
@@ -109,10 +112,6 @@ class KvStoreConfig:
             )
         except ValueError as exc:
             raise ConfigError(f"kvstore: {exc}", (), "store limits") from None
-
-    def server_options(self) -> ServerOptions:
-        """Where the store listens."""
-        return ServerOptions(self.host, self.port, self.max_message_bytes)
 
 
 async def start(config: KvStoreConfig) -> Serving:

@@ -56,7 +56,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class PrefillConfig(NodeConfig):
     """A prefill node's configuration, validated when built (before any model is loaded)."""
 

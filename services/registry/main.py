@@ -7,9 +7,15 @@ import logging
 from dataclasses import dataclass
 from pathlib import Path
 
-from pcpstack.common.config import ConfigError, check_non_negative, check_port, check_positive
-from pcpstack.common.server import DEFAULT_MAX_MESSAGE_BYTES, ServerOptions
-from pcpstack.common.startup import Serving, add_process_arguments, config_from_args, run_service
+from pcpstack.common.config import ConfigError, check_non_negative, check_positive
+from pcpstack.common.server import DEFAULT_MAX_MESSAGE_BYTES
+from pcpstack.common.startup import (
+    ListenConfig,
+    Serving,
+    add_process_arguments,
+    config_from_args,
+    run_service,
+)
 from pcpstack.registry.membership import Settings
 
 log = logging.getLogger(__name__)
@@ -50,11 +56,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--max-message-bytes", type=int, default=DEFAULT_MAX_MESSAGE_BYTES)
 
 
-@dataclass(frozen=True)
-class RegistryConfig:
+@dataclass(frozen=True, kw_only=True)
+class RegistryConfig(ListenConfig):
     """The registry process's configuration, validated when built; errors name the flag."""
 
-    host: str = "127.0.0.1"
     port: int = DEFAULT_PORT
     lease: float = 3.0
     assembly_timeout: float = 60.0
@@ -62,15 +67,13 @@ class RegistryConfig:
     restore_grace: float | None = None
     snapshot: Path | None = None
     verify_peer_address: bool = True
-    max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES
 
     def __post_init__(self) -> None:
-        check_port("--port", self.port)
+        super().__post_init__()
         check_positive("--lease", self.lease)
         check_positive("--assembly-timeout", self.assembly_timeout)
         if self.restore_grace is not None:
             check_non_negative("--restore-grace", self.restore_grace)
-        check_positive("--max-message-bytes", self.max_message_bytes)
         if self.snapshot is not None and not self.snapshot.parent.is_dir():
             raise ConfigError.broken("--snapshot", str(self.snapshot), "must be a file in an existing folder")
 
@@ -83,10 +86,6 @@ class RegistryConfig:
         """The registry core's timing."""
         grace = 2 * self.lease if self.restore_grace is None else self.restore_grace
         return Settings(lease_s=self.lease, assembly_timeout_s=self.assembly_timeout, restore_grace_s=grace)
-
-    def server_options(self) -> ServerOptions:
-        """Where the registry listens."""
-        return ServerOptions(host=self.host, port=self.port, max_message_bytes=self.max_message_bytes)
 
 
 async def start(config: RegistryConfig) -> Serving:

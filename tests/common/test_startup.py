@@ -16,7 +16,11 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from pcpstack.cli.launch import service_command, spawn_service
 from pcpstack.cli.stack import free_port
+from pcpstack.common.config import ConfigError, EngineConfig
+from pcpstack.common.server import ServerOptions
 from pcpstack.common.startup import Serving, serve_until_stopped
+from pcpstack.prefill.main import PrefillConfig
+from pcpstack.registry.main import RegistryConfig
 
 REGISTRY = "127.0.0.1:7000"  # never dialled: every case below is refused before anything connects
 
@@ -177,3 +181,20 @@ def test_a_service_that_stops_by_itself_is_drained_without_a_signal() -> None:
 
     assert asyncio.run(scenario()) is False
     assert steps == ["drained"]
+
+
+def test_registry_restore_grace_defaults_to_twice_the_lease() -> None:
+    assert RegistryConfig(lease=1.5).settings().restore_grace_s == 3.0
+    assert RegistryConfig(lease=1.5, restore_grace=0.0).settings().restore_grace_s == 0.0
+
+
+def test_a_node_config_checks_the_shared_node_rules_before_its_own() -> None:
+    with pytest.raises(ConfigError, match="--registry=''"):
+        PrefillConfig(registry="", engine=EngineConfig(), local_ranks=-1)
+    with pytest.raises(ConfigError, match="--local-ranks=-1"):
+        PrefillConfig(registry=REGISTRY, engine=EngineConfig(), local_ranks=-1)
+
+
+def test_server_options_refuse_a_port_out_of_range_naming_the_field() -> None:
+    with pytest.raises(ConfigError, match="port=65536"):
+        ServerOptions(port=65536)
