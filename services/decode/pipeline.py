@@ -18,6 +18,7 @@ import logging
 import time
 import uuid
 from collections.abc import AsyncIterator
+from contextlib import aclosing
 from dataclasses import dataclass
 
 import grpc
@@ -222,8 +223,10 @@ class GeneratePipeline:
                     raise
                 span.set_attribute("pcpstack.prompt_tokens", len(ids))
                 reply = await self._prefill(request_id, ids, request.sampling, deadline)
-                async for event in self._decode(request_id, ids, request, reply, arrived):
-                    yield event
+                # aclosing here and below: a request closed at a yield cleans up at once, not when collected.
+                async with aclosing(self._decode(request_id, ids, request, reply, arrived)) as events:
+                    async for event in events:
+                        yield event
                 outcome = "ok"
             except (asyncio.CancelledError, GeneratorExit):
                 outcome = "cancelled"
@@ -260,21 +263,21 @@ class GeneratePipeline:
                 await asyncio.gather(fetch, return_exceptions=True)
             # The one release of this replica: loaded, not needed, failed or cancelled alike.
             await asyncio.shield(self._release(reply.kv))
-        finish_reason = checker.finish_reason
         if kv is not None:
-            async for event in self._join_batch(request_id, ids, request, checker, kv):
-                if first_at is None:
-                    first_at = time.monotonic()
-                    _ttft.record(first_at - arrived)
-                count += event.token_id is not None
-                yield event
-            finish_reason = checker.finish_reason or "cancelled"
+            async with aclosing(self._join_batch(request_id, ids, request, checker, kv)) as events:
+                async for event in events:
+                    if first_at is None:
+                        first_at = time.monotonic()
+                        _ttft.record(first_at - arrived)
+                    count += event.token_id is not None
+                    yield event
         done = time.monotonic()
         if count > 1 and first_at is not None:
             _tpot.record((done - first_at) / (count - 1))
         yield Summary(
             request_id=request_id,
-            finish_reason=finish_reason or "cancelled",
+            # No reason of its own: the batch ended it (the worker is stopping).
+            finish_reason=checker.finish_reason or "cancelled",
             prompt_token_ids=ids,
             completion_tokens=count,
             ttft_s=(first_at or done) - arrived,
