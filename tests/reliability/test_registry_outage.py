@@ -1,21 +1,24 @@
 """The registry killed (SIGKILL) for an outage, then restarted on its address with its command line.
 
-While it is away, streams in progress finish and new requests are routed from the decode router's cached
-Resolve answer (the outage is PCPSTACK_REGISTRY_OUTAGE_S, 30 s by default: fifteen leases and thirty router
+While it is away, streams in progress finish and new requests are routed from the decode worker's cached
+Resolve answer (the outage is PCPSTACK_REGISTRY_OUTAGE_S, 30 s by default: fifteen leases and thirty resolver
 TTLs, so no cached answer is fresh and no lease-based expiry is pending). When it returns, every node
 re-registers carrying what it runs: the same sets come back (same set_id, generation and members) without a
-re-launch of any rank, and requests keep succeeding.
+re-launch of any rank, and requests keep succeeding, also in the seconds after the restart before the nodes
+are back (the restarted registry says it is warming up, so its empty answer does not replace the cache).
 """
 
 from __future__ import annotations
 
+import asyncio
 import os
 import time
 from collections.abc import Iterator
 
 import pytest
 
-from pcpstack.v1 import registry_pb2
+from pcpstack.common.channel import open_channel
+from pcpstack.v1 import registry_pb2, registry_pb2_grpc
 from tests.helpers import RunningStack
 from tests.reliability.support import (
     generate,
@@ -46,6 +49,20 @@ def stack(tmp_path) -> Iterator[RunningStack]:
     running.stop()
 
 
+def registry_answers(stack: RunningStack) -> bool:
+    """True once the registry answers Resolve (whatever it knows)."""
+
+    async def ask() -> None:
+        async with open_channel(stack.stack.registry_address, default_deadline=1) as channel:
+            await registry_pb2_grpc.RegistryServiceStub(channel).Resolve(registry_pb2.ResolveRequest())
+
+    try:
+        stack.run(asyncio.wait_for(ask(), 5))
+    except Exception:
+        return False
+    return True
+
+
 def picture(sets: list[registry_pb2.PcpSet]) -> list[tuple]:
     return [(s.set_id, s.generation, tuple(s.member_node_ids), s.state) for s in sets]
 
@@ -70,6 +87,9 @@ def test_registry_outage_keeps_serving_and_the_same_sets_come_back(stack) -> Non
     assert list_sets(stack) == []  # the registry really was away
 
     restart_service(stack, victim)
+    wait_until("the restarted registry to answer", lambda: registry_answers(stack), timeout=30)
+    # at once, before the nodes are back: still routed from the cached endpoints, no "no ready set"
+    assert [stack.run(generate(stack.decode, p)).token_ids for p in PROMPTS] == expected
     wait_until(
         "every node to re-register alive",
         lambda: {n.node_id for n in list_nodes(stack) if n.state != registry_pb2.NODE_STATE_DEAD} == NODES,
