@@ -111,7 +111,6 @@ def test_two_hosts_form_one_set_and_prefill_exactly(two_hosts, tmp_path) -> None
     procs = [
         spawn(
             [
-                "serve",
                 "registry",
                 "--host",
                 bridge_ip,
@@ -126,7 +125,6 @@ def test_two_hosts_form_one_set_and_prefill_exactly(two_hosts, tmp_path) -> None
         ),
         spawn(
             [
-                "serve",
                 "kvstore",
                 "--host",
                 bridge_ip,
@@ -144,7 +142,6 @@ def test_two_hosts_form_one_set_and_prefill_exactly(two_hosts, tmp_path) -> None
         procs.append(
             spawn(
                 [
-                    "serve",
                     "prefill",
                     "--registry",
                     registry,
