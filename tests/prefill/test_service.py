@@ -174,6 +174,16 @@ def test_same_request_id_twice_in_a_row_both_succeed_under_distinct_keys(stack) 
 
 
 @pytest.mark.slow
+@pytest.mark.parametrize(("request_id", "needle"), [("x" * 600, "at most 128"), ("bad\nid", "'\\n'")])
+def test_a_request_id_that_cannot_name_a_replica_is_refused_before_any_rank_works(
+    stack, request_id, needle
+) -> None:
+    error = prefill_error(stack, request_id, prompt(3))
+    assert error.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert "request_id" in error.details() and needle in error.details()
+
+
+@pytest.mark.slow
 def test_a_kvstore_address_the_registry_does_not_list_is_refused_naming_it(stack) -> None:
     error = prefill_error(stack, "elsewhere", prompt(5), kvstore_address="127.0.0.1:1")
     assert error.code() == grpc.StatusCode.PERMISSION_DENIED

@@ -1,0 +1,48 @@
+"""The rank's KV pusher against a real KV store process: a refused push raises the store's error at once
+(no pointless retry) and leaves no task pending in the pusher's loop (one would be destroyed pending)."""
+
+from __future__ import annotations
+
+import asyncio
+import gc
+import logging
+from collections.abc import Iterator
+
+import pytest
+
+from pcpstack.cli.launch import spawn_and_wait_listening
+from pcpstack.common.errors import AlreadyExists, ResourceExhausted
+from pcpstack.prefill.rank import ReplicaPusher
+
+FINGERPRINT = "f" * 64
+CAPACITY = 64 * 1024
+
+
+@pytest.fixture(scope="module")
+def store(tmp_path_factory) -> Iterator[str]:
+    process, address = spawn_and_wait_listening("kvstore", ["--port", "0", "--capacity-bytes", str(CAPACITY)])
+    yield address
+    process.terminate()
+    process.wait(timeout=30)
+
+
+def pending_tasks(pusher: ReplicaPusher) -> list[asyncio.Task]:
+    return [task for task in asyncio.all_tasks(pusher._loop) if not task.done()]
+
+
+@pytest.mark.parametrize(
+    ("key", "size", "kind"),
+    [("twice/ffff", 1024, AlreadyExists), ("too-big/ffff", 2 * CAPACITY, ResourceExhausted)],
+)
+def test_a_refused_push_raises_the_store_error_and_leaves_no_pending_task(
+    store, caplog, key, size, kind
+) -> None:
+    pusher = ReplicaPusher()
+    if kind is AlreadyExists:
+        assert pusher.push(store, key, FINGERPRINT, memoryview(bytearray(size)), 0)
+    with caplog.at_level(logging.WARNING), pytest.raises(kind):
+        pusher.push(store, key, FINGERPRINT, memoryview(bytearray(size)), 0)
+    assert pending_tasks(pusher) == []
+    gc.collect()
+    assert "Task was destroyed" not in caplog.text
+    assert "retrying on a new channel" not in caplog.text
