@@ -5,12 +5,10 @@ process killed and restarted."""
 from __future__ import annotations
 
 import asyncio
-import time
 
 import grpc
 import pytest
 
-from pcpstack.cli.stack import free_port
 from pcpstack.cli.status import render
 from pcpstack.common.channel import open_channel
 from pcpstack.common.config import EngineConfig
@@ -19,7 +17,7 @@ from pcpstack.registry.client import NodeSession, Resolver
 from pcpstack.registry.membership import Settings
 from pcpstack.registry.server import start_registry
 from pcpstack.v1 import common_pb2, registry_pb2, registry_pb2_grpc
-from tests.registry.support import spawn_registry
+from tests.registry.support import RegistryProcess, until
 
 pytestmark = pytest.mark.timeout(60)
 FAST = Settings(lease_s=0.6, assembly_timeout_s=0.5, restore_grace_s=0.0)
@@ -66,14 +64,6 @@ async def _ready(clients: list[NodeSession]) -> None:
         await client.report_status(a.set_id, a.generation, ready=True)
 
 
-async def _until(predicate, timeout: float = 5.0):
-    deadline = time.monotonic() + timeout
-    while not (result := await predicate()):
-        assert time.monotonic() < deadline, "condition not reached in time"
-        await asyncio.sleep(0.05)
-    return result
-
-
 def test_nodes_get_assignments_and_sets_become_routable_once_ready():
     async def scenario():
         registry = await start_registry(FAST)
@@ -91,7 +81,7 @@ def test_nodes_get_assignments_and_sets_become_routable_once_ready():
             assert list(assignments[3].pcp_ranks) == [1]
             assert (await resolver.resolve()).prefill_sets == ()
             await _ready(clients)
-            found = await _until(lambda: _resolved_sets(registry.address))
+            found = await until(lambda: _resolved_sets(registry.address))
             assert sorted(e.address for e in found) == ["127.0.0.1:9000", "127.0.0.1:9002"]
             async with open_channel(registry.address) as channel:
                 stub = registry_pb2_grpc.RegistryServiceStub(channel)
@@ -174,7 +164,7 @@ def test_a_silent_member_is_evicted_its_set_stopped_and_reformed_with_a_new_gene
             stop = await clients[0].next_command(timeout=5)
             assert isinstance(stop, registry_pb2.StopCommand) and "node-1 missed its lease" in stop.reason
             assert clients[0].assignment is None
-            found = await _until(lambda: _resolved_sets(registry.address))
+            found = await until(lambda: _resolved_sets(registry.address))
             assert [e.set_id for e in found] == [assignments[2].set_id]
             (late,) = await _started(registry.address, [4])
             reformed = (await _assigned([clients[0]]))[0]
@@ -254,12 +244,10 @@ def test_decode_and_kvstore_appear_in_resolve_and_an_incomplete_assembly_is_repo
 
 @pytest.mark.slow
 def test_a_killed_and_restarted_registry_gets_the_same_sets_back_without_relaunching(child_env):
-    port = free_port()
-    address = f"127.0.0.1:{port}"
     config = EngineConfig(data_parallel_size=1, nnodes=2, prefill_context_parallel_size=2)
-    procs = [spawn_registry(port, child_env)]
 
-    async def scenario():
+    async def scenario(registry: RegistryProcess):
+        address = registry.address
         clients = [_client(address, i, config=config) for i in range(2)]
         resolver = Resolver(address, ttl_s=0.0)
         for client in clients:
@@ -269,15 +257,14 @@ def test_a_killed_and_restarted_registry_gets_the_same_sets_back_without_relaunc
                 await client.wait_registered(timeout=15)
             assignments = await _assigned(clients)
             await _ready(clients)
-            await _until(lambda: _resolved_sets(address), timeout=10)
+            await until(lambda: _resolved_sets(address), timeout=10)
             assert [e.set_id for e in (await resolver.resolve()).prefill_sets] == [assignments[0].set_id]
-            procs[0].kill()
-            procs[0].wait()
+            registry.kill()
             # routing continues from the cache while the registry is down
             cached = await resolver.resolve()
             assert [e.set_id for e in cached.prefill_sets] == [assignments[0].set_id]
-            procs.append(spawn_registry(port, child_env))
-            found = await _until(lambda: _resolved_sets(address), timeout=15)
+            registry.start()
+            found = await until(lambda: _resolved_sets(address), timeout=15)
             assert [(e.set_id, e.generation) for e in found] == [
                 (assignments[0].set_id, assignments[0].generation)
             ]
@@ -290,9 +277,5 @@ def test_a_killed_and_restarted_registry_gets_the_same_sets_back_without_relaunc
                 await client.close()
             await resolver.close()
 
-    try:
-        _run(scenario())
-    finally:
-        for proc in procs:
-            proc.kill()
-            proc.wait()
+    with RegistryProcess(child_env) as registry:
+        _run(scenario(registry))

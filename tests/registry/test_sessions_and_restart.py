@@ -9,14 +9,12 @@
 from __future__ import annotations
 
 import asyncio
-import time
 from pathlib import Path
 
 import grpc
 import pytest
 
 from pcpstack.cli.certs import write_certs
-from pcpstack.cli.stack import free_port
 from pcpstack.common import security
 from pcpstack.common.channel import open_channel
 from pcpstack.common.config import EngineConfig
@@ -29,7 +27,7 @@ from pcpstack.registry.convert import INSTANCE_METADATA
 from pcpstack.registry.membership import Settings
 from pcpstack.registry.server import start_registry
 from pcpstack.v1 import common_pb2, registry_pb2, registry_pb2_grpc
-from tests.registry.support import spawn_registry, wait_serving
+from tests.registry.support import RegistryProcess, until, wait_serving
 
 pytestmark = pytest.mark.timeout(90)
 DECODE = EngineConfig(role="decode")
@@ -38,14 +36,6 @@ PREFILL = EngineConfig(data_parallel_size=1, nnodes=1, prefill_context_parallel_
 
 def _run(coro):
     return asyncio.run(asyncio.wait_for(coro, 75))
-
-
-async def _until(predicate, timeout: float = 15.0):
-    deadline = time.monotonic() + timeout
-    while not (result := await predicate()):
-        assert time.monotonic() < deadline, "condition not reached in time"
-        await asyncio.sleep(0.05)
-    return result
 
 
 async def _registered(session: NodeSession) -> NodeSession:
@@ -62,11 +52,7 @@ async def _decode_addresses(address: str) -> list[str]:
 
 
 def test_another_session_cannot_take_a_live_node_id_until_the_first_session_ends(child_env):
-    port = free_port()
-    address = f"127.0.0.1:{port}"
-    registry = spawn_registry(port, child_env, restore_grace_s=0)
-
-    async def scenario():
+    async def scenario(address: str):
         await wait_serving(address)
         real = await _registered(NodeSession(address, "decode-0", "decode", "127.0.0.1:9500", DECODE))
         impostor = NodeSession(address, "decode-0", "decode", "127.0.0.2:9501", DECODE, in_use_patience_s=0.0)
@@ -98,19 +84,12 @@ def test_another_session_cannot_take_a_live_node_id_until_the_first_session_ends
         finally:
             await real.close()
 
-    try:
-        _run(scenario())
-    finally:
-        registry.kill()
-        registry.wait()
+    with RegistryProcess(child_env, restore_grace_s=0) as registry:
+        _run(scenario(registry.address))
 
 
 def test_a_node_restarted_within_its_lease_gets_its_id_back_once_the_old_session_ends(child_env):
-    port = free_port()
-    address = f"127.0.0.1:{port}"
-    registry = spawn_registry(port, child_env, restore_grace_s=0)
-
-    async def scenario():
+    async def scenario(address: str):
         await wait_serving(address)
         crashed = await _registered(NodeSession(address, "decode-0", "decode", "127.0.0.1:9500", DECODE))
         await crashed.close()  # no deregistration: the process died, its lease is still running
@@ -124,11 +103,8 @@ def test_a_node_restarted_within_its_lease_gets_its_id_back_once_the_old_session
         finally:
             await restarted.close(deregister=True)
 
-    try:
-        _run(scenario())
-    finally:
-        registry.kill()
-        registry.wait()
+    with RegistryProcess(child_env, restore_grace_s=0) as registry:
+        _run(scenario(registry.address))
 
 
 def test_with_mtls_a_node_id_is_bound_to_the_certificate_that_registered_it(tmp_path: Path):
@@ -171,12 +147,8 @@ def test_with_mtls_a_node_id_is_bound_to_the_certificate_that_registered_it(tmp_
 
 
 def test_routers_keep_their_endpoints_while_a_restarted_registry_has_not_heard_from_nodes(child_env):
-    port = free_port()
-    address = f"127.0.0.1:{port}"
-    # as the local stack runs it: no restore grace, so only the warm-up protects the routers
-    procs = [spawn_registry(port, child_env, restore_grace_s=0)]
-
-    async def scenario():
+    async def scenario(registry: RegistryProcess):
+        address = registry.address
         await wait_serving(address)
         decode = await _registered(NodeSession(address, "decode-0", "decode", "127.0.0.1:9500", DECODE))
         prefill = await _registered(NodeSession(address, "prefill-0", "prefill", "127.0.0.1:9100", PREFILL))
@@ -187,16 +159,15 @@ def test_routers_keep_their_endpoints_while_a_restarted_registry_has_not_heard_f
         router = SetRouter(resolver.resolve, kv_fingerprint="")
         pool = DecodePool(registry_address=address)
         try:
-            await _until(lambda: _ready_set(resolver))
+            await until(lambda: _ready_set(resolver))
             assert (await router.choose()).set_id == a.set_id
             assert await pool.addresses() == ["127.0.0.1:9500"]
-            procs[0].kill()
-            procs[0].wait()
+            registry.kill()
             # the nodes stay away (they would come back within a few seconds), so the restarted registry
             # has heard from nobody yet
             await decode.close()
             await prefill.close()
-            procs.append(spawn_registry(port, child_env, restore_grace_s=0))
+            registry.start()
             await wait_serving(address)
             assert await _decode_addresses(address) == []
             answer = await resolver.resolve(fresh=True)
@@ -204,19 +175,16 @@ def test_routers_keep_their_endpoints_while_a_restarted_registry_has_not_heard_f
             assert (await router.choose()).set_id == a.set_id
             assert await pool.addresses() == ["127.0.0.1:9500"]
             # once warm, the registry's answer is the truth again: nobody came back
-            await _until(lambda: _no_decode(resolver))
+            await until(lambda: _no_decode(resolver))
         finally:
             await pool.close()
             await resolver.close()
             await decode.close()
             await prefill.close()
 
-    try:
-        _run(scenario())
-    finally:
-        for proc in procs:
-            proc.kill()
-            proc.wait()
+    # as the local stack runs it: no restore grace, so only the warm-up protects the routers
+    with RegistryProcess(child_env, restore_grace_s=0) as registry:
+        _run(scenario(registry))
 
 
 async def _ready_set(resolver: Resolver) -> bool:
