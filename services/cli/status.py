@@ -1,4 +1,4 @@
-"""Show the cluster as the registry sees it: nodes and PCP sets, as tables."""
+"""Show the cluster as the registry sees it: nodes and PCP sets as tables, and where routers are sent."""
 
 from __future__ import annotations
 
@@ -9,6 +9,8 @@ import sys
 import grpc
 
 from pcpstack.common.channel import open_channel
+from pcpstack.common.errors import ServiceError
+from pcpstack.registry.client import Resolution, Resolver
 from pcpstack.v1 import common_pb2, registry_pb2, registry_pb2_grpc
 
 
@@ -29,8 +31,23 @@ def _name(enum_type, value: int, prefix: str) -> str:
     return enum_type.Name(value).removeprefix(prefix).lower()
 
 
-def render(nodes: registry_pb2.ListNodesResponse, sets: registry_pb2.ListSetsResponse) -> str:
-    """The two tables `pcpstack status` prints."""
+def _routing(found: Resolution) -> list[str]:
+    warming = " (the registry is warming up: nodes may still be coming back)" if found.warming else ""
+    title = f"ROUTING{warming}"
+    rows = [
+        ["prefill", ", ".join(f"{e.set_id}@{e.generation} {e.address}" for e in found.prefill_sets) or "-"],
+        ["decode", ", ".join(e.address for e in found.decode) or "-"],
+        ["kvstore", ", ".join(e.address for e in found.kvstore) or "-"],
+    ]
+    return ["", title, _table(["ROLE", "ENDPOINTS"], rows)]
+
+
+def render(
+    nodes: registry_pb2.ListNodesResponse,
+    sets: registry_pb2.ListSetsResponse,
+    routing: Resolution | None = None,
+) -> str:
+    """The tables `pcpstack status` prints: nodes, sets and (given the Resolve answer) routing."""
     node_rows = []
     for n in nodes.nodes:
         a = n.assignment
@@ -69,6 +86,7 @@ def render(nodes: registry_pb2.ListNodesResponse, sets: registry_pb2.ListSetsRes
             "",
             f"PCP SETS ({len(set_rows)})",
             _table(["SET", "GEN", "DP", "STATE", "PCP", "MASTER", "MEMBERS", "REASON"], set_rows),
+            *(_routing(routing) if routing is not None else []),
         ]
     )
 
@@ -78,7 +96,12 @@ async def _fetch(address: str, timeout: float) -> str:
         stub = registry_pb2_grpc.RegistryServiceStub(channel)
         nodes = await stub.ListNodes(registry_pb2.ListNodesRequest())
         sets = await stub.ListSets(registry_pb2.ListSetsRequest())
-    return render(nodes, sets)
+    resolver = Resolver(address, rpc_deadline_s=timeout)
+    try:
+        routing = await resolver.resolve()
+    finally:
+        await resolver.close()
+    return render(nodes, sets, routing)
 
 
 def run(args: argparse.Namespace) -> int:
@@ -87,5 +110,8 @@ def run(args: argparse.Namespace) -> int:
         print(asyncio.run(_fetch(args.registry, args.timeout)))
     except grpc.aio.AioRpcError as exc:
         print(f"registry {args.registry} unreachable: {exc.code().name}: {exc.details()}", file=sys.stderr)
+        return 1
+    except ServiceError as exc:
+        print(f"registry {args.registry}: {exc}", file=sys.stderr)
         return 1
     return 0

@@ -5,11 +5,11 @@ process killed and restarted."""
 from __future__ import annotations
 
 import asyncio
+import sys
 
 import grpc
 import pytest
 
-from pcpstack.cli.status import render
 from pcpstack.common.channel import open_channel
 from pcpstack.common.config import EngineConfig
 from pcpstack.common.errors import FailedPrecondition
@@ -64,7 +64,7 @@ async def _ready(clients: list[NodeSession]) -> None:
         await client.report_status(a.set_id, a.generation, ready=True)
 
 
-def test_nodes_get_assignments_and_sets_become_routable_once_ready():
+def test_nodes_get_assignments_and_sets_become_routable_once_ready(child_env):
     async def scenario():
         registry = await start_registry(FAST)
         clients = await _started(registry.address, range(4))
@@ -83,13 +83,22 @@ def test_nodes_get_assignments_and_sets_become_routable_once_ready():
             await _ready(clients)
             found = await until(lambda: _resolved_sets(registry.address))
             assert sorted(e.address for e in found) == ["127.0.0.1:9000", "127.0.0.1:9002"]
-            async with open_channel(registry.address) as channel:
-                stub = registry_pb2_grpc.RegistryServiceStub(channel)
-                table = render(
-                    await stub.ListNodes(registry_pb2.ListNodesRequest()),
-                    await stub.ListSets(registry_pb2.ListSetsRequest()),
-                )
-            assert "node-3" in table and table.count("ready") >= 6
+            # `pcpstack status`, as a process: nodes, sets and the routing the resolver is given
+            status = await asyncio.create_subprocess_exec(
+                sys.executable,
+                "-m",
+                "pcpstack.cli",
+                "status",
+                "--registry",
+                registry.address,
+                stdout=asyncio.subprocess.PIPE,
+                env=child_env,
+            )
+            table = (await status.communicate())[0].decode()
+            assert status.returncode == 0 and "node-3" in table and table.count("ready") >= 6
+            routing = table.split("ROUTING", 1)[1]
+            prefill_row = next(line for line in routing.splitlines() if line.startswith("prefill"))
+            assert "127.0.0.1:9000" in prefill_row and "127.0.0.1:9002" in prefill_row
         finally:
             for client in clients:
                 await client.close()
