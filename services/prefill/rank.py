@@ -20,10 +20,11 @@ import asyncio
 import logging
 import os
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Coroutine
 from dataclasses import dataclass
 from multiprocessing.connection import Connection
 from multiprocessing.sharedctypes import Synchronized
+from typing import Any, TypeVar
 
 import torch
 import torch.distributed as dist
@@ -46,6 +47,7 @@ from pcpstack.prefill.split import DualChunkSplit
 
 log = logging.getLogger(__name__)
 _tracer = tracer(__name__)
+T = TypeVar("T")
 
 OP_IDLE, OP_PREFILL, OP_STOP = 0, 1, 2
 # A store's refusal of one replica: a fresh channel would be refused the same way.
@@ -92,9 +94,10 @@ class RankReady:
 class ReplicaPusher:
     """Pushes KV replicas to a KV store from this (synchronous) rank process.
 
-    The pusher's event loop runs only while a push does. Whatever a push leaves behind in it (gRPC's
-    request-stream task of a call the store ended early) is finished before the push returns, so no task is
-    left pending in a loop that will not run until the next push (it would be destroyed pending).
+    The pusher's event loop runs only while a push does, so whatever a push leaves behind in it (a gRPC
+    task of a call the store ended early) is finished before the push returns: left pending in a loop that
+    does not run, it would be destroyed pending. A store's refusal is raised at once; only a broken channel
+    (a restarted store) is worth one retry on a fresh one.
     """
 
     def __init__(self) -> None:
@@ -115,7 +118,7 @@ class ReplicaPusher:
                 self._run(stale.close())
             return self._run(self._push(address, key, fingerprint, data, lease_ms))
 
-    def _run(self, coroutine) -> str:
+    def _run(self, coroutine: Coroutine[Any, Any, T]) -> T:
         try:
             return self._loop.run_until_complete(coroutine)
         finally:
@@ -144,22 +147,26 @@ class RankWorker:
         self.on_progress = on_progress
         self.fingerprint = engine.layout.fingerprint()
         self.pusher = ReplicaPusher()
+        # Collectives take tensors on the group's device (NCCL/HCCL refuse host tensors); the job and the
+        # shares are encoded on the host and copied across.
+        self.device = engine.device
 
     def step(self, job: PrefillJob | None) -> tuple[int, PrefillOutcome | None]:
         """One round of the group: rank 0 passes its job (None: idle tick). Returns (op, rank 0's outcome)."""
         payload = None
         header = _header(OP_IDLE)
         if self.spec.pcp_rank == 0 and job is not None:
-            payload = job.to_tensor()
+            payload = job.to_tensor().to(self.device)
             header = _header(OP_PREFILL, payload.numel())
+        header = header.to(self.device)
         dist.broadcast(header, src=0)
         op, payload_bytes = header.tolist()
         if op != OP_PREFILL:
             return op, None
         if payload is None:
-            payload = torch.empty(payload_bytes, dtype=torch.uint8)
+            payload = torch.empty(payload_bytes, dtype=torch.uint8, device=self.device)
         dist.broadcast(payload, src=0)
-        return op, self._prefill(job if job is not None else PrefillJob.from_tensor(payload))
+        return op, self._prefill(job if job is not None else PrefillJob.from_tensor(payload.cpu()))
 
     def _prefill(self, job: PrefillJob) -> PrefillOutcome | None:
         spec = self.spec
@@ -168,11 +175,13 @@ class RankWorker:
             span.set_attribute("pcpstack.pcp_rank", spec.pcp_rank)
             span.set_attribute("pcpstack.replica_owner", owner == spec.pcp_rank)
             share = self._run(job, owner)
-        shares = [torch.empty(RankShare.SIZE, dtype=torch.uint8) for _ in range(spec.pcp_size)]
-        dist.all_gather(shares, share.to_tensor())
+        shares = [
+            torch.empty(RankShare.SIZE, dtype=torch.uint8, device=self.device) for _ in range(spec.pcp_size)
+        ]
+        dist.all_gather(shares, share.to_tensor().to(self.device))
         if spec.pcp_rank != 0:
             return None
-        return PrefillOutcome.combine(job, owner, [RankShare.from_tensor(s) for s in shares])
+        return PrefillOutcome.combine(job, owner, [RankShare.from_tensor(s.cpu()) for s in shares])
 
     def _run(self, job: PrefillJob, owner: int) -> RankShare:
         """This rank's part of a job: its forward share, the first token (on the rank holding the last
@@ -256,7 +265,7 @@ def rank_main(spec: RankSpec, conn: Connection, progress: Synchronized) -> None:
             if spec.pcp_rank == 0 and conn.poll(spec.idle_tick_s):
                 job = conn.recv()
                 if job is None:  # the node asks the set to stop
-                    dist.broadcast(_header(OP_STOP), src=0)
+                    dist.broadcast(_header(OP_STOP).to(worker.device), src=0)
                     break
             op, outcome = worker.step(job)
             progress.value = time.time()
