@@ -1,8 +1,10 @@
 """The Generate servicer over real gRPC, on a pipeline driving the tiny-model stack: requests map to the
-pipeline and events to protobuf; errors arrive as their status, also once tokens were streamed."""
+pipeline and events to protobuf; errors arrive as their status, also once tokens were streamed; calls the
+client cancels at any point leave nothing pinned in the store."""
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import Iterator
 from contextlib import contextmanager
 
@@ -11,15 +13,23 @@ import pytest
 
 from pcpstack.common.server import ServerOptions, start_server
 from pcpstack.decode.client import DecodeClient, build_request
+from pcpstack.decode.pipeline import GeneratePipeline
 from pcpstack.decode.server import SERVICE_NAME, DecodeServicer
 from pcpstack.v1 import decode_pb2, decode_pb2_grpc
-from tests.decode.support import close_pipeline, greedy, make_pipeline, prompt
-from tests.helpers import RunningStack
+from tests.decode.support import close_pipeline, greedy, make_pipeline, prefills_answered, prompt
+from tests.helpers import RunningStack, pinned_bytes
 
 
 @contextmanager
 def serving(stack: RunningStack, **engine_options) -> Iterator[str]:
     """The address of a Decode server in this process over a fresh pipeline."""
+    with serving_pipeline(stack, **engine_options) as (address, _):
+        yield address
+
+
+@contextmanager
+def serving_pipeline(stack: RunningStack, **engine_options) -> Iterator[tuple[str, GeneratePipeline]]:
+    """A Decode server in this process over a fresh pipeline: its address, and the pipeline."""
     pipeline, resolver = make_pipeline(stack, **engine_options)
     servicer = DecodeServicer(pipeline)
     running = stack.run(
@@ -30,7 +40,7 @@ def serving(stack: RunningStack, **engine_options) -> Iterator[str]:
         )
     )
     try:
-        yield running.address
+        yield running.address, pipeline
     finally:
         stack.run(running.stop(0))
         close_pipeline(stack, pipeline, resolver)
@@ -93,3 +103,38 @@ def test_error_after_the_first_token_arrives_as_its_status(stack) -> None:
     assert info.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
     assert "KV blocks" in info.value.details()
     assert [len(m.delta.token_ids) for m in received] == [1]
+
+
+@pytest.mark.slow
+def test_calls_cancelled_at_every_point_leave_nothing_pinned(stack) -> None:
+    # Sixteen calls at once: the even ones cancelled after 1 to 4 messages, the odd ones after a delay
+    # (before Prefill is sent, while the set works, as it answers, or while the replica loads); then one
+    # call that completes.
+    async def cancel_after(address: str, index: int) -> None:
+        client = DecodeClient(address)
+        request = build_request(list(prompt(200 + 40 * index, index)), max_tokens=60, ignore_eos=True)
+        call = client.stream(request)
+        try:
+            if index % 2:
+                await asyncio.sleep(0.02 * index)
+            else:
+                received = 0
+                async for _ in call:
+                    received += 1
+                    if received > index // 4:
+                        break
+            call.cancel()
+        finally:
+            await client.close()
+
+    async def load(address: str, pipeline: GeneratePipeline) -> tuple[bool, int, int]:
+        await asyncio.gather(*(cancel_after(address, i) for i in range(16)))
+        answered = await prefills_answered(pipeline)
+        follow_up = await generate(address, build_request(list(prompt(10)), max_tokens=3, ignore_eos=True))
+        return answered, follow_up.summary.completion_tokens, await pinned_bytes(stack.stack.kvstore_address)
+
+    with serving_pipeline(stack) as (address, pipeline):
+        answered, completed, pinned = stack.run(load(address, pipeline))
+        assert pipeline.batcher.queue_depth == 0
+    assert answered and completed == 3
+    assert pinned == 0
