@@ -59,20 +59,26 @@ def test_cut_off_prefill_host_is_declared_dead_and_its_set_refuses_prefill(two_h
     registry_args = ["--host", bridge_ip, "--port", registry.split(":")[1], "--lease", str(LEASE_S)]
     store_args = ["--port", kvstore.split(":")[1], "--registry", registry]
     procs = [
-        spawn(["serve", "registry", *registry_args, "--restore-grace", "0"], tmp_path / "registry.log"),
-        spawn(["serve", "kvstore", "--host", bridge_ip, *store_args], tmp_path / "kvstore.log"),
+        spawn(["registry", *registry_args, "--restore-grace", "0"], tmp_path / "registry.log"),
+        spawn(["kvstore", "--host", bridge_ip, *store_args], tmp_path / "kvstore.log"),
     ]
     loop = asyncio.new_event_loop()
     view = _Registry(registry, loop)
     try:
         for i, (ns, address) in enumerate(hosts):
-            time.sleep(1.0 if i else 0.0)  # registration order decides node_rank: host-0 is the master
+            if i:
+                # Registration order decides node_rank: host-0, the master, must be registered first.
+                wait_until(
+                    "host-0 to register",
+                    lambda: "host-0" in {n.node_id for n in list_nodes(view)},
+                    timeout=120,
+                    interval=0.2,
+                )
             node_args = ["--registry", registry, "--host", address, "--port", "7300"]
             node_args += ["--node-id", f"host-{i}"]
             procs.append(
                 spawn(
                     [
-                        "serve",
                         "prefill",
                         *node_args,
                         "--config",
