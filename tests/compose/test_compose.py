@@ -8,8 +8,7 @@ cross-host PCP set and a Generate request through decode completes.
 Deliberate departures from the file, all for a test on a shared CPU machine: prefill and decode get
 `--model tiny` appended (the last --model wins; the compose stack serves the embedded SmolLM2) and the
 gateway `--model-name tiny` to match, prefill nodes get a free master port (`--set master-port=N`; the
-TCPStore binds every interface) and OTEL_* variables are blanked (no collector runs here). The gateway is
-left out (and its tests skipped) while `pcpstack serve gateway` does not exist yet.
+TCPStore binds every interface) and OTEL_* variables are blanked (no collector runs here).
 """
 
 from __future__ import annotations
@@ -51,8 +50,6 @@ from tests.compose.loopback import (
 
 PCPSTACK_SERVICES = ("registry", "kvstore", "prefill-0", "prefill-1", "decode", "gateway")
 IMAGE_SERVICES = ("otel-collector", "jaeger")
-# The gateway is written in parallel; until its module exists and the CLI serves it, it is left out.
-GATEWAY_MISSING = not (ROOT / "services" / "gateway" / "main.py").exists() or "gateway" not in cli.SERVICES
 MAX_TOKENS = 8
 
 
@@ -106,8 +103,6 @@ def test_prefill_nodes_form_one_pcp_set_of_two_nodes(compose: dict[str, Any]) ->
 
 @pytest.mark.parametrize("name", PCPSTACK_SERVICES)
 def test_declared_command_parses_as_a_pcpstack_command(compose: dict[str, Any], name: str) -> None:
-    if name == "gateway" and GATEWAY_MISSING:
-        pytest.skip("`pcpstack serve gateway` does not exist yet (services/gateway/main.py, services/cli.py)")
     assert "entrypoint" not in compose["services"][name]  # the image's ENTRYPOINT is pcpstack
     argv = command(compose["services"][name])
     args = cli.build_parser(argv).parse_args(argv)
@@ -130,7 +125,7 @@ def test_loopback_mapping_rewrites_hosts_and_mounts_but_not_identities(compose: 
 
 def loopback_commands(compose: dict[str, Any]) -> list[LocalCommand]:
     """The pcpstack services' commands mapped to loopback, with this test's departures applied."""
-    names = [n for n in PCPSTACK_SERVICES if not (n == "gateway" and GATEWAY_MISSING)]
+    names = list(PCPSTACK_SERVICES)
     hosts = loopback_hosts(names)
     master_port = free_port()
     extra = {
@@ -202,9 +197,8 @@ def test_declared_commands_serve_a_request_through_a_cross_host_pcp_set(
                 by_name["prefill-0"].host,
                 by_name["prefill-1"].host,
             }
-            if "gateway" in by_name:
-                completion = await asyncio.to_thread(complete_through_gateway, by_name["gateway"].address)
-                assert completion["usage"]["completion_tokens"] == MAX_TOKENS
+            completion = await asyncio.to_thread(complete_through_gateway, by_name["gateway"].address)
+            assert completion["usage"]["completion_tokens"] == MAX_TOKENS
 
     asyncio.run(scenario())
     assert leftover_groups(stack, grace_s=5.0) == []
