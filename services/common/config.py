@@ -1,4 +1,5 @@
-"""Typed engine configuration read from the seed-style JSON, with DESIGN.md's rules enforced.
+"""Typed engine configuration read from the seed-style JSON, with the configuration rules enforced
+(docs/architecture.md, "The registry").
 
 A config file looks like the seed orchestrator's:
 
@@ -114,8 +115,8 @@ def _key(name: str) -> str:
 
 @dataclass(frozen=True)
 class EngineConfig:
-    """The engine configuration of one node, validated when built (sizes are >= 1, and DESIGN.md's rules
-    hold between them); an instance that exists is a valid one."""
+    """The engine configuration of one node, validated when built (sizes are >= 1, and the configuration
+    rules hold between them); an instance that exists is a valid one."""
 
     role: str = "prefill"
     engine_type: str = "pcpstack"

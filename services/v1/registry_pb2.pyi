@@ -182,7 +182,7 @@ class RegisterRequest(_message.Message):
     """
     @_builtins.property
     def engine_config(self) -> _common_pb2.EngineConfig:
-        """The engine configuration the node runs with; validated against DESIGN.md's rules and its peers."""
+        """The engine configuration the node runs with; validated against the configuration rules and its peers."""
 
     @_builtins.property
     def current_assignment(self) -> Global___Assignment:
