@@ -81,7 +81,12 @@ def test_nodes_get_assignments_and_sets_become_routable_once_ready(child_env):
             assert list(assignments[3].pcp_ranks) == [1]
             assert (await resolver.resolve()).prefill_sets == ()
             await _ready(clients)
-            found = await until(lambda: _resolved_sets(registry.address))
+
+            async def both_sets() -> list[registry_pb2.PrefillSetEndpoint]:
+                sets = await _resolved_sets(registry.address)
+                return sets if len(sets) == 2 else []
+
+            found = await until(both_sets)
             assert sorted(e.address for e in found) == ["127.0.0.1:9000", "127.0.0.1:9002"]
             # `pcpstack status`, as a process: nodes, sets and the routing the resolver is given
             status = await asyncio.create_subprocess_exec(
