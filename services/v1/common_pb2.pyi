@@ -240,6 +240,26 @@ class SamplingParams(_message.Message):
 
     DESCRIPTOR: _descriptor.Descriptor
 
+    @_typing.final
+    class LogitBiasEntry(_message.Message):
+        DESCRIPTOR: _descriptor.Descriptor
+
+        KEY_FIELD_NUMBER: _builtins.int
+        VALUE_FIELD_NUMBER: _builtins.int
+        key: _builtins.int
+        value: _builtins.float
+        def __init__(
+            self,
+            *,
+            key: _builtins.int = ...,
+            value: _builtins.float = ...,
+        ) -> None: ...
+        _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+        def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+        _ClearFieldArgType: _TypeAlias = _typing.Literal["key", b"key", "value", b"value"]  # noqa: Y015
+        def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+        def WhichOneof(self, oneof_group: _Never) -> None: ...
+
     MAX_TOKENS_FIELD_NUMBER: _builtins.int
     TEMPERATURE_FIELD_NUMBER: _builtins.int
     TOP_K_FIELD_NUMBER: _builtins.int
@@ -248,6 +268,13 @@ class SamplingParams(_message.Message):
     STOP_FIELD_NUMBER: _builtins.int
     STOP_TOKEN_IDS_FIELD_NUMBER: _builtins.int
     IGNORE_EOS_FIELD_NUMBER: _builtins.int
+    PRESENCE_PENALTY_FIELD_NUMBER: _builtins.int
+    FREQUENCY_PENALTY_FIELD_NUMBER: _builtins.int
+    REPETITION_PENALTY_FIELD_NUMBER: _builtins.int
+    LOGIT_BIAS_FIELD_NUMBER: _builtins.int
+    MIN_P_FIELD_NUMBER: _builtins.int
+    MIN_TOKENS_FIELD_NUMBER: _builtins.int
+    LOGPROBS_FIELD_NUMBER: _builtins.int
     max_tokens: _builtins.int
     """Most tokens to generate (the prompt not counted). 0 is refused."""
     temperature: _builtins.float
@@ -257,9 +284,39 @@ class SamplingParams(_message.Message):
     top_p: _builtins.float
     """Nucleus sampling mass in (0, 1]; 0 means 1 (disabled)."""
     seed: _builtins.int
-    """Random seed; when set, the request's samples are reproducible whatever its batch mates."""
+    """Random seed in [0, 2**63); when set, the request's samples are reproducible whatever its batch
+    mates. One request is one sample: a client wanting n samples (OpenAI `n`) sends n requests, and
+    with a seed s gives sample i (0-based) the seed (s + i) mod 2**63, so sample 0 equals a lone request.
+    """
     ignore_eos: _builtins.bool
     """Keep generating past the model's end-of-sequence token."""
+    presence_penalty: _builtins.float
+    """OpenAI presence penalty in [-2, 2]; 0 disables. Subtracted once from the logit of every token
+    that already occurs among the generated tokens (the prompt not counted), before temperature.
+    """
+    frequency_penalty: _builtins.float
+    """OpenAI frequency penalty in [-2, 2]; 0 disables. Subtracted from a token's logit once per
+    occurrence of it among the generated tokens (the prompt not counted), before temperature.
+    """
+    repetition_penalty: _builtins.float
+    """Hugging Face repetition penalty, > 0; 0 (unset) and 1 disable. For every token of the prompt and
+    of the generated text, a positive logit is divided by it and a negative one multiplied by it.
+    """
+    min_p: _builtins.float
+    """Min-p sampling in [0, 1]; 0 disables. After temperature, tokens whose probability is below
+    min_p times the most likely token's probability are dropped. No effect on greedy requests.
+    """
+    min_tokens: _builtins.int
+    """End-of-sequence and stop_token_ids are masked (and stop strings not matched) until this many
+    tokens were generated; must be <= max_tokens. 0 disables.
+    """
+    logprobs: _builtins.int
+    """When set, every generated token (the first, sampled in prefill, included) carries its
+    log-probability and this many most likely alternatives, in [0, 20], in TokenDelta.token_logprobs.
+    Log-probabilities are those of the model's raw distribution: log-softmax of the logits before
+    penalties, logit_bias, min_tokens masking, temperature and truncation (vLLM's raw_logprobs).
+    Unset: no log-probabilities (GenerateRequest.logprobs = true then means 0 alternatives).
+    """
     @_builtins.property
     def stop(self) -> _containers.RepeatedScalarFieldContainer[_builtins.str]:
         """Generation stops when the text ends with any of these; the stop string is not returned."""
@@ -267,6 +324,12 @@ class SamplingParams(_message.Message):
     @_builtins.property
     def stop_token_ids(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]:
         """Generation stops after any of these token ids (the model's EOS is added unless ignore_eos)."""
+
+    @_builtins.property
+    def logit_bias(self) -> _containers.ScalarMap[_builtins.int, _builtins.float]:
+        """Added to the logit of the token id before sampling (greedy included); each bias in [-100, 100],
+        each id below the vocabulary size. -100 in practice bans a token, 100 in practice forces it.
+        """
 
     def __init__(
         self,
@@ -279,16 +342,92 @@ class SamplingParams(_message.Message):
         stop: _abc.Iterable[_builtins.str] | None = ...,
         stop_token_ids: _abc.Iterable[_builtins.int] | None = ...,
         ignore_eos: _builtins.bool = ...,
+        presence_penalty: _builtins.float = ...,
+        frequency_penalty: _builtins.float = ...,
+        repetition_penalty: _builtins.float = ...,
+        logit_bias: _abc.Mapping[_builtins.int, _builtins.float] | None = ...,
+        min_p: _builtins.float = ...,
+        min_tokens: _builtins.int = ...,
+        logprobs: _builtins.int | None = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _typing.Literal["_seed", b"_seed", "seed", b"seed"]  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["_logprobs", b"_logprobs", "_seed", b"_seed", "logprobs", b"logprobs", "seed", b"seed"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["_seed", b"_seed", "ignore_eos", b"ignore_eos", "max_tokens", b"max_tokens", "seed", b"seed", "stop", b"stop", "stop_token_ids", b"stop_token_ids", "temperature", b"temperature", "top_k", b"top_k", "top_p", b"top_p"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["_logprobs", b"_logprobs", "_seed", b"_seed", "frequency_penalty", b"frequency_penalty", "ignore_eos", b"ignore_eos", "logit_bias", b"logit_bias", "logprobs", b"logprobs", "max_tokens", b"max_tokens", "min_p", b"min_p", "min_tokens", b"min_tokens", "presence_penalty", b"presence_penalty", "repetition_penalty", b"repetition_penalty", "seed", b"seed", "stop", b"stop", "stop_token_ids", b"stop_token_ids", "temperature", b"temperature", "top_k", b"top_k", "top_p", b"top_p"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    _WhichOneofReturnType__logprobs: _TypeAlias = _typing.Literal["logprobs"]  # noqa: Y015
+    _WhichOneofArgType__logprobs: _TypeAlias = _typing.Literal["_logprobs", b"_logprobs"]  # noqa: Y015
     _WhichOneofReturnType__seed: _TypeAlias = _typing.Literal["seed"]  # noqa: Y015
     _WhichOneofArgType__seed: _TypeAlias = _typing.Literal["_seed", b"_seed"]  # noqa: Y015
+    @_typing.overload
+    def WhichOneof(self, oneof_group: _WhichOneofArgType__logprobs) -> _WhichOneofReturnType__logprobs | None: ...
+    @_typing.overload
     def WhichOneof(self, oneof_group: _WhichOneofArgType__seed) -> _WhichOneofReturnType__seed | None: ...
 
 Global___SamplingParams: _TypeAlias = SamplingParams  # noqa: Y015
+
+@_typing.final
+class TokenLogprob(_message.Message):
+    """One token with its log-probability."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    TOKEN_ID_FIELD_NUMBER: _builtins.int
+    LOGPROB_FIELD_NUMBER: _builtins.int
+    TEXT_FIELD_NUMBER: _builtins.int
+    token_id: _builtins.int
+    """Token id."""
+    logprob: _builtins.float
+    """Natural log of its probability under the model's raw distribution (see SamplingParams.logprobs)."""
+    text: _builtins.str
+    """The token's text decoded alone (special tokens included); may hold U+FFFD when the token is part
+    of a multi-byte character. Filled by decode; empty on the prefill wire.
+    """
+    def __init__(
+        self,
+        *,
+        token_id: _builtins.int = ...,
+        logprob: _builtins.float = ...,
+        text: _builtins.str = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["logprob", b"logprob", "text", b"text", "token_id", b"token_id"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___TokenLogprob: _TypeAlias = TokenLogprob  # noqa: Y015
+
+@_typing.final
+class TokenLogprobs(_message.Message):
+    """The log-probabilities of one generated token."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    CHOSEN_FIELD_NUMBER: _builtins.int
+    TOP_FIELD_NUMBER: _builtins.int
+    @_builtins.property
+    def chosen(self) -> Global___TokenLogprob:
+        """The generated token itself."""
+
+    @_builtins.property
+    def top(self) -> _containers.RepeatedCompositeFieldContainer[Global___TokenLogprob]:
+        """The SamplingParams.logprobs most likely tokens, most likely first (ties: lower id first); the
+        chosen token appears here too when it is among them.
+        """
+
+    def __init__(
+        self,
+        *,
+        chosen: Global___TokenLogprob | None = ...,
+        top: _abc.Iterable[Global___TokenLogprob] | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _typing.Literal["chosen", b"chosen"]  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["chosen", b"chosen", "top", b"top"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___TokenLogprobs: _TypeAlias = TokenLogprobs  # noqa: Y015
 
 @_typing.final
 class ChatMessage(_message.Message):

@@ -118,7 +118,9 @@ class GenerateRequest(_message.Message):
     model: _builtins.str
     """Model to use; empty means the one the decode worker serves. Another name is refused."""
     logprobs: _builtins.bool
-    """Return each token's log-probability."""
+    """Return each token's log-probability in TokenDelta.logprobs and TokenDelta.token_logprobs; the
+    same as sampling.logprobs = 0 when that is unset (sampling.logprobs also asks for alternatives).
+    """
     @_builtins.property
     def chat(self) -> Global___ChatMessages:
         """Chat messages, rendered with the chat template and a generation prompt."""
@@ -161,6 +163,7 @@ class TokenDelta(_message.Message):
     TOKEN_IDS_FIELD_NUMBER: _builtins.int
     TEXT_FIELD_NUMBER: _builtins.int
     LOGPROBS_FIELD_NUMBER: _builtins.int
+    TOKEN_LOGPROBS_FIELD_NUMBER: _builtins.int
     text: _builtins.str
     """Text they add (may be empty while a multi-byte character is incomplete)."""
     @_builtins.property
@@ -171,16 +174,23 @@ class TokenDelta(_message.Message):
     def logprobs(self) -> _containers.RepeatedScalarFieldContainer[_builtins.float]:
         """Log-probabilities of token_ids when asked for."""
 
+    @_builtins.property
+    def token_logprobs(self) -> _containers.RepeatedCompositeFieldContainer[_common_pb2.TokenLogprobs]:
+        """When log-probabilities were asked for, one entry per token_ids entry, in the same order: the
+        token's log-probability and its most likely alternatives (SamplingParams.logprobs of them).
+        """
+
     def __init__(
         self,
         *,
         token_ids: _abc.Iterable[_builtins.int] | None = ...,
         text: _builtins.str = ...,
         logprobs: _abc.Iterable[_builtins.float] | None = ...,
+        token_logprobs: _abc.Iterable[_common_pb2.TokenLogprobs] | None = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["logprobs", b"logprobs", "text", b"text", "token_ids", b"token_ids"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["logprobs", b"logprobs", "text", b"text", "token_ids", b"token_ids", "token_logprobs", b"token_logprobs"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

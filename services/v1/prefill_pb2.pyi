@@ -81,6 +81,7 @@ class PrefillResponse(_message.Message):
     PCP_SIZE_FIELD_NUMBER: _builtins.int
     FORWARD_SECONDS_FIELD_NUMBER: _builtins.int
     KV_PUSH_SECONDS_FIELD_NUMBER: _builtins.int
+    FIRST_TOKEN_LOGPROBS_FIELD_NUMBER: _builtins.int
     request_id: _builtins.str
     """Echo of the request id."""
     first_token_id: _builtins.int
@@ -99,6 +100,10 @@ class PrefillResponse(_message.Message):
     def kv(self) -> _common_pb2.KvHandle:
         """Where the selected KV replica is stored."""
 
+    @_builtins.property
+    def first_token_logprobs(self) -> _common_pb2.TokenLogprobs:
+        """The first token's log-probabilities when sampling.logprobs was set (texts left empty); unset otherwise."""
+
     def __init__(
         self,
         *,
@@ -110,10 +115,11 @@ class PrefillResponse(_message.Message):
         pcp_size: _builtins.int = ...,
         forward_seconds: _builtins.float = ...,
         kv_push_seconds: _builtins.float = ...,
+        first_token_logprobs: _common_pb2.TokenLogprobs | None = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _typing.Literal["kv", b"kv"]  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["first_token_logprobs", b"first_token_logprobs", "kv", b"kv"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["first_token_id", b"first_token_id", "forward_seconds", b"forward_seconds", "generation", b"generation", "kv", b"kv", "kv_push_seconds", b"kv_push_seconds", "pcp_size", b"pcp_size", "request_id", b"request_id", "set_id", b"set_id"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["first_token_id", b"first_token_id", "first_token_logprobs", b"first_token_logprobs", "forward_seconds", b"forward_seconds", "generation", b"generation", "kv", b"kv", "kv_push_seconds", b"kv_push_seconds", "pcp_size", b"pcp_size", "request_id", b"request_id", "set_id", b"set_id"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
