@@ -4,8 +4,17 @@
 instrumentation works by wrapping the constructors. Exporters:
 - OTLP (gRPC) when OTEL_EXPORTER_OTLP_ENDPOINT is set, the standard OpenTelemetry variable;
 - a JSON-lines span file when PCPSTACK_TRACE_FILE is set, which tests use to collect the spans of
-  several processes without running a collector.
+  several processes without running a collector;
+- Prometheus text at http://HOST:PORT/metrics when a service runs with --metrics HOST:PORT (the gateway
+  serves the same exposition on its own /metrics).
 Health checks and reflection calls are left out of traces: they are noise, not requests.
+
+Metric names. OpenTelemetry instrument names may not contain a colon, but operators (and the Gateway API
+inference extension) expect vLLM's convention of a `vllm:` style namespace. So every pcpstack instrument is
+named `pcpstack.<name>` (with a unit where it has one) and the Prometheus exposition renames what the
+OpenTelemetry exporter makes of it, `pcpstack_<name>_<unit>`, to `pcpstack:<name>_<unit>`:
+`pcpstack.time_to_first_token` in seconds is scraped as `pcpstack:time_to_first_token_seconds`. Metrics of
+the gRPC instrumentation keep their OpenTelemetry names.
 """
 
 from __future__ import annotations
@@ -13,7 +22,7 @@ from __future__ import annotations
 import json
 import os
 import threading
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from pathlib import Path
 
 from opentelemetry import metrics, trace
@@ -35,6 +44,17 @@ from opentelemetry.sdk.trace.export import (
 )
 
 TRACE_FILE_ENV = "PCPSTACK_TRACE_FILE"
+# The namespace of pcpstack's metrics as Prometheus sees them, and the instrument-name prefix it comes from.
+METRIC_NAMESPACE = "pcpstack:"
+_EXPORTED_PREFIX = "pcpstack_"
+PROMETHEUS_CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
+# Histogram bounds (seconds) for request latencies: from a millisecond (a decode step of a tiny model) to
+# ten minutes (a long generation), dense where TTFT and TPOT of real models fall. The OpenTelemetry default
+# bounds are meant for milliseconds and would put every observation here in the first bucket.
+LATENCY_BUCKETS_S = (
+    0.001, 0.0025, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75,
+    1.0, 2.5, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0, 160.0, 320.0, 640.0,
+)  # fmt: skip
 OTLP_ENV = "OTEL_EXPORTER_OTLP_ENDPOINT"
 
 _lock = threading.Lock()
@@ -86,6 +106,64 @@ def read_span_file(path: str | Path) -> list[dict]:
     return [json.loads(line) for line in text.splitlines() if line.strip()]
 
 
+class _Namespaced:
+    """A prometheus_client collector that yields another registry's families with `pcpstack_` names
+    renamed to `pcpstack:` (see the module docstring)."""
+
+    def __init__(self, source: object) -> None:
+        self._source = source
+
+    def collect(self) -> Iterator[object]:
+        for family in self._source.collect():  # type: ignore[attr-defined]
+            old = family.name
+            if old.startswith(_EXPORTED_PREFIX):
+                new = METRIC_NAMESPACE + old[len(_EXPORTED_PREFIX) :]
+                family.name = new
+                family.samples = [
+                    s._replace(name=new + s.name[len(old) :]) if s.name.startswith(old) else s
+                    for s in family.samples
+                ]
+            yield family
+
+
+class PrometheusEndpoint:
+    """One Prometheus exposition of a meter provider: a reader to give the provider, and its text.
+
+    Each endpoint has registries of its own (not prometheus_client's global one), so that several in one
+    process, as in tests, never see each other's metrics.
+    """
+
+    def __init__(self) -> None:
+        from opentelemetry.exporter.prometheus import PrometheusMetricReader
+        from prometheus_client import CollectorRegistry
+
+        raw = CollectorRegistry(auto_describe=False)
+        # Scope labels (the Python module that made the instrument) would only split series apart.
+        self.reader = PrometheusMetricReader(registry=raw, scope_info_enabled=False)
+        self.registry = CollectorRegistry(auto_describe=False)
+        self.registry.register(_Namespaced(raw))  # type: ignore[arg-type]
+
+    def render(self) -> bytes:
+        """The Prometheus text exposition, names under `pcpstack:`."""
+        from prometheus_client import generate_latest
+
+        return generate_latest(self.registry)
+
+    def serve(self, address: str) -> None:
+        """Serves the exposition at http://address/metrics from a daemon thread (address: HOST:PORT)."""
+        from prometheus_client import start_http_server
+
+        host, _, port = address.rpartition(":")
+        start_http_server(int(port), addr=host or "127.0.0.1", registry=self.registry)
+
+
+def latency_histogram(m: metrics.Meter, name: str, description: str) -> metrics.Histogram:
+    """A histogram of seconds with LATENCY_BUCKETS_S bounds; name is `pcpstack.<name>` (no unit)."""
+    return m.create_histogram(
+        name, unit="s", description=description, explicit_bucket_boundaries_advisory=LATENCY_BUCKETS_S
+    )
+
+
 def setup_telemetry(
     service_name: str, metric_readers: Sequence[MetricReader] = (), metrics_address: str = ""
 ) -> None:
@@ -103,12 +181,9 @@ def setup_telemetry(
         provider = TracerProvider(resource=resource)
         readers = list(metric_readers)
         if metrics_address:
-            from opentelemetry.exporter.prometheus import PrometheusMetricReader
-            from prometheus_client import start_http_server
-
-            host, _, port = metrics_address.rpartition(":")
-            start_http_server(int(port), addr=host or "127.0.0.1")
-            readers.append(PrometheusMetricReader())
+            endpoint = PrometheusEndpoint()
+            endpoint.serve(metrics_address)
+            readers.append(endpoint.reader)
         if os.environ.get(OTLP_ENV):
             from opentelemetry.exporter.otlp.proto.grpc.metric_exporter import OTLPMetricExporter
             from opentelemetry.exporter.otlp.proto.grpc.trace_exporter import OTLPSpanExporter

@@ -8,6 +8,7 @@ request still gets its HTTP error status; an error after that is sent as a last 
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import time
 import uuid
@@ -30,8 +31,12 @@ from pcpstack.gateway.upstream import DecodePool
 from pcpstack.v1 import decode_pb2
 
 log = logging.getLogger(__name__)
+# One line per /v1 request (method, path, status, duration, request id, trace id): the access log.
+access_log = logging.getLogger("pcpstack.gateway.access")
 _tracer = tracer(__name__)
 REQUEST_ID_HEADER = "X-Request-Id"
+# The status nginx logs for a client that closed the connection before the answer: no HTTP status was sent.
+CLIENT_CLOSED_STATUS = 499
 TRACE_ID_HEADER = "X-Trace-Id"
 
 
@@ -68,6 +73,7 @@ def create_app(pool: DecodePool, settings: GatewaySettings) -> web.Application:
 
     async def close_pool(app: web.Application) -> None:
         await app[_POOL].close()
+        app[_METRICS].close()
 
     app.on_cleanup.append(close_pool)
     return app
@@ -86,7 +92,7 @@ async def _observe(request: web.Request, handler: Callable) -> web.StreamRespons
     resource = request.match_info.route.resource
     endpoint = resource.canonical if resource is not None else "unmatched"
     started = time.perf_counter()
-    metrics.in_flight.inc()
+    metrics.started()
     with _tracer.start_as_current_span(
         f"{request.method} {endpoint}", context=propagate.extract(request.headers), kind=trace.SpanKind.SERVER
     ) as span:
@@ -95,24 +101,47 @@ async def _observe(request: web.Request, handler: Callable) -> web.StreamRespons
         request[_TRACE_ID] = current_trace_id()
         try:
             response = await handler(request)
+        except asyncio.CancelledError:
+            # The client hung up (aiohttp then cancels the handler): still counted and logged, as 499.
+            _account(request, endpoint, CLIENT_CLOSED_STATUS, started)
+            raise
         except ApiError as exc:
             response = _error_response(exc)
-            metrics.errors.labels(endpoint, exc.error_type).inc()
+            metrics.error(endpoint, exc.error_type)
         except web.HTTPException as exc:
             response = _error_response(ApiError(exc.status, exc.reason, error_type="invalid_request_error"))
-            metrics.errors.labels(endpoint, "invalid_request_error").inc()
+            metrics.error(endpoint, "invalid_request_error")
         except Exception:
             log.exception("unexpected error serving %s", request.path)
             response = _error_response(ApiError(500, "internal error", error_type="server_error"))
-            metrics.errors.labels(endpoint, "server_error").inc()
-        finally:
-            metrics.in_flight.dec()
+            metrics.error(endpoint, "server_error")
         span.set_attribute("http.response.status_code", response.status)
         if response.status >= 500:
             span.set_status(trace.StatusCode.ERROR)
-    metrics.requests.labels(endpoint, str(response.status)).inc()
-    metrics.latency.labels(endpoint).observe(time.perf_counter() - started)
+    _account(request, endpoint, response.status, started)
     return response
+
+
+def _account(request: web.Request, endpoint: str, status: int, started: float) -> None:
+    """Counts a finished /v1 request and writes its access log line."""
+    # A streamed answer has been written by now, so this is the whole request's time.
+    duration = time.perf_counter() - started
+    request.app[_METRICS].finished(endpoint, status, duration)
+    access_log.info(
+        "%s %s %d %.3fs",
+        request.method,
+        request.path,
+        status,
+        duration,
+        extra={
+            "method": request.method,
+            "path": request.path,
+            "status": status,
+            "duration_s": round(duration, 6),
+            "request_id": request.get(_REQUEST_ID, ""),
+            "trace_id": request.get(_TRACE_ID, ""),
+        },
+    )
 
 
 async def _add_id_headers(request: web.Request, response: web.StreamResponse) -> None:
@@ -178,13 +207,13 @@ class _FirstToken:
     """Observes the time to the first generated token, once."""
 
     def __init__(self, metrics: GatewayMetrics, endpoint: str) -> None:
-        self._histogram = metrics.ttft.labels(endpoint)
+        self._metrics = metrics
         self.endpoint = endpoint
         self._started: float | None = time.perf_counter()
 
     def seen(self) -> None:
         if self._started is not None:
-            self._histogram.observe(time.perf_counter() - self._started)
+            self._metrics.first_token(self.endpoint, time.perf_counter() - self._started)
             self._started = None
 
 
@@ -213,7 +242,7 @@ async def _stream(
                         await response.write(sse(chunk))
                     _count_tokens(request, message.summary)
         except ApiError as exc:
-            request.app[_METRICS].errors.labels(timer.endpoint, exc.error_type).inc()
+            request.app[_METRICS].error(timer.endpoint, exc.error_type)
             await response.write(sse(exc.body()))
         await response.write(SSE_DONE)
         await response.write_eof()
@@ -246,9 +275,7 @@ async def _chain(
 
 def _count_tokens(request: web.Request, summary: decode_pb2.GenerateSummary | None) -> None:
     if summary is not None:
-        tokens = request.app[_METRICS].tokens
-        tokens.labels("prompt").inc(summary.prompt_tokens)
-        tokens.labels("completion").inc(summary.completion_tokens)
+        request.app[_METRICS].tokens(summary.prompt_tokens, summary.completion_tokens)
 
 
 def _model_card(request: web.Request) -> dict:

@@ -138,9 +138,9 @@ def test_models_health_and_metrics(gateway) -> None:
     assert status == 200 and '"status": "ok"' in body
     status, body = http_get(f"{gateway.url}/metrics")
     assert status == 200
-    assert 'pcpstack_gateway_requests_total{endpoint="/v1/completions",status="200"}' in body
-    assert "pcpstack_gateway_time_to_first_token_seconds_count" in body
-    assert 'pcpstack_gateway_tokens_total{kind="completion"}' in body
+    assert 'pcpstack:gateway_requests_total{endpoint="/v1/completions",status="200"}' in body
+    assert "pcpstack:gateway_time_to_first_token_seconds_count" in body
+    assert 'pcpstack:gateway_tokens_total{kind="completion"}' in body
 
 
 def test_the_callers_trace_continues_through_the_gateway_into_decode(gateway, traced_stack) -> None:

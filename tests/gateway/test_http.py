@@ -64,16 +64,16 @@ def test_unreachable_decode_worker_is_a_503_and_unhealthy() -> None:
 
 def test_metrics_count_requests_by_endpoint_and_status() -> None:
     async def check(client: TestClient) -> None:
-        await client.post("/v1/completions", json={"prompt": "x", "n": 3})
+        await client.post("/v1/completions", data=b"{not json")
         answer = await client.get("/metrics")
         assert answer.status == 200 and answer.headers["Content-Type"].startswith("text/plain")
         text = await answer.text()
-        assert 'pcpstack_gateway_requests_total{endpoint="/v1/completions",status="400"} 1.0' in text
+        assert 'pcpstack:gateway_requests_total{endpoint="/v1/completions",status="400"} 1.0' in text
         assert (
-            'pcpstack_gateway_errors_total{endpoint="/v1/completions",type="invalid_request_error"} 1.0'
+            'pcpstack:gateway_errors_total{endpoint="/v1/completions",type="invalid_request_error"} 1.0'
             in text
         )
-        assert "pcpstack_gateway_request_seconds_bucket" in text
+        assert "pcpstack:gateway_request_duration_seconds_bucket" in text
 
     _with_client(check)
 
