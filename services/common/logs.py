@@ -1,7 +1,9 @@
-"""Structured logging: one JSON object per line carrying the service name and the request id.
+"""Logging of every service: readable lines on a terminal, one JSON object per line otherwise.
 
-The request id lives in a context variable so that every log line written while a request is being
-served carries it, across awaits, without threading it through every call.
+Both formats carry the service name and the request id. The request id lives in a context variable so
+that every log line written while a request is being served carries it, across awaits, without threading
+it through every call. The format follows stderr: a terminal gets the console format, anything else (a
+file, a pipe, a log collector) gets JSON; PCPSTACK_LOG_FORMAT=json|console overrides the choice.
 """
 
 from __future__ import annotations
@@ -9,17 +11,22 @@ from __future__ import annotations
 import contextvars
 import json
 import logging
+import os
 import sys
 import time
+from typing import TextIO
 
 request_id_var: contextvars.ContextVar[str] = contextvars.ContextVar("request_id", default="")
 _service_name = "pcpstack"
+LOG_FORMAT_ENV = "PCPSTACK_LOG_FORMAT"
+LOG_FORMATS = ("json", "console")
+_STANDARD_FIELDS = set(logging.makeLogRecord({}).__dict__) | {"message", "asctime"}
 
 
 class JsonFormatter(logging.Formatter):
     """Formats records as JSON with ts, level, service, request_id, logger and message (plus extras)."""
 
-    _standard = set(logging.makeLogRecord({}).__dict__) | {"message", "asctime"}
+    _standard = _STANDARD_FIELDS
 
     def format(self, record: logging.LogRecord) -> str:
         entry = {
@@ -36,12 +43,39 @@ class JsonFormatter(logging.Formatter):
         return json.dumps(entry, default=str)
 
 
-def setup_logging(service: str, level: str | int = "INFO") -> None:
-    """Sends this process's logs to stderr as JSON lines tagged with the service name."""
+class ConsoleFormatter(logging.Formatter):
+    """One readable line: time, level, service, logger, message, then request id and extras as key=value."""
+
+    def format(self, record: logging.LogRecord) -> str:
+        stamp = time.strftime("%H:%M:%S", time.localtime(record.created)) + f".{int(record.msecs):03d}"
+        line = f"{stamp} {record.levelname:<7} {_service_name} {record.name}: {record.getMessage()}"
+        pairs = {"request_id": request_id_var.get()}
+        pairs.update({k: v for k, v in record.__dict__.items() if k not in _STANDARD_FIELDS})
+        tail = " ".join(f"{k}={v}" for k, v in pairs.items() if v not in ("", None))
+        if tail:
+            line = f"{line}  [{tail}]"
+        if record.exc_info:
+            line = f"{line}\n{self.formatException(record.exc_info)}"
+        return line
+
+
+def log_format(stream: TextIO) -> str:
+    """ "console" or "json" for a stream: PCPSTACK_LOG_FORMAT if set, else console only on a terminal."""
+    chosen = os.environ.get(LOG_FORMAT_ENV, "").strip().lower()
+    if chosen in LOG_FORMATS:
+        return chosen
+    isatty = getattr(stream, "isatty", None)
+    return "console" if isatty is not None and isatty() else "json"
+
+
+def setup_logging(service: str, level: str | int = "INFO", stream: TextIO | None = None) -> None:
+    """Sends this process's logs to stderr (or stream), tagged with the service name, in the format
+    log_format chooses."""
     global _service_name
     _service_name = service
-    handler = logging.StreamHandler(sys.stderr)
-    handler.setFormatter(JsonFormatter())
+    stream = stream or sys.stderr
+    handler = logging.StreamHandler(stream)
+    handler.setFormatter(ConsoleFormatter() if log_format(stream) == "console" else JsonFormatter())
     root = logging.getLogger()
     root.handlers[:] = [handler]
     root.setLevel(level)

@@ -17,6 +17,7 @@ def test_log_lines_carry_service_and_request_id_across_awaits(monkeypatch) -> No
     monkeypatch.setattr(root, "handlers", list(root.handlers))
     monkeypatch.setattr(root, "level", root.level)
     monkeypatch.setattr(logs, "_service_name", logs._service_name)
+    monkeypatch.setenv(logs.LOG_FORMAT_ENV, "json")  # whatever stderr is (pytest -s on a terminal)
     logs.setup_logging("decode")
     handler = logging.getLogger().handlers[0]
     monkeypatch.setattr(handler, "stream", stream)
