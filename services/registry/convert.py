@@ -36,10 +36,6 @@ SET_STATES = {
     SetState.READY: registry_pb2.SET_STATE_READY,
     SetState.BROKEN: registry_pb2.SET_STATE_BROKEN,
 }
-# Call metadata, until the protos carry them: the node process's instance token (sent by its NodeSession
-# on Register, Session and Deregister) and the Resolve trailer saying the registry is still warming up.
-INSTANCE_METADATA = "pcpstack-node-instance"
-WARMING_METADATA = "pcpstack-registry-warming"
 # Trailer of a refusal that may clear by itself: the node id is bound to a session that has not ended yet.
 REFUSAL_METADATA = "pcpstack-refusal"
 REFUSAL_NODE_ID_IN_USE = "node-id-in-use"
@@ -81,8 +77,9 @@ def assignment_from_proto(msg: registry_pb2.Assignment) -> Assignment:
     )
 
 
-def registration_from_proto(request: registry_pb2.RegisterRequest, session: str = "") -> Registration:
-    """Reads a RegisterRequest made by `session`; raises ConfigError when the engine config breaks a rule."""
+def registration_from_proto(request: registry_pb2.RegisterRequest, peer: str = "") -> Registration:
+    """Reads a RegisterRequest from `peer` (its certificate identity, see server.peer_identity); raises
+    ConfigError when the engine config breaks a rule."""
     role = ROLE_NAMES.get(request.role, "")
     config = EngineConfig.from_proto(request.engine_config, role) if role in ("prefill", "decode") else None
     carried = request.current_assignment if request.HasField("current_assignment") else None
@@ -95,8 +92,14 @@ def registration_from_proto(request: registry_pb2.RegisterRequest, session: str 
         kv_fingerprint=request.kv_fingerprint,
         current_assignment=assignment_from_proto(carried) if carried and carried.set_id else None,
         dist_host=request.dist_host,
-        session=session,
+        session=session_identity(request.instance_id, peer),
     )
+
+
+def session_identity(instance_id: str, peer: str) -> str:
+    """What a live node id is bound to: the node process's instance token and, with mTLS, its verified
+    certificate identity (so a copied token alone is not enough)."""
+    return f"{instance_id}|{peer}" if peer else instance_id
 
 
 def command_to_proto(command: Command) -> registry_pb2.SessionResponse:
@@ -129,8 +132,8 @@ def _service_from_proto(e: registry_pb2.ServiceEndpoint) -> ServiceEndpoint:
     return ServiceEndpoint(e.node_id, e.address, e.load, e.kv_fingerprint)
 
 
-def resolution_to_proto(found: Resolution) -> registry_pb2.ResolveResponse:
-    """A Resolve answer on the wire (`warming` travels as call metadata, see WARMING_METADATA)."""
+def resolution_to_proto(found: Resolution, warming: bool) -> registry_pb2.ResolveResponse:
+    """A Resolve answer on the wire; `warming` while the registry may not have heard from every node."""
     return registry_pb2.ResolveResponse(
         prefill_sets=[
             registry_pb2.PrefillSetEndpoint(
@@ -146,10 +149,11 @@ def resolution_to_proto(found: Resolution) -> registry_pb2.ResolveResponse:
         ],
         decode=[_service_to_proto(e) for e in found.decode],
         kvstore=[_service_to_proto(e) for e in found.kvstore],
+        warming=warming,
     )
 
 
-def resolution_from_proto(msg: registry_pb2.ResolveResponse, warming: bool = False) -> Resolution:
+def resolution_from_proto(msg: registry_pb2.ResolveResponse) -> Resolution:
     """The typed form of a Resolve answer."""
     return Resolution(
         prefill_sets=tuple(
@@ -158,7 +162,7 @@ def resolution_from_proto(msg: registry_pb2.ResolveResponse, warming: bool = Fal
         ),
         decode=tuple(_service_from_proto(e) for e in msg.decode),
         kvstore=tuple(_service_from_proto(e) for e in msg.kvstore),
-        warming=warming,
+        warming=msg.warming,
     )
 
 

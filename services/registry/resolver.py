@@ -24,7 +24,7 @@ import grpc
 from pcpstack.common.channel import open_channel
 from pcpstack.common.errors import Unavailable
 from pcpstack.common.rpc_errors import error_from_rpc
-from pcpstack.registry.convert import WARMING_METADATA, resolution_from_proto
+from pcpstack.registry.convert import resolution_from_proto
 from pcpstack.registry.endpoints import Resolution
 from pcpstack.v1 import registry_pb2, registry_pb2_grpc
 
@@ -109,11 +109,8 @@ class Resolver:
                 self.address, default_deadline=self._rpc_deadline_s, extra_options=CHANNEL_OPTIONS
             )
             self._stub = registry_pb2_grpc.RegistryServiceStub(self._channel)
-        call = self._stub.Resolve(registry_pb2.ResolveRequest(model=model), timeout=self._rpc_deadline_s)
-        response = await call
-        trailer = await call.trailing_metadata()
-        warming = any(key == WARMING_METADATA for key, _ in trailer or ())
-        return resolution_from_proto(response, warming)
+        request = registry_pb2.ResolveRequest(model=model)
+        return resolution_from_proto(await self._stub.Resolve(request, timeout=self._rpc_deadline_s))
 
     async def close(self) -> None:
         """Closes the channel (a later resolve opens a new one)."""

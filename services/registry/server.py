@@ -43,16 +43,13 @@ log = logging.getLogger(__name__)
 SERVICE_NAME = registry_pb2.DESCRIPTOR.services_by_name["RegistryService"].full_name
 
 
-def session_of(context: grpc.aio.ServicerContext) -> str:
-    """Who is calling, as a node id is bound to it: the node process's instance token (call metadata) and,
-    with mTLS, the subject and names of its verified certificate."""
-    instance = next(
-        (str(v) for k, v in (context.invocation_metadata() or ()) if k == convert.INSTANCE_METADATA), ""
-    )
+def peer_identity(context: grpc.aio.ServicerContext) -> str:
+    """The caller's verified certificate (subject and names) under mTLS; empty without it."""
     auth = context.auth_context()
-    subject = b"".join(auth.get("x509_subject", ())).decode("utf-8", "replace")
-    peer = ",".join([subject, *sorted(security.certificate_names(auth))]) if auth.get("x509_subject") else ""
-    return f"{instance}|{peer}" if peer else instance
+    if not auth.get("x509_subject"):
+        return ""
+    subject = b"".join(auth["x509_subject"]).decode("utf-8", "replace")
+    return ",".join([subject, *sorted(security.certificate_names(auth))])
 
 
 @dataclass
@@ -104,7 +101,7 @@ class RegistryServicer(registry_pb2_grpc.RegistryServiceServicer):
     async def Register(self, request, context):
         """Validates and records the node; the response carries its assignment when it has one."""
         try:
-            registration = convert.registration_from_proto(request, session_of(context))
+            registration = convert.registration_from_proto(request, peer_identity(context))
         except ConfigError as exc:
             raise FailedPrecondition(f"engine_config: {exc}") from None
         # The core names a missing identity first; a node that has one must advertise its own host.
@@ -159,7 +156,7 @@ class RegistryServicer(registry_pb2_grpc.RegistryServiceServicer):
         if first.WhichOneof("body") != "open" or not first.open.node_id:
             raise InvalidArgument("the first Session message must be `open` with a node_id")
         node_id = first.open.node_id
-        session = session_of(context)
+        session = convert.session_identity(first.open.instance_id, peer_identity(context))
         self._membership.open_session(node_id, self._clock(), session)
         queue = self._mailboxes.attach(node_id)
         failure = _Failure()
@@ -208,10 +205,9 @@ class RegistryServicer(registry_pb2_grpc.RegistryServiceServicer):
 
     async def Resolve(self, request, context):
         """Ready prefill sets, decode and KV store endpoints; while the registry is warming up (it may not
-        have heard from every live node yet) the answer says so in its trailing metadata."""
-        if self._membership.warming(self._clock()):
-            context.set_trailing_metadata(((convert.WARMING_METADATA, "1"),))
-        return convert.resolution_to_proto(self._membership.resolve(request.model))
+        have heard from every live node yet) the answer says so (`warming`)."""
+        warming = self._membership.warming(self._clock())
+        return convert.resolution_to_proto(self._membership.resolve(request.model), warming)
 
     async def ListNodes(self, request, context):
         """Every node with its state."""
@@ -226,7 +222,11 @@ class RegistryServicer(registry_pb2_grpc.RegistryServiceServicer):
         """Removes a node (only its own session may); its set breaks and its Session ends."""
         if not request.node_id:
             raise InvalidArgument("node_id is required")
-        removed, out = self._membership.deregister(request.node_id, self._clock(), session_of(context))
+        removed, out = self._membership.deregister(
+            request.node_id,
+            self._clock(),
+            convert.session_identity(request.instance_id, peer_identity(context)),
+        )
         self._mailboxes.reset(request.node_id)
         self.deliver(out)
         self._dirty = self._dirty or removed

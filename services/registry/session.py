@@ -33,7 +33,6 @@ from pcpstack.common.config import EngineConfig
 from pcpstack.common.errors import ServiceError
 from pcpstack.common.rpc_errors import error_from_rpc
 from pcpstack.registry.convert import (
-    INSTANCE_METADATA,
     REFUSAL_METADATA,
     REFUSAL_NODE_ID_IN_USE,
     ROLE_VALUES,
@@ -91,8 +90,9 @@ class NodeSession:
         )
         self._load = load
         self._in_use_patience_s = in_use_patience_s
-        # this process's session identity: the registry binds the node id to it while the session lives
-        self._metadata = ((INSTANCE_METADATA, secrets.token_hex(16)),)
+        # this process's instance token: the registry binds the node id to it while the session lives
+        self.instance_id = secrets.token_hex(16)
+        self._request.instance_id = self.instance_id
         self._rpc_deadline_s = rpc_deadline_s
         self._retry_max_s = retry_max_s
         self._lease_s = 3.0
@@ -136,9 +136,8 @@ class NodeSession:
         if deregister and self._stub is not None:
             try:
                 await self._stub.Deregister(
-                    registry_pb2.DeregisterRequest(node_id=self.node_id),
+                    registry_pb2.DeregisterRequest(node_id=self.node_id, instance_id=self.instance_id),
                     timeout=self._rpc_deadline_s,
-                    metadata=self._metadata,
                 )
             except grpc.aio.AioRpcError as exc:
                 log.warning("deregister failed", extra={"node_id": self.node_id, "error": exc.details()})
@@ -153,11 +152,6 @@ class NodeSession:
     def assignment(self) -> registry_pb2.Assignment | None:
         """The assignment the node should be running (None while pooled)."""
         return self._assignment
-
-    @property
-    def call_metadata(self) -> tuple[tuple[str, str], ...]:
-        """The metadata that marks a call as this session's (its instance token)."""
-        return self._metadata
 
     @property
     def connected(self) -> bool:
@@ -201,9 +195,7 @@ class NodeSession:
             if self._assignment is not None:
                 request.current_assignment.CopyFrom(self._assignment)
             try:
-                response = await self._stub.Register(
-                    request, timeout=self._rpc_deadline_s, metadata=self._metadata
-                )
+                response = await self._stub.Register(request, timeout=self._rpc_deadline_s)
             except grpc.aio.AioRpcError as exc:
                 if _node_id_in_use(exc):
                     # the id is held by an earlier session (this node before a restart, or another node
@@ -258,12 +250,15 @@ class NodeSession:
 
     async def _session(self) -> None:
         assert self._stub is not None
-        call = self._stub.Session(timeout=SESSION_TIMEOUT_S, metadata=self._metadata)
+        call = self._stub.Session(timeout=SESSION_TIMEOUT_S)
         self._call = call
         heartbeats = asyncio.create_task(self._heartbeat(call))
         try:
             await self._write(
-                call, registry_pb2.SessionRequest(open=registry_pb2.SessionOpen(node_id=self.node_id))
+                call,
+                registry_pb2.SessionRequest(
+                    open=registry_pb2.SessionOpen(node_id=self.node_id, instance_id=self.instance_id)
+                ),
             )
             if self._status is not None and self._status_is_current():
                 await self._write(call, registry_pb2.SessionRequest(status=self._status))

@@ -166,6 +166,7 @@ class RegisterRequest(_message.Message):
     KV_FINGERPRINT_FIELD_NUMBER: _builtins.int
     CURRENT_ASSIGNMENT_FIELD_NUMBER: _builtins.int
     DIST_HOST_FIELD_NUMBER: _builtins.int
+    INSTANCE_ID_FIELD_NUMBER: _builtins.int
     node_id: _builtins.str
     """Stable identity of the node (survives restarts of the process). Required."""
     role: _common_pb2.NodeRole.ValueType
@@ -179,6 +180,10 @@ class RegisterRequest(_message.Message):
     dist_host: _builtins.str
     """Host that other members of a set reach this node's torch.distributed master on, when it differs
     from the host of `address` (e.g. a separate NIC); empty: the host of `address`.
+    """
+    instance_id: _builtins.str
+    """Random token of the node process (new each start). A live node_id is bound to the process that
+    registered it: another instance is refused FAILED_PRECONDITION until the first one's session ends.
     """
     @_builtins.property
     def engine_config(self) -> _common_pb2.EngineConfig:
@@ -199,10 +204,11 @@ class RegisterRequest(_message.Message):
         kv_fingerprint: _builtins.str = ...,
         current_assignment: Global___Assignment | None = ...,
         dist_host: _builtins.str = ...,
+        instance_id: _builtins.str = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["current_assignment", b"current_assignment", "engine_config", b"engine_config"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["address", b"address", "current_assignment", b"current_assignment", "device_count", b"device_count", "dist_host", b"dist_host", "engine_config", b"engine_config", "kv_fingerprint", b"kv_fingerprint", "node_id", b"node_id", "role", b"role"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["address", b"address", "current_assignment", b"current_assignment", "device_count", b"device_count", "dist_host", b"dist_host", "engine_config", b"engine_config", "instance_id", b"instance_id", "kv_fingerprint", b"kv_fingerprint", "node_id", b"node_id", "role", b"role"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -249,16 +255,20 @@ class SessionOpen(_message.Message):
     DESCRIPTOR: _descriptor.Descriptor
 
     NODE_ID_FIELD_NUMBER: _builtins.int
+    INSTANCE_ID_FIELD_NUMBER: _builtins.int
     node_id: _builtins.str
     """Which node this stream belongs to; it must have registered."""
+    instance_id: _builtins.str
+    """The instance token the node registered with (RegisterRequest.instance_id)."""
     def __init__(
         self,
         *,
         node_id: _builtins.str = ...,
+        instance_id: _builtins.str = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["node_id", b"node_id"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["instance_id", b"instance_id", "node_id", b"node_id"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -655,6 +665,11 @@ class ResolveResponse(_message.Message):
     PREFILL_SETS_FIELD_NUMBER: _builtins.int
     DECODE_FIELD_NUMBER: _builtins.int
     KVSTORE_FIELD_NUMBER: _builtins.int
+    WARMING_FIELD_NUMBER: _builtins.int
+    warming: _builtins.bool
+    """True while a (re)started registry may not yet have heard from every live node: an empty list then
+    means "not known yet", and routers keep the endpoints they last saw.
+    """
     @_builtins.property
     def prefill_sets(self) -> _containers.RepeatedCompositeFieldContainer[Global___PrefillSetEndpoint]:
         """Ready prefill sets, least loaded first."""
@@ -673,10 +688,11 @@ class ResolveResponse(_message.Message):
         prefill_sets: _abc.Iterable[Global___PrefillSetEndpoint] | None = ...,
         decode: _abc.Iterable[Global___ServiceEndpoint] | None = ...,
         kvstore: _abc.Iterable[Global___ServiceEndpoint] | None = ...,
+        warming: _builtins.bool = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["decode", b"decode", "kvstore", b"kvstore", "prefill_sets", b"prefill_sets"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["decode", b"decode", "kvstore", b"kvstore", "prefill_sets", b"prefill_sets", "warming", b"warming"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -887,16 +903,20 @@ class DeregisterRequest(_message.Message):
     DESCRIPTOR: _descriptor.Descriptor
 
     NODE_ID_FIELD_NUMBER: _builtins.int
+    INSTANCE_ID_FIELD_NUMBER: _builtins.int
     node_id: _builtins.str
     """The node."""
+    instance_id: _builtins.str
+    """The instance token the node registered with; only that instance may deregister it."""
     def __init__(
         self,
         *,
         node_id: _builtins.str = ...,
+        instance_id: _builtins.str = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["node_id", b"node_id"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["instance_id", b"instance_id", "node_id", b"node_id"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

@@ -211,8 +211,9 @@ def test_a_stale_generation_status_is_refused_on_the_session():
             async with open_channel(registry.address) as channel:
                 stub = registry_pb2_grpc.RegistryServiceStub(channel)
                 # on behalf of node-0's own session (another session may not speak for node-0)
-                call = stub.Session(timeout=5, metadata=clients[0].call_metadata)
-                await call.write(registry_pb2.SessionRequest(open=registry_pb2.SessionOpen(node_id="node-0")))
+                call = stub.Session(timeout=5)
+                opening = registry_pb2.SessionOpen(node_id="node-0", instance_id=clients[0].instance_id)
+                await call.write(registry_pb2.SessionRequest(open=opening))
                 stale = registry_pb2.RankStatus(set_id=a.set_id, generation=a.generation - 1, ready=True)
                 await call.write(registry_pb2.SessionRequest(status=stale))
                 reply = await call.read()

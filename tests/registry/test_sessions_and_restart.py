@@ -23,7 +23,6 @@ from pcpstack.common.server import ServerOptions
 from pcpstack.decode.router import SetRouter
 from pcpstack.gateway.upstream import DecodePool
 from pcpstack.registry.client import NodeSession, Resolver
-from pcpstack.registry.convert import INSTANCE_METADATA
 from pcpstack.registry.membership import Settings
 from pcpstack.registry.server import start_registry
 from pcpstack.v1 import common_pb2, registry_pb2, registry_pb2_grpc
@@ -119,16 +118,18 @@ def test_with_mtls_a_node_id_is_bound_to_the_certificate_that_registered_it(tmp_
             )
         )
 
-    request = registry_pb2.RegisterRequest(
-        node_id="kv-0", role=common_pb2.NODE_ROLE_KVSTORE, address="127.0.0.1:9600"
-    )
     # the same instance token from both: only the certificate differs (a copied token is not enough)
-    metadata = ((INSTANCE_METADATA, "token-of-kv-0"),)
+    request = registry_pb2.RegisterRequest(
+        node_id="kv-0",
+        role=common_pb2.NODE_ROLE_KVSTORE,
+        address="127.0.0.1:9600",
+        instance_id="token-of-kv-0",
+    )
 
     async def register(address: str, name: str) -> grpc.StatusCode:
         async with open_channel(address, default_deadline=5, security=tls(name)) as channel:
             try:
-                await registry_pb2_grpc.RegistryServiceStub(channel).Register(request, metadata=metadata)
+                await registry_pb2_grpc.RegistryServiceStub(channel).Register(request)
             except grpc.aio.AioRpcError as exc:
                 return exc.code()
         return grpc.StatusCode.OK
