@@ -15,6 +15,7 @@ import subprocess
 import time
 from pathlib import Path
 
+import grpc
 import pytest
 import torch
 
@@ -88,6 +89,22 @@ async def wait_for_set(registry: str, timeout: float) -> registry_pb2.PcpSet:
     raise TimeoutError("no ready set")
 
 
+async def wait_for_node(registry: str, node_id: str, timeout: float) -> None:
+    """Returns once the registry lists node_id (it has registered)."""
+    deadline = time.monotonic() + timeout
+    async with open_channel(registry, default_deadline=5) as channel:
+        stub = registry_pb2_grpc.RegistryServiceStub(channel)
+        while time.monotonic() < deadline:
+            try:
+                nodes = (await stub.ListNodes(registry_pb2.ListNodesRequest())).nodes
+            except grpc.aio.AioRpcError:
+                nodes = []
+            if any(n.node_id == node_id for n in nodes):
+                return
+            await asyncio.sleep(0.2)
+    raise TimeoutError(f"{node_id} did not register")
+
+
 def test_two_hosts_form_one_set_and_prefill_exactly(two_hosts, tmp_path) -> None:
     bridge_ip, hosts = two_hosts
     registry = f"{bridge_ip}:{free_port(bridge_ip)}"
@@ -136,9 +153,11 @@ def test_two_hosts_form_one_set_and_prefill_exactly(two_hosts, tmp_path) -> None
             tmp_path / "kvstore.log",
         ),
     ]
+    loop = asyncio.new_event_loop()
     for i, (ns, address) in enumerate(hosts):
-        # Registration order decides node_rank: let the first host register first.
-        time.sleep(1.0 if i else 0.0)
+        # Registration order decides node_rank: the second host starts once the first is registered.
+        if i:
+            loop.run_until_complete(wait_for_node(registry, "host-0", 120))
         procs.append(
             spawn(
                 [
@@ -160,7 +179,6 @@ def test_two_hosts_form_one_set_and_prefill_exactly(two_hosts, tmp_path) -> None
                 netns=ns,
             )
         )
-    loop = asyncio.new_event_loop()
     try:
         pcp_set = loop.run_until_complete(wait_for_set(registry, 120))
         assert list(pcp_set.member_node_ids) == ["host-0", "host-1"]
