@@ -1,4 +1,8 @@
-"""The user-facing commands `pcpstack up` and `pcpstack generate`."""
+"""The user-facing commands `pcpstack up` and `pcpstack generate`.
+
+Both check their flags before anything starts: a value that breaks a rule ends the command with exit
+status 2 and one line that names the flag, its value and the rule.
+"""
 
 from __future__ import annotations
 
@@ -11,8 +15,27 @@ import time
 
 import grpc
 
+from pcpstack.cli.progress import ProgressPrinter
 from pcpstack.cli.stack import LocalStack, StackOptions
 from pcpstack.decode.client import DecodeClient, build_request
+
+USAGE_EXIT_STATUS = 2
+# The flag of each sampling field, for messages that name what the user typed.
+_SAMPLING_FLAGS = {
+    "max_tokens": "--max-tokens",
+    "temperature": "--temperature",
+    "top_k": "--top-k",
+    "top_p": "--top-p",
+    "seed": "--seed",
+    "stop": "--stop",
+}
+
+
+class UsageError(ValueError):
+    """A flag value that breaks a rule; the message names the flag, the value and the rule."""
+
+    def __init__(self, flag: str, value: object, rule: str) -> None:
+        super().__init__(f"{flag}={value!r}: {rule}")
 
 
 def add_stack_arguments(parser: argparse.ArgumentParser) -> None:
@@ -21,41 +44,94 @@ def add_stack_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--prefill-sets", type=int, default=1, help="number of PCP sets (default 1)")
     parser.add_argument("--decode", type=int, default=1, help="decode workers (default 1)")
     parser.add_argument("--model", default=None, help="a .gguf file, a HF folder or 'tiny' (default SmolLM2)")
-    parser.add_argument("--threads-per-rank", type=int, default=1, help="torch threads per PCP rank")
+    parser.add_argument(
+        "--threads-per-rank", type=int, default=1, help="torch threads per PCP rank (default 1)"
+    )
     parser.add_argument("--log-dir", default=None, help="where service logs go (default: a temp folder)")
+
+
+def check_stack_arguments(args: argparse.Namespace) -> None:
+    """Raises UsageError for a stack shape that cannot start."""
+    for flag, value in (
+        ("--pcp", args.pcp),
+        ("--prefill-sets", args.prefill_sets),
+        ("--decode", args.decode),
+        ("--threads-per-rank", args.threads_per_rank),
+    ):
+        if value < 1:
+            raise UsageError(flag, value, "must be >= 1")
+    gateway_port = getattr(args, "gateway_port", 0)
+    if not 0 <= gateway_port <= 65535:
+        raise UsageError("--gateway-port", gateway_port, "must be in [0, 65535] (0: any free port)")
 
 
 def _stack_options(args: argparse.Namespace) -> StackOptions:
     return StackOptions(
+        gateway_host=getattr(args, "host", "127.0.0.1"),
+        gateway_port=getattr(args, "gateway_port", 0),
         pcp=args.pcp,
         prefill_sets=args.prefill_sets,
         decode=args.decode,
         model=args.model,
         threads_per_rank=args.threads_per_rank,
         log_dir=args.log_dir,
+        metrics=getattr(args, "metrics", False),
     )
 
 
-def _progress(message: str) -> None:
-    print(message, file=sys.stderr, flush=True)
+def _usage_error(command: str, error: UsageError) -> int:
+    print(f"pcpstack {command}: {error}", file=sys.stderr, flush=True)
+    return USAGE_EXIT_STATUS
+
+
+def _local_stack(args: argparse.Namespace, printer: ProgressPrinter) -> LocalStack:
+    return LocalStack(_stack_options(args), progress=printer.step, state=printer.state)
 
 
 def add_up_arguments(parser: argparse.ArgumentParser) -> None:
     """Flags of `pcpstack up`."""
     add_stack_arguments(parser)
+    parser.add_argument(
+        "--host",
+        default="127.0.0.1",
+        help="address the OpenAI gateway binds, e.g. 0.0.0.0 for every interface (the gRPC services "
+        "stay on 127.0.0.1) (default 127.0.0.1)",
+    )
+    parser.add_argument(
+        "--gateway-port",
+        type=int,
+        default=8000,
+        help="port of the OpenAI gateway, so clients find http://127.0.0.1:8000/v1; 0: any free port "
+        "(default 8000)",
+    )
+    parser.add_argument(
+        "--metrics",
+        action="store_true",
+        help="every service serves Prometheus metrics on a loopback port of its own (the gateway always "
+        "does, at /metrics); `up` prints each URL",
+    )
 
 
 def run_up(args: argparse.Namespace) -> int:
     """Starts a local stack, prints its endpoints and keeps it up until Ctrl-C."""
+    try:
+        check_stack_arguments(args)
+    except UsageError as error:
+        return _usage_error("up", error)
+    printer = ProgressPrinter()
 
     async def main() -> None:
-        async with LocalStack(_stack_options(args), progress=_progress) as stack:
+        async with _local_stack(args, printer) as stack:
+            printer.finish()
             print(f"registry  {stack.registry_address}")
             print(f"kvstore   {stack.kvstore_address}")
             for address in stack.decode_addresses:
                 print(f"decode    {address}   (pcpstack generate --target {address} 'your prompt')")
             if stack.gateway_url:
                 print(f"openai    {stack.gateway_url}/v1   (OpenAI-compatible HTTP API)")
+            for name, url in stack.metrics_urls.items():
+                print(f"metrics   {url}   ({name})")
+            print(f"logs      {stack.log_dir}   (one NAME.log per service, kept after the stack stops)")
             print("press Ctrl-C to stop", flush=True)
             stop = asyncio.Event()
             loop = asyncio.get_running_loop()
@@ -64,9 +140,14 @@ def run_up(args: argparse.Namespace) -> int:
             for sig in (signal.SIGINT, signal.SIGTERM):
                 loop.add_signal_handler(sig, stop.set)
             await stop.wait()
-            _progress("stopping...")
+            printer.step("stopping...")
 
-    asyncio.run(main())
+    try:
+        asyncio.run(main())
+    except RuntimeError as error:
+        printer.finish()
+        print(f"pcpstack up: {error}", file=sys.stderr, flush=True)
+        return 1
     return 0
 
 
@@ -78,22 +159,78 @@ def add_generate_arguments(parser: argparse.ArgumentParser) -> None:
     add_stack_arguments(parser)
     parser.add_argument("--chat", action="store_true", help="send the prompt as a user chat message")
     parser.add_argument("--system", default=None, help="system message (with --chat)")
-    parser.add_argument("--max-tokens", type=int, default=64)
-    parser.add_argument("--temperature", type=float, default=0.0)
-    parser.add_argument("--top-p", type=float, default=0.0)
-    parser.add_argument("--top-k", type=int, default=0)
-    parser.add_argument("--seed", type=int, default=None)
+    parser.add_argument("--max-tokens", type=int, default=64, help="most tokens to generate")
+    parser.add_argument("--temperature", type=float, default=0.0, help="sampling temperature; 0: greedy")
+    parser.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling mass in (0, 1]; 1: off")
+    parser.add_argument("--top-k", type=int, default=0, help="sample among the k most likely; 0: off")
+    parser.add_argument(
+        "--seed", type=int, default=None, help="random seed (default: none, not reproducible)"
+    )
     parser.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
     parser.add_argument("--token-ids", default=None, help="comma-separated prompt token ids instead of text")
-    parser.add_argument("--ignore-eos", action="store_true")
+    parser.add_argument("--ignore-eos", action="store_true", help="keep going past end-of-sequence")
     parser.add_argument("--json", action="store_true", help="print one JSON object instead of streaming text")
     parser.add_argument("--timeout", type=float, default=600.0, help="seconds the request may take")
     parser.add_argument("prompt", nargs="?", default="", help="the prompt text")
 
 
+def _token_ids(text: str) -> list[int]:
+    """The ids of --token-ids: comma-separated integers >= 0."""
+    ids = []
+    for word in (w.strip() for w in text.split(",")):
+        if not word:
+            continue
+        try:
+            ids.append(int(word))
+        except ValueError:
+            raise UsageError("--token-ids", text, f"{word!r} is not an integer") from None
+        if ids[-1] < 0:
+            raise UsageError("--token-ids", text, f"{word} is negative: token ids are >= 0")
+    if not ids:
+        raise UsageError("--token-ids", text, "holds no token id")
+    return ids
+
+
+def check_generate_arguments(args: argparse.Namespace) -> None:
+    """Raises UsageError naming the first flag of `generate` that breaks a rule; runs before any stack or
+    connection, so a bad value costs nothing."""
+    from pcpstack.engine.sampling import SamplingParams
+
+    if not args.prompt and not args.token_ids:
+        raise UsageError("PROMPT", args.prompt, "give a PROMPT or --token-ids")
+    if args.token_ids:
+        _token_ids(args.token_ids)
+    if not args.timeout > 0:
+        raise UsageError("--timeout", args.timeout, "must be > 0")
+    if args.system and not args.chat:
+        raise UsageError("--system", args.system, "needs --chat")
+    if args.local:
+        check_stack_arguments(args)
+    params = SamplingParams(
+        max_tokens=args.max_tokens,
+        temperature=args.temperature,
+        top_k=args.top_k,
+        top_p=args.top_p,
+        seed=args.seed,
+        stop=args.stop,
+        ignore_eos=args.ignore_eos,
+    )
+    try:
+        params.validate()
+    except ValueError:
+        # The engine's own rules, reported under the flag the user typed.
+        for name, flag in _SAMPLING_FLAGS.items():
+            try:
+                SamplingParams(**{name: getattr(params, name)}).validate()
+            except ValueError as error:
+                rule = str(error).split(" ", 1)[1]
+                raise UsageError(flag, getattr(params, name), rule) from None
+        raise
+
+
 def _request(args: argparse.Namespace):
     if args.token_ids:
-        prompt: object = [int(t) for t in args.token_ids.split(",") if t.strip()]
+        prompt: object = _token_ids(args.token_ids)
     elif args.chat:
         prompt = [{"role": "system", "content": args.system}] if args.system else []
         prompt.append({"role": "user", "content": args.prompt})  # type: ignore[attr-defined]
@@ -152,16 +289,24 @@ async def _generate(args: argparse.Namespace, target: str) -> int:
 
 def run_generate(args: argparse.Namespace) -> int:
     """Streams one answer from a decode worker, or from an ephemeral local stack."""
-    if not args.prompt and not args.token_ids:
-        print("error: give a PROMPT or --token-ids", file=sys.stderr)
-        return 2
+    try:
+        check_generate_arguments(args)
+    except UsageError as error:
+        return _usage_error("generate", error)
+    printer = ProgressPrinter()
 
     async def main() -> int:
         if args.target:
             return await _generate(args, args.target)
-        async with LocalStack(_stack_options(args), progress=_progress) as stack:
+        async with _local_stack(args, printer) as stack:
+            printer.finish()
             return await _generate(args, stack.decode_addresses[0])
 
     with contextlib.suppress(KeyboardInterrupt):
-        return asyncio.run(main())
+        try:
+            return asyncio.run(main())
+        except RuntimeError as error:
+            printer.finish()
+            print(f"pcpstack generate: {error}", file=sys.stderr, flush=True)
+            return 1
     return 130

@@ -8,7 +8,9 @@ subcommand is used. `bench` runs the checkout's benchmarks (`python -m bench`), 
 from __future__ import annotations
 
 import argparse
+import copy
 import importlib
+import importlib.metadata
 import json
 import subprocess
 import sys
@@ -19,6 +21,43 @@ from pcpstack.common.config import ConfigError, load_config_file, parse_override
 SERVICES = ("registry", "prefill", "decode", "kvstore", "gateway")
 # The source checkout this package was installed from (editable install): bench/ lives there.
 CHECKOUT = Path(__file__).resolve().parent.parent.parent
+
+
+def version() -> str:
+    """The installed pcpstack's version."""
+    try:
+        return importlib.metadata.version("pcpstack")
+    except importlib.metadata.PackageNotFoundError:
+        return "unknown (not installed)"
+
+
+def has_default(action: argparse.Action) -> bool:
+    """Whether an option has a default worth telling (not None, False, an empty string or list)."""
+    if not action.option_strings or action.default is argparse.SUPPRESS:
+        return False
+    return action.default is not None and action.default is not False and action.default not in ("", [])
+
+
+class DefaultsHelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
+    """Every option's help ends with its default, unless the help already says it in its own words."""
+
+    def _get_help_string(self, action: argparse.Action) -> str | None:
+        help_text = action.help or ""
+        if not has_default(action) or "default" in help_text.lower():
+            return help_text
+        return f"{help_text} (default: %(default)s)"
+
+    def _format_action(self, action: argparse.Action) -> str:
+        if not action.help and has_default(action):
+            # argparse prints no help line at all for an option without help; give it its default.
+            action = copy.copy(action)
+            action.help = "(default: %(default)s)"
+        return super()._format_action(action)
+
+
+def add_parser(sub: argparse._SubParsersAction, name: str, **kwargs) -> argparse.ArgumentParser:
+    """A subcommand's parser, with the defaults in its help."""
+    return sub.add_parser(name, formatter_class=DefaultsHelpFormatter, **kwargs)
 
 
 def _module_or_none(name: str):
@@ -64,22 +103,25 @@ def build_parser(argv: list[str]) -> argparse.ArgumentParser:
     """The argument parser. A service's or benchmark's module (and so torch) is imported only when argv
     names it, so `pcpstack serve registry` stays light."""
     wanted = set(argv[:3])
-    parser = argparse.ArgumentParser(prog="pcpstack", description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(
+        prog="pcpstack", description=__doc__.splitlines()[0], formatter_class=DefaultsHelpFormatter
+    )
+    parser.add_argument("--version", action="version", version=f"pcpstack {version()}")
     sub = parser.add_subparsers(dest="command", required=True)
 
-    serve = sub.add_parser("serve", help="run one service in the foreground")
+    serve = add_parser(sub, "serve", help="run one service in the foreground")
     serve_sub = serve.add_subparsers(dest="service", required=True)
     for name in SERVICES:
-        service_parser = serve_sub.add_parser(name, help=f"run the {name} service")
+        service_parser = add_parser(serve_sub, name, help=f"run the {name} service")
         module = _module_or_none(f"pcpstack.{name}.main") if name in wanted else None
         if module is not None:
             module.add_arguments(service_parser)
             service_parser.set_defaults(handler=module.run)
 
-    config = sub.add_parser("config", help="configuration tools")
+    config = add_parser(sub, "config", help="configuration tools")
     config_sub = config.add_subparsers(dest="config_command", required=True)
-    check = config_sub.add_parser(
-        "check", help="validate a seed-style config file and print what it resolves to"
+    check = add_parser(
+        config_sub, "check", help="validate a seed-style config file and print what it resolves to"
     )
     check.add_argument(
         "file", help="JSON file with motor_engine_prefill_config and/or motor_engine_decode_config"
@@ -91,15 +133,15 @@ def build_parser(argv: list[str]) -> argparse.ArgumentParser:
 
     from pcpstack.cli import commands
 
-    up = sub.add_parser(
-        "up", help="start a local stack (registry, kvstore, prefill sets, decode) until Ctrl-C"
+    up = add_parser(
+        sub, "up", help="start a local stack (registry, kvstore, prefill sets, decode) until Ctrl-C"
     )
     commands.add_up_arguments(up)
     up.set_defaults(handler=commands.run_up)
-    generate = sub.add_parser("generate", help="stream one answer from a decode worker or a local stack")
+    generate = add_parser(sub, "generate", help="stream one answer from a decode worker or a local stack")
     commands.add_generate_arguments(generate)
     generate.set_defaults(handler=commands.run_generate)
-    certs = sub.add_parser("certs", help="make a development CA and service certificates for mutual TLS")
+    certs = add_parser(sub, "certs", help="make a development CA and service certificates for mutual TLS")
     if "certs" in wanted:
         from pcpstack.cli import certs as certs_module
 
@@ -109,7 +151,7 @@ def build_parser(argv: list[str]) -> argparse.ArgumentParser:
     for command, module_name in (("status", "pcpstack.cli.status"),):
         module = _module_or_none(module_name)
         if module is not None:
-            command_parser = sub.add_parser(command, help=(module.__doc__ or command).splitlines()[0])
+            command_parser = add_parser(sub, command, help=(module.__doc__ or command).splitlines()[0])
             module.add_arguments(command_parser)
             command_parser.set_defaults(handler=module.run)
 

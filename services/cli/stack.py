@@ -19,6 +19,7 @@ import subprocess
 import tempfile
 import time
 import urllib.request
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -29,12 +30,26 @@ from pcpstack.common.channel import open_channel
 from pcpstack.common.config import served_model_name
 from pcpstack.v1 import registry_pb2, registry_pb2_grpc
 
+WILDCARD_HOSTS = ("0.0.0.0", "::", "")
+
 
 def free_port(host: str = "127.0.0.1") -> int:
     """A TCP port that was free a moment ago."""
     with socket.socket() as s:
         s.bind((host, 0))
         return s.getsockname()[1]
+
+
+def port_is_free(host: str, port: int) -> bool:
+    """Whether a TCP server could bind host:port now."""
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    with socket.socket(family) as s:
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as the gateway's server binds
+        try:
+            s.bind((host, port))
+        except OSError:
+            return False
+    return True
 
 
 @dataclass
@@ -53,7 +68,13 @@ class StackOptions:
     ready_timeout_s: float = 900.0
     trace_file: str | None = None
     gateway: bool = True
+    # Where the OpenAI gateway listens; port 0: any free port.
+    gateway_host: str = "127.0.0.1"
+    gateway_port: int = 0
     log_dir: str | None = None
+    # Every gRPC service serves Prometheus metrics on a loopback port of its own (the gateway always does,
+    # on its own /metrics).
+    metrics: bool = False
     extra_env: dict[str, str] = field(default_factory=dict)
 
 
@@ -65,6 +86,10 @@ class Service:
     address: str
     process: subprocess.Popen
     log_path: Path
+    # Where Prometheus scrapes it (http://HOST:PORT/metrics); empty: it serves no metrics.
+    metrics_url: str = ""
+    # How far progress_lines has read the log.
+    log_offset: int = 0
 
     def tail(self, lines: int = 20) -> str:
         """The end of the process's log, for error messages."""
@@ -72,14 +97,42 @@ class Service:
             return "\n".join(self.log_path.read_text(errors="replace").splitlines()[-lines:])
         return ""
 
+    def progress_lines(self) -> list[str]:
+        """The progress messages (log records with a `progress` field: model loading, kernel building)
+        the service logged since the last call."""
+        try:
+            with self.log_path.open("rb") as log:
+                log.seek(self.log_offset)
+                chunk = log.read()
+        except OSError:
+            return []
+        complete = chunk[: chunk.rfind(b"\n") + 1]  # a line still being written is read next time
+        self.log_offset += len(complete)
+        messages = []
+        for line in complete.decode(errors="replace").splitlines():
+            with contextlib.suppress(ValueError):
+                record = json.loads(line)
+                if isinstance(record, dict) and "progress" in record:
+                    messages.append(str(record.get("message", "")))
+        return messages
+
 
 class LocalStack:
     """Starts and stops a local stack; use as an async context manager."""
 
-    def __init__(self, options: StackOptions, progress=print) -> None:
+    def __init__(
+        self,
+        options: StackOptions,
+        progress: Callable[[str], object] = print,
+        state: Callable[[float, int, int, str], object] | None = None,
+    ) -> None:
+        """progress gets each step as a line; state, when given, gets the waiting state (elapsed seconds,
+        parts ready, parts in all, words) at every poll, otherwise progress gets it when it changes and
+        every 10 s."""
         self.options = options
         self.services: list[Service] = []
         self._progress = progress
+        self._state = state
         self._log_dir = Path(options.log_dir or tempfile.mkdtemp(prefix="pcpstack-"))
         self._log_dir.mkdir(parents=True, exist_ok=True)
         self.registry_address = ""
@@ -87,14 +140,31 @@ class LocalStack:
         self.decode_addresses: list[str] = []
         self.gateway_url = ""
 
+    @property
+    def log_dir(self) -> Path:
+        """The folder that keeps every service's log (NAME.log); it stays after the stack stops."""
+        return self._log_dir
+
+    @property
+    def metrics_urls(self) -> dict[str, str]:
+        """Service name -> its Prometheus metrics URL, for the services that serve metrics."""
+        return {s.name: s.metrics_url for s in self.services if s.metrics_url}
+
     def _env(self) -> dict[str, str]:
         return child_env(trace_file=self.options.trace_file or None, extra=self.options.extra_env)
 
     def _spawn(self, name: str, address: str, service_name: str, args: list[str]) -> Service:
         """Starts `pcpstack serve SERVICE_NAME ARGS` as the stack's process `name`, in its own session."""
         log_path = self._log_dir / f"{name}.log"
+        metrics_url = ""
+        if service_name == "gateway":
+            metrics_url = f"http://{address}/metrics"
+        elif self.options.metrics:
+            metrics_address = f"127.0.0.1:{free_port()}"
+            args = [*args, "--metrics", metrics_address]
+            metrics_url = f"http://{metrics_address}/metrics"
         process = spawn_service(service_name, args, log=log_path, env=self._env(), start_new_session=True)
-        service = Service(name, address, process, log_path)
+        service = Service(name, address, process, log_path, metrics_url=metrics_url)
         self.services.append(service)
         return service
 
@@ -125,6 +195,12 @@ class LocalStack:
         problem = local_stack_certificate_problem(self._env())
         if problem is not None:
             raise RuntimeError(problem)  # refused up front: the stack would say ready and serve nothing
+        if o.gateway and o.gateway_port and not port_is_free(o.gateway_host, o.gateway_port):
+            # Refused before anything starts, rather than after the models loaded.
+            raise RuntimeError(
+                f"--gateway-port {o.gateway_port} on {o.gateway_host} is in use: stop what listens there, "
+                "or pass --gateway-port 0 for any free port"
+            )
         port = free_port()
         self.registry_address = f"127.0.0.1:{port}"
         self._spawn(
@@ -198,13 +274,17 @@ class LocalStack:
                 args += ["--threads", str(o.decode_threads)]
             self._spawn(f"decode-{index}", address, "decode", args)
         if o.gateway:
-            port = free_port()
-            self.gateway_url = f"http://127.0.0.1:{port}"
+            port = o.gateway_port or free_port(o.gateway_host)
+            # A wildcard bind is reached (and probed) on loopback.
+            reach = "127.0.0.1" if o.gateway_host in WILDCARD_HOSTS else o.gateway_host
+            self.gateway_url = f"http://{reach}:{port}"
             self._spawn(
                 "gateway",
-                f"127.0.0.1:{port}",
+                f"{reach}:{port}",
                 "gateway",
                 [
+                    "--host",
+                    o.gateway_host,
                     "--port",
                     str(port),
                     "--registry",
@@ -219,9 +299,24 @@ class LocalStack:
         )
         await self._wait_ready(started)
 
+    def _report_service_progress(self) -> None:
+        for service in self.services:
+            for message in service.progress_lines():
+                self._progress(f"{service.name}: {message}")
+
+    def _report_state(self, elapsed: float, done: int, total: int, what: str) -> None:
+        if self._state is not None:
+            self._state(elapsed, done, total, what)
+            return
+        # Without a state callback: report changes at once, and a reminder every 10 s of waiting.
+        if what != self._last_state or elapsed - self._last_state_at >= 10:
+            self._progress(f"  ... {elapsed:5.1f} s: {what}")
+            self._last_state, self._last_state_at = what, elapsed
+
     async def _wait_ready(self, started: float) -> None:
         o = self.options
-        last_state, last_report_at = "", 0.0
+        self._last_state, self._last_state_at = "", 0.0
+        total = 2 + o.prefill_sets + o.decode + (1 if o.gateway else 0)
         # The services' security comes from the environment (extra_env may turn on TLS and the token).
         channel = open_channel(
             self.registry_address, default_deadline=2.0, security=security.from_env(self._env())
@@ -229,6 +324,7 @@ class LocalStack:
         try:
             stub = registry_pb2_grpc.RegistryServiceStub(channel)
             while True:
+                self._report_service_progress()
                 for service in self.services:
                     if service.process.poll() is not None:
                         raise RuntimeError(
@@ -244,22 +340,24 @@ class LocalStack:
                 ready_sets = len(answer.prefill_sets) if answer else 0
                 decoders = len(answer.decode) if answer else 0
                 stores = len(answer.kvstore) if answer else 0
+                gateway_up = await self._gateway_healthy() if o.gateway else False
                 state = (
                     f"registry {'up' if answer else 'starting'}, {ready_sets}/{o.prefill_sets} prefill sets "
-                    f"ready, {decoders}/{o.decode} decode workers, {stores}/1 KV stores (models loading)"
+                    f"ready, {decoders}/{o.decode} decode workers, {stores}/1 KV stores"
+                    + (f", gateway {'up' if gateway_up else 'starting'}" if o.gateway else "")
                 )
-                if (
-                    ready_sets >= o.prefill_sets
-                    and decoders >= o.decode
-                    and stores >= 1
-                    and await self._gateway_healthy()
-                ):
+                done = (
+                    (1 if answer else 0)
+                    + min(ready_sets, o.prefill_sets)
+                    + min(decoders, o.decode)
+                    + min(stores, 1)
+                    + (1 if gateway_up else 0)
+                )
+                if done >= total:
+                    self._report_service_progress()
                     self._progress(f"stack ready in {elapsed:.1f} s")
                     return
-                # Report changes at once, and a reminder every 10 s that it is still waiting.
-                if state != last_state or elapsed - last_report_at >= 10:
-                    self._progress(f"  ... {elapsed:5.1f} s: {state}")
-                    last_state, last_report_at = state, elapsed
+                self._report_state(elapsed, done, total, state)
                 await asyncio.sleep(0.5)
         finally:
             await channel.close()

@@ -16,6 +16,7 @@ import platform
 import shutil
 import subprocess
 import tempfile
+import time
 from pathlib import Path
 
 import torch
@@ -102,8 +103,11 @@ def library() -> ctypes.CDLL | None:
     try:
         path = _library_path(compiler)
         if not path.exists():
-            log.info("building CPU kernels with %s into %s", compiler, path)
+            # `progress`: a local stack relays these to its user (a first build takes a while).
+            started = time.monotonic()
+            log.info("building CPU kernels with %s into %s", compiler, path, extra={"progress": "kernels"})
             _build(compiler, path)
+            log.info("CPU kernels built in %.1f s", time.monotonic() - started, extra={"progress": "kernels"})
         lib = ctypes.CDLL(str(path))
     except (OSError, subprocess.SubprocessError) as error:
         detail = getattr(error, "stderr", "") or error
