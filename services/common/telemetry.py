@@ -2,7 +2,8 @@
 
 `setup_telemetry` must run before any gRPC server or channel is created, because the gRPC
 instrumentation works by wrapping the constructors. Exporters:
-- OTLP (gRPC) when OTEL_EXPORTER_OTLP_ENDPOINT is set, the standard OpenTelemetry variable;
+- OTLP (gRPC) when OTEL_EXPORTER_OTLP_ENDPOINT is set, the standard OpenTelemetry variable (metrics
+  too unless OTEL_METRICS_EXPORTER=none);
 - a JSON-lines span file when PCPSTACK_TRACE_FILE is set, which tests use to collect the spans of
   several processes without running a collector;
 - Prometheus text at http://HOST:PORT/metrics when a service runs with --metrics HOST:PORT (the gateway
@@ -56,6 +57,8 @@ LATENCY_BUCKETS_S = (
     1.0, 2.5, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0, 160.0, 320.0, 640.0,
 )  # fmt: skip
 OTLP_ENV = "OTEL_EXPORTER_OTLP_ENDPOINT"
+# The standard switch for metric exporters; "none" keeps metrics off OTLP (compose: Prometheus scrapes).
+METRICS_EXPORTER_ENV = "OTEL_METRICS_EXPORTER"
 
 _lock = threading.Lock()
 _service: str | None = None
@@ -189,7 +192,8 @@ def setup_telemetry(
             from opentelemetry.exporter.otlp.proto.grpc.trace_exporter import OTLPSpanExporter
 
             provider.add_span_processor(BatchSpanProcessor(OTLPSpanExporter()))
-            readers.append(PeriodicExportingMetricReader(OTLPMetricExporter()))
+            if os.environ.get(METRICS_EXPORTER_ENV, "otlp").strip().lower() != "none":
+                readers.append(PeriodicExportingMetricReader(OTLPMetricExporter()))
         if trace_file := os.environ.get(TRACE_FILE_ENV):
             # Simple (synchronous) so that a process killed right after a request still wrote its spans.
             provider.add_span_processor(SimpleSpanProcessor(JsonLinesSpanExporter(trace_file)))

@@ -1,4 +1,5 @@
-"""A service started with --metrics serves its OpenTelemetry metrics for Prometheus to scrape."""
+"""A service started with --metrics serves its OpenTelemetry metrics for Prometheus to scrape, named
+under `pcpstack:`."""
 
 from __future__ import annotations
 
@@ -56,10 +57,10 @@ def test_kvstore_metrics_are_scrapeable_and_count_bytes(child_env) -> None:
 
         asyncio.run(put())
         text = scrape(f"http://127.0.0.1:{metrics_port}/metrics")
-        match = re.search(r"^pcpstack_kvstore_bytes_in\S*\s+(\S+)$", text, re.MULTILINE)
+        match = re.search(r"^pcpstack:kvstore_bytes_in\S*\s+(\S+)$", text, re.MULTILINE)
         assert match, text[:2000]
         assert float(match.group(1)) >= 4096
-        assert re.search(r"^pcpstack_kvstore_pinned_bytes\S*\s+4096", text, re.MULTILINE)
+        assert re.search(r"^pcpstack:kvstore_pinned_bytes\S*\s+4096", text, re.MULTILINE)
     finally:
         proc.terminate()
         proc.wait(timeout=15)

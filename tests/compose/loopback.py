@@ -2,9 +2,10 @@
 
 Compose gives every service a host named after it. Here each service gets its own 127.a.b.c address
 instead (a, b random per run, so concurrent runs on a shared machine never meet) and its declared
-`command` is rewritten: `0.0.0.0` becomes the service's own address, a service name given to --host or
---advertise and every `name:port` become the mapped address, and a bind-mounted container path becomes
-the file in compose/. The image's entry point `pcpstack` becomes `python -m pcpstack.cli`.
+`command` is rewritten: `0.0.0.0` (alone or in `0.0.0.0:port`) becomes the service's own address, a
+service name given to --host or --advertise and every `name:port` become the mapped address, and a
+bind-mounted container path becomes the file in compose/. The image's entry point `pcpstack` becomes
+`python -m pcpstack.cli`.
 """
 
 from __future__ import annotations
@@ -100,6 +101,8 @@ def local_command(name: str, service: dict[str, Any], hosts: dict[str, str]) -> 
         host, sep, port = arg.rpartition(":")
         if sep and host in hosts and port.isdigit():
             return f"{hosts[host]}:{port}"
+        if sep and host == "0.0.0.0" and port.isdigit():  # a wildcard HOST:PORT, such as --metrics's
+            return f"{hosts[name]}:{port}"
         for target, source in mounts.items():
             if arg == target or arg.startswith(target + "/"):
                 return str(source) + arg[len(target) :]

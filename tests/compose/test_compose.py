@@ -49,7 +49,14 @@ from tests.compose.loopback import (
 )
 
 PCPSTACK_SERVICES = ("registry", "kvstore", "prefill-0", "prefill-1", "decode", "gateway")
-IMAGE_SERVICES = ("otel-collector", "jaeger")
+IMAGE_SERVICES = ("otel-collector", "jaeger", "prometheus", "grafana")
+# What each service's metrics show once a request went through (a headless prefill node may show none).
+SCRAPED_METRIC = {
+    "registry": "pcpstack:pcp_sets",
+    "kvstore": "pcpstack:kvstore_pinned_bytes",
+    "decode": "pcpstack:request_success_total",
+    "gateway": "pcpstack:gateway_requests_total",
+}
 MAX_TOKENS = 8
 
 
@@ -77,6 +84,42 @@ def test_compose_file_declares_the_stack_of_issue_7(compose: dict[str, Any]) -> 
     assert compose["services"]["jaeger"]["image"].startswith("jaegertracing/")
     collector = compose["services"]["otel-collector"]
     assert "jaeger:4317" in bind_mounts(collector)["/etc/otelcol/config.yaml"].read_text()
+
+
+def prometheus_targets() -> dict[str, str]:
+    """The `service` label -> HOST:PORT of each target compose/prometheus.yml scrapes."""
+    config = load_compose(COMPOSE_DIR / "prometheus.yml")
+    return {
+        group["labels"]["service"]: target
+        for job in config["scrape_configs"]
+        for group in job["static_configs"]
+        for target in group["targets"]
+    }
+
+
+def test_prometheus_scrapes_every_pcpstack_service_where_it_serves_metrics(compose: dict[str, Any]) -> None:
+    prometheus = compose["services"]["prometheus"]
+    assert bind_mounts(prometheus)["/etc/prometheus/prometheus.yml"] == COMPOSE_DIR / "prometheus.yml"
+    targets = prometheus_targets()
+    assert set(targets) == set(PCPSTACK_SERVICES)
+    for name, target in targets.items():
+        argv = command(compose["services"][name])
+        # The gateway serves /metrics on its HTTP port; the gRPC services on --metrics.
+        served = f"0.0.0.0:{option(argv, '--port')}" if name == "gateway" else option(argv, "--metrics")
+        assert target == f"{name}:{served.rsplit(':', 1)[1]}" and served.startswith("0.0.0.0:")
+    # Prometheus scrapes them, so no service also pushes its metrics to the collector.
+    assert environment(compose["services"]["decode"]).get("OTEL_METRICS_EXPORTER") == "none"
+
+
+def test_grafana_provisions_prometheus_and_a_dashboard_that_queries_it(compose: dict[str, Any]) -> None:
+    mounts = bind_mounts(compose["services"]["grafana"])
+    provisioning = mounts["/etc/grafana/provisioning"]
+    (source,) = load_compose(provisioning / "datasources" / "prometheus.yml")["datasources"]
+    assert source["type"] == "prometheus" and source["url"] == "http://prometheus:9090"
+    (provider,) = load_compose(provisioning / "dashboards" / "pcpstack.yml")["providers"]
+    dashboard = json.loads((mounts[provider["options"]["path"]] / "pcpstack.json").read_text())
+    targets = [target for panel in dashboard["panels"] for target in panel["targets"]]
+    assert targets and {target["datasource"]["uid"] for target in targets} == {source["uid"]}
 
 
 @pytest.mark.parametrize("name", PCPSTACK_SERVICES)
@@ -199,9 +242,21 @@ def test_declared_commands_serve_a_request_through_a_cross_host_pcp_set(
             }
             completion = await asyncio.to_thread(complete_through_gateway, by_name["gateway"].address)
             assert completion["usage"]["completion_tokens"] == MAX_TOKENS
+            # What Prometheus would scrape, at each target of prometheus.yml mapped to loopback.
+            for name, target in prometheus_targets().items():
+                url = f"http://{by_name[name].host}:{target.rsplit(':', 1)[1]}/metrics"
+                text = await asyncio.to_thread(scrape_metrics, url)
+                assert SCRAPED_METRIC.get(name, "") in text, f"{name}: {text[:500]}"
 
     asyncio.run(scenario())
     assert leftover_groups(stack, grace_s=5.0) == []
+
+
+def scrape_metrics(url: str) -> str:
+    """The Prometheus text at url (fails on any HTTP error)."""
+    with urllib.request.urlopen(url, timeout=10) as response:
+        assert response.status == 200
+        return response.read().decode()
 
 
 def leftover_groups(stack: ComposeStack, grace_s: float) -> list[str]:
