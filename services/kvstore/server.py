@@ -24,7 +24,14 @@ from pcpstack.common.server import RunningServer, ServerOptions, start_server
 from pcpstack.common.telemetry import meter
 from pcpstack.kvstore.errors import CapacityExceeded, InvalidArgument
 from pcpstack.kvstore.shm import Segment, SegmentStore
-from pcpstack.kvstore.store import DEFAULT_MAX_LEASE_MS, KvStore, PendingPut, StoreConfig, StoredObject
+from pcpstack.kvstore.store import (
+    DEFAULT_MAX_LEASE_MS,
+    KvStore,
+    PendingPut,
+    StoreConfig,
+    StoredObject,
+    StoreStats,
+)
 from pcpstack.kvstore.stream import DEFAULT_CHUNK_BYTES, ChunkReceiver, ChunkSender, verify_object
 from pcpstack.kvstore.wire import SERVICE_NAME, serialize
 from pcpstack.v1 import kvstore_pb2 as pb
@@ -284,6 +291,13 @@ def _register_metrics(store: KvStore, segments: SegmentStore) -> None:
     ):
         m.create_observable_gauge(f"pcpstack.kvstore.{field}", [gauge(field)], unit, description)
     m.create_observable_gauge(
+        "pcpstack.kvstore.cached_bytes",
+        # Released objects stay until evicted, so a get of a retried key can still hit them.
+        [lambda _: [Observation(_cached_bytes(store.stats()))]],
+        "By",
+        "bytes held by committed objects nobody has pinned (released, kept until evicted)",
+    )
+    m.create_observable_gauge(
         "pcpstack.kvstore.pooled_bytes",
         [lambda _: [Observation(segments.pooled_bytes)]],
         "By",
@@ -298,6 +312,11 @@ def _register_metrics(store: KvStore, segments: SegmentStore) -> None:
         ("bytes_out", "By", "bytes sent by gets"),
     ):
         m.create_observable_counter(f"pcpstack.kvstore.{field}", [gauge(field)], unit, description)
+
+
+def _cached_bytes(stats: StoreStats) -> int:
+    """Committed bytes that are not pinned."""
+    return stats.bytes - stats.pinned_bytes
 
 
 class KvStoreServer:

@@ -19,7 +19,7 @@ from opentelemetry.propagate import inject
 from pcpstack.common.errors import DeadlineExceeded, FailedPrecondition, Unavailable
 from pcpstack.common.ids import check_request_id
 from pcpstack.common.logs import request_id_var
-from pcpstack.common.telemetry import meter, tracer
+from pcpstack.common.telemetry import latency_histogram, meter, tracer
 from pcpstack.engine.prompt import check_prompt
 from pcpstack.kvstore.client import KvStoreClient
 from pcpstack.prefill.errors import StoreNotListed
@@ -33,7 +33,10 @@ SERVICE_NAME = prefill_pb2.DESCRIPTOR.services_by_name["PrefillService"].full_na
 _tracer = tracer(__name__)
 _meter = meter("pcpstack.prefill")
 _requests = _meter.create_counter("pcpstack.prefill.requests", description="Prefill requests by outcome")
-_forward = _meter.create_histogram("pcpstack.prefill.forward", unit="s", description="prefill forward time")
+_forward = latency_histogram(
+    _meter, "pcpstack.prefill_forward_time", "seconds of the set's forward pass (its slowest rank)"
+)
+_push = latency_histogram(_meter, "pcpstack.kv_push_time", "seconds to push the KV replica to the store")
 
 
 class PrefillServicer(prefill_pb2_grpc.PrefillServiceServicer):
@@ -139,6 +142,7 @@ class PrefillServicer(prefill_pb2_grpc.PrefillServiceServicer):
             raise error
         _requests.add(1, {"outcome": "ok"})
         _forward.record(outcome.forward_seconds)
+        _push.record(outcome.push_seconds)
         return self._reply(job, running.assignment, outcome)
 
     def _reply(self, job: PrefillJob, assignment, outcome: PrefillOutcome) -> prefill_pb2.PrefillResponse:
@@ -146,6 +150,7 @@ class PrefillServicer(prefill_pb2_grpc.PrefillServiceServicer):
         return prefill_pb2.PrefillResponse(
             request_id=job.request_id,
             first_token_id=outcome.first_token_id,
+            first_token_logprobs=outcome.first_token_logprobs_wire(),
             kv=common_pb2.KvHandle(
                 key=outcome.kv_key,
                 fingerprint=self.info.fingerprint,

@@ -16,11 +16,13 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 
 import grpc
+from opentelemetry.metrics import Observation
 
 from pcpstack.common import security
 from pcpstack.common.config import ConfigError
 from pcpstack.common.errors import FailedPrecondition, InvalidArgument, PermissionDenied, ServiceError
 from pcpstack.common.server import RunningServer, ServerOptions, start_server
+from pcpstack.common.telemetry import meter
 from pcpstack.registry import convert
 from pcpstack.registry.mailboxes import Mailboxes, Queue
 from pcpstack.registry.membership import (
@@ -31,6 +33,7 @@ from pcpstack.registry.membership import (
     NodeIdInUse,
     Outgoing,
     Registration,
+    SetState,
     Settings,
     Stop,
     split_host_port,
@@ -73,6 +76,23 @@ class RegistryServicer(registry_pb2_grpc.RegistryServiceServicer):
         self._mailboxes = Mailboxes()
         self._snapshot_path = snapshot_path
         self._dirty = False
+        # PCP sets by state, counted on the event loop that owns the core (not thread-safe) at every tick
+        # and read by the metrics exporter's thread.
+        self._sets_by_state: dict[str, int] = {state.value: 0 for state in SetState}
+        meter("pcpstack.registry").create_observable_gauge(
+            "pcpstack.pcp_sets",
+            callbacks=[self._observe_sets],
+            description="PCP sets by state (starting, ready, broken)",
+        )
+
+    def _observe_sets(self, _: object) -> list[Observation]:
+        return [Observation(count, {"state": state}) for state, count in self._sets_by_state.items()]
+
+    def _count_sets(self) -> None:
+        counts = {state.value: 0 for state in SetState}
+        for view in self._membership.sets():
+            counts[view.state.value] += 1
+        self._sets_by_state = counts  # one assignment: the exporter never sees a half-counted dict
 
     def deliver(self, out: Outgoing) -> None:
         """Posts commands to mailboxes and logs what a reader of the logs wants to know."""
@@ -238,6 +258,7 @@ class RegistryServicer(registry_pb2_grpc.RegistryServiceServicer):
         while True:
             await asyncio.sleep(interval)
             self.deliver(self._membership.tick(self._clock()))
+            self._count_sets()
             if self._dirty and self._snapshot_path is not None:
                 self._dirty = False
                 write_snapshot(self._snapshot_path, self._membership.snapshot())
