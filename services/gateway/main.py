@@ -1,23 +1,32 @@
 """Run the gateway: `pcpstack serve gateway (--decode HOST:PORT ... | --registry HOST:PORT) [--port 8000]`.
 
-An OpenAI-compatible HTTP server (/v1/completions, /v1/chat/completions, /v1/models, /health, /metrics) that
-translates each request to Decode.Generate on a decode worker: a fixed list given with --decode, or the live
-workers the registry names.
+An OpenAI-compatible HTTP server (/v1/completions, /v1/chat/completions, /v1/models, /tokenize, /detokenize,
+/version, /health, /metrics) that translates each request to Decode.Generate on a decode worker: a fixed
+list given with --decode, or the live workers the registry names. --api-key (or --api-key-file) requires
+`Authorization: Bearer <key>` on every route but /health, /metrics and /version. With TLS configured (the
+shared --tls-ca/--tls-cert/--tls-key, or their environment variables) the gateway serves HTTPS with its
+certificate, the one it also presents to decode; --allowed-origins lets browsers on those origins call it
+(CORS).
 """
 
 from __future__ import annotations
 
 import argparse
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from pathlib import Path
 
+from pcpstack.common import security
 from pcpstack.common.config import (
     DEFAULT_MODEL_NAME,
     ConfigError,
     check_address,
+    check_model_source,
     check_port,
     check_positive,
 )
 from pcpstack.common.startup import Serving, add_process_arguments, config_from_args, run_service
+
+TINY = "tiny"
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -44,6 +53,32 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--request-timeout", type=float, default=600.0, help="seconds one request may take (default 600)"
     )
+    parser.add_argument(
+        "--tokenizer",
+        default=None,
+        metavar="MODEL",
+        help="the model whose tokenizer /tokenize and /detokenize use: a .gguf, a Hugging Face folder or "
+        "'tiny' (default: the embedded model when --model-name is its name, 'tiny' when it is 'tiny', else "
+        "none and those endpoints answer 501)",
+    )
+    key = parser.add_mutually_exclusive_group()
+    key.add_argument(
+        "--api-key",
+        default="",
+        help="require 'Authorization: Bearer KEY' on every route but /health, /metrics and /version "
+        "(default: none; prefer --api-key-file, a flag is visible to other local users)",
+    )
+    key.add_argument(
+        "--api-key-file", default="", metavar="PATH", help="read the API key from this file (default: none)"
+    )
+    parser.add_argument(
+        "--allowed-origins",
+        action="append",
+        default=[],
+        metavar="ORIGIN",
+        help="a browser origin allowed to call the API (CORS; repeatable or comma-separated; '*' for any; "
+        "default: none)",
+    )
 
 
 def decode_addresses(values: list[str]) -> list[str]:
@@ -61,6 +96,10 @@ class GatewayConfig:
     port: int = 8000
     model_name: str = DEFAULT_MODEL_NAME
     request_timeout: float = 600.0
+    tokenizer: str | None = None
+    api_key: str = field(default="", repr=False)
+    api_key_file: str = ""
+    allowed_origins: tuple[str, ...] = ()
 
     def __post_init__(self) -> None:
         if not self.decode and not self.registry:
@@ -76,29 +115,79 @@ class GatewayConfig:
         if not self.model_name.strip():
             raise ConfigError.broken("--model-name", self.model_name, "must not be empty")
         check_positive("--request-timeout", self.request_timeout)
+        if self.tokenizer is not None and self.tokenizer != TINY:
+            check_model_source("--tokenizer", self.tokenizer)
+        if self.api_key and self.api_key_file:
+            raise ConfigError(
+                "--api-key and --api-key-file are both given: give one",
+                ("--api-key", "--api-key-file"),
+                "at most one",
+            )
+        if self.api_key_file:
+            read_api_key(self.api_key_file)
+
+    def key(self) -> str:
+        """The API key ("" for none)."""
+        return read_api_key(self.api_key_file) if self.api_key_file else self.api_key
+
+    def tokenizer_source(self) -> str | None:
+        """--tokenizer, or the model --model-name names when the gateway can find it by itself ("" is the
+        embedded default model); None when there is none."""
+        if self.tokenizer is not None:
+            return self.tokenizer
+        return {TINY: TINY, DEFAULT_MODEL_NAME: ""}.get(self.model_name)
 
     @classmethod
     def from_args(cls, args: argparse.Namespace) -> GatewayConfig:
         """The config the flags describe."""
-        return config_from_args(cls, args, decode=tuple(decode_addresses(args.decode)))
+        return config_from_args(
+            cls,
+            args,
+            decode=tuple(decode_addresses(args.decode)),
+            allowed_origins=tuple(decode_addresses(args.allowed_origins)),
+        )
+
+
+def read_api_key(path: str) -> str:
+    """The key in an --api-key-file (surrounding whitespace dropped); ConfigError when it is unreadable or
+    empty."""
+    try:
+        key = Path(path).read_text().strip()
+    except (OSError, UnicodeDecodeError) as exc:
+        raise ConfigError.broken("--api-key-file", path, f"cannot be read ({exc})") from None
+    if not key:
+        raise ConfigError.broken("--api-key-file", path, "holds no key")
+    return key
 
 
 async def start(config: GatewayConfig) -> Serving:
     """Starts the HTTP server; draining lets running requests finish and closes the decode pool."""
     from aiohttp import web
 
+    from pcpstack.gateway.http_security import HttpSecurity, server_ssl_context
     from pcpstack.gateway.server import GatewaySettings, create_app
     from pcpstack.gateway.upstream import DecodePool
 
     pool = DecodePool(list(config.decode), config.registry)
-    app = create_app(pool, GatewaySettings(config.model_name, config.request_timeout))
+    http = HttpSecurity(api_key=config.key(), cors_origins=config.allowed_origins)
+    settings = GatewaySettings(config.model_name, config.request_timeout, config.tokenizer_source(), http)
+    app = create_app(pool, settings)
     # handler_cancellation: a client that hangs up cancels its handler, and so its decode request.
     runner = web.AppRunner(app, access_log=None, handler_cancellation=True)
     await runner.setup()
-    site = web.TCPSite(runner, config.host, config.port)
+    # The service's own certificate (--tls-cert/--tls-key, checked with the rest of its TLS material at
+    # start-up) serves HTTPS too; HTTP clients are not asked for a certificate: the API key is their proof.
+    process = security.current()
+    tls = (
+        server_ssl_context(process.settings.cert_file, process.settings.key_file)
+        if process.tls is not None
+        else None
+    )
+    site = web.TCPSite(runner, config.host, config.port, ssl_context=tls)
     await site.start()
     port = runner.addresses[0][1]
-    print(f"gateway listening on http://{config.host}:{port}/v1 (model {config.model_name})", flush=True)
+    scheme = "https" if tls else "http"
+    print(f"gateway listening on {scheme}://{config.host}:{port}/v1 (model {config.model_name})", flush=True)
     return Serving(runner.cleanup)
 
 

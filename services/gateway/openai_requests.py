@@ -1,12 +1,19 @@
-"""OpenAI request bodies -> GenerateRequest: OpenAI and vLLM parameter conventions, defaults and checks.
+"""OpenAI request bodies -> GenerateRequest: the request shapes as pydantic models, OpenAI and vLLM parameter
+conventions, defaults and checks.
 
 `load_body` turns the raw body into JSON values every later step can trust: valid Unicode (a lone UTF-16
 surrogate such as "\\ud800" is legal JSON but cannot be encoded into a protobuf string), finite numbers, and
 at most MAX_JSON_DEPTH levels of nesting (Python's JSON decoder recurses, so a deep body would exhaust the
-stack). Checked after that: what the JSON shape and the wire form need (types, n=1, the prompt's form,
-unsigned fields, top_p > 0 because the wire reads 0 as "disabled", parameters this server cannot honour).
-Value rules the engine owns (temperature >= 0, the context length, ...) are left to the decode worker,
-whose message the gateway passes on with the parameter it names.
+stack). The models then check what the JSON shape and the wire form need: types (strictly: `true` is not a
+number), ranges, the prompt's form, unsigned fields, top_p > 0 because the wire reads 0 as "disabled".
+Every field of a body must be one the models know: a parameter this server cannot honour (tools,
+response_format, ...) is refused with a 400 naming it rather than silently ignored. A validation failure
+becomes an OpenAI-style 400 whose `param` is the top-level field. Value rules the engine owns (the context
+length, token ids below the vocabulary size, ...) are left to the decode worker, whose message the gateway
+passes on with the parameter it names.
+
+`n` > 1 asks for independent samples: sample i is its own Generate call, and with a seed it uses seed + i,
+so a request with a seed gives the same n answers each time while its samples still differ.
 """
 
 from __future__ import annotations
@@ -14,7 +21,9 @@ from __future__ import annotations
 import json
 import math
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Annotated, Any, Literal, TypeVar
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from pcpstack.decode.client import build_request
 from pcpstack.gateway.errors import ApiError, bad_request
@@ -25,62 +34,244 @@ COMPLETION_DEFAULT_MAX_TOKENS = 16
 # The gateway has no tokenizer, so "the rest of the context" (vLLM's chat default) is unknown here; a prompt
 # whose length plus this exceeds the context is refused by decode with a message naming max_tokens.
 CHAT_DEFAULT_MAX_TOKENS = 256
+# More samples than this in one request is refused: each is a Generate call (OpenAI allows up to 128).
+MAX_N = 128
+# OpenAI's limits on alternatives per token.
+MAX_TOP_LOGPROBS = 20
 _UINT32 = 2**32
 _SEED_LIMIT = 2**63
-# Parameters this server cannot honour, and the values that mean "not used" (None always does).
+# Known parameters this server cannot honour, and the values that mean "not used" (None always does).
 _UNSUPPORTED: dict[str, tuple[object, ...]] = {
     "best_of": (1,),
     "echo": (False,),
     "suffix": ("",),
-    "presence_penalty": (0, 0.0),
-    "frequency_penalty": (0, 0.0),
-    "repetition_penalty": (1, 1.0),
-    "logit_bias": ({},),
     "tools": ([],),
     "functions": ([],),
     "tool_choice": ("none",),
+    "function_call": ("none",),
+    "parallel_tool_calls": (),
     "response_format": ({"type": "text"},),
+    "guided_json": (),
+    "guided_regex": (),
+    "guided_choice": (),
+    "guided_grammar": (),
+    "use_beam_search": (False,),
+    "prompt_logprobs": (0,),
+    "modalities": (["text"],),
+    "audio": (),
+    "prediction": (),
+    "reasoning_effort": (),
+    "web_search_options": (),
 }
 _CHAT_ROLES = {"developer": "system"}  # OpenAI's newer name for the system role
 # An OpenAI body nests a handful of levels (messages -> content parts); anything near this is an attack.
 MAX_JSON_DEPTH = 32
 
+_M = TypeVar("_M", bound=BaseModel)
+_T = TypeVar("_T")
+TokenId = Annotated[int, Field(ge=0, lt=_UINT32)]
+
+
+class StrictModel(BaseModel):
+    """Unknown fields are refused, and JSON types are taken as they are (no "1" for 1, no true for 1)."""
+
+    model_config = ConfigDict(extra="forbid", strict=True)
+
+
+class StreamOptions(StrictModel):
+    """stream_options: whether a last chunk carries the usage."""
+
+    include_usage: bool | None = None
+
+
+class _Sampling(StrictModel):
+    """The parameters both generation endpoints share (OpenAI's, and vLLM's extras)."""
+
+    model: str | None = None
+    n: int | None = Field(None, ge=1, le=MAX_N)
+    temperature: float | None = Field(None, ge=0)
+    top_p: float | None = Field(None, gt=0, le=1)
+    top_k: int | None = Field(None, ge=-1, lt=_UINT32)
+    min_p: float | None = Field(None, ge=0, le=1)
+    seed: int | None = Field(None, ge=0, lt=_SEED_LIMIT)
+    stop: str | list[str] | None = None
+    stop_token_ids: list[TokenId] | None = None
+    ignore_eos: bool | None = None
+    min_tokens: int | None = Field(None, ge=0, lt=_UINT32)
+    presence_penalty: float | None = Field(None, ge=-2, le=2)
+    frequency_penalty: float | None = Field(None, ge=-2, le=2)
+    repetition_penalty: float | None = Field(None, gt=0)
+    logit_bias: dict[str, Annotated[float, Field(ge=-100, le=100)]] | None = None
+    include_stop_str_in_output: bool | None = None
+    skip_special_tokens: bool | None = None
+    stream: bool | None = None
+    stream_options: StreamOptions | None = None
+    # An end-user identifier for abuse monitoring at OpenAI; it changes no output, so it is accepted.
+    user: str | None = None
+
+    @model_validator(mode="before")
+    @classmethod
+    def _refuse_unsupported(cls, body: Any) -> Any:
+        """Drops the known-but-unsupported parameters that hold their "not used" value; refuses the others."""
+        if isinstance(body, dict):
+            for name, unused in _UNSUPPORTED.items():
+                if name in body:
+                    value = body[name]
+                    if value is not None and value not in unused:
+                        raise _Refused(
+                            name, f"{name}={value!r} is not supported by this server; leave it out"
+                        )
+                    body = {k: v for k, v in body.items() if k != name}
+        return body
+
+    @field_validator("logit_bias")
+    @classmethod
+    def _token_id_keys(cls, bias: dict[str, float] | None) -> dict[str, float] | None:
+        for key in bias or {}:
+            if not key.isdigit() or int(key) >= _UINT32:
+                raise ValueError(f"logit_bias keys must be token ids (integers >= 0 as strings), not {key!r}")
+        return bias
+
+    @model_validator(mode="after")
+    def _stream_options_need_stream(self) -> _Sampling:
+        if self.stream_options is not None and not self.stream:
+            raise _Refused("stream_options", "stream_options is only allowed with stream=true")
+        return self
+
+
+class CompletionRequest(_Sampling):
+    """A /v1/completions body."""
+
+    prompt: str | list[str] | list[TokenId] | list[list[TokenId]]
+    max_tokens: int | None = Field(None, ge=1, lt=_UINT32)
+    # Completions' logprobs is a count of alternatives per token (0: the sampled token's only).
+    logprobs: int | None = Field(None, ge=0, le=MAX_TOP_LOGPROBS)
+
+    @field_validator("prompt", mode="before")
+    @classmethod
+    def _one_prompt(cls, prompt: Any) -> Any:
+        """A batch of one is unwrapped; a larger batch refused (one prompt per request)."""
+        if isinstance(prompt, list) and prompt and all(isinstance(p, str | list) for p in prompt):
+            if len(prompt) > 1:
+                raise ValueError(
+                    f"a batch of {len(prompt)} prompts is not supported; send one prompt per request"
+                )
+            return prompt[0]
+        if not isinstance(prompt, str | list) or (isinstance(prompt, list) and not prompt):
+            raise ValueError("prompt must be a string or a non-empty list of token ids (integers >= 0)")
+        return prompt
+
+
+class TextPart(StrictModel):
+    """A content part of type "text" (the only kind this server reads)."""
+
+    type: Literal["text"]
+    text: str
+
+
+class ChatMessage(StrictModel):
+    """One chat message; a tool call or an image is refused by the strict shape."""
+
+    role: Literal["system", "developer", "user", "assistant"]
+    content: str | list[TextPart] | None = None
+    name: str | None = None
+
+    def text(self) -> str:
+        """The content as one string (text parts joined)."""
+        if isinstance(self.content, list):
+            return "".join(part.text for part in self.content)
+        return self.content or ""
+
+    def as_prompt(self) -> dict[str, str]:
+        """The message as decode takes it: {"role", "content"}, the role in the chat template's terms."""
+        return {"role": _CHAT_ROLES.get(self.role, self.role), "content": self.text()}
+
+
+class ChatCompletionRequest(_Sampling):
+    """A /v1/chat/completions body."""
+
+    messages: list[ChatMessage] = Field(min_length=1)
+    max_tokens: int | None = Field(None, ge=1, lt=_UINT32)
+    max_completion_tokens: int | None = Field(None, ge=1, lt=_UINT32)
+    logprobs: bool | None = None
+    top_logprobs: int | None = Field(None, ge=0, le=MAX_TOP_LOGPROBS)
+
+    @model_validator(mode="after")
+    def _top_logprobs_need_logprobs(self) -> ChatCompletionRequest:
+        if self.top_logprobs and not self.logprobs:
+            raise _Refused("top_logprobs", "top_logprobs needs logprobs=true")
+        return self
+
+
+class _Refused(ValueError):
+    """A check that names its parameter itself (pydantic would name the model for a model validator)."""
+
+    def __init__(self, param: str, message: str) -> None:
+        super().__init__(message)
+        self.param = param
+        self.message = message
+
 
 @dataclass(frozen=True)
 class ParsedRequest:
-    """One validated /v1/completions or /v1/chat/completions request."""
+    """One validated /v1/completions or /v1/chat/completions request, in the terms of the decode service."""
 
     chat: bool
     model: str
     prompt: str | list[int] | list[dict[str, str]]
     max_tokens: int
+    n: int = 1
     temperature: float = 1.0
     top_p: float = 1.0
     top_k: int = 0
+    min_p: float = 0.0
     seed: int | None = None
     stop: list[str] = field(default_factory=list)
     stop_token_ids: list[int] = field(default_factory=list)
     ignore_eos: bool = False
+    min_tokens: int = 0
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    logit_bias: dict[int, float] = field(default_factory=dict)
+    include_stop_str_in_output: bool = False
+    skip_special_tokens: bool = True
     stream: bool = False
     include_usage: bool = False
     logprobs: bool = False
+    # Alternatives per token besides the sampled one.
+    top_logprobs: int = 0
 
-    def to_generate_request(self, request_id: str) -> decode_pb2.GenerateRequest:
-        """The Decode.Generate request."""
-        return build_request(
+    def seed_of(self, sample: int) -> int | None:
+        """Sample i's seed: seed + i, so the n samples differ and each is reproducible."""
+        return None if self.seed is None else (self.seed + sample) % _SEED_LIMIT
+
+    def to_generate_request(self, request_id: str, sample: int = 0) -> decode_pb2.GenerateRequest:
+        """The Decode.Generate request of sample `sample`."""
+        request = build_request(
             self.prompt,
             request_id=request_id,
             max_tokens=self.max_tokens,
             temperature=self.temperature,
             top_k=self.top_k,
             top_p=self.top_p,
-            seed=self.seed,
+            seed=self.seed_of(sample),
             stop=self.stop,
             stop_token_ids=self.stop_token_ids,
             ignore_eos=self.ignore_eos,
             logprobs=self.logprobs,
             model=self.model,
         )
+        sampling = request.sampling
+        sampling.min_p = self.min_p
+        sampling.min_tokens = self.min_tokens
+        sampling.presence_penalty = self.presence_penalty
+        sampling.frequency_penalty = self.frequency_penalty
+        sampling.repetition_penalty = self.repetition_penalty
+        sampling.logit_bias.update(self.logit_bias)
+        if self.logprobs:
+            sampling.logprobs = self.top_logprobs
+        return request
 
 
 def load_body(raw: bytes, charset: str | None = None) -> Any:
@@ -144,189 +335,112 @@ def _check_text(text: str, param: str | None) -> None:
         ) from None
 
 
+def validate(model: type[_M], body: Any) -> _M:
+    """`body` as a `model`; raises ApiError(400) naming the top-level field of the first problem."""
+    if not isinstance(body, dict):
+        raise bad_request("body", "body must be a JSON object")
+    try:
+        return model.model_validate(body)
+    except ValidationError as exc:
+        raise _api_error(exc) from None
+
+
+def _api_error(exc: ValidationError) -> ApiError:
+    error = exc.errors()[0]
+    cause = error.get("ctx", {}).get("error")
+    if isinstance(cause, _Refused):
+        return bad_request(cause.param, cause.message)
+    loc = [str(part) for part in error["loc"] if not _is_type_name(part)]
+    param = loc[0] if loc else "body"
+    where = (
+        loc[0] + "".join(f"[{part}]" if part.isdigit() else f".{part}" for part in loc[1:]) if loc else param
+    )
+    if error["type"] == "extra_forbidden":
+        if len(loc) == 1:
+            return bad_request(param, f"{param} is not a parameter this server supports; leave it out")
+        return bad_request(param, f"{where} is not supported by this server; leave it out")
+    if error["type"] == "missing":
+        return bad_request(param, f"{where} is required")
+    message = str(error["msg"]).removeprefix("Value error, ")
+    if error["type"] == "value_error":
+        return bad_request(param, message)
+    return bad_request(param, f"{where}={error.get('input')!r}: {message[:1].lower()}{message[1:]}")
+
+
+def _is_type_name(part: int | str) -> bool:
+    """pydantic names the branch of a union in an error's location ("list[int]"); that is no field."""
+    return isinstance(part, str) and ("[" in part or part in ("str", "int", "float", "bool"))
+
+
 def parse_completion(body: Any, served_model: str) -> ParsedRequest:
     """A /v1/completions body; raises ApiError (400, naming the parameter) or 404 for another model."""
-    body = _object(body)
-    logprobs = _int(body, "logprobs", None, minimum=0)
-    if logprobs:
-        raise bad_request(
-            "logprobs",
-            f"logprobs={logprobs} is not supported: this server returns the sampled token's log-probability "
-            "only, without alternatives; send logprobs=0",
-        )
+    request = validate(CompletionRequest, body)
+    prompt = request.prompt
     return ParsedRequest(
         chat=False,
-        prompt=_completion_prompt(body.get("prompt")),
-        max_tokens=_int(body, "max_tokens", COMPLETION_DEFAULT_MAX_TOKENS, minimum=1, below=_UINT32),
-        logprobs=logprobs is not None,
-        **_common(body, served_model),
+        prompt=prompt,  # type: ignore[arg-type]  # a batch of one was unwrapped by the model
+        max_tokens=_or(request.max_tokens, COMPLETION_DEFAULT_MAX_TOKENS),
+        logprobs=request.logprobs is not None,
+        top_logprobs=request.logprobs or 0,
+        **_common(request, served_model),
     )
 
 
 def parse_chat(body: Any, served_model: str) -> ParsedRequest:
     """A /v1/chat/completions body; raises ApiError (400, naming the parameter) or 404 for another model."""
-    body = _object(body)
-    top_logprobs = _int(body, "top_logprobs", 0, minimum=0)
-    if top_logprobs:
-        raise bad_request(
-            "top_logprobs",
-            f"top_logprobs={top_logprobs} is not supported: this server returns the sampled token's "
-            "log-probability only, without alternatives; send 0 or leave it out",
-        )
-    max_tokens_name = (
-        "max_completion_tokens" if body.get("max_completion_tokens") is not None else "max_tokens"
-    )
+    request = validate(ChatCompletionRequest, body)
+    max_tokens = _or(request.max_completion_tokens, request.max_tokens)
+    messages = [message.as_prompt() for message in request.messages]
     return ParsedRequest(
         chat=True,
-        prompt=_messages(body.get("messages")),
-        max_tokens=_int(body, max_tokens_name, CHAT_DEFAULT_MAX_TOKENS, minimum=1, below=_UINT32),
-        logprobs=_bool(body, "logprobs", False),
-        **_common(body, served_model),
+        prompt=messages,
+        max_tokens=_or(max_tokens, CHAT_DEFAULT_MAX_TOKENS),
+        logprobs=bool(request.logprobs),
+        top_logprobs=request.top_logprobs or 0,
+        **_common(request, served_model),
     )
 
 
-def _common(body: dict, served_model: str) -> dict[str, Any]:
-    """The parameters both endpoints share."""
-    model = body.get("model")
-    if model is not None and model != served_model:
+def _or(value: _T | None, default: _T) -> _T:
+    return default if value is None else value
+
+
+def _common(request: _Sampling, served_model: str) -> dict[str, Any]:
+    """The ParsedRequest fields both endpoints share."""
+    if request.model is not None and request.model != served_model:
         raise ApiError(
             404,
-            f"model={model!r} does not exist here; this server serves {served_model!r} (see /v1/models)",
+            f"model={request.model!r} does not exist here; this server serves {served_model!r} "
+            "(see /v1/models)",
             param="model",
             code="model_not_found",
         )
-    n = _int(body, "n", 1)
-    if n != 1:
-        raise bad_request("n", f"n={n} is not supported: this server returns one choice per request (n=1)")
-    for name, unused in _UNSUPPORTED.items():
-        value = body.get(name)
-        if value is not None and value not in unused:
-            raise bad_request(name, f"{name}={value!r} is not supported by this server; leave it out")
-    stream = _bool(body, "stream", False)
-    stream_options = body.get("stream_options")
-    if stream_options is not None and not stream:
-        raise bad_request("stream_options", "stream_options is only allowed with stream=true")
-    top_p = _number(body, "top_p", 1.0)
-    if not 0 < top_p <= 1:
-        raise bad_request("top_p", f"top_p={top_p!r} must be in (0, 1] (1 disables top-p)")
-    top_k = _int(body, "top_k", 0, minimum=-1, below=_UINT32)
+    for name, unused in _NOT_YET_ON_THE_WIRE.items():
+        value = getattr(request, name)
+        if value is not None and value != unused:
+            raise bad_request(name, f"{name}={value!r} is not supported by this server yet; leave it out")
+    stop = request.stop
     return {
         "model": served_model,
-        "temperature": _number(body, "temperature", 1.0),
-        "top_p": top_p,
-        "top_k": max(top_k, 0),  # vLLM's -1 and our 0 both disable top-k
-        "seed": _int(body, "seed", None, minimum=0, below=_SEED_LIMIT),
-        "stop": _stop(body.get("stop")),
-        "stop_token_ids": _int_list(body, "stop_token_ids"),
-        "ignore_eos": _bool(body, "ignore_eos", False),
-        "stream": stream,
-        "include_usage": _bool(_object(stream_options or {}, "stream_options"), "include_usage", False),
+        "n": _or(request.n, 1),
+        "temperature": _or(request.temperature, 1.0),
+        "top_p": _or(request.top_p, 1.0),
+        "top_k": max(_or(request.top_k, 0), 0),  # vLLM's -1 and our 0 both disable top-k
+        "min_p": _or(request.min_p, 0.0),
+        "seed": request.seed,
+        "stop": [stop] if isinstance(stop, str) else list(stop or []),
+        "stop_token_ids": list(request.stop_token_ids or []),
+        "ignore_eos": _or(request.ignore_eos, False),
+        "min_tokens": _or(request.min_tokens, 0),
+        "presence_penalty": _or(request.presence_penalty, 0.0),
+        "frequency_penalty": _or(request.frequency_penalty, 0.0),
+        "repetition_penalty": _or(request.repetition_penalty, 1.0),
+        "logit_bias": {int(token): bias for token, bias in (request.logit_bias or {}).items()},
+        "include_stop_str_in_output": _or(request.include_stop_str_in_output, False),
+        "stream": _or(request.stream, False),
+        "include_usage": bool(request.stream_options and request.stream_options.include_usage),
     }
 
 
-def _object(value: Any, name: str = "body") -> dict:
-    if not isinstance(value, dict):
-        raise bad_request(name, f"{name} must be a JSON object")
-    return value
-
-
-def _completion_prompt(prompt: Any) -> str | list[int]:
-    """A string or token ids; a batch of one is unwrapped, a larger batch refused (n=1 per request)."""
-    if isinstance(prompt, list) and prompt and all(isinstance(p, str | list) for p in prompt):
-        if len(prompt) > 1:
-            raise bad_request(
-                "prompt", f"a batch of {len(prompt)} prompts is not supported; send one prompt per request"
-            )
-        prompt = prompt[0]
-    if isinstance(prompt, str):
-        return prompt
-    if isinstance(prompt, list) and all(_is_int(t) and 0 <= t < _UINT32 for t in prompt):
-        return prompt
-    raise bad_request("prompt", "prompt must be a string or a list of token ids (integers >= 0)")
-
-
-def _messages(messages: Any) -> list[dict[str, str]]:
-    """Chat messages as {"role", "content"}; content parts of type "text" are joined."""
-    if not isinstance(messages, list) or not messages:
-        raise bad_request("messages", "messages must be a non-empty list of {role, content} objects")
-    result = []
-    for index, message in enumerate(messages):
-        if not isinstance(message, dict) or not isinstance(message.get("role"), str):
-            raise bad_request("messages", f"messages[{index}] must be an object with a string role")
-        role = _CHAT_ROLES.get(message["role"], message["role"])
-        result.append({"role": role, "content": _content(message.get("content"), index)})
-    return result
-
-
-def _content(content: Any, index: int) -> str:
-    if content is None or isinstance(content, str):
-        return content or ""
-    if isinstance(content, list):
-        texts = []
-        for part in content:
-            if (
-                not isinstance(part, dict)
-                or part.get("type") != "text"
-                or not isinstance(part.get("text"), str)
-            ):
-                raise bad_request(
-                    "messages",
-                    f"messages[{index}].content: only parts of type 'text' are supported",
-                )
-            texts.append(part["text"])
-        return "".join(texts)
-    raise bad_request("messages", f"messages[{index}].content must be a string or a list of text parts")
-
-
-def _stop(stop: Any) -> list[str]:
-    if stop is None:
-        return []
-    if isinstance(stop, str):
-        return [stop]
-    if isinstance(stop, list) and all(isinstance(s, str) for s in stop):
-        return stop
-    raise bad_request("stop", "stop must be a string or a list of strings")
-
-
-def _is_int(value: Any) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool)
-
-
-def _int(body: dict, name: str, default: Any, *, minimum: int | None = None, below: int | None = None) -> Any:
-    value = body.get(name)
-    if value is None:
-        return default
-    if not _is_int(value):
-        raise bad_request(name, f"{name}={value!r} must be an integer")
-    if minimum is not None and value < minimum:
-        raise bad_request(name, f"{name}={value} must be >= {minimum}")
-    if below is not None and value >= below:
-        raise bad_request(name, f"{name}={value} must be < {below}")
-    return value
-
-
-def _number(body: dict, name: str, default: float) -> float:
-    value = body.get(name)
-    if value is None:
-        return default
-    if not isinstance(value, int | float) or isinstance(value, bool):
-        raise bad_request(name, f"{name}={value!r} must be a number")
-    return float(value)
-
-
-def _bool(body: dict, name: str, default: bool) -> bool:
-    value = body.get(name)
-    if value is None:
-        return default
-    if not isinstance(value, bool):
-        raise bad_request(name, f"{name}={value!r} must be true or false")
-    return value
-
-
-def _int_list(body: dict, name: str) -> list[int]:
-    value = body.get(name)
-    if value is None:
-        return []
-    if not isinstance(value, list) or not all(_is_int(v) and 0 <= v < _UINT32 for v in value):
-        raise bad_request(name, f"{name} must be a list of integers >= 0")
-    return value
+# Parameters the decode service cannot honour yet, with their "not used" value.
+_NOT_YET_ON_THE_WIRE: dict[str, object] = {"skip_special_tokens": True}

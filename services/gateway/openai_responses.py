@@ -1,13 +1,18 @@
 """Decode.Generate results -> OpenAI responses: whole answers, server-sent-event chunks, usage, logprobs.
 
-Log-probabilities: decode reports one per generated token except the first, which prefill samples without
-one, so the first token's logprob is null. A token's text is the text its delta added; text held back while
-a stop string or a multi-byte character is incomplete shows up with the token that releases it.
+A request with n samples has n choices; choice i is Generate call i, and its deltas and summary are fed here
+with its index. Usage counts the prompt once and the completion tokens of every choice.
+
+Log-probabilities come from TokenDelta.token_logprobs, one entry per generated token, the first included,
+each with its alternatives. A decode worker that fills only TokenDelta.logprobs reports none for the first
+token (prefill sampled it): the first token's logprob is then null. A token's text is its text decoded
+alone when decode gives it, else the text its delta added.
 """
 
 from __future__ import annotations
 
 import json
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from pcpstack.gateway.openai_requests import ParsedRequest
@@ -23,14 +28,23 @@ SSE_DONE = b"data: [DONE]\n\n"
 
 @dataclass(frozen=True)
 class TokenLogprob:
-    """One generated token's text and log-probability (None for the first token)."""
+    """One generated token's text and log-probability (None when decode gave none), and its alternatives."""
 
     text: str
     logprob: float | None
+    top: tuple[tuple[str, float], ...] = ()
 
 
 def token_logprobs(delta: decode_pb2.TokenDelta) -> list[TokenLogprob]:
-    """The delta's tokens with their logprobs; logprobs align with the last tokens (the first has none)."""
+    """The delta's tokens with their logprobs and alternatives."""
+    if delta.token_logprobs:
+        return [
+            TokenLogprob(
+                entry.chosen.text, entry.chosen.logprob, tuple((t.text, t.logprob) for t in entry.top)
+            )
+            for entry in delta.token_logprobs
+        ]
+    # Only the flat list: it aligns with the last tokens (the first token, sampled in prefill, has none).
     ids, values = list(delta.token_ids), list(delta.logprobs)
     missing = len(ids) - len(values)
     return [
@@ -39,13 +53,11 @@ def token_logprobs(delta: decode_pb2.TokenDelta) -> list[TokenLogprob]:
     ]
 
 
-def usage(summary: decode_pb2.GenerateSummary) -> dict[str, int]:
-    """OpenAI usage counts."""
-    return {
-        "prompt_tokens": summary.prompt_tokens,
-        "completion_tokens": summary.completion_tokens,
-        "total_tokens": summary.prompt_tokens + summary.completion_tokens,
-    }
+def usage(summaries: Sequence[decode_pb2.GenerateSummary]) -> dict[str, int]:
+    """OpenAI usage counts: the prompt once, the completions of every choice."""
+    prompt = summaries[0].prompt_tokens if summaries else 0
+    completion = sum(s.completion_tokens for s in summaries)
+    return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
 
 
 def sse(payload: dict) -> bytes:
@@ -54,66 +66,102 @@ def sse(payload: dict) -> bytes:
 
 
 @dataclass
+class _Choice:
+    """What one choice gathered: text pieces, logprobs, and the text offset completions logprobs need."""
+
+    text: list[str] = field(default_factory=list)
+    logprobs: list[TokenLogprob] = field(default_factory=list)
+    text_offset: int = 0
+
+
+@dataclass
 class ResponseShaper:
-    """Shapes one request's answer for its endpoint; keeps the text offset that completions logprobs need."""
+    """Shapes one request's answer, its n choices, for its endpoint."""
 
     request: ParsedRequest
     response_id: str
     created: int
-    text_offset: int = 0
-    _text: list[str] = field(default_factory=list)
-    _logprobs: list[TokenLogprob] = field(default_factory=list)
+    _choices: dict[int, _Choice] = field(default_factory=dict)
+
+    def _choice(self, index: int) -> _Choice:
+        return self._choices.setdefault(index, _Choice())
 
     # --- whole answers --------------------------------------------------------------------------------------
 
-    def add(self, delta: decode_pb2.TokenDelta) -> None:
-        """Gathers a delta for `response`."""
-        self._text.append(delta.text)
+    def add(self, delta: decode_pb2.TokenDelta, index: int = 0) -> None:
+        """Gathers a delta of choice `index` for `response`."""
+        choice = self._choice(index)
+        choice.text.append(delta.text)
         if self.request.logprobs:
-            self._logprobs.extend(token_logprobs(delta))
+            choice.logprobs.extend(token_logprobs(delta))
 
-    def response(self, summary: decode_pb2.GenerateSummary) -> dict:
-        """The non-streamed response body from the gathered deltas."""
-        text = "".join(self._text)
-        logprobs = self._logprobs_object(self._logprobs) if self.request.logprobs else None
-        finish = FINISH_REASONS.get(summary.finish_reason)
-        if self.request.chat:
-            choice = {
-                "index": 0,
-                "message": {"role": "assistant", "content": text},
-                "logprobs": logprobs,
-                "finish_reason": finish,
-            }
-        else:
-            choice = {"index": 0, "text": text, "logprobs": logprobs, "finish_reason": finish}
-        return {**self._envelope(), "choices": [choice], "usage": usage(summary)}
+    def response(self, summaries: Sequence[decode_pb2.GenerateSummary]) -> dict:
+        """The non-streamed response body: summaries[i] ends choice i."""
+        choices = []
+        for index, summary in enumerate(summaries):
+            gathered = self._choice(index)
+            text = "".join(gathered.text) + self._stop_shown(summary)
+            logprobs = self._logprobs_object(gathered, gathered.logprobs) if self.request.logprobs else None
+            finish = FINISH_REASONS.get(summary.finish_reason)
+            if self.request.chat:
+                choice = {
+                    "index": index,
+                    "message": {"role": "assistant", "content": text},
+                    "logprobs": logprobs,
+                    "finish_reason": finish,
+                }
+            else:
+                choice = {"index": index, "text": text, "logprobs": logprobs, "finish_reason": finish}
+            choices.append(choice)
+        return {**self._envelope(), "choices": choices, "usage": usage(summaries)}
 
     # --- streamed answers -----------------------------------------------------------------------------------
 
     def opening_chunks(self) -> list[dict]:
-        """Chunks sent before any token: chat announces the assistant role, as OpenAI does."""
+        """Chunks sent before any token: chat announces the assistant role of each choice, as OpenAI does."""
         if not self.request.chat:
             return []
-        return [self._chunk({"role": "assistant", "content": ""}, None, None)]
+        role = {"role": "assistant", "content": ""}
+        return [self._chunk(index, role, None, None) for index in range(self.request.n)]
 
-    def delta_chunk(self, delta: decode_pb2.TokenDelta) -> dict | None:
-        """The chunk for a delta, or None when it adds nothing the client would see."""
+    def delta_chunk(self, delta: decode_pb2.TokenDelta, index: int = 0) -> dict | None:
+        """The chunk for a delta of choice `index`, or None when it adds nothing the client would see."""
         tokens = token_logprobs(delta) if self.request.logprobs else []
         if not delta.text and not tokens:
             return None
-        logprobs = self._logprobs_object(tokens) if self.request.logprobs else None
+        logprobs = self._logprobs_object(self._choice(index), tokens) if self.request.logprobs else None
         content = {"content": delta.text} if self.request.chat else delta.text
-        return self._chunk(content, logprobs, None)
+        return self._chunk(index, content, logprobs, None)
 
-    def closing_chunks(self, summary: decode_pb2.GenerateSummary) -> list[dict]:
-        """The chunk carrying finish_reason, then the usage chunk when stream_options.include_usage."""
+    def finish_chunks(self, summary: decode_pb2.GenerateSummary, index: int = 0) -> list[dict]:
+        """The chunks ending choice `index`: the stop string when it is to be shown, then finish_reason."""
+        chunks = []
+        stop = self._stop_shown(summary)
+        if stop:
+            chunks.append(self._chunk(index, {"content": stop} if self.request.chat else stop, None, None))
         empty = {} if self.request.chat else ""
-        chunks = [self._chunk(empty, None, FINISH_REASONS.get(summary.finish_reason))]
-        if self.request.include_usage:
-            chunks.append({**self._envelope(chunk=True), "choices": [], "usage": usage(summary)})
+        chunks.append(self._chunk(index, empty, None, FINISH_REASONS.get(summary.finish_reason)))
         return chunks
 
+    def usage_chunks(self, summaries: Sequence[decode_pb2.GenerateSummary]) -> list[dict]:
+        """The usage chunk, sent last, when stream_options.include_usage."""
+        if not self.request.include_usage:
+            return []
+        return [{**self._envelope(chunk=True), "choices": [], "usage": usage(summaries)}]
+
     # --- pieces ---------------------------------------------------------------------------------------------
+
+    def _stop_shown(self, summary: decode_pb2.GenerateSummary) -> str:
+        """The stop string that ended the choice when include_stop_str_in_output asks to show it.
+
+        Decode holds a stop string back; a stop token id adds no text, as in vLLM."""
+        if (
+            self.request.include_stop_str_in_output
+            and summary.finish_reason == decode_pb2.FINISH_REASON_STOP
+            and summary.matched_stop in self.request.stop
+        ):
+            return summary.matched_stop
+        return ""
 
     def _envelope(self, chunk: bool = False) -> dict:
         # OpenAI streams completions under the same object name; chat chunks have their own.
@@ -124,15 +172,17 @@ class ResponseShaper:
         )
         return {"id": self.response_id, "object": kind, "created": self.created, "model": self.request.model}
 
-    def _chunk(self, content: dict | str, logprobs: dict | None, finish_reason: str | None) -> dict:
+    def _chunk(
+        self, index: int, content: dict | str, logprobs: dict | None, finish_reason: str | None
+    ) -> dict:
         key = "delta" if self.request.chat else "text"
-        choice = {"index": 0, key: content, "logprobs": logprobs, "finish_reason": finish_reason}
+        choice = {"index": index, key: content, "logprobs": logprobs, "finish_reason": finish_reason}
         chunk = {**self._envelope(chunk=True), "choices": [choice]}
         if self.request.include_usage:
             chunk["usage"] = None
         return chunk
 
-    def _logprobs_object(self, tokens: list[TokenLogprob]) -> dict:
+    def _logprobs_object(self, choice: _Choice, tokens: list[TokenLogprob]) -> dict:
         if self.request.chat:
             return {
                 "content": [
@@ -140,7 +190,10 @@ class ResponseShaper:
                         "token": t.text,
                         "logprob": t.logprob,
                         "bytes": list(t.text.encode()),
-                        "top_logprobs": [],
+                        "top_logprobs": [
+                            {"token": text, "logprob": value, "bytes": list(text.encode())}
+                            for text, value in t.top
+                        ],
                     }
                     for t in tokens
                 ],
@@ -148,11 +201,11 @@ class ResponseShaper:
             }
         offsets = []
         for t in tokens:
-            offsets.append(self.text_offset)
-            self.text_offset += len(t.text)
+            offsets.append(choice.text_offset)
+            choice.text_offset += len(t.text)
         return {
             "tokens": [t.text for t in tokens],
             "token_logprobs": [t.logprob for t in tokens],
-            "top_logprobs": None,
+            "top_logprobs": [dict(t.top) for t in tokens] if self.request.top_logprobs else None,
             "text_offset": offsets,
         }

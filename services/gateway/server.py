@@ -4,18 +4,21 @@ Handlers stay thin: openai_requests parses, Decode.Generate runs, openai_respons
 gets a server span continuing the caller's `traceparent`; the gRPC client instrumentation carries it on to
 decode. A streamed request waits for decode's first message before sending headers, so that a refused
 request still gets its HTTP error status; an error after that is sent as a last `data: {"error": ...}` event.
+A request for n samples runs n Generate calls (gateway/samples.py); their chunks interleave, each with its
+choice index. The API key and CORS are middlewares (gateway/http_security.py); /tokenize and /detokenize are
+gateway/tokenize.py's.
 """
 
 from __future__ import annotations
 
 import asyncio
+import importlib.metadata
 import logging
 import time
 import uuid
 from collections.abc import AsyncIterator, Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
-import grpc
 from aiohttp import web
 from opentelemetry import propagate, trace
 
@@ -23,13 +26,20 @@ from pcpstack.common.errors import InvalidArgument
 from pcpstack.common.ids import check_request_id
 from pcpstack.common.logs import request_id_var
 from pcpstack.common.telemetry import current_trace_id, tracer
-from pcpstack.gateway.errors import ApiError, bad_request, error_from_rpc, service_unavailable
+from pcpstack.gateway.errors import ApiError, bad_request, service_unavailable
+from pcpstack.gateway.http_security import HttpSecurity
 from pcpstack.gateway.metrics import CONTENT_TYPE, GatewayMetrics
 from pcpstack.gateway.openai_requests import ParsedRequest, load_body, parse_chat, parse_completion
 from pcpstack.gateway.openai_responses import SSE_DONE, ResponseShaper, sse
+from pcpstack.gateway.samples import generate_samples
+from pcpstack.gateway.tokenize import Tokenization
 from pcpstack.gateway.upstream import DecodePool
 from pcpstack.v1 import decode_pb2
 
+try:
+    __version__ = importlib.metadata.version("pcpstack")
+except importlib.metadata.PackageNotFoundError:  # a source tree that was never installed
+    __version__ = "unknown"
 log = logging.getLogger(__name__)
 # One line per /v1 request (method, path, status, duration, request id, trace id): the access log.
 access_log = logging.getLogger("pcpstack.gateway.access")
@@ -46,12 +56,16 @@ class GatewaySettings:
 
     model_name: str
     request_timeout_s: float = 600.0
+    # The model whose tokenizer /tokenize and /detokenize use; None: they answer 501.
+    tokenizer: str | None = None
+    security: HttpSecurity = field(default_factory=HttpSecurity)
 
 
 _SETTINGS = web.AppKey("settings", GatewaySettings)
 _POOL = web.AppKey("pool", DecodePool)
 _METRICS = web.AppKey("metrics", GatewayMetrics)
 _STARTED = web.AppKey("started", int)
+_TOKENIZATION = web.AppKey("tokenization", Tokenization)
 _REQUEST_ID = web.RequestKey("request_id", str)
 _TRACE_ID = web.RequestKey("trace_id", str)
 
@@ -63,10 +77,15 @@ def create_app(pool: DecodePool, settings: GatewaySettings) -> web.Application:
     app[_POOL] = pool
     app[_METRICS] = GatewayMetrics()
     app[_STARTED] = int(time.time())
+    app[_TOKENIZATION] = Tokenization(settings.tokenizer, settings.model_name)
+    settings.security.install(app)
     app.router.add_post("/v1/completions", _completions)
     app.router.add_post("/v1/chat/completions", _chat_completions)
     app.router.add_get("/v1/models", _models)
     app.router.add_get("/v1/models/{model}", _model)
+    app.router.add_post("/tokenize", _tokenize)
+    app.router.add_post("/detokenize", _detokenize)
+    app.router.add_get("/version", _version)
     app.router.add_get("/health", _health)
     app.router.add_get("/metrics", _metrics)
     app.on_response_prepare.append(_add_id_headers)
@@ -87,7 +106,10 @@ def _error_response(error: ApiError) -> web.Response:
 async def _observe(request: web.Request, handler: Callable) -> web.StreamResponse:
     """Server span (continuing the caller's trace), OpenAI-shaped errors and metrics for /v1 routes."""
     if not request.path.startswith("/v1/"):
-        return await handler(request)
+        try:
+            return await handler(request)
+        except ApiError as exc:  # /tokenize and /detokenize answer errors in the OpenAI shape too
+            return _error_response(exc)
     metrics = request.app[_METRICS]
     resource = request.match_info.route.resource
     endpoint = resource.canonical if resource is not None else "unmatched"
@@ -170,26 +192,24 @@ async def _generate(
     request[_REQUEST_ID] = request_id
     request_id_var.set(request_id)
     shaper = ResponseShaper(parsed, f"{id_prefix}-{request_id}", int(time.time()))
-    client = await pool.client()
-    call = client.stream(parsed.to_generate_request(request_id), timeout=settings.request_timeout_s)
-    messages = _messages(call, client.address)
+    messages = generate_samples(pool, parsed, request_id, settings.request_timeout_s)
     timer = _FirstToken(request.app[_METRICS], request.match_info.route.resource.canonical)
     try:
         first = await anext(messages)  # a refused request fails here, before any header is sent
         if parsed.stream:
-            return await _stream(request, shaper, _chain(first, messages), timer)
-        summary = None
-        async for message in _chain(first, messages):
+            return await _stream(request, shaper, _chain(first, messages), timer, parsed.n)
+        summaries: list[decode_pb2.GenerateSummary | None] = [None] * parsed.n
+        async for index, message in _chain(first, messages):
             if message.HasField("delta"):
                 timer.seen()
-                shaper.add(message.delta)
+                shaper.add(message.delta, index)
             else:
-                summary = message.summary
-        _count_tokens(request, summary)
-        return web.json_response(shaper.response(summary))
+                summaries[index] = message.summary
+        ended = _ended(summaries)
+        _count_tokens(request, ended)
+        return web.json_response(shaper.response(ended))
     finally:
-        await messages.aclose()
-        call.cancel()  # a no-op once finished; stops decode when the client went away
+        await messages.aclose()  # cancels the calls still running: the client went away
 
 
 def _request_id(request: web.Request) -> str:
@@ -220,8 +240,9 @@ class _FirstToken:
 async def _stream(
     request: web.Request,
     shaper: ResponseShaper,
-    messages: AsyncIterator[decode_pb2.GenerateResponse],
+    messages: AsyncIterator[tuple[int, decode_pb2.GenerateResponse]],
     timer: _FirstToken,
+    n: int,
 ) -> web.StreamResponse:
     response = web.StreamResponse(
         headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
@@ -230,17 +251,22 @@ async def _stream(
     try:
         for chunk in shaper.opening_chunks():
             await response.write(sse(chunk))
+        summaries: list[decode_pb2.GenerateSummary | None] = [None] * n
         try:
-            async for message in messages:
+            async for index, message in messages:
                 if message.HasField("delta"):
                     timer.seen()
-                    chunk = shaper.delta_chunk(message.delta)
+                    chunk = shaper.delta_chunk(message.delta, index)
                     if chunk is not None:
                         await response.write(sse(chunk))
                 else:
-                    for chunk in shaper.closing_chunks(message.summary):
+                    summaries[index] = message.summary
+                    for chunk in shaper.finish_chunks(message.summary, index):
                         await response.write(sse(chunk))
-                    _count_tokens(request, message.summary)
+            ended = _ended(summaries)
+            for chunk in shaper.usage_chunks(ended):
+                await response.write(sse(chunk))
+            _count_tokens(request, ended)
         except ApiError as exc:
             request.app[_METRICS].error(timer.endpoint, exc.error_type)
             await response.write(sse(exc.body()))
@@ -251,31 +277,27 @@ async def _stream(
     return response
 
 
-async def _messages(
-    call: grpc.aio.UnaryStreamCall, address: str
-) -> AsyncIterator[decode_pb2.GenerateResponse]:
-    """The Generate stream with gRPC failures turned into ApiError."""
-    try:
-        async for message in call:
-            yield message
-    except grpc.aio.AioRpcError as exc:
-        details = exc.details() or ""
-        if exc.code() == grpc.StatusCode.UNAVAILABLE:
-            details = f"decode worker at {address}: {details}"
-        raise error_from_rpc(exc.code(), details) from None
-
-
 async def _chain(
-    first: decode_pb2.GenerateResponse, rest: AsyncIterator[decode_pb2.GenerateResponse]
-) -> AsyncIterator[decode_pb2.GenerateResponse]:
+    first: tuple[int, decode_pb2.GenerateResponse],
+    rest: AsyncIterator[tuple[int, decode_pb2.GenerateResponse]],
+) -> AsyncIterator[tuple[int, decode_pb2.GenerateResponse]]:
     yield first
     async for message in rest:
         yield message
 
 
-def _count_tokens(request: web.Request, summary: decode_pb2.GenerateSummary | None) -> None:
-    if summary is not None:
-        request.app[_METRICS].tokens(summary.prompt_tokens, summary.completion_tokens)
+def _ended(summaries: list[decode_pb2.GenerateSummary | None]) -> list[decode_pb2.GenerateSummary]:
+    """Every sample's summary; a stream that ended without one is a broken decode worker."""
+    if any(summary is None for summary in summaries):
+        raise ApiError(502, "a decode worker ended a stream without its summary", error_type="server_error")
+    return summaries  # type: ignore[return-value]
+
+
+def _count_tokens(request: web.Request, summaries: list[decode_pb2.GenerateSummary]) -> None:
+    """Counts the prompt once and every sample's completion tokens."""
+    if summaries:
+        completion = sum(summary.completion_tokens for summary in summaries)
+        request.app[_METRICS].tokens(summaries[0].prompt_tokens, completion)
 
 
 def _model_card(request: web.Request) -> dict:
@@ -301,6 +323,21 @@ async def _model(request: web.Request) -> web.Response:
             code="model_not_found",
         )
     return web.json_response(card)
+
+
+async def _tokenize(request: web.Request) -> web.Response:
+    body = load_body(await request.read(), request.charset)
+    return web.json_response(await request.app[_TOKENIZATION].tokenize(body))
+
+
+async def _detokenize(request: web.Request) -> web.Response:
+    body = load_body(await request.read(), request.charset)
+    return web.json_response(await request.app[_TOKENIZATION].detokenize(body))
+
+
+async def _version(request: web.Request) -> web.Response:
+    """The pcpstack version, in vLLM's shape."""
+    return web.json_response({"version": __version__})
 
 
 async def _health(request: web.Request) -> web.Response:

@@ -39,11 +39,11 @@ def test_models_lists_the_served_model() -> None:
 
 def test_bad_input_is_a_400_in_the_openai_shape() -> None:
     async def check(client: TestClient) -> None:
-        answer = await client.post("/v1/completions", json={"model": MODEL, "prompt": "x", "n": 2})
+        answer = await client.post("/v1/completions", json={"model": MODEL, "prompt": "x", "n": 0})
         assert answer.status == 400
         error = (await answer.json())["error"]
         assert (
-            error["param"] == "n" and error["type"] == "invalid_request_error" and "n=2" in error["message"]
+            error["param"] == "n" and error["type"] == "invalid_request_error" and "n=0" in error["message"]
         )
         answer = await client.post("/v1/chat/completions", data=b"{not json")
         assert answer.status == 400 and (await answer.json())["error"]["param"] == "body"

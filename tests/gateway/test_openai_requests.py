@@ -16,6 +16,7 @@ from pcpstack.gateway.openai_requests import (
 )
 
 MODEL = "SmolLM2-135M-Instruct"
+USER = [{"role": "user", "content": "x"}]
 
 
 def _refused(parse, body: dict) -> ApiError:
@@ -99,7 +100,8 @@ def test_batch_of_one_prompt_is_unwrapped() -> None:
 @pytest.mark.parametrize(
     ("body", "param"),
     [
-        ({"prompt": "x", "n": 2}, "n"),
+        ({"prompt": "x", "n": 0}, "n"),
+        ({"prompt": "x", "n": 129}, "n"),
         ({"prompt": ["a", "b"]}, "prompt"),
         ({"prompt": [1, -2]}, "prompt"),
         ({}, "prompt"),
@@ -108,9 +110,21 @@ def test_batch_of_one_prompt_is_unwrapped() -> None:
         ({"prompt": "x", "top_p": 0}, "top_p"),
         ({"prompt": "x", "seed": -1}, "seed"),
         ({"prompt": "x", "stop": 3}, "stop"),
-        ({"prompt": "x", "logprobs": 2}, "logprobs"),
+        ({"prompt": "x", "logprobs": 21}, "logprobs"),
+        ({"prompt": "x", "logprobs": True}, "logprobs"),
         ({"prompt": "x", "echo": True}, "echo"),
-        ({"prompt": "x", "presence_penalty": 0.5}, "presence_penalty"),
+        ({"prompt": "x", "presence_penalty": 2.5}, "presence_penalty"),
+        ({"prompt": "x", "frequency_penalty": -3}, "frequency_penalty"),
+        ({"prompt": "x", "repetition_penalty": 0}, "repetition_penalty"),
+        ({"prompt": "x", "min_p": 1.5}, "min_p"),
+        ({"prompt": "x", "min_tokens": -1}, "min_tokens"),
+        ({"prompt": "x", "logit_bias": {"5": 101}}, "logit_bias"),
+        ({"prompt": "x", "logit_bias": {"word": 1}}, "logit_bias"),
+        ({"prompt": "x", "skip_special_tokens": False}, "skip_special_tokens"),
+        ({"prompt": "x", "suffix": "tail"}, "suffix"),
+        ({"prompt": "x", "guided_json": {"type": "object"}}, "guided_json"),
+        ({"prompt": "x", "no_such_parameter": 1}, "no_such_parameter"),
+        ({"prompt": "x", "ignore_eos": 1}, "ignore_eos"),
         ({"prompt": "x", "stream_options": {"include_usage": True}}, "stream_options"),
         ({"prompt": "x", "temperature": "hot"}, "temperature"),
     ],
@@ -127,6 +141,10 @@ def test_bad_completion_input_is_a_400_naming_the_parameter(body: dict, param: s
         ({"messages": [{"content": "no role"}]}, "messages"),
         ({"messages": [{"role": "user", "content": [{"type": "image_url"}]}]}, "messages"),
         ({"messages": [{"role": "user", "content": "x"}], "top_logprobs": 3}, "top_logprobs"),
+        ({"messages": USER, "logprobs": True, "top_logprobs": 21}, "top_logprobs"),
+        ({"messages": USER, "response_format": {"type": "json_object"}}, "response_format"),
+        ({"messages": [{"role": "tool", "content": "x", "tool_call_id": "1"}]}, "messages"),
+        ({"messages": [{"role": "assistant", "content": "x", "tool_calls": []}]}, "messages"),
         ({"messages": [{"role": "user", "content": "x"}], "tools": [{"type": "function"}]}, "tools"),
     ],
 )
@@ -166,3 +184,59 @@ def test_an_unknown_charset_is_a_400_naming_it() -> None:
     with pytest.raises(ApiError) as caught:
         load_body(b"{}", "no-such-charset")
     assert caught.value.status == 400 and "no-such-charset" in caught.value.message
+
+
+def test_penalties_bias_min_p_and_min_tokens_reach_the_wire() -> None:
+    body = {
+        "prompt": "x",
+        "presence_penalty": 0.5,
+        "frequency_penalty": -0.25,
+        "repetition_penalty": 1.3,
+        "logit_bias": {"7": -100, "9": 2.5},
+        "min_p": 0.1,
+        "min_tokens": 3,
+    }
+    sampling = parse_completion(body, MODEL).to_generate_request("r").sampling
+    assert sampling.presence_penalty == 0.5 and sampling.frequency_penalty == -0.25
+    assert sampling.repetition_penalty == pytest.approx(1.3)
+    assert dict(sampling.logit_bias) == {7: -100.0, 9: 2.5}
+    assert sampling.min_p == pytest.approx(0.1) and sampling.min_tokens == 3
+
+
+def test_logprob_alternatives_are_asked_of_decode() -> None:
+    completion = parse_completion({"prompt": "x", "logprobs": 3}, MODEL).to_generate_request("r")
+    assert completion.logprobs and completion.sampling.logprobs == 3
+    body = {"messages": [{"role": "user", "content": "x"}], "logprobs": True, "top_logprobs": 2}
+    chat = parse_chat(body, MODEL).to_generate_request("r")
+    assert chat.logprobs and chat.sampling.logprobs == 2
+    plain = parse_completion({"prompt": "x"}, MODEL).to_generate_request("r")
+    assert not plain.logprobs and not plain.sampling.HasField("logprobs")
+
+
+def test_sample_i_of_a_seeded_request_uses_seed_plus_i() -> None:
+    parsed = parse_completion({"prompt": "x", "n": 3, "seed": 41}, MODEL)
+    assert parsed.n == 3
+    assert [parsed.to_generate_request("r", i).sampling.seed for i in range(3)] == [41, 42, 43]
+    unseeded = parse_completion({"prompt": "x", "n": 2}, MODEL).to_generate_request("r", 1)
+    assert not unseeded.sampling.HasField("seed")
+
+
+def test_unsupported_parameters_holding_their_unused_value_are_accepted() -> None:
+    body = {
+        "messages": [{"role": "user", "content": "x"}],
+        "tools": [],
+        "tool_choice": "none",
+        "response_format": {"type": "text"},
+        "user": "someone",
+    }
+    assert parse_chat(body, MODEL).prompt == [{"role": "user", "content": "x"}]
+    assert parse_completion({"prompt": "x", "echo": False, "best_of": 1}, MODEL).prompt == "x"
+
+
+def test_a_refused_parameter_is_named_in_the_message() -> None:
+    error = _refused(parse_chat, {"messages": [{"role": "user", "content": "x"}], "tools": [{"a": 1}]})
+    assert error.message.startswith("tools=") and "not supported" in error.message
+    error = _refused(parse_completion, {"prompt": "x", "frobnicate": True})
+    assert "frobnicate" in error.message
+    error = _refused(parse_completion, {"prompt": "x", "stop_token_ids": [1, -2]})
+    assert error.param == "stop_token_ids" and "stop_token_ids[1]=-2" in error.message

@@ -4,9 +4,13 @@ from __future__ import annotations
 
 import json
 
+import pytest
+from openai.types import Completion
+from openai.types.chat import ChatCompletion
+
 from pcpstack.gateway.openai_requests import parse_chat, parse_completion
 from pcpstack.gateway.openai_responses import ResponseShaper, sse, token_logprobs
-from pcpstack.v1 import decode_pb2
+from pcpstack.v1 import common_pb2, decode_pb2
 
 MODEL = "m"
 SUMMARY = decode_pb2.GenerateSummary(
@@ -31,7 +35,7 @@ def test_completion_response_has_text_finish_reason_and_usage() -> None:
     shaper = ResponseShaper(parse_completion({"prompt": "x"}, MODEL), "cmpl-1", 100)
     for delta in _deltas():
         shaper.add(delta)
-    body = shaper.response(SUMMARY)
+    body = shaper.response([SUMMARY])
     assert body["object"] == "text_completion" and body["id"] == "cmpl-1" and body["model"] == MODEL
     assert body["choices"] == [{"index": 0, "text": "Hello", "logprobs": None, "finish_reason": "length"}]
     assert body["usage"] == {"prompt_tokens": 5, "completion_tokens": 2, "total_tokens": 7}
@@ -41,7 +45,7 @@ def test_completion_logprobs_carry_tokens_and_text_offsets() -> None:
     shaper = ResponseShaper(parse_completion({"prompt": "x", "logprobs": 0}, MODEL), "c", 0)
     for delta in _deltas():
         shaper.add(delta)
-    logprobs = shaper.response(SUMMARY)["choices"][0]["logprobs"]
+    logprobs = shaper.response([SUMMARY])["choices"][0]["logprobs"]
     assert logprobs["tokens"] == ["Hel", "lo"]
     assert logprobs["token_logprobs"] == [None, -0.5]
     assert logprobs["text_offset"] == [0, 3]
@@ -52,7 +56,7 @@ def test_chat_response_is_an_assistant_message_with_logprobs() -> None:
     shaper = ResponseShaper(parse_chat(body, MODEL), "chatcmpl-1", 0)
     for delta in _deltas():
         shaper.add(delta)
-    choice = shaper.response(SUMMARY)["choices"][0]
+    choice = shaper.response([SUMMARY])["choices"][0]
     assert choice["message"] == {"role": "assistant", "content": "Hello"}
     assert [t["logprob"] for t in choice["logprobs"]["content"]] == [None, -0.5]
     assert choice["logprobs"]["content"][1]["bytes"] == list(b"lo")
@@ -67,7 +71,7 @@ def test_chat_stream_opens_with_the_role_and_closes_with_finish_reason_then_usag
     shaper = ResponseShaper(parse_chat(body, MODEL), "chatcmpl-1", 0)
     chunks = [*shaper.opening_chunks(), *(shaper.delta_chunk(d) for d in _deltas())]
     summary = decode_pb2.GenerateSummary(finish_reason=decode_pb2.FINISH_REASON_STOP, prompt_tokens=1)
-    chunks += shaper.closing_chunks(summary)
+    chunks += shaper.finish_chunks(summary) + shaper.usage_chunks([summary])
     assert all(c["object"] == "chat.completion.chunk" for c in chunks)
     assert chunks[0]["choices"][0]["delta"] == {"role": "assistant", "content": ""}
     assert "".join(c["choices"][0]["delta"].get("content", "") for c in chunks[:-1]) == "Hello"
@@ -88,3 +92,71 @@ def test_sse_frames_one_json_event() -> None:
     frame = sse({"a": 1})
     assert frame.startswith(b"data: ") and frame.endswith(b"\n\n")
     assert json.loads(frame[6:]) == {"a": 1}
+
+
+def _alternatives_delta() -> decode_pb2.TokenDelta:
+    """Two tokens, each with its logprob and two alternatives (the first token's included, as decode
+    reports them with sampling.logprobs)."""
+    entries = [
+        common_pb2.TokenLogprobs(
+            chosen=common_pb2.TokenLogprob(token_id=10, logprob=-0.1, text="Hel"),
+            top=[
+                common_pb2.TokenLogprob(token_id=10, logprob=-0.1, text="Hel"),
+                common_pb2.TokenLogprob(token_id=12, logprob=-2.5, text="Hi"),
+            ],
+        ),
+        common_pb2.TokenLogprobs(
+            chosen=common_pb2.TokenLogprob(token_id=11, logprob=-0.7, text="lo"),
+            top=[
+                common_pb2.TokenLogprob(token_id=13, logprob=-0.6, text="p"),
+                common_pb2.TokenLogprob(token_id=11, logprob=-0.7, text="lo"),
+            ],
+        ),
+    ]
+    return decode_pb2.TokenDelta(
+        token_ids=[10, 11], text="Hello", logprobs=[-0.1, -0.7], token_logprobs=entries
+    )
+
+
+def test_chat_top_logprobs_validate_as_openai_types_with_the_first_token_included() -> None:
+    body = {"messages": [{"role": "user", "content": "x"}], "logprobs": True, "top_logprobs": 2}
+    shaper = ResponseShaper(parse_chat(body, MODEL), "chatcmpl-1", 0)
+    shaper.add(_alternatives_delta())
+    response = ChatCompletion.model_validate(shaper.response([SUMMARY]))
+    content = response.choices[0].logprobs.content
+    assert [t.logprob for t in content] == pytest.approx([-0.1, -0.7])
+    assert [[a.token for a in t.top_logprobs] for t in content] == [["Hel", "Hi"], ["p", "lo"]]
+
+
+def test_completion_top_logprobs_map_each_token_to_its_alternatives() -> None:
+    shaper = ResponseShaper(parse_completion({"prompt": "x", "logprobs": 2}, MODEL), "c", 0)
+    shaper.add(_alternatives_delta())
+    logprobs = Completion.model_validate(shaper.response([SUMMARY])).choices[0].logprobs
+    assert logprobs.tokens == ["Hel", "lo"] and logprobs.text_offset == [0, 3]
+    assert logprobs.token_logprobs == pytest.approx([-0.1, -0.7])
+    assert logprobs.top_logprobs[1] == pytest.approx({"p": -0.6, "lo": -0.7})
+
+
+def test_n_choices_are_indexed_and_usage_counts_the_prompt_once() -> None:
+    shaper = ResponseShaper(parse_completion({"prompt": "x", "n": 2}, MODEL), "c", 0)
+    shaper.add(decode_pb2.TokenDelta(token_ids=[1], text="a"), 0)
+    shaper.add(decode_pb2.TokenDelta(token_ids=[2], text="b"), 1)
+    length, stop = decode_pb2.FINISH_REASON_LENGTH, decode_pb2.FINISH_REASON_STOP
+    summaries = [
+        decode_pb2.GenerateSummary(finish_reason=length, prompt_tokens=5, completion_tokens=1),
+        decode_pb2.GenerateSummary(finish_reason=stop, prompt_tokens=5, completion_tokens=3),
+    ]
+    response = Completion.model_validate(shaper.response(summaries))
+    choices = [(c.index, c.text, c.finish_reason) for c in response.choices]
+    assert choices == [(0, "a", "length"), (1, "b", "stop")]
+    assert (response.usage.prompt_tokens, response.usage.completion_tokens) == (5, 4)
+
+
+def test_a_stop_string_is_shown_only_when_include_stop_str_in_output() -> None:
+    summary = decode_pb2.GenerateSummary(finish_reason=decode_pb2.FINISH_REASON_STOP, matched_stop="END")
+    for include, text in ((True, "abcEND"), (False, "abc")):
+        body = {"prompt": "x", "stop": ["END"], "include_stop_str_in_output": include, "stream": True}
+        shaper = ResponseShaper(parse_completion(body, MODEL), "c", 0)
+        delta = decode_pb2.TokenDelta(token_ids=[1], text="abc")
+        chunks = [shaper.delta_chunk(delta), *shaper.finish_chunks(summary)]
+        assert "".join(c["choices"][0]["text"] for c in chunks) == text
