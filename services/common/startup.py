@@ -21,7 +21,7 @@ import contextlib
 import logging
 import signal
 import sys
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Iterator
 from dataclasses import dataclass, fields
 from typing import Any, ClassVar, TypeVar
 
@@ -37,6 +37,7 @@ from pcpstack.common.config import (
     parse_overrides,
     role_config,
 )
+from pcpstack.common.errors import Unavailable
 from pcpstack.common.logs import setup_logging
 from pcpstack.common.server import DEFAULT_MAX_MESSAGE_BYTES, RunningServer, ServerOptions
 from pcpstack.common.telemetry import setup_telemetry, shutdown_telemetry
@@ -108,7 +109,9 @@ def add_node_arguments(parser: argparse.ArgumentParser, role: str) -> None:
     parser.add_argument(
         "--model", default=None, help="model: a .gguf file, a HF folder, 'tiny'; default SmolLM2"
     )
-    parser.add_argument("--max-message-bytes", type=int, default=DEFAULT_MAX_MESSAGE_BYTES)
+    parser.add_argument(
+        "--max-message-bytes", type=int, default=DEFAULT_MAX_MESSAGE_BYTES, help="largest gRPC message"
+    )
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -186,6 +189,48 @@ class Serving:
             await running.stop()
 
         return cls(drain, running.wait_for_termination())
+
+
+class DrainGate:
+    """The requests a service is running, and the gate new ones pass: once closed (the service drains), a
+    new request is refused Unavailable, so its client retries elsewhere, while running ones may finish."""
+
+    def __init__(self) -> None:
+        self._running = 0
+        self._closed = False
+        self._idle = asyncio.Event()
+        self._idle.set()
+
+    @property
+    def running(self) -> int:
+        """Requests admitted and not finished."""
+        return self._running
+
+    @contextlib.contextmanager
+    def admit(self) -> Iterator[None]:
+        """Holds one request while it runs; raises Unavailable once the gate is closed."""
+        if self._closed:
+            raise Unavailable("this worker is draining (shutting down): send the request to another one")
+        self._running += 1
+        self._idle.clear()
+        try:
+            yield
+        finally:
+            self._running -= 1
+            if self._running == 0:
+                self._idle.set()
+
+    def close(self) -> None:
+        """Refuses every request from now on."""
+        self._closed = True
+
+    async def wait_idle(self, timeout_s: float) -> bool:
+        """Waits until no request runs, at most timeout_s seconds; whether none runs."""
+        try:
+            await asyncio.wait_for(self._idle.wait(), timeout_s)
+        except TimeoutError:
+            return False
+        return True
 
 
 async def serve_until_stopped(serving: Serving) -> bool:

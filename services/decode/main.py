@@ -4,6 +4,9 @@ The worker loads the model, registers with the registry (role decode, PCP size 1
 requests are prefilled on ready PCP sets found through the registry and decoded here with continuous batching.
 The flags become a DecodeConfig, checked before torch and the model are loaded (they are imported when the
 worker starts), so a bad flag is refused at once.
+
+On SIGTERM the worker drains: it deregisters (routers stop sending it work), refuses new requests with
+UNAVAILABLE, lets running streams finish for up to --drain-seconds, then stops.
 """
 
 from __future__ import annotations
@@ -11,6 +14,8 @@ from __future__ import annotations
 import argparse
 import logging
 import socket
+from collections.abc import AsyncIterator
+from contextlib import aclosing
 from dataclasses import dataclass
 from typing import ClassVar
 
@@ -22,6 +27,7 @@ from pcpstack.common.config import (
 )
 from pcpstack.common.server import start_server
 from pcpstack.common.startup import (
+    DrainGate,
     NodeConfig,
     Serving,
     add_node_arguments,
@@ -40,7 +46,15 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--max-batch", type=int, default=16, help="most sequences in one decode step")
     parser.add_argument("--kv-cache-tokens", type=int, default=32768, help="tokens the paged KV cache holds")
     parser.add_argument("--prefill-timeout", type=float, default=300.0, help="seconds a prefill may take")
-    parser.add_argument("--kv-lease-ms", type=int, default=0, help="lease of replicas in the store")
+    parser.add_argument(
+        "--kv-lease-ms", type=int, default=0, help="lease of replicas in the store (default 0: the store's)"
+    )
+    parser.add_argument(
+        "--drain-seconds",
+        type=float,
+        default=30.0,
+        help="on SIGTERM, how long running streams may take to finish before they are cancelled",
+    )
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -55,6 +69,7 @@ class DecodeConfig(NodeConfig):
     kv_cache_tokens: int = 32768
     prefill_timeout: float = 300.0
     kv_lease_ms: int = 0
+    drain_seconds: float = 30.0
 
     def __post_init__(self) -> None:
         super().__post_init__()
@@ -63,6 +78,20 @@ class DecodeConfig(NodeConfig):
         check_positive("--kv-cache-tokens", self.kv_cache_tokens)
         check_positive("--prefill-timeout", self.prefill_timeout)
         check_non_negative("--kv-lease-ms", self.kv_lease_ms, "0: the store's default")
+        check_non_negative("--drain-seconds", self.drain_seconds)
+
+
+def gate_generate(servicer, gate: DrainGate) -> None:
+    """Makes the servicer's Generate pass `gate`: counted while it streams, refused once the gate closes."""
+    generate = servicer.Generate
+
+    async def gated(request, context) -> AsyncIterator:
+        with gate.admit():
+            async with aclosing(generate(request, context)) as stream:
+                async for message in stream:
+                    yield message
+
+    servicer.Generate = gated
 
 
 async def start(config: DecodeConfig) -> Serving:
@@ -103,6 +132,8 @@ async def start(config: DecodeConfig) -> Serving:
     )
     pipeline = GeneratePipeline(engine, batcher, router, settings)
     servicer = DecodeServicer(pipeline)
+    gate = DrainGate()
+    gate_generate(servicer, gate)
     running = await start_server(
         lambda server: decode_pb2_grpc.add_DecodeServiceServicer_to_server(servicer, server),
         [SERVICE_NAME],
@@ -124,7 +155,16 @@ async def start(config: DecodeConfig) -> Serving:
     print(f"decode worker {node_id} listening on {address}", flush=True)
 
     async def before_stop() -> None:
-        await registry.close()
+        await registry.close(deregister=True)  # first: routers stop picking this worker
+        gate.close()
+        if gate.running:
+            log.info(
+                "draining: waiting up to %.0f s for %d running stream(s)", config.drain_seconds, gate.running
+            )
+            if await gate.wait_idle(config.drain_seconds):
+                log.info("drained: every running stream finished")
+            else:
+                log.warning("drain time over: cancelling %d running stream(s)", gate.running)
         await resolver.close()
         batcher.close()
         await pipeline.close()
