@@ -13,6 +13,7 @@ from __future__ import annotations
 import logging
 import queue
 import threading
+import time
 from collections import deque
 from collections.abc import Callable, Hashable
 from dataclasses import dataclass, field
@@ -20,11 +21,17 @@ from dataclasses import dataclass, field
 import torch
 
 from pcpstack.common.errors import Internal, ResourceExhausted, ServiceError
+from pcpstack.common.telemetry import latency_histogram, meter
 from pcpstack.engine.engine import Engine
 from pcpstack.engine.kv_cache import blocks_needed
 from pcpstack.engine.sampling import SamplingParams, StopChecker, make_generator, sample_batch
 
 log = logging.getLogger(__name__)
+_queue_time = latency_histogram(
+    meter("pcpstack.decode"),
+    "pcpstack.request_queue_time",
+    "seconds a request waited in the batch queue for KV blocks before it started decoding",
+)
 
 
 @dataclass
@@ -64,6 +71,8 @@ class DecodeRequest:
     logprobs: bool = False
     generator: torch.Generator | None = field(default=None, repr=False)
     blocks: int = 0
+    # When it was submitted: its queue time ends when it is admitted.
+    submitted_at: float = field(default_factory=time.monotonic)
 
     @property
     def last_token(self) -> int:
@@ -96,6 +105,16 @@ class Batcher:
     def active(self) -> int:
         """Requests decoding now."""
         return len(self._active)
+
+    @property
+    def waiting(self) -> int:
+        """Requests queued for KV blocks, not decoding yet."""
+        return len(self._waiting)
+
+    @property
+    def kv_usage(self) -> float:
+        """The fraction of the cache's blocks reserved by admitted requests (prompt plus max_tokens each)."""
+        return self._reserved_blocks / self.engine.cache.num_blocks
 
     def submit(self, request: DecodeRequest) -> None:
         """Queues a request; its first token is emitted as soon as it is admitted."""
@@ -184,6 +203,7 @@ class Batcher:
             request.kv = torch.empty(0)  # the cache holds it now
             request.generator = make_generator(request.params.seed)
             self._active[request.seq_id] = request
+            _queue_time.record(time.monotonic() - request.submitted_at)
 
     def _step(self) -> None:
         batch = list(self._active.values())[: self.max_batch]

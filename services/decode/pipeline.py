@@ -29,7 +29,7 @@ from pcpstack.common.errors import InvalidArgument, ServiceError, Unavailable, e
 from pcpstack.common.ids import check_request_id
 from pcpstack.common.logs import request_id_var
 from pcpstack.common.rpc_errors import error_from_rpc
-from pcpstack.common.telemetry import current_trace_id, meter, tracer
+from pcpstack.common.telemetry import current_trace_id, latency_histogram, meter, tracer
 from pcpstack.decode.batcher import Batcher, DecodeRequest, TokenEvent, accept_token
 from pcpstack.decode.router import NoReadySet, SetRouter
 from pcpstack.engine.engine import Engine
@@ -44,8 +44,21 @@ log = logging.getLogger(__name__)
 _tracer = tracer(__name__)
 _meter = meter("pcpstack.decode")
 _requests = _meter.create_counter("pcpstack.decode.requests", description="Generate requests by outcome")
-_ttft = _meter.create_histogram("pcpstack.decode.ttft", unit="s", description="time to first token")
-_tpot = _meter.create_histogram("pcpstack.decode.time_per_output_token", unit="s")
+# vLLM's request metrics, under pcpstack: (common.telemetry explains the names).
+_ttft = latency_histogram(_meter, "pcpstack.time_to_first_token", "seconds from arrival to the first token")
+_tpot = latency_histogram(
+    _meter, "pcpstack.time_per_output_token", "mean seconds per output token after the first, per request"
+)
+_e2e = latency_histogram(_meter, "pcpstack.e2e_request_latency", "seconds from arrival to the last token")
+_prefill_time = latency_histogram(
+    _meter, "pcpstack.request_prefill_time", "seconds from arrival to the PCP set's answer"
+)
+_kv_fetch_time = latency_histogram(_meter, "pcpstack.kv_fetch_time", "seconds to read a KV replica")
+_prompt_tokens = _meter.create_counter("pcpstack.prompt_tokens", "{token}", "prompt tokens prefilled")
+_generation_tokens = _meter.create_counter("pcpstack.generation_tokens", "{token}", "tokens generated")
+_success = _meter.create_counter(
+    "pcpstack.request_success", "{request}", "requests that finished, by finished_reason"
+)
 _kv_bytes = _meter.create_counter("pcpstack.decode.kv_bytes_fetched", unit="By")
 # Without a deadline from the caller a request still ends some time.
 _DEFAULT_DEADLINE_S = 3600.0
@@ -149,6 +162,22 @@ class GeneratePipeline:
             callbacks=[lambda _: [Observation(batcher.queue_depth)]],
             description="requests waiting for KV blocks or decoding",
         )
+        _meter.create_observable_gauge(
+            "pcpstack.num_requests_running",
+            callbacks=[lambda _: [Observation(batcher.active)]],
+            description="requests in the decode batch",
+        )
+        _meter.create_observable_gauge(
+            "pcpstack.num_requests_waiting",
+            # Waiting as vLLM means it: arrived and not decoding yet (in prefill, or queued for blocks).
+            callbacks=[lambda _: [Observation(self._prefilling + batcher.waiting)]],
+            description="requests in prefill or queued for KV blocks",
+        )
+        _meter.create_observable_gauge(
+            "pcpstack.kv_cache_usage_perc",
+            callbacks=[lambda _: [Observation(batcher.kv_usage)]],
+            description="fraction of the decode KV cache's blocks in use (0 to 1)",
+        )
 
     @property
     def prefills_in_flight(self) -> int:
@@ -223,6 +252,8 @@ class GeneratePipeline:
                     raise
                 span.set_attribute("pcpstack.prompt_tokens", len(ids))
                 reply = await self._prefill(request_id, ids, request.sampling, deadline)
+                _prefill_time.record(time.monotonic() - arrived)
+                _prompt_tokens.add(len(ids))
                 # aclosing here and below: a request closed at a yield cleans up at once, not when collected.
                 async with aclosing(self._decode(request_id, ids, request, reply, arrived)) as events:
                     async for event in events:
@@ -274,6 +305,9 @@ class GeneratePipeline:
         done = time.monotonic()
         if count > 1 and first_at is not None:
             _tpot.record((done - first_at) / (count - 1))
+        _e2e.record(done - arrived)
+        _generation_tokens.add(count)
+        _success.add(1, {"finished_reason": checker.finish_reason or "cancelled"})
         yield Summary(
             request_id=request_id,
             # No reason of its own: the batch ended it (the worker is stopping).
@@ -404,6 +438,7 @@ class GeneratePipeline:
     async def _fetch_kv(self, handle: common_pb2.KvHandle) -> torch.Tensor:
         """The replica as a tensor [layers, 2, tokens, kv_heads, head_dim]; Unavailable when it cannot."""
         layout = self.engine.layout
+        started = time.monotonic()
         with _tracer.start_as_current_span("decode.kv_fetch") as span:
             span.set_attribute("pcpstack.kv_bytes", handle.total_bytes)
             try:
@@ -413,6 +448,7 @@ class GeneratePipeline:
             except Exception as exc:
                 raise Unavailable(f"could not fetch the KV replica: {exc}") from exc
         _kv_bytes.add(len(data))
+        _kv_fetch_time.record(time.monotonic() - started)
         kv = torch.frombuffer(bytearray(data) if isinstance(data, bytes) else data, dtype=layout.torch_dtype)
         return kv.view(layout.num_layers, 2, handle.num_tokens, layout.num_kv_heads, layout.head_dim)
 
