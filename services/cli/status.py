@@ -1,23 +1,111 @@
-"""Show the cluster as the registry sees it: nodes and PCP sets as tables, and where routers are sent."""
+"""Show the cluster: nodes (with their model) and PCP sets as the registry sees them, where routers are sent,
+how full each KV store is, and whether the OpenAI gateway answers; as tables, or as JSON with --json, once or
+every N seconds with --watch N.
+"""
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import json
 import sys
+import time
+import urllib.error
+import urllib.request
+from dataclasses import asdict, dataclass, field
 
 import grpc
+from google.protobuf.json_format import MessageToDict
 
 from pcpstack.common.channel import open_channel
 from pcpstack.common.errors import ServiceError
+from pcpstack.kvstore.client import KvStoreClient
 from pcpstack.registry.client import Resolution, Resolver
+from pcpstack.registry.main import DEFAULT_PORT as REGISTRY_PORT
 from pcpstack.v1 import common_pb2, registry_pb2, registry_pb2_grpc
+
+DEFAULT_GATEWAY = "http://127.0.0.1:8000"
+# Moves the cursor home and clears a terminal, so each --watch refresh replaces the last.
+_CLEAR_SCREEN = "\x1b[H\x1b[2J"
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     """`pcpstack status` options."""
-    parser.add_argument("--registry", default="127.0.0.1:7000", help="registry HOST:PORT")
-    parser.add_argument("--timeout", type=float, default=5.0, help="seconds to wait for the registry")
+    parser.add_argument("--registry", default=f"127.0.0.1:{REGISTRY_PORT}", help="registry HOST:PORT")
+    parser.add_argument("--timeout", type=float, default=5.0, help="seconds to wait for each service")
+    parser.add_argument(
+        "--gateway",
+        default=DEFAULT_GATEWAY,
+        help="the OpenAI gateway's base URL, as `pcpstack up` prints it without /v1; '' skips it",
+    )
+    parser.add_argument("--api-key", default="", help="the gateway's API key, when it asks for one")
+    parser.add_argument("--json", action="store_true", help="print one JSON object instead of tables")
+    parser.add_argument(
+        "--watch",
+        type=float,
+        default=0.0,
+        metavar="SECONDS",
+        help="refresh every SECONDS until Ctrl-C; 0: print once",
+    )
+
+
+@dataclass
+class KvStoreUsage:
+    """One KV store's Stat answer, or why there is none."""
+
+    address: str
+    objects: int = 0
+    bytes: int = 0
+    pinned_bytes: int = 0
+    capacity_bytes: int = 0
+    evictions: int = 0
+    error: str = ""
+
+    @property
+    def used_fraction(self) -> float:
+        """Bytes held over the memory budget (0 when the budget is unknown)."""
+        return self.bytes / self.capacity_bytes if self.capacity_bytes else 0.0
+
+
+@dataclass
+class GatewayStatus:
+    """What the gateway answered: /health, and the models of /v1/models."""
+
+    url: str
+    healthy: bool = False
+    models: list[str] = field(default_factory=list)
+    error: str = ""
+
+
+@dataclass
+class ClusterStatus:
+    """Everything `pcpstack status` shows, fetched at one moment."""
+
+    registry: str
+    nodes: registry_pb2.ListNodesResponse
+    sets: registry_pb2.ListSetsResponse
+    routing: Resolution
+    kvstores: list[KvStoreUsage]
+    gateway: GatewayStatus | None
+
+    def to_json(self) -> dict:
+        """The status as JSON-ready data (proto messages in their canonical JSON mapping)."""
+        return {
+            "registry": self.registry,
+            "nodes": MessageToDict(self.nodes).get("nodes", []),
+            "sets": MessageToDict(self.sets).get("sets", []),
+            "routing": {
+                "warming": self.routing.warming,
+                "prefill": [
+                    {"set_id": e.set_id, "generation": e.generation, "address": e.address}
+                    for e in self.routing.prefill_sets
+                ],
+                "decode": [e.address for e in self.routing.decode],
+                "kvstore": [e.address for e in self.routing.kvstore],
+            },
+            "kvstores": [{**asdict(k), "used_fraction": round(k.used_fraction, 6)} for k in self.kvstores],
+            "gateway": asdict(self.gateway) if self.gateway is not None else None,
+        }
 
 
 def _table(headers: list[str], rows: list[list[str]]) -> str:
@@ -59,6 +147,7 @@ def render(
                 _name(registry_pb2.NodeState, n.state, "NODE_STATE_"),
                 f"{a.set_id}@{a.generation}" if a.set_id else "-",
                 str(a.node_rank) if a.set_id else "-",
+                n.model or "-",
                 f"{n.last_seen_ms_ago / 1000:.1f}s",
                 str(n.load),
                 n.last_error or "",
@@ -81,7 +170,8 @@ def render(
         [
             f"NODES ({len(node_rows)})",
             _table(
-                ["NODE", "ROLE", "ADDRESS", "STATE", "SET@GEN", "RANK", "SEEN", "LOAD", "ERROR"], node_rows
+                ["NODE", "ROLE", "ADDRESS", "STATE", "SET@GEN", "RANK", "MODEL", "SEEN", "LOAD", "ERROR"],
+                node_rows,
             ),
             "",
             f"PCP SETS ({len(set_rows)})",
@@ -91,27 +181,124 @@ def render(
     )
 
 
-async def _fetch(address: str, timeout: float) -> str:
-    async with open_channel(address, default_deadline=timeout) as channel:
+def _mib(n: int) -> str:
+    return f"{n / 2**20:.1f} MiB"
+
+
+def render_usage(kvstores: list[KvStoreUsage], gateway: GatewayStatus | None) -> str:
+    """The KV STORES table and the GATEWAY line."""
+    rows = [
+        [k.address, "-", "-", "-", "-", "-", k.error]
+        if k.error
+        else [
+            k.address,
+            str(k.objects),
+            _mib(k.bytes),
+            _mib(k.capacity_bytes),
+            f"{100 * k.used_fraction:.1f}%",
+            _mib(k.pinned_bytes),
+            "",
+        ]
+        for k in kvstores
+    ]
+    lines = [
+        "",
+        f"KV STORES ({len(rows)})",
+        _table(["ADDRESS", "OBJECTS", "USED", "CAPACITY", "USE", "PINNED", "ERROR"], rows),
+    ]
+    if gateway is not None:
+        state = "up" if gateway.healthy else f"down ({gateway.error})" if gateway.error else "down"
+        models = f", models: {', '.join(gateway.models)}" if gateway.models else ""
+        lines += ["", f"GATEWAY {gateway.url}/v1: {state}{models}"]
+    return "\n".join(lines)
+
+
+async def _kvstore_usage(address: str, timeout: float) -> KvStoreUsage:
+    client = KvStoreClient(address, prefer_shm=False, deadline_s=timeout)
+    try:
+        stat = await client.stat()
+    except (grpc.aio.AioRpcError, ServiceError) as exc:
+        return KvStoreUsage(
+            address, error=str(exc.details() if isinstance(exc, grpc.aio.AioRpcError) else exc)
+        )
+    finally:
+        await client.close()
+    return KvStoreUsage(
+        address, stat.objects, stat.bytes, stat.pinned_bytes, stat.capacity_bytes, stat.evictions
+    )
+
+
+def gateway_status(url: str, timeout: float, api_key: str = "") -> GatewayStatus:
+    """Asks the gateway's /health and /v1/models."""
+    found = GatewayStatus(url.rstrip("/"))
+    headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+    try:
+        with urllib.request.urlopen(f"{found.url}/health", timeout=timeout) as answer:
+            found.healthy = answer.status == 200
+        request = urllib.request.Request(f"{found.url}/v1/models", headers=headers)
+        with urllib.request.urlopen(request, timeout=timeout) as answer:
+            found.models = [m["id"] for m in json.loads(answer.read()).get("data", [])]
+    except urllib.error.HTTPError as exc:
+        found.error = f"HTTP {exc.code} from {exc.url}"
+    except (OSError, ValueError) as exc:
+        found.error = str(getattr(exc, "reason", exc))
+    return found
+
+
+async def fetch(args: argparse.Namespace) -> ClusterStatus:
+    """The cluster's status now; raises grpc.aio.AioRpcError or ServiceError when the registry fails."""
+    async with open_channel(args.registry, default_deadline=args.timeout) as channel:
         stub = registry_pb2_grpc.RegistryServiceStub(channel)
         nodes = await stub.ListNodes(registry_pb2.ListNodesRequest())
         sets = await stub.ListSets(registry_pb2.ListSetsRequest())
-    resolver = Resolver(address, rpc_deadline_s=timeout)
+    resolver = Resolver(args.registry, rpc_deadline_s=args.timeout)
     try:
         routing = await resolver.resolve()
     finally:
         await resolver.close()
-    return render(nodes, sets, routing)
+    kvstores = list(await asyncio.gather(*(_kvstore_usage(e.address, args.timeout) for e in routing.kvstore)))
+    gateway = None
+    if args.gateway:
+        gateway = await asyncio.to_thread(gateway_status, args.gateway, args.timeout, args.api_key)
+    return ClusterStatus(args.registry, nodes, sets, routing, kvstores, gateway)
 
 
-def run(args: argparse.Namespace) -> int:
-    """Prints the tables; exit status 1 when the registry cannot be reached."""
+def _show(args: argparse.Namespace) -> int:
+    """Prints the status once; 1 when the registry cannot be reached."""
     try:
-        print(asyncio.run(_fetch(args.registry, args.timeout)))
+        status = asyncio.run(fetch(args))
     except grpc.aio.AioRpcError as exc:
         print(f"registry {args.registry} unreachable: {exc.code().name}: {exc.details()}", file=sys.stderr)
         return 1
     except ServiceError as exc:
         print(f"registry {args.registry}: {exc}", file=sys.stderr)
         return 1
+    if args.json:
+        print(json.dumps(status.to_json()), flush=True)
+    else:
+        tables = render(status.nodes, status.sets, status.routing)
+        print(f"{tables}\n{render_usage(status.kvstores, status.gateway)}", flush=True)
     return 0
+
+
+def run(args: argparse.Namespace) -> int:
+    """Prints the status once, or with --watch every N seconds until Ctrl-C (then exit status 0)."""
+    if args.watch < 0:
+        print(f"pcpstack status: --watch={args.watch}: must be >= 0 (0: print once)", file=sys.stderr)
+        return 2
+    if not args.watch:
+        return _show(args)
+    # A terminal gets the screen redrawn; a pipe gets one report (JSON: one line) per refresh.
+    clear = sys.stdout.isatty() and not args.json
+    try:
+        while True:
+            if clear:
+                print(_CLEAR_SCREEN, end="")
+            if not args.json:
+                print(
+                    f"pcpstack status, every {args.watch:g} s (Ctrl-C stops) at {time.strftime('%H:%M:%S')}"
+                )
+            _show(args)
+            time.sleep(args.watch)
+    except KeyboardInterrupt:
+        return 0
