@@ -157,13 +157,13 @@ def test_loopback_mapping_rewrites_hosts_and_mounts_but_not_identities(compose: 
     local = local_command("prefill-1", compose["services"]["prefill-1"], hosts)
     assert local.args[:2] == ["serve", "prefill"]
     assert option(local.args, "--host") == option(local.args, "--advertise") == hosts["prefill-1"]
-    assert option(local.args, "--registry") == f"{hosts['registry']}:50051"
+    assert option(local.args, "--registry") == f"{hosts['registry']}:7000"
     assert option(local.args, "--kvstore") == f"{hosts['kvstore']}:50053"
     assert option(local.args, "--node-id") == "prefill-1"
     assert Path(option(local.args, "--config")) == COMPOSE_DIR / "prefill.json"
     assert len(set(hosts.values())) == len(hosts) and all(h.startswith("127.") for h in hosts.values())
     registry = local_command("registry", compose["services"]["registry"], hosts)
-    assert registry.args[:2] == ["serve", "registry"] and registry.address == f"{hosts['registry']}:50051"
+    assert registry.args[:2] == ["serve", "registry"] and registry.address == f"{hosts['registry']}:7000"
 
 
 def loopback_commands(compose: dict[str, Any]) -> list[LocalCommand]:
