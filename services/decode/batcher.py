@@ -15,7 +15,7 @@ import queue
 import threading
 import time
 from collections import deque
-from collections.abc import Callable, Hashable
+from collections.abc import Callable, Hashable, Sequence
 from dataclasses import dataclass, field
 
 import torch
@@ -24,7 +24,16 @@ from pcpstack.common.errors import Internal, ResourceExhausted, ServiceError
 from pcpstack.common.telemetry import latency_histogram, meter
 from pcpstack.engine.engine import Engine
 from pcpstack.engine.kv_cache import blocks_needed
-from pcpstack.engine.sampling import SamplingParams, StopChecker, make_generator, sample_batch
+from pcpstack.engine.sampling import (
+    SamplingParams,
+    StopChecker,
+    TokenHistory,
+    TokenLogprobs,
+    make_generator,
+    raw_logprobs,
+    sample_batch,
+    token_logprobs,
+)
 
 log = logging.getLogger(__name__)
 _queue_time = latency_histogram(
@@ -43,18 +52,24 @@ class TokenEvent:
     logprob: float | None = None
     finish_reason: str | None = None
     error: ServiceError | None = None
+    # The token's log-probability with its alternatives, when the request asked for them.
+    logprobs: TokenLogprobs | None = None
 
 
-def accept_token(checker: StopChecker, token: int, logprob: float | None) -> TokenEvent | None:
+def accept_token(checker: StopChecker, token: int, logprobs: TokenLogprobs | None) -> TokenEvent | None:
     """Records one sampled token; returns what to stream (None when nothing shows yet).
 
     Stop and EOS tokens end the request without being part of the answer, and text that may still turn
-    into a stop string is held back; `checker.finish_reason` says when the request is done.
+    into a stop string is held back; `checker.finish_reason` says when the request is done. `logprobs`
+    travels with the token only when the token is emitted.
     """
     kept_before = len(checker.token_ids)
     text = checker.push(token)
     emitted = token if len(checker.token_ids) > kept_before else None
-    return TokenEvent(emitted, text, logprob) if emitted is not None or text else None
+    if emitted is None:
+        return TokenEvent(None, text) if text else None
+    value = None if logprobs is None else logprobs.logprob
+    return TokenEvent(emitted, text, value, logprobs=logprobs)
 
 
 @dataclass
@@ -68,11 +83,25 @@ class DecodeRequest:
     checker: StopChecker
     params: SamplingParams
     emit: Callable[[TokenEvent], None]
+    # Asks for log-probabilities even when params.logprobs is unset (then without alternatives).
     logprobs: bool = False
     generator: torch.Generator | None = field(default=None, repr=False)
     blocks: int = 0
+    # The prompt, for the repetition penalty (empty: the penalty sees the generated tokens only).
+    prompt_ids: Sequence[int] = ()
     # When it was submitted: its queue time ends when it is admitted.
     submitted_at: float = field(default_factory=time.monotonic)
+
+    @property
+    def top_logprobs(self) -> int | None:
+        """How many alternatives each token's log-probabilities list; None: no log-probabilities."""
+        if self.params.logprobs is not None:
+            return self.params.logprobs
+        return 0 if self.logprobs else None
+
+    def history(self) -> TokenHistory:
+        """What this request's logits processors look at now."""
+        return TokenHistory(self.prompt_ids, self.checker.token_ids, self.checker.stop_ids)
 
     @property
     def last_token(self) -> int:
@@ -208,19 +237,24 @@ class Batcher:
     def _step(self) -> None:
         batch = list(self._active.values())[: self.max_batch]
         logits = self.engine.decode_step([r.seq_id for r in batch], [r.last_token for r in batch])
-        tokens = sample_batch(logits, [r.params for r in batch], [r.generator for r in batch])
-        want_logprobs = any(r.logprobs for r in batch)
-        logprobs = torch.log_softmax(logits.float(), dim=-1) if want_logprobs else None
+        tokens = sample_batch(
+            logits, [r.params for r in batch], [r.generator for r in batch], [r.history() for r in batch]
+        )
+        want_logprobs = any(r.top_logprobs is not None for r in batch)
+        logprobs = raw_logprobs(logits) if want_logprobs else None
         for row, (request, token) in enumerate(zip(batch, tokens, strict=True)):
-            value = float(logprobs[row, token]) if logprobs is not None and request.logprobs else None
+            top = request.top_logprobs
+            value = None
+            if logprobs is not None and top is not None:
+                value = token_logprobs(logprobs[row], token, top)
             self._accept(request, token, value)
         # Requests beyond max_batch go first next step, so none starves.
         for request in batch:
             if request.seq_id in self._active:
                 self._active[request.seq_id] = self._active.pop(request.seq_id)
 
-    def _accept(self, request: DecodeRequest, token: int, logprob: float | None) -> None:
-        event = accept_token(request.checker, token, logprob)
+    def _accept(self, request: DecodeRequest, token: int, logprobs: TokenLogprobs | None) -> None:
+        event = accept_token(request.checker, token, logprobs)
         if event is not None:
             request.emit(event)
         if request.checker.finish_reason is not None:

@@ -19,7 +19,7 @@ import time
 import uuid
 from collections.abc import AsyncIterator
 from contextlib import aclosing
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import grpc
 import torch
@@ -33,8 +33,8 @@ from pcpstack.common.telemetry import current_trace_id, latency_histogram, meter
 from pcpstack.decode.batcher import Batcher, DecodeRequest, TokenEvent, accept_token
 from pcpstack.decode.router import NoReadySet, SetRouter
 from pcpstack.engine.engine import Engine
-from pcpstack.engine.prompt import PromptLimits, check_token_ids
-from pcpstack.engine.sampling import SamplingParams, StopChecker
+from pcpstack.engine.prompt import PromptLimits, check_logit_bias, check_token_ids
+from pcpstack.engine.sampling import SamplingParams, StopChecker, TokenLogprobs, sampling_to_wire
 from pcpstack.kvstore.client import KvStoreClient
 from pcpstack.prefill.client import PrefillClient
 from pcpstack.registry.endpoints import PrefillEndpoint
@@ -105,6 +105,7 @@ class GenerateInput:
     sampling: SamplingParams
     request_id: str = ""  # empty: the pipeline makes one
     model: str = ""  # empty: the model this worker serves
+    # Log-probabilities without alternatives when sampling.logprobs is unset (GenerateRequest.logprobs).
     logprobs: bool = False
     timeout_s: float | None = None  # what the caller gives the whole request; None: no deadline
 
@@ -116,6 +117,8 @@ class Delta:
     token_id: int | None
     text: str
     logprob: float | None = None
+    # The token's raw log-probability with sampling.logprobs alternatives, when asked.
+    logprobs: TokenLogprobs | None = None
 
 
 @dataclass(frozen=True)
@@ -225,6 +228,7 @@ class GeneratePipeline:
             )
         if request.sampling.stop and self.engine.tokenizer is None:
             raise InvalidArgument("sampling.stop: this model has no tokenizer")
+        check_logit_bias(request.sampling, self._limits)
         ids, field = self.prompt_tokens(request.prompt)
         return check_token_ids(ids, self._limits, field=field, max_tokens=request.sampling.max_tokens)
 
@@ -237,6 +241,9 @@ class GeneratePipeline:
         its store object released.
         """
         arrived = time.monotonic()
+        if request.logprobs and request.sampling.logprobs is None:
+            # One switch from here on: sampling.logprobs, which also travels to prefill.
+            request = replace(request, sampling=replace(request.sampling, logprobs=0))
         # An empty id gets one; a given one is checked here, at the edge, before any peer sees it.
         request_id = check_request_id(request.request_id) if request.request_id else uuid.uuid4().hex
         request_id_var.set(request_id)
@@ -276,7 +283,10 @@ class GeneratePipeline:
         """Streams the first token (sampled by prefill) while the replica loads, then the batch's tokens."""
         params = request.sampling
         checker = StopChecker(params, self.engine.args.eos_token_ids, self.engine.tokenizer)
-        first = accept_token(checker, reply.first_token_id, None)
+        first_logprobs = None
+        if reply.HasField("first_token_logprobs"):
+            first_logprobs = _logprobs_from_wire(reply.first_token_logprobs)
+        first = accept_token(checker, reply.first_token_id, first_logprobs)
         first_at: float | None = None
         count = 0
         # The fetch starts before the first token is handed on, so the KV loads while the client reads it.
@@ -286,7 +296,7 @@ class GeneratePipeline:
                 first_at = time.monotonic()
                 _ttft.record(first_at - arrived)
                 count += first.token_id is not None
-                yield Delta(first.token_id, first.text)
+                yield Delta(first.token_id, first.text, first.logprob, first.logprobs)
             kv = await fetch if fetch is not None else None
         finally:
             if fetch is not None and not fetch.done():
@@ -335,6 +345,7 @@ class GeneratePipeline:
                 params=request.sampling,
                 emit=lambda event: loop.call_soon_threadsafe(events.put_nowait, event),
                 logprobs=request.logprobs,
+                prompt_ids=ids,
             )
         )
         ended = False
@@ -347,7 +358,7 @@ class GeneratePipeline:
                 if event.finish_reason:
                     ended = True
                     return
-                yield Delta(event.token_id, event.text, event.logprob)
+                yield Delta(event.token_id, event.text, event.logprob, event.logprobs)
         finally:
             if not ended:
                 self.batcher.cancel(seq_id)
@@ -461,15 +472,11 @@ class GeneratePipeline:
 
 def _sampling_wire(params: SamplingParams) -> common_pb2.SamplingParams:
     """The wire form of parsed sampling parameters, for the Prefill call."""
-    wire = common_pb2.SamplingParams(
-        max_tokens=params.max_tokens,
-        temperature=params.temperature,
-        top_k=params.top_k,
-        top_p=params.top_p,
-        stop=params.stop,
-        stop_token_ids=params.stop_token_ids,
-        ignore_eos=params.ignore_eos,
+    return sampling_to_wire(params, common_pb2.SamplingParams())
+
+
+def _logprobs_from_wire(msg: common_pb2.TokenLogprobs) -> TokenLogprobs:
+    """The first token's log-probabilities as prefill sent them."""
+    return TokenLogprobs(
+        msg.chosen.token_id, msg.chosen.logprob, tuple((t.token_id, t.logprob) for t in msg.top)
     )
-    if params.seed is not None:
-        wire.seed = params.seed
-    return wire

@@ -23,7 +23,9 @@ from pcpstack.decode.pipeline import (
     TokenPrompt,
 )
 from pcpstack.engine.prompt import check_sampling
-from pcpstack.v1 import decode_pb2, decode_pb2_grpc
+from pcpstack.engine.sampling import TokenLogprobs
+from pcpstack.engine.tokenizer import Tokenizer
+from pcpstack.v1 import common_pb2, decode_pb2, decode_pb2_grpc
 
 SERVICE_NAME = decode_pb2.DESCRIPTOR.services_by_name["DecodeService"].full_name
 _FINISH = {
@@ -45,6 +47,19 @@ def prompt_of(request: decode_pb2.GenerateRequest) -> Prompt | None:
     return None
 
 
+def logprobs_wire(logprobs: TokenLogprobs, tokenizer: Tokenizer | None) -> common_pb2.TokenLogprobs:
+    """One token's log-probabilities as sent in TokenDelta.token_logprobs, each token with its text alone
+    (empty when the model has no tokenizer)."""
+
+    def entry(token_id: int, logprob: float) -> common_pb2.TokenLogprob:
+        text = tokenizer.decode([token_id]) if tokenizer is not None else ""
+        return common_pb2.TokenLogprob(token_id=token_id, logprob=logprob, text=text)
+
+    return common_pb2.TokenLogprobs(
+        chosen=entry(logprobs.token_id, logprobs.logprob), top=[entry(t, lp) for t, lp in logprobs.top]
+    )
+
+
 class DecodeServicer(decode_pb2_grpc.DecodeServiceServicer):
     """Serves Generate from one decode worker's pipeline."""
 
@@ -56,7 +71,7 @@ class DecodeServicer(decode_pb2_grpc.DecodeServiceServicer):
     ) -> AsyncIterator[decode_pb2.GenerateResponse]:
         call = GenerateInput(
             prompt=prompt_of(request),
-            sampling=check_sampling(request.sampling),
+            sampling=check_sampling(request.sampling, vocab_size=self.pipeline.engine.args.vocab_size),
             request_id=request.request_id,
             model=request.model,
             logprobs=request.logprobs,
@@ -71,6 +86,11 @@ class DecodeServicer(decode_pb2_grpc.DecodeServiceServicer):
                             token_ids=[] if event.token_id is None else [event.token_id],
                             text=event.text,
                             logprobs=[] if event.logprob is None else [event.logprob],
+                            token_logprobs=(
+                                []
+                                if event.logprobs is None
+                                else [logprobs_wire(event.logprobs, self.pipeline.engine.tokenizer)]
+                            ),
                         )
                     )
                 else:

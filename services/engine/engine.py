@@ -10,7 +10,7 @@ import torch
 
 from pcpstack.engine.attention import AttentionMetadata, KvExchange
 from pcpstack.engine.kv_cache import BlockAllocator, KvLayout, PagedKVCache, blocks_needed, slots_for
-from pcpstack.engine.sampling import SamplingParams, StopChecker, make_generator, sample
+from pcpstack.engine.sampling import SamplingParams, StopChecker, TokenHistory, make_generator, sample
 from pcpstack.engine.weights import LoadedModel, load_model
 
 DEFAULT_BLOCK_SIZE = 16
@@ -214,7 +214,8 @@ class Engine:
         try:
             logits = self.prefill(seq_id, token_ids)
             while True:
-                token = sample(logits, params, generator)
+                history = TokenHistory(token_ids, checker.token_ids, checker.stop_ids)
+                token = sample(logits, params, generator, history)
                 checker.push(token)
                 if checker.finish_reason is not None:
                     return GenerationResult(checker.token_ids, checker.text, checker.finish_reason)

@@ -49,11 +49,29 @@ def check_token_ids(
     return ids
 
 
-def check_sampling(wire: Any, *, default_max_tokens: int | None = None) -> SamplingParams:
+def check_logit_bias(params: SamplingParams, limits: PromptLimits) -> None:
+    """InvalidArgument naming `sampling.logit_bias[id]` when a biased token id is not in the vocabulary
+    (for parameters built in Python rather than read by check_sampling with a vocabulary size)."""
+    bad = next((t for t in params.logit_bias if not 0 <= t < limits.vocab_size), None)
+    if bad is not None:
+        raise InvalidArgument(
+            f"sampling.logit_bias[{bad}]={params.logit_bias[bad]!r}: ids must be in [0, vocabulary size "
+            f"{limits.vocab_size})"
+        )
+
+
+def check_sampling(
+    wire: Any, *, default_max_tokens: int | None = None, vocab_size: int | None = None
+) -> SamplingParams:
     """Typed sampling parameters from a pcpstack.v1.SamplingParams message, or InvalidArgument naming the
-    field (`sampling.<name>`); `default_max_tokens` fills an unset max_tokens (None: it is required)."""
+    field (`sampling.<name>`) and its rule; `default_max_tokens` fills an unset max_tokens (None: it is
+    required), and with `vocab_size` every logit_bias id must be below it.
+
+    Ranges: temperature >= 0, top_k >= 0, top_p in (0, 1], presence and frequency penalties in [-2, 2],
+    repetition_penalty > 0, logit_bias biases in [-100, 100], min_p in [0, 1], min_tokens <= max_tokens,
+    logprobs in [0, 20]."""
     try:
-        return sampling_from_wire(wire, default_max_tokens=default_max_tokens)
+        return sampling_from_wire(wire, default_max_tokens=default_max_tokens, vocab_size=vocab_size)
     except ValueError as exc:
         raise InvalidArgument(str(exc)) from None
 
@@ -69,6 +87,6 @@ def check_prompt(
 ) -> tuple[list[int], SamplingParams]:
     """The prompt's ids and typed sampling parameters, both checked; `generates` False (prefill, which
     samples one token) checks the prompt alone against the context, not prompt plus max_tokens."""
-    params = check_sampling(sampling, default_max_tokens=default_max_tokens)
+    params = check_sampling(sampling, default_max_tokens=default_max_tokens, vocab_size=limits.vocab_size)
     ids = check_token_ids(token_ids, limits, field=field, max_tokens=params.max_tokens if generates else 0)
     return ids, params

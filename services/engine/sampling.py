@@ -1,4 +1,12 @@
-"""Per-request sampling (greedy, temperature, top-k, top-p, seed) and stop conditions.
+"""Per-request sampling (greedy, temperature, top-k, top-p, min-p, penalties, logit bias, seed), token
+log-probabilities and stop conditions.
+
+Logits are processed in vLLM's order: min_tokens masks the stop tokens, logit_bias is added, the repetition
+penalty (Hugging Face semantics, over prompt and generated tokens) and the frequency and presence penalties
+(OpenAI semantics, over generated tokens only) are applied; then greedy takes the argmax, or temperature,
+min-p, top-k and top-p shape the distribution that is drawn from. A request without any of these options
+takes exactly the path it took before they existed (greedy is a bare argmax of the model's logits).
+Log-probabilities are always those of the model's raw distribution (log-softmax of the unprocessed logits).
 
 Each request owns a torch.Generator seeded from its seed, and rows are sampled one request at a time, so a
 request's tokens never depend on which other requests share its batch.
@@ -11,7 +19,7 @@ float32, and when no finite probability is left (NaN logits, everything masked) 
 import math
 import os
 import struct
-from collections.abc import Sequence
+from collections.abc import Collection, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -24,9 +32,19 @@ FINISH_LENGTH = "length"
 # Below this a temperature is greedy: logits / 1e-45 overflow float32, and at 1e-6 the softmax of any two
 # distinct float32 logits is already one-hot.
 MIN_TEMPERATURE = 1e-6
+# The most alternatives a token's log-probabilities may list (OpenAI's top_logprobs limit).
+MAX_LOGPROBS = 20
+# The range of one logit_bias entry (OpenAI's).
+MAX_LOGIT_BIAS = 100.0
+# The range of the presence and frequency penalties (OpenAI's).
+MAX_OPENAI_PENALTY = 2.0
 # to_bytes layout: max_tokens, temperature, top_k, top_p, seed (-1: unset), ignore_eos, counts of stop
-# strings and stop token ids; then each stop string (u32 length, utf-8) and the stop ids (int64 each).
+# strings and stop token ids; then each stop string (u32 length, utf-8) and the stop ids (int64 each); then
+# presence, frequency and repetition penalties, min_p, min_tokens, logprobs (-1: unset) and the number of
+# logit_bias entries, followed by the entries (int64 id, float64 bias each).
 _FIXED = struct.Struct("<qdqdq?II")
+_EXTRA = struct.Struct("<ddddqqI")
+_BIAS = struct.Struct("<qd")
 _LENGTH = struct.Struct("<I")
 
 
@@ -42,9 +60,34 @@ class SamplingParams:
     stop: list[str] = field(default_factory=list)
     stop_token_ids: list[int] = field(default_factory=list)
     ignore_eos: bool = False
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    logit_bias: dict[int, float] = field(default_factory=dict)
+    min_p: float = 0.0
+    min_tokens: int = 0
+    # None: no log-probabilities; n: each token's log-probability and its n most likely alternatives.
+    logprobs: int | None = None
 
-    def validate(self) -> "SamplingParams":
-        """Raise ValueError naming the field, its value and the rule; return self when valid."""
+    def validate(self, vocab_size: int | None = None) -> "SamplingParams":
+        """Raise ValueError naming the field, its value and the rule; return self when valid. With
+        `vocab_size`, logit_bias ids are checked to be below it too."""
+        bad_bias = next(
+            (
+                (t, b)
+                for t, b in self.logit_bias.items()
+                if t < 0
+                or (vocab_size is not None and t >= vocab_size)
+                or not (math.isfinite(b) and -MAX_LOGIT_BIAS <= b <= MAX_LOGIT_BIAS)
+            ),
+            None,
+        )
+        if bad_bias is not None:
+            token, bias = bad_bias
+            raise ValueError(
+                f"SamplingParams.logit_bias[{token}]={bias!r}: ids must be in [0, vocabulary size"
+                f"{'' if vocab_size is None else f' {vocab_size}'}) and biases in [-100, 100]"
+            )
         checks = [
             ("max_tokens", self.max_tokens >= 1, "must be >= 1"),
             (
@@ -57,6 +100,28 @@ class SamplingParams:
             ("seed", self.seed is None or 0 <= self.seed < 2**63, "must be in [0, 2**63) or unset"),
             ("stop", all(isinstance(s, str) and s for s in self.stop), "must hold non-empty strings"),
             ("stop_token_ids", all(t >= 0 for t in self.stop_token_ids), "must hold ids >= 0"),
+            (
+                "presence_penalty",
+                math.isfinite(self.presence_penalty) and abs(self.presence_penalty) <= MAX_OPENAI_PENALTY,
+                "must be in [-2, 2] (0 disables)",
+            ),
+            (
+                "frequency_penalty",
+                math.isfinite(self.frequency_penalty) and abs(self.frequency_penalty) <= MAX_OPENAI_PENALTY,
+                "must be in [-2, 2] (0 disables)",
+            ),
+            (
+                "repetition_penalty",
+                math.isfinite(self.repetition_penalty) and self.repetition_penalty > 0,
+                "must be finite and > 0 (1 disables)",
+            ),
+            ("min_p", 0 <= self.min_p <= 1, "must be in [0, 1] (0 disables)"),
+            ("min_tokens", 0 <= self.min_tokens <= self.max_tokens, "must be in [0, max_tokens]"),
+            (
+                "logprobs",
+                self.logprobs is None or 0 <= self.logprobs <= MAX_LOGPROBS,
+                f"must be in [0, {MAX_LOGPROBS}] or unset",
+            ),
         ]
         for name, ok, rule in checks:
             if not ok:
@@ -67,6 +132,17 @@ class SamplingParams:
     def greedy(self) -> bool:
         """Whether the most likely token is always taken (temperature 0, or too small to divide by)."""
         return self.temperature < MIN_TEMPERATURE
+
+    @property
+    def processes_logits(self) -> bool:
+        """Whether logits change before greedy or sampling (penalties, logit_bias or min_tokens are set)."""
+        return bool(
+            self.presence_penalty
+            or self.frequency_penalty
+            or self.repetition_penalty != 1.0
+            or self.logit_bias
+            or self.min_tokens
+        )
 
     def to_bytes(self) -> bytes:
         """A compact encoding that from_bytes reads back exactly (what a prefill job carries to its ranks)."""
@@ -85,6 +161,18 @@ class SamplingParams:
         ]
         parts += [_LENGTH.pack(len(s)) + s for s in stops]
         parts.append(struct.pack(f"<{len(self.stop_token_ids)}q", *self.stop_token_ids))
+        parts.append(
+            _EXTRA.pack(
+                self.presence_penalty,
+                self.frequency_penalty,
+                self.repetition_penalty,
+                self.min_p,
+                self.min_tokens,
+                -1 if self.logprobs is None else self.logprobs,
+                len(self.logit_bias),
+            )
+        )
+        parts += [_BIAS.pack(token, bias) for token, bias in self.logit_bias.items()]
         return b"".join(parts)
 
     @classmethod
@@ -102,6 +190,14 @@ class SamplingParams:
             offset += length
         ids = list(struct.unpack_from(f"<{n_ids}q", data, offset))
         offset += 8 * n_ids
+        extra = _EXTRA.unpack_from(data, offset)
+        presence, frequency, repetition, min_p, min_tokens, logprobs, n_bias = extra
+        offset += _EXTRA.size
+        logit_bias = {}
+        for _ in range(n_bias):
+            token, bias = _BIAS.unpack_from(data, offset)
+            offset += _BIAS.size
+            logit_bias[token] = bias
         params = cls(
             max_tokens=max_tokens,
             temperature=temperature,
@@ -111,6 +207,13 @@ class SamplingParams:
             stop=stop,
             stop_token_ids=ids,
             ignore_eos=ignore_eos,
+            presence_penalty=presence,
+            frequency_penalty=frequency,
+            repetition_penalty=repetition,
+            logit_bias=logit_bias,
+            min_p=min_p,
+            min_tokens=min_tokens,
+            logprobs=None if logprobs < 0 else logprobs,
         )
         return params, offset
 
@@ -122,14 +225,72 @@ def make_generator(seed: int | None) -> torch.Generator:
     )
 
 
-def sample(logits: torch.Tensor, params: SamplingParams, generator: torch.Generator) -> int:
-    """One token id from logits [vocab] under `params`, drawing randomness only from `generator`."""
+@dataclass(frozen=True)
+class TokenHistory:
+    """What the logits processors of one request look at: its prompt, the tokens it generated so far, and
+    the tokens that would end it (masked while fewer than min_tokens were generated)."""
+
+    prompt_ids: Sequence[int] = ()
+    output_ids: Sequence[int] = ()
+    stop_ids: Collection[int] = ()
+
+
+def stop_token_set(params: SamplingParams, eos_token_ids: Sequence[int]) -> set[int]:
+    """The token ids that end a request: its stop_token_ids, and the model's EOS unless ignore_eos."""
+    return set(params.stop_token_ids) | (set() if params.ignore_eos else set(eos_token_ids))
+
+
+def process_logits(logits: torch.Tensor, params: SamplingParams, history: TokenHistory) -> torch.Tensor:
+    """Logits [vocab] (float32, on the CPU) after min_tokens, logit_bias and the three penalties.
+
+    The repetition penalty follows Hugging Face's RepetitionPenaltyLogitsProcessor (each distinct token of
+    prompt and output once: a positive logit divided by it, a negative one multiplied); the frequency and
+    presence penalties follow OpenAI (logit -= frequency * count + presence * (count > 0), generated tokens).
+    """
+    logits = logits.float().cpu().clone()
+    vocab = logits.numel()
+    if len(history.output_ids) < params.min_tokens:
+        stops = [t for t in history.stop_ids if 0 <= t < vocab]
+        if stops:
+            logits[torch.tensor(stops, dtype=torch.long)] = -math.inf
+    if params.logit_bias:
+        ids = torch.tensor(list(params.logit_bias), dtype=torch.long)
+        logits.index_add_(0, ids, torch.tensor(list(params.logit_bias.values()), dtype=torch.float32))
+    if params.repetition_penalty != 1.0:
+        seen = torch.tensor([*history.prompt_ids, *history.output_ids], dtype=torch.long).unique()
+        if seen.numel():
+            score = logits[seen]
+            logits[seen] = torch.where(
+                score < 0, score * params.repetition_penalty, score / params.repetition_penalty
+            )
+    if (params.frequency_penalty or params.presence_penalty) and len(history.output_ids):
+        counts = torch.bincount(torch.tensor(list(history.output_ids), dtype=torch.long), minlength=vocab)
+        counts = counts[:vocab].float()
+        logits -= params.frequency_penalty * counts + params.presence_penalty * (counts > 0).float()
+    return logits
+
+
+def sample(
+    logits: torch.Tensor,
+    params: SamplingParams,
+    generator: torch.Generator,
+    history: TokenHistory | None = None,
+) -> int:
+    """One token id from logits [vocab] under `params`, drawing randomness only from `generator`;
+    `history` feeds the penalties and min_tokens (none given: an empty one, as for a first token without
+    a prompt)."""
+    if params.processes_logits:
+        logits = process_logits(logits, params, history or TokenHistory())
     if params.greedy:
         return int(logits.argmax())
     # NaN is never a candidate; +inf would make the shifted softmax NaN, so it caps at the float32 max.
     logits = logits.float().cpu().nan_to_num(nan=-math.inf, posinf=torch.finfo(torch.float32).max)
     best = int(logits.argmax())
     logits = logits / params.temperature
+    if params.min_p > 0:
+        # Relative to the best token after temperature, as vLLM's min-p; the best token always stays.
+        probs = _softmax(logits)
+        logits = logits.masked_fill(probs < params.min_p * probs.max(), -math.inf)
     if 0 < params.top_k < logits.numel():
         kth_best = torch.topk(logits, params.top_k).values[-1]
         logits = logits.masked_fill(logits < kth_best, -math.inf)
@@ -155,12 +316,45 @@ def _softmax(logits: torch.Tensor) -> torch.Tensor:
 
 
 def sample_batch(
-    logits: torch.Tensor, params: Sequence[SamplingParams], generators: Sequence[torch.Generator]
+    logits: torch.Tensor,
+    params: Sequence[SamplingParams],
+    generators: Sequence[torch.Generator],
+    histories: Sequence[TokenHistory] | None = None,
 ) -> list[int]:
-    """One token per row of logits [B, vocab]; row i uses params[i] and generators[i] only."""
-    if all(p.greedy for p in params):
+    """One token per row of logits [B, vocab]; row i uses params[i], generators[i] and histories[i] only."""
+    if all(p.greedy and not p.processes_logits for p in params):
         return logits.argmax(-1).tolist()
-    return [sample(row, p, g) for row, p, g in zip(logits, params, generators, strict=True)]
+    histories = histories if histories is not None else [TokenHistory()] * len(params)
+    return [sample(row, p, g, h) for row, p, g, h in zip(logits, params, generators, histories, strict=True)]
+
+
+@dataclass(frozen=True)
+class TokenLogprobs:
+    """A generated token's raw log-probability and the `top` most likely tokens, most likely first."""
+
+    token_id: int
+    logprob: float
+    top: tuple[tuple[int, float], ...] = ()
+
+
+def raw_logprobs(logits: torch.Tensor) -> torch.Tensor:
+    """The model's raw log-probabilities: log-softmax of unprocessed logits in float32 (any shape)."""
+    return torch.log_softmax(logits.float(), dim=-1)
+
+
+def token_logprobs(logprobs: torch.Tensor, token_id: int, top: int) -> TokenLogprobs:
+    """The log-probability of `token_id` in logprobs [vocab] and the `top` most likely tokens (equal
+    log-probabilities: the lower id first)."""
+    logprobs = logprobs.float().cpu()
+    alternatives: tuple[tuple[int, float], ...] = ()
+    if top > 0:
+        k = min(top, logprobs.numel())
+        # Every token at least as likely as the k-th, then an exact (log-probability, id) order.
+        kth = torch.topk(logprobs, k).values[-1]
+        candidates = (logprobs >= kth).nonzero().flatten().tolist()
+        ranked = sorted(candidates, key=lambda t: (-float(logprobs[t]), t))[:k]
+        alternatives = tuple((t, float(logprobs[t])) for t in ranked)
+    return TokenLogprobs(token_id, float(logprobs[token_id]), alternatives)
 
 
 class StopChecker:
@@ -177,7 +371,7 @@ class StopChecker:
         if params.stop and tokenizer is None:
             raise ValueError("SamplingParams.stop needs a tokenizer to see text; this model has none")
         self.params = params
-        self.stop_ids = set(params.stop_token_ids) | (set() if params.ignore_eos else set(eos_token_ids))
+        self.stop_ids = stop_token_set(params, eos_token_ids)
         self.decoder = IncrementalDecoder(tokenizer) if tokenizer is not None else None
         self.token_ids: list[int] = []
         self.text = ""
@@ -193,6 +387,12 @@ class StopChecker:
         self.token_ids.append(token_id)
         if self.decoder is not None:
             self._pending += self.decoder.push(token_id)
+        if len(self.token_ids) < self.params.min_tokens:
+            # Before min_tokens no stop string may end the request (vLLM's rule): the text goes out as is,
+            # so an occurrence in it is never found later either.
+            ready, self._pending = self._pending, ""
+            self.text += ready
+            return ready
         cut = min((i for i in (self._pending.find(s) for s in self.params.stop) if i >= 0), default=-1)
         if cut >= 0:
             return self._finish(FINISH_STOP, self._pending[:cut])
@@ -220,11 +420,14 @@ class StopChecker:
         return text
 
 
-def sampling_from_wire(msg: Any, default_max_tokens: int | None = None) -> SamplingParams:
+def sampling_from_wire(
+    msg: Any, default_max_tokens: int | None = None, vocab_size: int | None = None
+) -> SamplingParams:
     """Validated SamplingParams from the wire form (a pcpstack.v1.SamplingParams message).
 
-    On the wire 0 means unset: top_p 0 is 1 (off), and max_tokens 0 takes default_max_tokens, or is refused
-    when there is none. A ValueError names the field as `sampling.<name>`, as clients spell it.
+    On the wire 0 means unset: top_p 0 and repetition_penalty 0 are 1 (off), and max_tokens 0 takes
+    default_max_tokens, or is refused when there is none. With `vocab_size`, logit_bias ids are checked
+    against it. A ValueError names the field as `sampling.<name>`, as clients spell it.
     """
     if msg.max_tokens == 0 and default_max_tokens is None:
         raise ValueError("sampling.max_tokens=0 must be >= 1")
@@ -238,6 +441,36 @@ def sampling_from_wire(msg: Any, default_max_tokens: int | None = None) -> Sampl
             stop=list(msg.stop),
             stop_token_ids=list(msg.stop_token_ids),
             ignore_eos=msg.ignore_eos,
-        ).validate()
+            presence_penalty=msg.presence_penalty,
+            frequency_penalty=msg.frequency_penalty,
+            repetition_penalty=msg.repetition_penalty or 1.0,
+            logit_bias=dict(msg.logit_bias),
+            min_p=msg.min_p,
+            min_tokens=msg.min_tokens,
+            logprobs=msg.logprobs if msg.HasField("logprobs") else None,
+        ).validate(vocab_size)
     except ValueError as exc:
         raise ValueError(str(exc).replace("SamplingParams.", "sampling.")) from None
+
+
+def sampling_to_wire(params: SamplingParams, wire: Any) -> Any:
+    """Fills `wire` (an empty pcpstack.v1.SamplingParams message) from parsed parameters; returns it.
+    sampling_from_wire reads the result back to equal parameters."""
+    wire.max_tokens = params.max_tokens
+    wire.temperature = params.temperature
+    wire.top_k = params.top_k
+    wire.top_p = params.top_p
+    wire.stop.extend(params.stop)
+    wire.stop_token_ids.extend(params.stop_token_ids)
+    wire.ignore_eos = params.ignore_eos
+    wire.presence_penalty = params.presence_penalty
+    wire.frequency_penalty = params.frequency_penalty
+    wire.repetition_penalty = params.repetition_penalty
+    wire.logit_bias.update(params.logit_bias)
+    wire.min_p = params.min_p
+    wire.min_tokens = params.min_tokens
+    if params.seed is not None:
+        wire.seed = params.seed
+    if params.logprobs is not None:
+        wire.logprobs = params.logprobs
+    return wire

@@ -15,7 +15,8 @@ from dataclasses import dataclass, field
 import torch
 
 from pcpstack.common.errors import Internal, ServiceError, error_of_code
-from pcpstack.engine.sampling import SamplingParams
+from pcpstack.engine.sampling import MAX_LOGPROBS, SamplingParams, TokenLogprobs
+from pcpstack.v1 import common_pb2
 
 _LENGTH = struct.Struct("<I")
 _JOB_FIXED = struct.Struct("<qII")  # lease_ms, number of tokens, number of trace-context entries
@@ -91,6 +92,12 @@ class PrefillJob:
 # first token id (-1: not sampled here), replica bytes, forward us, push us, then the byte lengths of the
 # error code, the capability and the error message, which follow in that order.
 _SHARE_FIXED = struct.Struct("<qqqqHHH")
+# The first token's log-probability and the number of its alternatives (_NO_LOGPROBS: none asked), then
+# MAX_LOGPROBS slots of (token id, log-probability); they sit right after _SHARE_FIXED.
+_SHARE_LOGPROBS = struct.Struct("<dH")
+_SHARE_ALTERNATIVE = struct.Struct("<qd")
+_NO_LOGPROBS = 0xFFFF
+_SHARE_HEAD = _SHARE_FIXED.size + _SHARE_LOGPROBS.size + MAX_LOGPROBS * _SHARE_ALTERNATIVE.size
 
 
 @dataclass(frozen=True)
@@ -106,11 +113,13 @@ class RankShare:
     capability: str = ""  # the store's read capability of the pushed replica
     error_code: str = ""  # the common.errors kind (gRPC status name) of this rank's failure
     error: str = ""
+    # The first token's log-probabilities, when the request asked (set with first_token_id).
+    first_token_logprobs: TokenLogprobs | None = None
 
     def to_tensor(self) -> torch.Tensor:
         """SIZE bytes as a uint8 tensor; an error message too long for the rest is cut."""
         code, capability = self.error_code.encode(), self.capability.encode()
-        room = self.SIZE - _SHARE_FIXED.size - len(code) - len(capability)
+        room = self.SIZE - _SHARE_HEAD - len(code) - len(capability)
         if room < 0:
             raise ValueError(f"error code and capability take {-room} bytes more than a RankShare holds")
         # Cut on a character boundary so the message still decodes.
@@ -118,8 +127,18 @@ class RankShare:
         data = bytearray(self.SIZE)
         fixed = (self.first_token_id, self.total_bytes, self.forward_us, self.push_us)
         _SHARE_FIXED.pack_into(data, 0, *fixed, len(code), len(capability), len(message))
+        logprobs = self.first_token_logprobs
+        if logprobs is None:
+            _SHARE_LOGPROBS.pack_into(data, _SHARE_FIXED.size, 0.0, _NO_LOGPROBS)
+        else:
+            if len(logprobs.top) > MAX_LOGPROBS:
+                raise ValueError(f"{len(logprobs.top)} alternatives; a RankShare holds {MAX_LOGPROBS}")
+            _SHARE_LOGPROBS.pack_into(data, _SHARE_FIXED.size, logprobs.logprob, len(logprobs.top))
+            for i, alternative in enumerate(logprobs.top):
+                offset = _SHARE_FIXED.size + _SHARE_LOGPROBS.size + i * _SHARE_ALTERNATIVE.size
+                _SHARE_ALTERNATIVE.pack_into(data, offset, *alternative)
         tail = code + capability + message
-        data[_SHARE_FIXED.size : _SHARE_FIXED.size + len(tail)] = tail
+        data[_SHARE_HEAD : _SHARE_HEAD + len(tail)] = tail
         return torch.frombuffer(data, dtype=torch.uint8)
 
     @classmethod
@@ -127,11 +146,18 @@ class RankShare:
         """The share one rank contributed."""
         data = tensor.numpy().tobytes()
         token, total, forward_us, push_us, n_code, n_cap, n_msg = _SHARE_FIXED.unpack_from(data, 0)
-        offset = _SHARE_FIXED.size
+        logprob, n_top = _SHARE_LOGPROBS.unpack_from(data, _SHARE_FIXED.size)
+        logprobs = None
+        if n_top != _NO_LOGPROBS:
+            first = _SHARE_FIXED.size + _SHARE_LOGPROBS.size
+            size = _SHARE_ALTERNATIVE.size
+            top = tuple(_SHARE_ALTERNATIVE.unpack_from(data, first + i * size) for i in range(n_top))
+            logprobs = TokenLogprobs(token, logprob, top)
+        offset = _SHARE_HEAD
         code = data[offset : offset + n_code].decode()
         capability = data[offset + n_code : offset + n_code + n_cap].decode()
         message = data[offset + n_code + n_cap : offset + n_code + n_cap + n_msg].decode()
-        return cls(token, total, forward_us, push_us, capability, code, message)
+        return cls(token, total, forward_us, push_us, capability, code, message, logprobs)
 
 
 @dataclass(frozen=True)
@@ -151,13 +177,16 @@ class PrefillOutcome:
     error: str = ""
     # Whether the replica is in the store (it may be, even for a failed job: then nobody will read it).
     replica_stored: bool = False
+    # The first token's log-probabilities, when the request asked.
+    first_token_logprobs: TokenLogprobs | None = None
 
     @classmethod
     def combine(cls, job: PrefillJob, replica_rank: int, shares: Sequence[RankShare]) -> PrefillOutcome:
         """Rank 0's view of a job from every rank's share (shares[i] is global rank i's)."""
         owner = shares[replica_rank]
         failed = next((s for s in shares if s.error), None)
-        first_token = next((s.first_token_id for s in shares if s.first_token_id >= 0), -1)
+        sampler = next((s for s in shares if s.first_token_id >= 0), None)
+        first_token = -1 if sampler is None else sampler.first_token_id
         code, error = (failed.error_code, failed.error) if failed else ("", "")
         if not error and first_token < 0:
             code, error = Internal.code, "no rank sampled the first token"
@@ -173,6 +202,17 @@ class PrefillOutcome:
             error_code=code,
             error=error,
             replica_stored=not owner.error and owner.total_bytes > 0,
+            first_token_logprobs=None if sampler is None else sampler.first_token_logprobs,
+        )
+
+    def first_token_logprobs_wire(self) -> common_pb2.TokenLogprobs | None:
+        """PrefillResponse.first_token_logprobs (texts left to decode); None when none were asked."""
+        logprobs = self.first_token_logprobs
+        if logprobs is None:
+            return None
+        return common_pb2.TokenLogprobs(
+            chosen=common_pb2.TokenLogprob(token_id=logprobs.token_id, logprob=logprobs.logprob),
+            top=[common_pb2.TokenLogprob(token_id=t, logprob=lp) for t, lp in logprobs.top],
         )
 
     def error_kind(self) -> ServiceError | None:

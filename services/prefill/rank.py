@@ -33,7 +33,15 @@ from opentelemetry.propagate import extract
 from pcpstack.common.errors import Internal, ServiceError, Unavailable
 from pcpstack.common.telemetry import setup_telemetry, shutdown_telemetry, tracer
 from pcpstack.engine.engine import Engine
-from pcpstack.engine.sampling import make_generator, sample
+from pcpstack.engine.sampling import (
+    TokenHistory,
+    TokenLogprobs,
+    make_generator,
+    raw_logprobs,
+    sample,
+    stop_token_set,
+    token_logprobs,
+)
 from pcpstack.kvstore.client import KvStoreClient
 from pcpstack.prefill.context_parallel import (
     KvAllGather,
@@ -199,21 +207,32 @@ class RankWorker:
             logits = prefill_share(engine, state, tokens, split, spec.pcp_rank, exchange)
             forward_us = int((time.perf_counter() - started) * 1e6)
             first_token = -1
+            first_logprobs = None
             if logits is not None:
                 try:
-                    first_token = sample(logits, job.sampling, make_generator(job.sampling.seed))
+                    params = job.sampling
+                    # The first token sees the whole prompt (repetition penalty) and no output yet.
+                    stops = stop_token_set(params, engine.args.eos_token_ids)
+                    history = TokenHistory(job.token_ids, (), stops)
+                    first_token = sample(logits, params, make_generator(params.seed), history)
+                    if params.logprobs is not None:
+                        first_logprobs = token_logprobs(raw_logprobs(logits), first_token, params.logprobs)
                 except Exception as exc:  # a bug in one request's sampling must not break the group
                     log.exception("rank %d could not sample request %s", spec.pcp_rank, job.request_id)
                     error = f"sampling the first token failed: {type(exc).__name__}: {exc}"
                     return RankShare(forward_us=forward_us, error_code=Internal.code, error=error)
             if spec.pcp_rank != owner:
-                return RankShare(first_token_id=first_token, forward_us=forward_us)
-            return self._push(job, first_token, forward_us)
+                return RankShare(
+                    first_token_id=first_token, forward_us=forward_us, first_token_logprobs=first_logprobs
+                )
+            return self._push(job, first_token, forward_us, first_logprobs)
         finally:
             # Only the selected replica lives on (in the store); every rank frees its copy at once.
             engine.free(seq_id)
 
-    def _push(self, job: PrefillJob, first_token: int, forward_us: int) -> RankShare:
+    def _push(
+        self, job: PrefillJob, first_token: int, forward_us: int, first_logprobs: TokenLogprobs | None = None
+    ) -> RankShare:
         started = time.perf_counter()
         try:
             replica = self.engine.export_sequence(job.kv_key).contiguous()
@@ -233,6 +252,7 @@ class RankWorker:
             return RankShare(first_token, forward_us=forward_us, error_code=code, error=message)
         return RankShare(
             first_token_id=first_token,
+            first_token_logprobs=first_logprobs,
             total_bytes=replica.numel() * replica.element_size(),
             forward_us=forward_us,
             push_us=int((time.perf_counter() - started) * 1e6),

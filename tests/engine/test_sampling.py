@@ -3,8 +3,24 @@
 import pytest
 import torch
 
-from pcpstack.engine.sampling import SamplingParams, StopChecker, make_generator, sample, sample_batch
+from pcpstack.common.errors import InvalidArgument
+from pcpstack.engine.prompt import check_sampling
+from pcpstack.engine.sampling import (
+    SamplingParams,
+    StopChecker,
+    TokenHistory,
+    make_generator,
+    process_logits,
+    raw_logprobs,
+    sample,
+    sample_batch,
+    sampling_from_wire,
+    sampling_to_wire,
+    stop_token_set,
+    token_logprobs,
+)
 from pcpstack.engine.tokenizer import Tokenizer
+from pcpstack.v1 import common_pb2
 
 LOGITS = torch.tensor([1.0, 3.0, 2.5, 0.5, 2.9])
 
@@ -142,3 +158,140 @@ def test_non_finite_logits_never_raise_and_nan_is_never_drawn():
 def test_params_read_back_exactly_from_their_encoding():
     params = SamplingParams(5, 0.3, 7, 0.8, 12, ["a", "ü"], [3, 4], True)
     assert SamplingParams.from_bytes(params.to_bytes()) == (params, len(params.to_bytes()))
+
+
+# --- issue 20: penalties, logit_bias, min_p, min_tokens, logprobs -------------------------------------------
+
+VOCAB = 50
+
+
+def _random_logits(seed: int, vocab: int = VOCAB) -> torch.Tensor:
+    return torch.randn(vocab, generator=torch.Generator().manual_seed(seed)) * 3
+
+
+def _reference_openai_penalties(logits, output, presence, frequency):
+    """OpenAI's documented formula, token by token in plain Python."""
+    expected = logits.clone()
+    for token in set(output):
+        expected[token] -= frequency * output.count(token) + presence
+    return expected
+
+
+@pytest.mark.parametrize(("presence", "frequency"), [(0.7, 0.0), (0.0, 0.4), (-1.5, 2.0), (2.0, -2.0)])
+def test_presence_and_frequency_penalties_follow_openai_over_generated_tokens_only(presence, frequency):
+    logits = _random_logits(1)
+    prompt, output = [7, 7, 8, 9], [3, 3, 3, 5, 8, 3]
+    params = SamplingParams(presence_penalty=presence, frequency_penalty=frequency).validate()
+    got = process_logits(logits, params, TokenHistory(prompt, output, ()))
+    expected = _reference_openai_penalties(logits, output, presence, frequency)
+    torch.testing.assert_close(got, expected)
+    assert got[7] == logits[7] and got[9] == logits[9]  # prompt-only tokens are untouched
+
+
+def test_repetition_penalty_counts_each_prompt_and_output_token_once():
+    logits = torch.tensor([2.0, -2.0, 3.0, -1.0, 0.5])
+    params = SamplingParams(repetition_penalty=2.0)
+    got = process_logits(logits, params, TokenHistory([0, 0, 1], [1, 3], ()))
+    torch.testing.assert_close(got, torch.tensor([1.0, -4.0, 3.0, -2.0, 0.5]))
+
+
+def test_logit_bias_adds_and_at_the_extremes_bans_or_forces_a_token():
+    logits = _random_logits(2)
+    bias = {4: 2.5, 10: -3.0}
+    got = process_logits(logits, SamplingParams(logit_bias=bias), TokenHistory())
+    expected = logits.clone()
+    expected[4] += 2.5
+    expected[10] -= 3.0
+    torch.testing.assert_close(got, expected)
+    best = int(logits.argmax())
+    banned = SamplingParams(temperature=0, logit_bias={best: -100.0})
+    assert sample(logits, banned, make_generator(0)) == int(logits.topk(2).indices[1])
+    forced = SamplingParams(temperature=1.0, logit_bias={int(logits.argmin()): 100.0})
+    assert {sample(logits, forced, make_generator(s)) for s in range(20)} == {int(logits.argmin())}
+
+
+def test_min_p_draws_only_tokens_at_least_min_p_times_the_best():
+    logits = torch.tensor([2.0, 1.9, 0.0, -1.0, 1.0])
+    probs = logits.softmax(-1)
+    min_p = float(probs[4] / probs[0]) + 1e-3  # token 4 is just below the threshold, 1 well above
+    params = SamplingParams(temperature=1.0, min_p=min_p).validate()
+    assert {sample(logits, params, make_generator(s)) for s in range(300)} == {0, 1}
+    # min_p applies after temperature: a high temperature flattens probs so token 4 passes again.
+    hot = SamplingParams(temperature=10.0, min_p=min_p).validate()
+    assert 4 in {sample(logits, hot, make_generator(s)) for s in range(300)}
+
+
+def test_min_tokens_masks_eos_and_stop_ids_until_reached():
+    logits = torch.tensor([0.0, 5.0, 4.0, 3.0])  # 1 is the EOS, 2 a stop token id: both beat token 3
+    params = SamplingParams(temperature=0, min_tokens=2, stop_token_ids=[2]).validate()
+    stops = stop_token_set(params, [1])
+    assert sample(logits, params, make_generator(0), TokenHistory([0], [3], stops)) == 3
+    assert sample(logits, params, make_generator(0), TokenHistory([0], [3, 3], stops)) == 1
+
+
+def test_min_tokens_keeps_stop_strings_from_ending_early(byte_tokenizer):
+    params = SamplingParams(max_tokens=100, stop=["ab"], min_tokens=3)
+    checker = StopChecker(params, [256], byte_tokenizer)
+    deltas = _run(checker, byte_tokenizer, "abcab tail")
+    assert checker.finish_reason == "stop" and "".join(deltas) == checker.text == "abc"
+
+
+def test_greedy_without_options_takes_the_bare_argmax_path():
+    params = SamplingParams(temperature=0)
+    assert not params.processes_logits
+    logits = torch.randn(3, VOCAB, generator=torch.Generator().manual_seed(5))
+    assert sample_batch(logits, [params] * 3, [make_generator(0)] * 3) == logits.argmax(-1).tolist()
+
+
+def test_penalised_batch_rows_use_only_their_own_history():
+    logits = _random_logits(3).repeat(2, 1)
+    best = int(logits[0].argmax())
+    params = [SamplingParams(temperature=0, frequency_penalty=2.0), SamplingParams(temperature=0)]
+    histories = [TokenHistory((), [best] * 10, ()), TokenHistory((), [best] * 10, ())]
+    tokens = sample_batch(logits, params, [make_generator(0)] * 2, histories)
+    assert tokens[0] != best and tokens[1] == best
+
+
+def test_token_logprobs_are_the_raw_log_softmax_with_the_top_n_most_likely_first():
+    logits = torch.tensor([1.0, 3.0, 3.0, 0.5, 2.0])
+    result = token_logprobs(raw_logprobs(logits), 3, top=3)
+    reference = torch.log_softmax(logits.double(), -1)
+    assert result.token_id == 3 and result.logprob == pytest.approx(float(reference[3]), abs=1e-6)
+    assert [t for t, _ in result.top] == [1, 2, 4]  # the tie 1/2 in id order
+    assert [lp for _, lp in result.top] == pytest.approx([float(reference[t]) for t in (1, 2, 4)], abs=1e-6)
+    assert token_logprobs(raw_logprobs(logits), 0, top=0).top == ()
+
+
+@pytest.mark.parametrize(
+    ("options", "rule"),
+    [
+        ({"presence_penalty": 2.5}, r"presence_penalty=2\.5 must be in \[-2, 2\]"),
+        ({"frequency_penalty": -3.0}, r"frequency_penalty=-3\.0 must be in \[-2, 2\]"),
+        ({"repetition_penalty": 0.0}, r"repetition_penalty=0\.0 must be finite and > 0"),
+        ({"min_p": 1.5}, r"min_p=1\.5 must be in \[0, 1\]"),
+        ({"max_tokens": 4, "min_tokens": 5}, r"min_tokens=5 must be in \[0, max_tokens\]"),
+        ({"logprobs": 21}, r"logprobs=21 must be in \[0, 20\]"),
+        ({"logit_bias": {3: 100.5}}, r"logit_bias\[3\]=100\.5: .*biases in \[-100, 100\]"),
+        ({"logit_bias": {-1: 1.0}}, r"logit_bias\[-1\]=1\.0: ids must be in \[0, vocabulary size"),
+    ],
+)
+def test_new_fields_are_validated_naming_the_field_and_rule(options, rule):
+    with pytest.raises(ValueError, match=rf"SamplingParams\.{rule}"):
+        SamplingParams(**options).validate()
+
+
+def test_logit_bias_ids_outside_the_vocabulary_are_refused_at_the_edge():
+    wire = common_pb2.SamplingParams(max_tokens=4, logit_bias={VOCAB: 1.0})
+    with pytest.raises(InvalidArgument, match=rf"sampling\.logit_bias\[{VOCAB}\]=1\.0: .*size {VOCAB}\)"):
+        check_sampling(wire, vocab_size=VOCAB)
+    assert check_sampling(wire, vocab_size=VOCAB + 1).logit_bias == {VOCAB: 1.0}
+
+
+def test_every_field_reads_back_from_its_encoding_and_from_the_wire():
+    params = SamplingParams(
+        5, 0.5, 7, 0.75, 12, ["a"], [3], True, 0.5, -0.25, 1.25, {4: -100.0, 9: 2.5}, 0.125, 2, 5
+    ).validate()
+    assert SamplingParams.from_bytes(params.to_bytes()) == (params, len(params.to_bytes()))
+    assert sampling_from_wire(sampling_to_wire(params, common_pb2.SamplingParams())) == params
+    unset = sampling_from_wire(common_pb2.SamplingParams(max_tokens=1))
+    assert (unset.repetition_penalty, unset.logprobs, unset.processes_logits) == (1.0, None, False)
