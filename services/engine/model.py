@@ -3,15 +3,22 @@
 Weights are fused where the math allows it (one qkv projection, one gate/up projection) to halve the kernel
 launches per layer. The forward takes token ids with their absolute positions, writes K/V to the paged cache
 at the slots in the attention metadata, and returns logits only for the rows asked for.
+
+A tensor-parallel rank builds the same modules from its shard's arguments (its heads, its intermediate
+slice; see services/engine/parallel.py) and passes its TP group: the attention output and MLP down
+projections then give partial sums, which `tensor_parallel_sum` adds over the group. The single-rank model
+has no group and runs exactly as before.
 """
 
 import torch
+import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
 from pcpstack.engine.attention import AttentionMetadata, paged_attention
 from pcpstack.engine.config import ModelArgs
 from pcpstack.engine.kv_cache import PagedKVCache
+from pcpstack.engine.parallel import tensor_parallel_sum
 from pcpstack.engine.quant import BlockWeight, project
 
 
@@ -58,11 +65,12 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
 
 
 class Attention(nn.Module):
-    """Grouped-query self-attention over the paged KV cache."""
+    """Grouped-query self-attention over the paged KV cache (a TP rank: its own heads)."""
 
-    def __init__(self, args: ModelArgs, layer_index: int) -> None:
+    def __init__(self, args: ModelArgs, layer_index: int, tp_group: dist.ProcessGroup | None = None) -> None:
         super().__init__()
         self.layer_index = layer_index
+        self.tp_group = tp_group
         self.n_heads, self.n_kv_heads, self.head_dim = args.n_heads, args.n_kv_heads, args.head_dim
         qkv_dim = (args.n_heads + 2 * args.n_kv_heads) * args.head_dim
         self.wqkv = Linear(args.dim, qkv_dim, bias=args.attention_bias)
@@ -83,31 +91,32 @@ class Attention(nn.Module):
         k = apply_rope(k.view(n, self.n_kv_heads, self.head_dim), cos, sin)
         v = v.view(n, self.n_kv_heads, self.head_dim)
         k_cache, v_cache = kv_cache.layer(self.layer_index)
-        return self.wo(paged_attention(q, k, v, k_cache, v_cache, meta))
+        return tensor_parallel_sum(self.wo(paged_attention(q, k, v, k_cache, v_cache, meta)), self.tp_group)
 
 
 class FeedForward(nn.Module):
-    """SwiGLU: w2(silu(gate(x)) * up(x)), gate and up fused into one matmul."""
+    """SwiGLU: w2(silu(gate(x)) * up(x)), gate and up fused into one matmul (a TP rank: its slice)."""
 
-    def __init__(self, args: ModelArgs) -> None:
+    def __init__(self, args: ModelArgs, tp_group: dist.ProcessGroup | None = None) -> None:
         super().__init__()
+        self.tp_group = tp_group
         self.w13 = Linear(args.dim, 2 * args.hidden_dim, bias=False)
         self.w2 = Linear(args.hidden_dim, args.dim, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate, up = self.w13(x).chunk(2, dim=-1)
-        return self.w2(F.silu(gate) * up)
+        return tensor_parallel_sum(self.w2(F.silu(gate) * up), self.tp_group)
 
 
 class Block(nn.Module):
     """One pre-norm decoder layer."""
 
-    def __init__(self, args: ModelArgs, layer_index: int) -> None:
+    def __init__(self, args: ModelArgs, layer_index: int, tp_group: dist.ProcessGroup | None = None) -> None:
         super().__init__()
         self.attention_norm = RMSNorm(args.dim, args.norm_eps)
-        self.attention = Attention(args, layer_index)
+        self.attention = Attention(args, layer_index, tp_group)
         self.ffn_norm = RMSNorm(args.dim, args.norm_eps)
-        self.feed_forward = FeedForward(args)
+        self.feed_forward = FeedForward(args, tp_group)
 
     def forward(
         self,
@@ -122,13 +131,18 @@ class Block(nn.Module):
 
 
 class Transformer(nn.Module):
-    """The decoder: embeddings, layers, final norm and the (possibly tied) output projection."""
+    """The decoder: embeddings, layers, final norm and the (possibly tied) output projection.
 
-    def __init__(self, args: ModelArgs) -> None:
+    `args` are the arguments this process runs (a TP rank's shard arguments); `tp_group` is the TP group
+    whose ranks hold the other heads and slices (None: the whole model). Embedding and LM head are
+    replicated on every TP rank.
+    """
+
+    def __init__(self, args: ModelArgs, tp_group: dist.ProcessGroup | None = None) -> None:
         super().__init__()
         self.args = args
         self.tok_embeddings = nn.Embedding(args.vocab_size, args.dim)
-        self.layers = nn.ModuleList(Block(args, i) for i in range(args.n_layers))
+        self.layers = nn.ModuleList(Block(args, i, tp_group) for i in range(args.n_layers))
         self.norm = RMSNorm(args.dim, args.norm_eps)
         self.output = None if args.tie_embeddings else nn.Linear(args.dim, args.vocab_size, bias=False)
         # The logits projection's quantized blocks (the embedding's when tied), for decode.

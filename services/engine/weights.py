@@ -1,6 +1,10 @@
 """Loading weights: the embedded SmolLM2 GGUF, a Hugging Face folder (config.json + *.safetensors), or a tiny
 random model for tests. Everything ends as a `Transformer` in the run dtype on the run device; a GGUF's
-Q4_1/Q8_0 projections also keep their quantized blocks for decode (services/engine/quant.py)."""
+Q4_1/Q8_0 projections also keep their quantized blocks for decode (services/engine/quant.py).
+
+A tensor-parallel rank loads the full weights and keeps its shard (`shard_state`): the rows of its query and
+K/V heads and of its gate/up slice, the matching columns of the output and down projections; the rest is
+replicated. Its projections then run dense: the quantized decode blocks serve the single-rank model only."""
 
 import hashlib
 import importlib.util
@@ -13,11 +17,13 @@ from typing import Any
 
 import numpy as np
 import torch
+import torch.distributed as dist
 
 from pcpstack.engine import cpu_kernels
 from pcpstack.engine.config import ModelArgs
 from pcpstack.engine.device import default_dtype, pick_device
 from pcpstack.engine.model import Transformer
+from pcpstack.engine.parallel import SINGLE_RANK, TensorParallelShard
 from pcpstack.engine.quant import BlockWeight, from_gguf
 from pcpstack.engine.tokenizer import Tokenizer
 
@@ -34,7 +40,11 @@ _HF_MODEL_TYPES = ("llama", "mistral", "qwen2")
 
 @dataclass
 class LoadedModel:
-    """A model ready to run, with what services need to know about it."""
+    """A model ready to run, with what services need to know about it.
+
+    `args` are the arguments the model runs with: the whole model's, or a TP rank's shard (its heads and
+    intermediate slice, see `TensorParallelShard.local_args`); `full_args` are always the whole model's.
+    """
 
     model: Transformer
     args: ModelArgs
@@ -42,6 +52,8 @@ class LoadedModel:
     model_id: str
     device: torch.device
     dtype: torch.dtype
+    full_args: ModelArgs
+    shard: TensorParallelShard = SINGLE_RANK
 
 
 def default_model_path() -> Path:
@@ -66,9 +78,11 @@ def load_model(
     dtype: torch.dtype | None = None,
     *,
     unpermute_gguf_qk: bool = True,
+    shard: TensorParallelShard = SINGLE_RANK,
 ) -> LoadedModel:
     """Load a model: None is the embedded default, "tiny" a random tiny model (fixed seed), a *.gguf file,
-    or a Hugging Face folder. `unpermute_gguf_qk=False` exists only to prove that skipping the
+    or a Hugging Face folder; with a `shard` of a TP group, only that rank's part of it (ValueError when the
+    model cannot be split that way). `unpermute_gguf_qk=False` exists only to prove that skipping the
     un-permutation is caught by the tests."""
     device = torch.device(device) if device is not None else pick_device()
     dtype = dtype or default_dtype(device)
@@ -91,9 +105,49 @@ def load_model(
         else:
             raise ValueError(f"model path {path} is neither a Hugging Face folder nor a .gguf file")
     digest.update(json.dumps(asdict(args), sort_keys=True).encode())
-    model = _build(args, state, blocks, device, dtype)
+    local_args, tp_group = args, None
+    if shard.size > 1:
+        if shard.group is None:
+            raise ValueError(f"tensor_parallel_size={shard.size}: a TP shard needs its TP process group")
+        local_args, tp_group = shard.local_args(args), shard.group
+        state, blocks = shard_state(state, args, shard), {}
+    model = _build(local_args, state, blocks, device, dtype, tp_group)
     log.info("model %s loaded in %.1f s", name, time.monotonic() - started, extra=PROGRESS)
-    return LoadedModel(model, args, tokenizer, digest.hexdigest()[:16], device, dtype)
+    return LoadedModel(model, local_args, tokenizer, digest.hexdigest()[:16], device, dtype, args, shard)
+
+
+def shard_state(
+    state: dict[str, torch.Tensor], args: ModelArgs, shard: TensorParallelShard
+) -> dict[str, torch.Tensor]:
+    """One TP rank's tensors, sliced from the whole model's fused state (Megatron split).
+
+    wqkv [q | k | v rows] keeps the rows of the rank's query and K/V heads (bias alike), w13 [gate | up rows]
+    the rows of its intermediate slice; wo and w2 keep the matching input columns, so their outputs are
+    partial sums. Embedding, norms and LM head are replicated.
+    """
+    hd = args.head_dim
+
+    def rows(heads: range, offset: int = 0) -> slice:
+        return slice(offset + heads.start * hd, offset + heads.stop * hd)
+
+    heads, kv_heads, hidden = shard.head_range(args), shard.kv_head_range(args), shard.hidden_range(args)
+    q_rows, k_rows = rows(heads), rows(kv_heads, args.n_heads * hd)
+    v_rows = rows(kv_heads, (args.n_heads + args.n_kv_heads) * hd)
+    gate_rows = slice(hidden.start, hidden.stop)
+    up_rows = slice(args.hidden_dim + hidden.start, args.hidden_dim + hidden.stop)
+    sharded = {}
+    for name, tensor in state.items():
+        if name.endswith("attention.wqkv.weight") or name.endswith("attention.wqkv.bias"):
+            tensor = torch.cat((tensor[q_rows], tensor[k_rows], tensor[v_rows]))
+        elif name.endswith("feed_forward.w13.weight"):
+            tensor = torch.cat((tensor[gate_rows], tensor[up_rows]))
+        elif name.endswith("attention.wo.weight"):
+            tensor = tensor[:, q_rows]
+        elif name.endswith("feed_forward.w2.weight"):
+            tensor = tensor[:, gate_rows]
+        # A column slice is a strided view: contiguous() copies it, so the whole tensor can be freed.
+        sharded[name] = tensor.contiguous()
+    return sharded
 
 
 def _build(
@@ -102,9 +156,10 @@ def _build(
     blocks: dict[str, BlockWeight],
     device: torch.device,
     dtype: torch.dtype,
+    tp_group: dist.ProcessGroup | None = None,
 ) -> Transformer:
     with torch.device("meta"):
-        model = Transformer(args)
+        model = Transformer(args, tp_group)
     state = {name: _aligned(tensor.to(device=device, dtype=dtype)) for name, tensor in state.items()}
     model.load_state_dict(state, strict=True, assign=True)
     # The block kernels compute in fp32 on the CPU; elsewhere the dense weights serve every step.

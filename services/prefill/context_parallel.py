@@ -17,12 +17,8 @@ import torch
 import torch.distributed as dist
 
 from pcpstack.engine.engine import Engine, SequenceState
+from pcpstack.engine.parallel import distributed_backend
 from pcpstack.prefill.split import DualChunkSplit
-
-
-def distributed_backend(device: torch.device) -> str:
-    """hccl on NPUs (torch_npu), nccl on CUDA, gloo on CPU."""
-    return {"npu": "hccl", "cuda": "nccl"}.get(device.type, "gloo")
 
 
 def init_pcp_group(

@@ -1,0 +1,210 @@
+"""Tensor parallelism (TP) inside a context-parallel (PCP) set: the rank layout, the process groups, the
+Megatron head/intermediate split of one TP rank, and the one collective the model calls.
+
+A set of `tp_size × pcp_size` rank processes numbers its ranks `global = pcp_rank × tp_size + tp_rank`, the
+layout vLLM uses: the TP ranks of one PCP rank are consecutive (they share a node and exchange the most
+bytes), and one PCP group joins the ranks that hold the same TP shard. Every rank creates every group, in
+the same order, because torch.distributed.new_group is itself a collective over the whole world.
+
+The model is split Megatron-style. Attention: each TP rank owns `n_heads / T` query heads and the K/V heads
+they read (when `T > n_kv_heads`, a K/V head is replicated on `T / n_kv_heads` ranks, as in vLLM); its slice
+of the output projection gives a partial sum over heads. MLP: each rank owns `hidden_dim / T` of the
+intermediate dimension; its slice of the down projection gives a partial sum. `tensor_parallel_sum` adds the
+partial sums over the TP group: one all-reduce after the attention output and one after the MLP. The
+embedding, the norms and the LM head are replicated (every TP rank computes the full logits; with vocabularies
+of SmolLM2's size a vocab split would save little and add a gather).
+
+Collectives run on tensors on the group's device (gloo on the CPU, NCCL on CUDA, HCCL on Ascend). Control
+messages (a job's header and bytes, the ranks' result shares) are host data: on an accelerator they travel
+over `ParallelGroups.control`, a separate gloo group over the same world, instead of being copied to the
+device and back; on the CPU the control group is the world group itself.
+"""
+
+from __future__ import annotations
+
+import datetime
+from dataclasses import dataclass, replace
+
+import torch
+import torch.distributed as dist
+
+from pcpstack.engine.config import ModelArgs
+
+
+def distributed_backend(device: torch.device | str) -> str:
+    """hccl on NPUs (torch_npu), nccl on CUDA, gloo on CPU."""
+    # A string, because torch.device("npu") only parses once torch_npu is imported.
+    kind = device.split(":")[0] if isinstance(device, str) else device.type
+    return {"npu": "hccl", "cuda": "nccl"}.get(kind, "gloo")
+
+
+@dataclass(frozen=True)
+class ParallelLayout:
+    """The shape of a set: `tp_size` TP ranks in each of `pcp_size` PCP ranks."""
+
+    tp_size: int
+    pcp_size: int
+
+    def __post_init__(self) -> None:
+        for name in ("tp_size", "pcp_size"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"ParallelLayout.{name}={getattr(self, name)} must be >= 1")
+
+    @property
+    def world_size(self) -> int:
+        """Rank processes in the set."""
+        return self.tp_size * self.pcp_size
+
+    def global_rank(self, pcp_rank: int, tp_rank: int) -> int:
+        """The rank in the set's world of TP rank `tp_rank` of PCP rank `pcp_rank`."""
+        if not (0 <= pcp_rank < self.pcp_size and 0 <= tp_rank < self.tp_size):
+            raise ValueError(f"(pcp_rank={pcp_rank}, tp_rank={tp_rank}) lies outside {self}")
+        return pcp_rank * self.tp_size + tp_rank
+
+    def coordinates(self, global_rank: int) -> tuple[int, int]:
+        """(pcp_rank, tp_rank) of a global rank."""
+        if not 0 <= global_rank < self.world_size:
+            raise ValueError(f"global_rank={global_rank} lies outside a world of {self.world_size}")
+        return divmod(global_rank, self.tp_size)
+
+    def tp_group_ranks(self, pcp_rank: int) -> list[int]:
+        """Global ranks of the TP group of one PCP rank (consecutive)."""
+        return [self.global_rank(pcp_rank, t) for t in range(self.tp_size)]
+
+    def pcp_group_ranks(self, tp_rank: int) -> list[int]:
+        """Global ranks of the PCP group of one TP rank (stride tp_size)."""
+        return [self.global_rank(p, tp_rank) for p in range(self.pcp_size)]
+
+
+@dataclass(frozen=True)
+class TensorParallelShard:
+    """Which part of the model one TP rank holds: its query heads, K/V heads and intermediate slice.
+
+    `group` is the TP process group the partial sums are added over. A model needs it when `size > 1`; the
+    head ranges do not, so any process can compute another TP size's split (to reshard K/V by head range).
+    The single-rank model (`size == 1`) has no group and no collective at all.
+    """
+
+    rank: int
+    size: int
+    group: dist.ProcessGroup | None = None
+
+    def __post_init__(self) -> None:
+        if not 0 <= self.rank < self.size:
+            raise ValueError(f"tensor parallel rank={self.rank} must lie in [0, size={self.size})")
+
+    def check(self, args: ModelArgs) -> None:
+        """Refuses a model this TP size cannot split evenly, naming the numbers and the rule."""
+        t = self.size
+        if args.n_heads % t:
+            raise ValueError(
+                f"tensor_parallel_size={t} must divide the model's num_attention_heads={args.n_heads}"
+            )
+        if args.n_kv_heads % t and t % args.n_kv_heads:
+            raise ValueError(
+                f"tensor_parallel_size={t} must divide num_key_value_heads={args.n_kv_heads} or be a "
+                "multiple of it (K/V heads are then replicated)"
+            )
+        if args.hidden_dim % t:
+            raise ValueError(f"tensor_parallel_size={t} must divide intermediate_size={args.hidden_dim}")
+
+    def head_range(self, args: ModelArgs) -> range:
+        """The query heads of this rank."""
+        per_rank = args.n_heads // self.size
+        return range(self.rank * per_rank, (self.rank + 1) * per_rank)
+
+    def kv_head_range(self, args: ModelArgs) -> range:
+        """The K/V heads of this rank: a slice, or one replicated head when T > n_kv_heads."""
+        if self.size <= args.n_kv_heads:
+            per_rank = args.n_kv_heads // self.size
+            return range(self.rank * per_rank, (self.rank + 1) * per_rank)
+        head = self.rank // (self.size // args.n_kv_heads)
+        return range(head, head + 1)
+
+    def hidden_range(self, args: ModelArgs) -> range:
+        """This rank's slice of the MLP's intermediate dimension."""
+        per_rank = args.hidden_dim // self.size
+        return range(self.rank * per_rank, (self.rank + 1) * per_rank)
+
+    def local_args(self, args: ModelArgs) -> ModelArgs:
+        """The architecture this rank runs: the same model with its own heads and intermediate slice."""
+        self.check(args)
+        return replace(
+            args,
+            n_heads=len(self.head_range(args)),
+            n_kv_heads=len(self.kv_head_range(args)),
+            hidden_dim=len(self.hidden_range(args)),
+        )
+
+
+SINGLE_RANK = TensorParallelShard(0, 1)
+
+
+def tensor_parallel_sum(partial: torch.Tensor, group: dist.ProcessGroup | None) -> torch.Tensor:
+    """The tensor-parallel step: the sum over the TP group of each rank's partial projection.
+
+    Called after the attention output projection and after the MLP down projection. With no group (a
+    single-rank model) it returns its input untouched: no collective, no copy.
+    """
+    if group is None:
+        return partial
+    dist.all_reduce(partial, op=dist.ReduceOp.SUM, group=group)
+    return partial
+
+
+@dataclass(frozen=True)
+class ParallelGroups:
+    """One rank's place in its set and the process groups it takes part in."""
+
+    layout: ParallelLayout
+    global_rank: int
+    tp_group: dist.ProcessGroup
+    pcp_group: dist.ProcessGroup
+    control: dist.ProcessGroup
+
+    @property
+    def pcp_rank(self) -> int:
+        """This rank's PCP rank (which DualChunkSwap share it runs)."""
+        return self.layout.coordinates(self.global_rank)[0]
+
+    @property
+    def tp_rank(self) -> int:
+        """This rank's TP rank (which heads and intermediate slice it holds)."""
+        return self.layout.coordinates(self.global_rank)[1]
+
+    def shard(self) -> TensorParallelShard:
+        """The model shard of this rank; the single-rank model (no group, no collective) when tp_size is 1."""
+        if self.layout.tp_size == 1:
+            return SINGLE_RANK
+        return TensorParallelShard(self.tp_rank, self.layout.tp_size, self.tp_group)
+
+
+def init_parallel_groups(
+    layout: ParallelLayout,
+    global_rank: int,
+    master_addr: str,
+    master_port: int,
+    device: torch.device,
+    timeout_seconds: float,
+) -> ParallelGroups:
+    """Joins this process to its set's world (tcp:// rendezvous at the master) and builds its groups.
+
+    Every rank calls new_group for every TP group, then every PCP group, then the control group, in that
+    order: group creation is collective over the world, so a rank that skipped one would hang the others.
+    """
+    backend = distributed_backend(device)
+    timeout = datetime.timedelta(seconds=timeout_seconds)
+    dist.init_process_group(
+        backend=backend,
+        init_method=f"tcp://{master_addr}:{master_port}",
+        rank=global_rank,
+        world_size=layout.world_size,
+        timeout=timeout,
+    )
+    pcp_rank, tp_rank = layout.coordinates(global_rank)
+    tp_groups = [dist.new_group(layout.tp_group_ranks(p), timeout=timeout) for p in range(layout.pcp_size)]
+    pcp_groups = [dist.new_group(layout.pcp_group_ranks(t), timeout=timeout) for t in range(layout.tp_size)]
+    control = dist.group.WORLD
+    if backend != "gloo":
+        control = dist.new_group(list(range(layout.world_size)), backend="gloo", timeout=timeout)
+    return ParallelGroups(layout, global_rank, tp_groups[pcp_rank], pcp_groups[tp_rank], control)
