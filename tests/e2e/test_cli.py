@@ -1,5 +1,6 @@
-"""The user-facing commands in real processes: `pcpstack up` until Ctrl-C, `pcpstack generate --target`,
-and a request that still succeeds when the set it would have used dies."""
+"""The user-facing commands in real processes: `pcpstack up` until Ctrl-C (its gateway on the port asked
+for, its progress in plain lines when stderr is a log), `pcpstack generate --target`, and a request that
+still succeeds when the set it would have used dies."""
 
 from __future__ import annotations
 
@@ -12,6 +13,7 @@ import time
 import pytest
 
 from pcpstack.cli.launch import cli_command
+from pcpstack.cli.stack import free_port
 from pcpstack.common.channel import open_channel
 from pcpstack.decode.client import DecodeClient, build_request
 from pcpstack.v1 import registry_pb2, registry_pb2_grpc
@@ -28,6 +30,7 @@ def _alive(pid: int) -> bool:
 
 @pytest.mark.slow
 def test_up_prints_endpoints_serves_and_stops_cleanly_on_ctrl_c(tmp_path, child_env) -> None:
+    gateway_port = free_port()
     up = subprocess.Popen(
         cli_command(
             "up",
@@ -37,6 +40,10 @@ def test_up_prints_endpoints_serves_and_stops_cleanly_on_ctrl_c(tmp_path, child_
             "tiny",
             "--log-dir",
             str(tmp_path),
+            "--host",
+            "127.0.0.1",
+            "--gateway-port",
+            str(gateway_port),
         ),
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
@@ -50,6 +57,7 @@ def test_up_prints_endpoints_serves_and_stops_cleanly_on_ctrl_c(tmp_path, child_
             lines.append(up.stdout.readline())
         endpoints = dict(line.split()[:2] for line in lines if line.strip() and "Ctrl-C" not in line)
         assert {"registry", "kvstore", "decode", "openai"} <= set(endpoints), lines
+        assert endpoints["openai"] == f"http://127.0.0.1:{gateway_port}/v1"
         services = [int(p) for p in child_pids(up.pid)]
         assert len(services) >= 5  # registry, kvstore, prefill, decode, gateway
         run = subprocess.run(
@@ -74,6 +82,12 @@ def test_up_prints_endpoints_serves_and_stops_cleanly_on_ctrl_c(tmp_path, child_
         assert answer["prompt_token_ids"] == [104, 101, 108, 108, 111] and len(answer["trace_id"]) == 32
         up.send_signal(signal.SIGINT)
         assert up.wait(timeout=60) == 0
+        progress = up.stderr.read().splitlines()
+        # stderr is a pipe here, not a terminal: plain lines, a step per service's model load.
+        assert "decode-0: loading model tiny on cpu" in progress
+        assert any(line.startswith("prefill-0: model tiny loaded in ") for line in progress)
+        assert any(line.startswith("  ... ") and " ready: " in line for line in progress)
+        assert not any("\r" in line or "\x1b" in line for line in progress)
         time.sleep(0.5)
         assert [pid for pid in services if _alive(pid)] == []
     finally:
