@@ -12,7 +12,7 @@ alone when decode gives it, else the text its delta added.
 from __future__ import annotations
 
 import json
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 from pcpstack.gateway.openai_requests import ParsedRequest
@@ -70,17 +70,23 @@ class _Choice:
     """What one choice gathered: text pieces, logprobs, and the text offset completions logprobs need."""
 
     text: list[str] = field(default_factory=list)
+    token_ids: list[int] = field(default_factory=list)
     logprobs: list[TokenLogprob] = field(default_factory=list)
     text_offset: int = 0
 
 
 @dataclass
 class ResponseShaper:
-    """Shapes one request's answer, its n choices, for its endpoint."""
+    """Shapes one request's answer, its n choices, for its endpoint.
+
+    `detokenize` (token ids -> text) finds the stop string that ended a choice when decode does not name it
+    and include_stop_str_in_output asks to show it: decode holds a stop string back but streams its tokens,
+    so the text of all the tokens goes on past the answer with the stop string."""
 
     request: ParsedRequest
     response_id: str
     created: int
+    detokenize: Callable[[list[int]], str] | None = None
     _choices: dict[int, _Choice] = field(default_factory=dict)
 
     def _choice(self, index: int) -> _Choice:
@@ -92,6 +98,7 @@ class ResponseShaper:
         """Gathers a delta of choice `index` for `response`."""
         choice = self._choice(index)
         choice.text.append(delta.text)
+        choice.token_ids.extend(delta.token_ids)
         if self.request.logprobs:
             choice.logprobs.extend(token_logprobs(delta))
 
@@ -100,7 +107,7 @@ class ResponseShaper:
         choices = []
         for index, summary in enumerate(summaries):
             gathered = self._choice(index)
-            text = "".join(gathered.text) + self._stop_shown(summary)
+            text = "".join(gathered.text) + self._stop_shown(summary, gathered)
             logprobs = self._logprobs_object(gathered, gathered.logprobs) if self.request.logprobs else None
             finish = FINISH_REASONS.get(summary.finish_reason)
             if self.request.chat:
@@ -126,17 +133,20 @@ class ResponseShaper:
 
     def delta_chunk(self, delta: decode_pb2.TokenDelta, index: int = 0) -> dict | None:
         """The chunk for a delta of choice `index`, or None when it adds nothing the client would see."""
+        choice = self._choice(index)
+        choice.text.append(delta.text)
+        choice.token_ids.extend(delta.token_ids)
         tokens = token_logprobs(delta) if self.request.logprobs else []
         if not delta.text and not tokens:
             return None
-        logprobs = self._logprobs_object(self._choice(index), tokens) if self.request.logprobs else None
+        logprobs = self._logprobs_object(choice, tokens) if self.request.logprobs else None
         content = {"content": delta.text} if self.request.chat else delta.text
         return self._chunk(index, content, logprobs, None)
 
     def finish_chunks(self, summary: decode_pb2.GenerateSummary, index: int = 0) -> list[dict]:
         """The chunks ending choice `index`: the stop string when it is to be shown, then finish_reason."""
         chunks = []
-        stop = self._stop_shown(summary)
+        stop = self._stop_shown(summary, self._choice(index))
         if stop:
             chunks.append(self._chunk(index, {"content": stop} if self.request.chat else stop, None, None))
         empty = {} if self.request.chat else ""
@@ -151,17 +161,20 @@ class ResponseShaper:
 
     # --- pieces ---------------------------------------------------------------------------------------------
 
-    def _stop_shown(self, summary: decode_pb2.GenerateSummary) -> str:
-        """The stop string that ended the choice when include_stop_str_in_output asks to show it.
-
-        Decode holds a stop string back; a stop token id adds no text, as in vLLM."""
+    def _stop_shown(self, summary: decode_pb2.GenerateSummary, choice: _Choice) -> str:
+        """The stop string that ended the choice when include_stop_str_in_output asks to show it; "" for
+        a stop token id, which adds no text, as in vLLM."""
         if (
-            self.request.include_stop_str_in_output
-            and summary.finish_reason == decode_pb2.FINISH_REASON_STOP
-            and summary.matched_stop in self.request.stop
+            not self.request.include_stop_str_in_output
+            or summary.finish_reason != decode_pb2.FINISH_REASON_STOP
         ):
+            return ""
+        if summary.matched_stop in self.request.stop:
             return summary.matched_stop
-        return ""
+        if self.detokenize is None:
+            return ""
+        past_the_answer = self.detokenize(choice.token_ids)[len("".join(choice.text)) :]
+        return next((s for s in self.request.stop if past_the_answer.startswith(s)), "")
 
     def _envelope(self, chunk: bool = False) -> dict:
         # OpenAI streams completions under the same object name; chat chunks have their own.

@@ -191,7 +191,10 @@ async def _generate(
     parsed = parse(load_body(await request.read(), request.charset), settings.model_name)
     request[_REQUEST_ID] = request_id
     request_id_var.set(request_id)
-    shaper = ResponseShaper(parsed, f"{id_prefix}-{request_id}", int(time.time()))
+    detokenize = None
+    if parsed.include_stop_str_in_output and parsed.stop:
+        detokenize = await request.app[_TOKENIZATION].detokenizer("include_stop_str_in_output")
+    shaper = ResponseShaper(parsed, f"{id_prefix}-{request_id}", int(time.time()), detokenize)
     messages = generate_samples(pool, parsed, request_id, settings.request_timeout_s)
     timer = _FirstToken(request.app[_METRICS], request.match_info.route.resource.canonical)
     try:
@@ -341,11 +344,13 @@ async def _version(request: web.Request) -> web.Response:
 
 
 async def _health(request: web.Request) -> web.Response:
-    """200 while at least one decode worker answers its health check SERVING, else 503."""
+    """200 while at least one decode worker answers its health check SERVING, else 503; also the Generate
+    calls in flight per worker (how the requests are spread)."""
     serving = await request.app[_POOL].serving()
     if not serving:
         return _error_response(service_unavailable("no decode worker is serving"))
-    return web.json_response({"status": "ok", "decode_workers": serving})
+    in_flight = request.app[_POOL].in_flight()
+    return web.json_response({"status": "ok", "decode_workers": serving, "in_flight": in_flight})
 
 
 async def _metrics(request: web.Request) -> web.Response:

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -127,6 +128,16 @@ class Tokenization:
                         501, f"this gateway has no tokenizer: {exc}", error_type="not_implemented"
                     ) from None
         return self._loaded
+
+    async def detokenizer(self, needed_by: str) -> Callable[[list[int]], str]:
+        """Token ids -> text as decode writes it (special tokens skipped); a 400 naming `needed_by` when
+        this gateway has no tokenizer."""
+        try:
+            tokenizer = (await self._tokenizer()).tokenizer
+        except ApiError as exc:
+            message = f"{needed_by} needs the gateway's tokenizer: {exc.message}"
+            raise bad_request(needed_by, message) from None
+        return lambda ids: tokenizer.decode(ids, skip_special_tokens=True)
 
     def _check_model(self, model: str | None) -> None:
         if model is not None and model != self._served_model:

@@ -165,6 +165,10 @@ class DecodePool:
             details = f"decode worker at {address}: {details}"
         return error_from_rpc(exc.code(), details)
 
+    def in_flight(self) -> dict[str, int]:
+        """Generate calls this gateway has running, per worker that has any."""
+        return {address: count for address, count in self._in_flight.items() if count}
+
     async def serving(self) -> list[str]:
         """The workers whose gRPC health check answers SERVING now."""
         try:

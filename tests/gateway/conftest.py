@@ -69,9 +69,9 @@ class GatewayProcess:
             time.sleep(0.2)
         raise RuntimeError(f"the gateway did not listen within {timeout:.0f} s")
 
-    def client(self) -> openai.OpenAI:
+    def client(self, api_key: str = "unused") -> openai.OpenAI:
         """An openai client for this gateway that never retries (so a 503 is seen as it is)."""
-        return openai.OpenAI(base_url=f"{self.url}/v1", api_key="unused", max_retries=0, timeout=300)
+        return openai.OpenAI(base_url=f"{self.url}/v1", api_key=api_key, max_retries=0, timeout=300)
 
     def stop(self) -> None:
         self.process.terminate()
@@ -173,6 +173,36 @@ def gateway_without_prefill(tmp_path_factory) -> Iterator[GatewayProcess]:
     finally:
         process.stop()
         services.stop()
+
+
+API_KEY = "test-key-0123456789abcdef"
+ALLOWED_ORIGIN = "http://app.example"
+
+
+@pytest.fixture(scope="module")
+def tiny_stack(tmp_path_factory) -> Iterator[RunningStack]:
+    """A tiny-model stack with two decode workers, each serving Prometheus metrics."""
+    stack = start_stack(tmp_path_factory.mktemp("tiny-stack"), pcp=2, decode=2, model="tiny", metrics=True)
+    yield stack
+    stack.stop()
+
+
+@pytest.fixture(scope="module")
+def guarded_gateway(tiny_stack, tmp_path_factory) -> Iterator[GatewayProcess]:
+    """A gateway with an API key (from a file) and one allowed CORS origin, in front of the tiny stack's two
+    decode workers, the first address in its list a dead one."""
+    folder = tmp_path_factory.mktemp("guarded-gateway")
+    key_file = folder / "api-key"
+    key_file.write_text(API_KEY + "\n")
+    dead = f"127.0.0.1:{free_port()}"
+    workers = ",".join([dead, *tiny_stack.stack.decode_addresses])
+    args = ["--decode", workers, "--model-name", "tiny", "--api-key-file", str(key_file)]
+    args += ["--allowed-origins", ALLOWED_ORIGIN]
+    process = GatewayProcess(args, folder / "gateway.log", child_environment())
+    try:
+        yield process.wait_healthy()
+    finally:
+        process.stop()
 
 
 def spans_of_trace(trace_file: Path, trace_id: str, services: set[str], timeout: float = 10.0) -> list[dict]:

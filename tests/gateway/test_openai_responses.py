@@ -160,3 +160,13 @@ def test_a_stop_string_is_shown_only_when_include_stop_str_in_output() -> None:
         delta = decode_pb2.TokenDelta(token_ids=[1], text="abc")
         chunks = [shaper.delta_chunk(delta), *shaper.finish_chunks(summary)]
         assert "".join(c["choices"][0]["text"] for c in chunks) == text
+
+
+def test_the_stop_string_decode_held_back_is_found_in_the_text_of_its_tokens() -> None:
+    summary = decode_pb2.GenerateSummary(finish_reason=decode_pb2.FINISH_REASON_STOP)
+    body = {"prompt": "x", "stop": ["<END>", "END"], "include_stop_str_in_output": True}
+    texts = {1: "ab", 2: "<E", 3: "ND>"}
+    shaper = ResponseShaper(parse_completion(body, MODEL), "c", 0, lambda ids: "".join(texts[i] for i in ids))
+    shaper.add(decode_pb2.TokenDelta(token_ids=[1], text="ab"))
+    shaper.add(decode_pb2.TokenDelta(token_ids=[2, 3], text=""))
+    assert shaper.response([summary])["choices"][0]["text"] == "ab<END>"
