@@ -152,6 +152,16 @@ class NodeConfig(ListenConfig):
         super().__post_init__()
         check_address("--registry", self.registry, required=True)
         check_model_source("model", self.engine.model)
+        tp = self.engine.tensor_parallel_size
+        if tp > 1:
+            # The engine can split a model (services/engine/parallel.py), but no service runs TP ranks yet:
+            # refuse rather than accept the size and silently run one rank per PCP rank.
+            raise ConfigError(
+                f"tensor_parallel_size={tp}: tensor parallelism is not wired into the {self.role} service "
+                "yet; set tensor_parallel_size=1",
+                ("tensor_parallel_size",),
+                "tensor_parallel_size == 1 until TP is wired into the services",
+            )
 
     @classmethod
     def from_args(cls: type[N], args: argparse.Namespace) -> N:
