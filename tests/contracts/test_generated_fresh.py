@@ -35,7 +35,9 @@ def test_freshness_check_detects_a_changed_proto(tmp_path: Path, monkeypatch) ->
         text = source.read_text()
         if source.name == "common.proto":
             text = text.replace(
-                "bool ignore_eos = 8;", "bool ignore_eos = 8;\n  // Added.\n  uint32 extra = 9;"
+                # A field number far above any real one, so new fields never collide with it.
+                "bool ignore_eos = 8;",
+                "bool ignore_eos = 8;\n  // Added.\n  uint32 extra = 9999;",
             )
         (protos / source.name).write_text(text)
     monkeypatch.setattr(gen, "PROTO_ROOT", tmp_path / "protos")
