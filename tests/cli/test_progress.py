@@ -3,8 +3,12 @@
 from __future__ import annotations
 
 import io
+import subprocess
+import sys
 
 from pcpstack.cli.progress import ProgressPrinter, bar
+from pcpstack.cli.stack import Service
+from pcpstack.engine.cpu_kernels import CACHE_ENV, ENABLE_ENV
 
 
 def test_bar_fills_in_proportion_to_the_parts_ready() -> None:
@@ -43,3 +47,24 @@ def test_a_log_gets_plain_lines_when_the_state_changes_and_as_a_reminder() -> No
         "  ...  12.0 s: 3/5 ready: registry up",
     ]
     assert "\r" not in out.getvalue() and "\x1b" not in out.getvalue()
+
+
+def test_a_stack_relays_the_kernel_build_a_service_logs(tmp_path, child_env) -> None:
+    """A real first build (gcc, an empty kernel cache) in a service-like process, its JSON log read back
+    by the stack's relay as the user sees it."""
+    log_path = tmp_path / "decode-0.log"
+    script = (
+        "from pcpstack.common.logs import setup_logging\n"
+        "from pcpstack.engine import cpu_kernels\n"
+        "setup_logging('decode')\n"
+        "assert cpu_kernels.library() is not None\n"
+    )
+    env = {**child_env, CACHE_ENV: str(tmp_path / "kernels"), ENABLE_ENV: "1"}
+    with log_path.open("w") as log:
+        run = subprocess.run([sys.executable, "-c", script], stderr=log, env=env, timeout=300)
+    assert run.returncode == 0, log_path.read_text()
+    service = Service("decode-0", "127.0.0.1:1", None, log_path)  # type: ignore[arg-type]
+    messages = service.progress_lines()
+    assert messages[0].startswith("building CPU kernels with ")
+    assert messages[1].startswith("CPU kernels built in ")
+    assert service.progress_lines() == []  # each message is relayed once
