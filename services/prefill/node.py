@@ -135,6 +135,7 @@ class RankSupervisor:
                 threads=self.options.threads_per_rank,
                 collective_timeout_s=self.options.collective_timeout_s,
                 idle_tick_s=self.options.idle_tick_s,
+                log_level=logging.getLevelName(logging.getLogger().getEffectiveLevel()),
             )
             parent, child = self._ctx.Pipe()
             progress = self._ctx.Value("d", 0.0, lock=False)

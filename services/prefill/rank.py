@@ -31,6 +31,7 @@ import torch.distributed as dist
 from opentelemetry.propagate import extract
 
 from pcpstack.common.errors import Internal, ServiceError, Unavailable
+from pcpstack.common.logs import setup_logging
 from pcpstack.common.telemetry import setup_telemetry, shutdown_telemetry, tracer
 from pcpstack.engine.engine import Engine
 from pcpstack.engine.sampling import (
@@ -87,6 +88,8 @@ class RankSpec:
     threads: int = 1
     collective_timeout_s: float = 120.0
     idle_tick_s: float = 1.0
+    # The node's --log-level: a spawned process starts without the parent's logging set-up.
+    log_level: str = "INFO"
 
 
 @dataclass(frozen=True)
@@ -263,6 +266,7 @@ class RankWorker:
 def rank_main(spec: RankSpec, conn: Connection, progress: Synchronized) -> None:
     """Entry point of a rank process (a multiprocessing target); exits on stop or when the group fails."""
     torch.set_num_threads(spec.threads)
+    setup_logging(f"prefill-rank-{spec.pcp_rank}", spec.log_level)
     setup_telemetry("prefill-rank")
     try:
         engine = Engine.load(spec.model, block_size=spec.block_size, num_blocks=None)
