@@ -140,6 +140,30 @@ class TensorParallelShard:
 SINGLE_RANK = TensorParallelShard(0, 1)
 
 
+def stored_kv_shards(args: ModelArgs, tp_size: int) -> list[tuple[int, range]]:
+    """(tp_rank, K/V heads) of the shards a TP group stores as one replica: every K/V head once, from the
+    first TP rank that holds it (with T > n_kv_heads the other holders of a head have the same bytes)."""
+    shards: dict[int, tuple[int, range]] = {}
+    for tp_rank in range(tp_size):
+        heads = TensorParallelShard(tp_rank, tp_size).kv_head_range(args)
+        shards.setdefault(heads.start, (tp_rank, heads))
+    return [shards[start] for start in sorted(shards)]
+
+
+def kv_fetch_plan(args: ModelArgs, source_tp_size: int, dest: TensorParallelShard) -> list[tuple[int, range]]:
+    """Where rank `dest` finds its K/V heads in a replica stored by a TP group of `source_tp_size`:
+    [(source tp_rank, heads)] in head order, each `heads` a sub-range of that stored shard's heads. A rank
+    fetches only the heads it runs, whatever TP made the replica (resharding by head range)."""
+    dest.check(args)
+    wanted = dest.kv_head_range(args)
+    plan = []
+    for tp_rank, heads in stored_kv_shards(args, source_tp_size):
+        start, stop = max(heads.start, wanted.start), min(heads.stop, wanted.stop)
+        if start < stop:
+            plan.append((tp_rank, range(start, stop)))
+    return plan
+
+
 def tensor_parallel_sum(partial: torch.Tensor, group: dist.ProcessGroup | None) -> torch.Tensor:
     """The tensor-parallel step: the sum over the TP group of each rank's partial projection.
 

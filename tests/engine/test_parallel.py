@@ -14,6 +14,8 @@ from pcpstack.engine.parallel import (
     ParallelLayout,
     TensorParallelShard,
     distributed_backend,
+    kv_fetch_plan,
+    stored_kv_shards,
     tensor_parallel_sum,
 )
 from pcpstack.engine.weights import LoadedModel, load_model, shard_state
@@ -158,3 +160,29 @@ def test_local_ranks_take_consecutive_visible_gpus() -> None:
         print(f"skipped: {reason}")
         pytest.skip(reason)
     assert [device_for_rank(i, "cuda") for i in range(2)] == [torch.device("cuda", i) for i in range(2)]
+
+
+def test_a_tp_group_stores_each_kv_head_once_even_when_replicated() -> None:
+    smollm2 = args_with()
+    assert stored_kv_shards(smollm2, 3) == [(0, range(0, 1)), (1, range(1, 2)), (2, range(2, 3))]
+    assert stored_kv_shards(smollm2, 1) == [(0, range(0, 3))]
+    # tiny at TP=4: ranks 0, 1 both hold K/V head 0 and ranks 2, 3 head 1; ranks 0 and 2 store them.
+    tiny_shape = args_with(n_heads=4, n_kv_heads=2, head_dim=16, dim=64, hidden_dim=128)
+    assert stored_kv_shards(tiny_shape, 4) == [(0, range(0, 1)), (2, range(1, 2))]
+
+
+def test_decode_ranks_fetch_only_their_heads_from_a_replica_of_another_tp() -> None:
+    args = args_with()
+    # Prefill TP=3 into decode TP=1: the one decode rank reads every stored shard.
+    assert kv_fetch_plan(args, 3, shard(0, 1)) == [(0, range(0, 1)), (1, range(1, 2)), (2, range(2, 3))]
+    # Prefill TP=1 into decode TP=3: each decode rank reads its own head out of the single shard.
+    for r in range(3):
+        assert kv_fetch_plan(args, 1, shard(r, 3)) == [(0, range(r, r + 1))]
+    # Same TP on both sides: rank r reads exactly stored shard r.
+    for r in range(3):
+        assert kv_fetch_plan(args, 3, shard(r, 3)) == [(r, range(r, r + 1))]
+
+
+def test_a_fetch_plan_for_a_decode_tp_the_model_cannot_split_is_refused() -> None:
+    with pytest.raises(ValueError, match="tensor_parallel_size=2 must divide"):
+        kv_fetch_plan(args_with(), 3, shard(0, 2))
