@@ -130,6 +130,13 @@ def _routing(found: Resolution) -> list[str]:
     return ["", title, _table(["ROLE", "ENDPOINTS"], rows)]
 
 
+def _model(node: registry_pb2.NodeStatus) -> str:
+    if node.role == common_pb2.NODE_ROLE_KVSTORE:
+        return "-"
+    # The registry leaves the model empty for the embedded default.
+    return node.model or "(default)"
+
+
 def render(
     nodes: registry_pb2.ListNodesResponse,
     sets: registry_pb2.ListSetsResponse,
@@ -147,7 +154,7 @@ def render(
                 _name(registry_pb2.NodeState, n.state, "NODE_STATE_"),
                 f"{a.set_id}@{a.generation}" if a.set_id else "-",
                 str(a.node_rank) if a.set_id else "-",
-                n.model or "-",
+                _model(n),
                 f"{n.last_seen_ms_ago / 1000:.1f}s",
                 str(n.load),
                 n.last_error or "",

@@ -2,10 +2,17 @@
 
 from __future__ import annotations
 
+import contextlib
 import io
+import json
+import os
+import pty
 import subprocess
 import sys
 
+import pytest
+
+from pcpstack.cli.launch import cli_command
 from pcpstack.cli.progress import ProgressPrinter, bar
 from pcpstack.cli.stack import Service
 from pcpstack.engine.cpu_kernels import CACHE_ENV, ENABLE_ENV
@@ -68,3 +75,43 @@ def test_a_stack_relays_the_kernel_build_a_service_logs(tmp_path, child_env) -> 
     assert messages[0].startswith("building CPU kernels with ")
     assert messages[1].startswith("CPU kernels built in ")
     assert service.progress_lines() == []  # each message is relayed once
+
+
+@pytest.mark.slow
+def test_generate_local_on_a_terminal_draws_a_progress_bar_in_place(tmp_path, child_env) -> None:
+    """stderr on a pseudo-terminal, as a user at a shell has it: the waiting state is redrawn with a bar,
+    the models' loading steps are lines of their own, and the answer still comes on stdout."""
+    controller, terminal = pty.openpty()
+    try:
+        run = subprocess.Popen(
+            cli_command(
+                "generate",
+                "--local",
+                "--pcp",
+                "1",
+                "--model",
+                "tiny",
+                "--log-dir",
+                str(tmp_path),
+                "--max-tokens",
+                "3",
+                "--ignore-eos",
+                "--json",
+                "hi",
+            ),
+            stdout=subprocess.PIPE,
+            stderr=terminal,
+            env=child_env,
+        )
+        os.close(terminal)
+        shown = b""
+        with contextlib.suppress(OSError):  # EIO once the child closes its end
+            while chunk := os.read(controller, 4096):
+                shown += chunk
+        answer = json.loads(run.communicate(timeout=300)[0])
+    finally:
+        os.close(controller)
+    text = shown.decode(errors="replace")
+    assert run.returncode == 0 and len(answer["token_ids"]) == 3
+    assert "\r\x1b[K  [" in text and "/5  " in text  # the bar of 5 parts, redrawn in place
+    assert "decode-0: loading model tiny on cpu" in text and "stack ready in " in text

@@ -54,6 +54,8 @@ def test_status_tables_show_the_kv_store_and_the_gateway(stack, child_env) -> No
     run = subprocess.run(_status(stack), capture_output=True, text=True, env=child_env, timeout=60)
     assert run.returncode == 0, run.stderr
     assert "KV STORES (1)" in run.stdout and "64.0 MiB" in run.stdout
+    decode_row = next(line for line in run.stdout.splitlines() if line.startswith("decode-0 "))
+    assert decode_row.split()[6] == "tiny"  # the MODEL column
     assert f"GATEWAY {stack.stack.gateway_url}/v1: up, models: tiny" in run.stdout
 
 
