@@ -415,11 +415,14 @@ def _common(request: _Sampling, served_model: str) -> dict[str, Any]:
             param="model",
             code="model_not_found",
         )
-    for name, unused in _NOT_YET_ON_THE_WIRE.items():
-        value = getattr(request, name)
-        if value is not None and value != unused:
-            raise bad_request(name, f"{name}={value!r} is not supported by this server yet; leave it out")
     stop = request.stop
+    skip_special_tokens = _or(request.skip_special_tokens, True)
+    if not skip_special_tokens and stop:
+        # Decode matches stop strings in text without special tokens; the gateway, writing the text with
+        # them, could not cut it where decode stopped.
+        raise bad_request(
+            "skip_special_tokens", "skip_special_tokens=false cannot be combined with stop strings"
+        )
     return {
         "model": served_model,
         "n": _or(request.n, 1),
@@ -437,10 +440,7 @@ def _common(request: _Sampling, served_model: str) -> dict[str, Any]:
         "repetition_penalty": _or(request.repetition_penalty, 1.0),
         "logit_bias": {int(token): bias for token, bias in (request.logit_bias or {}).items()},
         "include_stop_str_in_output": _or(request.include_stop_str_in_output, False),
+        "skip_special_tokens": skip_special_tokens,
         "stream": _or(request.stream, False),
         "include_usage": bool(request.stream_options and request.stream_options.include_usage),
     }
-
-
-# Parameters the decode service cannot honour yet, with their "not used" value.
-_NOT_YET_ON_THE_WIRE: dict[str, object] = {"skip_special_tokens": True}

@@ -73,6 +73,8 @@ class _Choice:
     token_ids: list[int] = field(default_factory=list)
     logprobs: list[TokenLogprob] = field(default_factory=list)
     text_offset: int = 0
+    # The choice's own detokenizer, when the gateway writes its text (skip_special_tokens=false).
+    push_token: Callable[[int], str] | None = None
 
 
 @dataclass
@@ -81,12 +83,15 @@ class ResponseShaper:
 
     `detokenize` (token ids -> text) finds the stop string that ended a choice when decode does not name it
     and include_stop_str_in_output asks to show it: decode holds a stop string back but streams its tokens,
-    so the text of all the tokens goes on past the answer with the stop string."""
+    so the text of all the tokens goes on past the answer with the stop string. `special_text` makes a
+    detokenizer (token id -> the text it completes) that keeps special tokens; with it the gateway writes
+    each choice's text from its token ids instead of taking decode's (skip_special_tokens=false)."""
 
     request: ParsedRequest
     response_id: str
     created: int
     detokenize: Callable[[list[int]], str] | None = None
+    special_text: Callable[[], Callable[[int], str]] | None = None
     _choices: dict[int, _Choice] = field(default_factory=dict)
 
     def _choice(self, index: int) -> _Choice:
@@ -97,7 +102,7 @@ class ResponseShaper:
     def add(self, delta: decode_pb2.TokenDelta, index: int = 0) -> None:
         """Gathers a delta of choice `index` for `response`."""
         choice = self._choice(index)
-        choice.text.append(delta.text)
+        choice.text.append(self._text_of(choice, delta))
         choice.token_ids.extend(delta.token_ids)
         if self.request.logprobs:
             choice.logprobs.extend(token_logprobs(delta))
@@ -134,13 +139,14 @@ class ResponseShaper:
     def delta_chunk(self, delta: decode_pb2.TokenDelta, index: int = 0) -> dict | None:
         """The chunk for a delta of choice `index`, or None when it adds nothing the client would see."""
         choice = self._choice(index)
-        choice.text.append(delta.text)
+        text = self._text_of(choice, delta)
+        choice.text.append(text)
         choice.token_ids.extend(delta.token_ids)
         tokens = token_logprobs(delta) if self.request.logprobs else []
-        if not delta.text and not tokens:
+        if not text and not tokens:
             return None
         logprobs = self._logprobs_object(choice, tokens) if self.request.logprobs else None
-        content = {"content": delta.text} if self.request.chat else delta.text
+        content = {"content": text} if self.request.chat else text
         return self._chunk(index, content, logprobs, None)
 
     def finish_chunks(self, summary: decode_pb2.GenerateSummary, index: int = 0) -> list[dict]:
@@ -160,6 +166,14 @@ class ResponseShaper:
         return [{**self._envelope(chunk=True), "choices": [], "usage": usage(summaries)}]
 
     # --- pieces ---------------------------------------------------------------------------------------------
+
+    def _text_of(self, choice: _Choice, delta: decode_pb2.TokenDelta) -> str:
+        """The text a delta adds: decode's, or the gateway's own with special tokens kept."""
+        if self.special_text is None:
+            return delta.text
+        if choice.push_token is None:
+            choice.push_token = self.special_text()
+        return "".join(choice.push_token(token) for token in delta.token_ids)
 
     def _stop_shown(self, summary: decode_pb2.GenerateSummary, choice: _Choice) -> str:
         """The stop string that ended the choice when include_stop_str_in_output asks to show it; "" for

@@ -194,7 +194,10 @@ async def _generate(
     detokenize = None
     if parsed.include_stop_str_in_output and parsed.stop:
         detokenize = await request.app[_TOKENIZATION].detokenizer("include_stop_str_in_output")
-    shaper = ResponseShaper(parsed, f"{id_prefix}-{request_id}", int(time.time()), detokenize)
+    special_text = None
+    if not parsed.skip_special_tokens:
+        special_text = await request.app[_TOKENIZATION].special_text("skip_special_tokens")
+    shaper = ResponseShaper(parsed, f"{id_prefix}-{request_id}", int(time.time()), detokenize, special_text)
     messages = generate_samples(pool, parsed, request_id, settings.request_timeout_s)
     timer = _FirstToken(request.app[_METRICS], request.match_info.route.resource.canonical)
     try:

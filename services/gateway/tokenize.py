@@ -132,12 +132,23 @@ class Tokenization:
     async def detokenizer(self, needed_by: str) -> Callable[[list[int]], str]:
         """Token ids -> text as decode writes it (special tokens skipped); a 400 naming `needed_by` when
         this gateway has no tokenizer."""
+        tokenizer = await self._needed_tokenizer(needed_by)
+        return lambda ids: tokenizer.decode(ids, skip_special_tokens=True)
+
+    async def _needed_tokenizer(self, needed_by: str) -> Any:
         try:
-            tokenizer = (await self._tokenizer()).tokenizer
+            return (await self._tokenizer()).tokenizer
         except ApiError as exc:
             message = f"{needed_by} needs the gateway's tokenizer: {exc.message}"
             raise bad_request(needed_by, message) from None
-        return lambda ids: tokenizer.decode(ids, skip_special_tokens=True)
+
+    async def special_text(self, needed_by: str) -> Callable[[], Callable[[int], str]]:
+        """A maker of incremental detokenizers that keep special tokens (token id -> the text it completes);
+        a 400 naming `needed_by` when this gateway has no tokenizer."""
+        from pcpstack.engine.tokenizer import IncrementalDecoder
+
+        tokenizer = await self._needed_tokenizer(needed_by)
+        return lambda: IncrementalDecoder(tokenizer, skip_special_tokens=False).push
 
     def _check_model(self, model: str | None) -> None:
         if model is not None and model != self._served_model:

@@ -248,3 +248,15 @@ def test_idle_workers_take_requests_in_turn_and_a_dead_one_is_passed_over(
         assert _completion(guarded_gateway, prompt="abc", max_tokens=2).choices[0].finish_reason
     after = _decode_requests(tiny_stack)
     assert [b - a for a, b in zip(before, after, strict=True)] == [2, 2]
+
+
+def test_skip_special_tokens_false_shows_the_special_tokens_generated(guarded_gateway) -> None:
+    im_start = 257  # the tiny tokenizer's specials follow the 256 bytes: <|endoftext|>, <|im_start|>, ...
+    forced = {"prompt": "xyz", "max_tokens": 3, "temperature": 0, "logit_bias": {str(im_start): 100}}
+    assert _completion(guarded_gateway, **forced).choices[0].text == ""
+    shown = _completion(guarded_gateway, skip_special_tokens=False, **forced)
+    assert shown.choices[0].text == "<|im_start|>" * 3
+    stream = guarded_gateway.client(API_KEY).completions.create(
+        model=MODEL, stream=True, extra_body={"skip_special_tokens": False}, **forced
+    )
+    assert "".join(c.choices[0].text for c in stream if c.choices) == "<|im_start|>" * 3

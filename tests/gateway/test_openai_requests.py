@@ -120,7 +120,7 @@ def test_batch_of_one_prompt_is_unwrapped() -> None:
         ({"prompt": "x", "min_tokens": -1}, "min_tokens"),
         ({"prompt": "x", "logit_bias": {"5": 101}}, "logit_bias"),
         ({"prompt": "x", "logit_bias": {"word": 1}}, "logit_bias"),
-        ({"prompt": "x", "skip_special_tokens": False}, "skip_special_tokens"),
+        ({"prompt": "x", "skip_special_tokens": False, "stop": "."}, "skip_special_tokens"),
         ({"prompt": "x", "suffix": "tail"}, "suffix"),
         ({"prompt": "x", "guided_json": {"type": "object"}}, "guided_json"),
         ({"prompt": "x", "no_such_parameter": 1}, "no_such_parameter"),

@@ -170,3 +170,15 @@ def test_the_stop_string_decode_held_back_is_found_in_the_text_of_its_tokens() -
     shaper.add(decode_pb2.TokenDelta(token_ids=[1], text="ab"))
     shaper.add(decode_pb2.TokenDelta(token_ids=[2, 3], text=""))
     assert shaper.response([summary])["choices"][0]["text"] == "ab<END>"
+
+
+def test_with_special_tokens_kept_the_text_is_written_from_the_token_ids() -> None:
+    texts = {1: "Hi", 2: "<|im_end|>"}
+    shaper = ResponseShaper(
+        parse_chat({"messages": [{"role": "user", "content": "x"}], "skip_special_tokens": False}, MODEL),
+        "c",
+        0,
+        special_text=lambda: texts.__getitem__,
+    )
+    shaper.add(decode_pb2.TokenDelta(token_ids=[1, 2], text="Hi"))
+    assert shaper.response([SUMMARY])["choices"][0]["message"]["content"] == "Hi<|im_end|>"
