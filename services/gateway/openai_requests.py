@@ -173,8 +173,9 @@ class ChatMessage(StrictModel):
     """One chat message; a tool call or an image is refused by the strict shape."""
 
     role: Literal["system", "developer", "user", "assistant"]
+    # No `name`: the chat template would not show it, and a participant's name silently dropped changes
+    # what the model is told; it is refused like any unknown field.
     content: str | list[TextPart] | None = None
-    name: str | None = None
 
     def text(self) -> str:
         """The content as one string (text parts joined)."""

@@ -145,6 +145,7 @@ def test_bad_completion_input_is_a_400_naming_the_parameter(body: dict, param: s
         ({"messages": USER, "response_format": {"type": "json_object"}}, "response_format"),
         ({"messages": [{"role": "tool", "content": "x", "tool_call_id": "1"}]}, "messages"),
         ({"messages": [{"role": "assistant", "content": "x", "tool_calls": []}]}, "messages"),
+        ({"messages": [{"role": "user", "content": "x", "name": "bob"}]}, "messages"),
         ({"messages": [{"role": "user", "content": "x"}], "tools": [{"type": "function"}]}, "tools"),
     ],
 )
