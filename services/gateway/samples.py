@@ -16,6 +16,8 @@ from pcpstack.gateway.upstream import DecodePool
 from pcpstack.v1 import decode_pb2
 
 _END = object()
+# Messages per sample that may wait for a slow client.
+_MESSAGES_AHEAD = 32
 
 
 def sample_request_id(request_id: str, sample: int, n: int) -> str:
@@ -36,19 +38,27 @@ async def generate_samples(
         parsed.to_generate_request(sample_request_id(request_id, i, parsed.n), i) for i in range(parsed.n)
     ]
     if len(requests) == 1:
-        async for message in _closing(pool.generate(requests[0], timeout)):
-            yield 0, message
+        stream = pool.generate(requests[0], timeout)
+        try:
+            async for message in stream:
+                yield 0, message
+        finally:
+            await stream.aclose()  # at once, not when the collector finds it: the call is cancelled
         return
-    queue: asyncio.Queue[tuple[int, object]] = asyncio.Queue()
+    # Bounded, so that a slow client slows the calls down (gRPC flow control) instead of filling memory.
+    queue: asyncio.Queue[tuple[int, object]] = asyncio.Queue(maxsize=_MESSAGES_AHEAD * parsed.n)
 
     async def pump(index: int, request: decode_pb2.GenerateRequest) -> None:
+        stream = pool.generate(request, timeout)
         try:
-            async for message in _closing(pool.generate(request, timeout)):
+            async for message in stream:
                 await queue.put((index, message))
         except Exception as exc:  # handed to the consumer, which raises it
             await queue.put((index, exc))
         else:
             await queue.put((index, _END))
+        finally:
+            await stream.aclose()
 
     tasks = [asyncio.create_task(pump(i, request)) for i, request in enumerate(requests)]
     running = len(tasks)
@@ -65,14 +75,3 @@ async def generate_samples(
         for task in tasks:
             task.cancel()
         await asyncio.gather(*tasks, return_exceptions=True)
-
-
-async def _closing(
-    stream: AsyncIterator[decode_pb2.GenerateResponse],
-) -> AsyncIterator[decode_pb2.GenerateResponse]:
-    """The stream, closed (so its call cancelled) however the iteration ends."""
-    try:
-        async for message in stream:
-            yield message
-    finally:
-        await stream.aclose()  # type: ignore[attr-defined]

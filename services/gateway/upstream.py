@@ -18,7 +18,7 @@ import itertools
 import logging
 import time
 from collections import Counter
-from collections.abc import AsyncIterator, Callable, Mapping, Sequence
+from collections.abc import AsyncGenerator, Callable, Mapping, Sequence
 from dataclasses import dataclass
 
 import grpc
@@ -126,7 +126,7 @@ class DecodePool:
 
     async def generate(
         self, request: decode_pb2.GenerateRequest, timeout: float | None
-    ) -> AsyncIterator[decode_pb2.GenerateResponse]:
+    ) -> AsyncGenerator[decode_pb2.GenerateResponse, None]:
         """The Generate stream of the least-loaded worker, with gRPC failures as ApiError. A worker that
         fails UNAVAILABLE before its first message is replaced by another one, each worker tried once.
         Closing the iterator cancels the call."""

@@ -8,6 +8,7 @@ Every answer is checked against the `openai` package's types (model_validate on 
 from __future__ import annotations
 
 import json
+import time
 import urllib.error
 import urllib.request
 
@@ -260,3 +261,28 @@ def test_skip_special_tokens_false_shows_the_special_tokens_generated(guarded_ga
         model=MODEL, stream=True, extra_body={"skip_special_tokens": False}, **forced
     )
     assert "".join(c.choices[0].text for c in stream if c.choices) == "<|im_start|>" * 3
+
+
+def _in_flight(gateway: GatewayProcess) -> int:
+    return sum(json.loads(http_get(f"{gateway.url}/health")[1])["in_flight"].values())
+
+
+def test_a_client_that_hangs_up_ends_every_decode_call_of_its_request(guarded_gateway) -> None:
+    stream = guarded_gateway.client(API_KEY).completions.create(
+        model=MODEL,
+        prompt="abc",
+        max_tokens=4000,
+        n=2,
+        logprobs=5,
+        stream=True,
+        extra_body={"ignore_eos": True},
+    )
+    next(iter(stream))
+    # The client reads no more: megabytes of chunks (alternatives make them large) fill the socket buffers,
+    # and flow control holds both calls before they could end.
+    assert _in_flight(guarded_gateway) == 2
+    stream.close()
+    deadline = time.monotonic() + 30
+    while _in_flight(guarded_gateway) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert _in_flight(guarded_gateway) == 0
