@@ -15,6 +15,7 @@ import json
 import os
 import signal
 import socket
+import ssl
 import subprocess
 import tempfile
 import time
@@ -38,6 +39,14 @@ def free_port(host: str = "127.0.0.1") -> int:
     with socket.socket() as s:
         s.bind((host, 0))
         return s.getsockname()[1]
+
+
+def https_context(deployment: security.Security) -> ssl.SSLContext | None:
+    """How an HTTPS client verifies the gateway of a deployment with TLS (its CA); None when it has none,
+    and the gateway speaks plain HTTP."""
+    if deployment.tls is None:
+        return None
+    return ssl.create_default_context(cadata=deployment.tls.ca.decode())
 
 
 def port_is_free(host: str, port: int) -> bool:
@@ -139,6 +148,7 @@ class LocalStack:
         self.kvstore_address = ""
         self.decode_addresses: list[str] = []
         self.gateway_url = ""
+        self._gateway_tls: ssl.SSLContext | None = None
 
     @property
     def log_dir(self) -> Path:
@@ -277,7 +287,10 @@ class LocalStack:
             port = o.gateway_port or free_port(o.gateway_host)
             # A wildcard bind is reached (and probed) on loopback.
             reach = "127.0.0.1" if o.gateway_host in WILDCARD_HOSTS else o.gateway_host
-            self.gateway_url = f"http://{reach}:{port}"
+            # With TLS the gateway serves HTTPS with its certificate, checked against the deployment's CA.
+            self._gateway_tls = https_context(security.from_env(self._env()))
+            scheme = "https" if self._gateway_tls is not None else "http"
+            self.gateway_url = f"{scheme}://{reach}:{port}"
             self._spawn(
                 "gateway",
                 f"{reach}:{port}",
@@ -368,7 +381,8 @@ class LocalStack:
 
         def probe() -> bool:
             try:
-                with urllib.request.urlopen(f"{self.gateway_url}/health", timeout=2) as answer:
+                health = f"{self.gateway_url}/health"
+                with urllib.request.urlopen(health, timeout=2, context=self._gateway_tls) as answer:
                     return answer.status == 200
             except OSError:
                 return False

@@ -17,6 +17,8 @@ from dataclasses import asdict, dataclass, field
 import grpc
 from google.protobuf.json_format import MessageToDict
 
+from pcpstack.cli.stack import https_context
+from pcpstack.common import security
 from pcpstack.common.channel import open_channel
 from pcpstack.common.errors import ServiceError
 from pcpstack.kvstore.client import KvStoreClient
@@ -236,18 +238,19 @@ async def _kvstore_usage(address: str, timeout: float) -> KvStoreUsage:
 
 
 def gateway_status(url: str, timeout: float, api_key: str = "") -> GatewayStatus:
-    """Asks the gateway's /health and /v1/models."""
+    """Asks the gateway's /health and /v1/models (an https URL verified with PCPSTACK_TLS_CA, if set)."""
     found = GatewayStatus(url.rstrip("/"))
     headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
     try:
-        with urllib.request.urlopen(f"{found.url}/health", timeout=timeout) as answer:
+        tls = https_context(security.from_env()) if url.startswith("https:") else None
+        with urllib.request.urlopen(f"{found.url}/health", timeout=timeout, context=tls) as answer:
             found.healthy = answer.status == 200
         request = urllib.request.Request(f"{found.url}/v1/models", headers=headers)
-        with urllib.request.urlopen(request, timeout=timeout) as answer:
+        with urllib.request.urlopen(request, timeout=timeout, context=tls) as answer:
             found.models = [m["id"] for m in json.loads(answer.read()).get("data", [])]
     except urllib.error.HTTPError as exc:
         found.error = f"HTTP {exc.code} from {exc.url}"
-    except (OSError, ValueError) as exc:
+    except (OSError, ValueError) as exc:  # SecurityConfigError is a ValueError
         found.error = str(getattr(exc, "reason", exc))
     return found
 

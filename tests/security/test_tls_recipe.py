@@ -20,6 +20,7 @@ import os
 import re
 import secrets
 import signal
+import ssl
 import subprocess
 import sys
 import time
@@ -106,7 +107,9 @@ def test_the_documented_tls_recipe_serves_requests(tmp_path: Path) -> None:
             data=json.dumps({"prompt": "Hello", "max_tokens": 4}).encode(),
             headers={"Content-Type": "application/json"},
         )
-        with urllib.request.urlopen(request, timeout=300) as reply:
+        # With TLS on, the gateway serves HTTPS with its certificate; the client trusts the recipe's CA.
+        ca = ssl.create_default_context(cafile=str(tmp_path / "certs" / "ca.pem"))
+        with urllib.request.urlopen(request, timeout=300, context=ca) as reply:
             assert reply.status == 200
             assert json.loads(reply.read())["usage"]["completion_tokens"] > 0
     finally:
