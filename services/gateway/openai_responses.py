@@ -7,6 +7,9 @@ Log-probabilities come from TokenDelta.token_logprobs, one entry per generated t
 each with its alternatives. A decode worker that fills only TokenDelta.logprobs reports none for the first
 token (prefill sampled it): the first token's logprob is then null. A token's text is its text decoded
 alone when decode gives it, else the text its delta added.
+
+The shapes are pydantic models of OpenAI's responses and chunks (CompletionBody, ChatCompletionBody,
+ChatCompletionChunk and their parts); the shaper builds them and hands out their JSON-ready dumps.
 """
 
 from __future__ import annotations
@@ -14,6 +17,9 @@ from __future__ import annotations
 import json
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict, model_serializer
 
 from pcpstack.gateway.openai_requests import ParsedRequest
 from pcpstack.v1 import decode_pb2
@@ -24,6 +30,133 @@ FINISH_REASONS = {
     decode_pb2.FINISH_REASON_CANCELLED: "abort",  # vLLM's name; OpenAI has none
 }
 SSE_DONE = b"data: [DONE]\n\n"
+
+
+# --- the response shapes (OpenAI's, as the `openai` package reads them) ------------------------------------
+
+
+class _Shape(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+
+class Usage(_Shape):
+    """Token counts of a whole request."""
+
+    prompt_tokens: int
+    completion_tokens: int
+    total_tokens: int
+
+
+class CompletionLogprobs(_Shape):
+    """/v1/completions logprobs: parallel lists, one entry per token."""
+
+    tokens: list[str]
+    token_logprobs: list[float | None]
+    top_logprobs: list[dict[str, float]] | None
+    text_offset: list[int]
+
+
+class TopLogprob(_Shape):
+    """An alternative to a chat token."""
+
+    token: str
+    logprob: float
+    bytes: list[int]
+
+
+class ChatTokenLogprob(_Shape):
+    """A chat token's logprob and its alternatives."""
+
+    token: str
+    logprob: float | None
+    bytes: list[int]
+    top_logprobs: list[TopLogprob]
+
+
+class ChatLogprobs(_Shape):
+    """/v1/chat/completions logprobs."""
+
+    content: list[ChatTokenLogprob]
+    refusal: None = None
+
+
+class CompletionChoice(_Shape):
+    """A /v1/completions choice, whole or streamed."""
+
+    index: int
+    text: str
+    logprobs: CompletionLogprobs | None
+    finish_reason: str | None
+
+
+class AssistantMessage(_Shape):
+    """The answer of a chat choice."""
+
+    role: Literal["assistant"] = "assistant"
+    content: str
+
+
+class ChatChoice(_Shape):
+    """A whole /v1/chat/completions choice."""
+
+    index: int
+    message: AssistantMessage
+    logprobs: ChatLogprobs | None
+    finish_reason: str | None
+
+
+class ChatDelta(_Shape):
+    """What a chat chunk adds; a field that is None is left out ({} in the chunk carrying finish_reason)."""
+
+    role: Literal["assistant"] | None = None
+    content: str | None = None
+
+    @model_serializer
+    def _given_fields(self) -> dict[str, str]:
+        given = (("role", self.role), ("content", self.content))
+        return {name: value for name, value in given if value is not None}
+
+
+class ChatChunkChoice(_Shape):
+    """A streamed /v1/chat/completions choice."""
+
+    index: int
+    delta: ChatDelta
+    logprobs: ChatLogprobs | None
+    finish_reason: str | None
+
+
+class CompletionBody(_Shape):
+    """A /v1/completions response or stream chunk."""
+
+    id: str
+    object: Literal["text_completion"] = "text_completion"
+    created: int
+    model: str
+    choices: list[CompletionChoice]
+    usage: Usage | None = None
+
+
+class ChatCompletionBody(_Shape):
+    """A whole /v1/chat/completions response."""
+
+    id: str
+    object: Literal["chat.completion"] = "chat.completion"
+    created: int
+    model: str
+    choices: list[ChatChoice]
+    usage: Usage | None = None
+
+
+class ChatCompletionChunk(_Shape):
+    """A /v1/chat/completions stream chunk."""
+
+    id: str
+    object: Literal["chat.completion.chunk"] = "chat.completion.chunk"
+    created: int
+    model: str
+    choices: list[ChatChunkChoice]
+    usage: Usage | None = None
 
 
 @dataclass(frozen=True)
@@ -53,11 +186,11 @@ def token_logprobs(delta: decode_pb2.TokenDelta) -> list[TokenLogprob]:
     ]
 
 
-def usage(summaries: Sequence[decode_pb2.GenerateSummary]) -> dict[str, int]:
+def usage(summaries: Sequence[decode_pb2.GenerateSummary]) -> Usage:
     """OpenAI usage counts: the prompt once, the completions of every choice."""
     prompt = summaries[0].prompt_tokens if summaries else 0
     completion = sum(s.completion_tokens for s in summaries)
-    return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
+    return Usage(prompt_tokens=prompt, completion_tokens=completion, total_tokens=prompt + completion)
 
 
 def sse(payload: dict) -> bytes:
@@ -109,23 +242,23 @@ class ResponseShaper:
 
     def response(self, summaries: Sequence[decode_pb2.GenerateSummary]) -> dict:
         """The non-streamed response body: summaries[i] ends choice i."""
-        choices = []
+        choices: list[ChatChoice] | list[CompletionChoice] = []
         for index, summary in enumerate(summaries):
             gathered = self._choice(index)
             text = "".join(gathered.text) + self._stop_shown(summary, gathered)
             logprobs = self._logprobs_object(gathered, gathered.logprobs) if self.request.logprobs else None
             finish = FINISH_REASONS.get(summary.finish_reason)
             if self.request.chat:
-                choice = {
-                    "index": index,
-                    "message": {"role": "assistant", "content": text},
-                    "logprobs": logprobs,
-                    "finish_reason": finish,
-                }
+                message = AssistantMessage(content=text)
+                choices.append(
+                    ChatChoice(index=index, message=message, logprobs=logprobs, finish_reason=finish)
+                )
             else:
-                choice = {"index": index, "text": text, "logprobs": logprobs, "finish_reason": finish}
-            choices.append(choice)
-        return {**self._envelope(), "choices": choices, "usage": usage(summaries)}
+                choices.append(
+                    CompletionChoice(index=index, text=text, logprobs=logprobs, finish_reason=finish)
+                )
+        body = self._envelope(choices=choices, usage=usage(summaries))
+        return body.model_dump()
 
     # --- streamed answers -----------------------------------------------------------------------------------
 
@@ -133,8 +266,7 @@ class ResponseShaper:
         """Chunks sent before any token: chat announces the assistant role of each choice, as OpenAI does."""
         if not self.request.chat:
             return []
-        role = {"role": "assistant", "content": ""}
-        return [self._chunk(index, role, None, None) for index in range(self.request.n)]
+        return [self._chunk(index, "", None, None, role=True) for index in range(self.request.n)]
 
     def delta_chunk(self, delta: decode_pb2.TokenDelta, index: int = 0) -> dict | None:
         """The chunk for a delta of choice `index`, or None when it adds nothing the client would see."""
@@ -146,24 +278,22 @@ class ResponseShaper:
         if not text and not tokens:
             return None
         logprobs = self._logprobs_object(choice, tokens) if self.request.logprobs else None
-        content = {"content": text} if self.request.chat else text
-        return self._chunk(index, content, logprobs, None)
+        return self._chunk(index, text, logprobs, None)
 
     def finish_chunks(self, summary: decode_pb2.GenerateSummary, index: int = 0) -> list[dict]:
         """The chunks ending choice `index`: the stop string when it is to be shown, then finish_reason."""
         chunks = []
         stop = self._stop_shown(summary, self._choice(index))
         if stop:
-            chunks.append(self._chunk(index, {"content": stop} if self.request.chat else stop, None, None))
-        empty = {} if self.request.chat else ""
-        chunks.append(self._chunk(index, empty, None, FINISH_REASONS.get(summary.finish_reason)))
+            chunks.append(self._chunk(index, stop, None, None))
+        chunks.append(self._chunk(index, None, None, FINISH_REASONS.get(summary.finish_reason)))
         return chunks
 
     def usage_chunks(self, summaries: Sequence[decode_pb2.GenerateSummary]) -> list[dict]:
         """The usage chunk, sent last, when stream_options.include_usage."""
         if not self.request.include_usage:
             return []
-        return [{**self._envelope(chunk=True), "choices": [], "usage": usage(summaries)}]
+        return [self._envelope(chunk=True, choices=[], usage=usage(summaries)).model_dump()]
 
     # --- pieces ---------------------------------------------------------------------------------------------
 
@@ -190,49 +320,62 @@ class ResponseShaper:
         past_the_answer = self.detokenize(choice.token_ids)[len("".join(choice.text)) :]
         return next((s for s in self.request.stop if past_the_answer.startswith(s)), "")
 
-    def _envelope(self, chunk: bool = False) -> dict:
-        # OpenAI streams completions under the same object name; chat chunks have their own.
-        kind = (
-            ("chat.completion.chunk" if chunk else "chat.completion")
-            if self.request.chat
-            else "text_completion"
-        )
-        return {"id": self.response_id, "object": kind, "created": self.created, "model": self.request.model}
+    def _envelope(
+        self, *, chunk: bool = False, choices: list, usage: Usage | None = None
+    ) -> ChatCompletionBody | ChatCompletionChunk | CompletionBody:
+        common = {"id": self.response_id, "created": self.created, "model": self.request.model}
+        if not self.request.chat:
+            # OpenAI streams completions under the same object name as whole ones.
+            return CompletionBody(**common, choices=choices, usage=usage)
+        if chunk:
+            return ChatCompletionChunk(**common, choices=choices, usage=usage)
+        return ChatCompletionBody(**common, choices=choices, usage=usage)
 
     def _chunk(
-        self, index: int, content: dict | str, logprobs: dict | None, finish_reason: str | None
+        self,
+        index: int,
+        text: str | None,
+        logprobs: ChatLogprobs | CompletionLogprobs | None,
+        finish_reason: str | None,
+        role: bool = False,
     ) -> dict:
-        key = "delta" if self.request.chat else "text"
-        choice = {"index": index, key: content, "logprobs": logprobs, "finish_reason": finish_reason}
-        chunk = {**self._envelope(chunk=True), "choices": [choice]}
-        if self.request.include_usage:
-            chunk["usage"] = None
-        return chunk
-
-    def _logprobs_object(self, choice: _Choice, tokens: list[TokenLogprob]) -> dict:
+        choice: ChatChunkChoice | CompletionChoice
         if self.request.chat:
-            return {
-                "content": [
-                    {
-                        "token": t.text,
-                        "logprob": t.logprob,
-                        "bytes": list(t.text.encode()),
-                        "top_logprobs": [
-                            {"token": text, "logprob": value, "bytes": list(text.encode())}
+            delta = ChatDelta(role="assistant" if role else None, content=text)
+            choice = ChatChunkChoice(index=index, delta=delta, logprobs=logprobs, finish_reason=finish_reason)
+        else:
+            choice = CompletionChoice(
+                index=index, text=text or "", logprobs=logprobs, finish_reason=finish_reason
+            )
+        # usage is a key of every chunk only when the last chunk will carry it (OpenAI's stream_options).
+        exclude = None if self.request.include_usage else {"usage"}
+        return self._envelope(chunk=True, choices=[choice]).model_dump(exclude=exclude)
+
+    def _logprobs_object(
+        self, choice: _Choice, tokens: list[TokenLogprob]
+    ) -> ChatLogprobs | CompletionLogprobs:
+        if self.request.chat:
+            return ChatLogprobs(
+                content=[
+                    ChatTokenLogprob(
+                        token=t.text,
+                        logprob=t.logprob,
+                        bytes=list(t.text.encode()),
+                        top_logprobs=[
+                            TopLogprob(token=text, logprob=value, bytes=list(text.encode()))
                             for text, value in t.top
                         ],
-                    }
+                    )
                     for t in tokens
-                ],
-                "refusal": None,
-            }
+                ]
+            )
         offsets = []
         for t in tokens:
             offsets.append(choice.text_offset)
             choice.text_offset += len(t.text)
-        return {
-            "tokens": [t.text for t in tokens],
-            "token_logprobs": [t.logprob for t in tokens],
-            "top_logprobs": [dict(t.top) for t in tokens] if self.request.top_logprobs else None,
-            "text_offset": offsets,
-        }
+        return CompletionLogprobs(
+            tokens=[t.text for t in tokens],
+            token_logprobs=[t.logprob for t in tokens],
+            top_logprobs=[dict(t.top) for t in tokens] if self.request.top_logprobs else None,
+            text_offset=offsets,
+        )
