@@ -1,7 +1,8 @@
 """/tokenize and /detokenize as vLLM serves them, with the tokenizer of the model decode serves.
 
 The gateway reads only the tokenizer of the model (a GGUF's metadata, a Hugging Face folder's
-tokenizer.json, or the tiny test model's), never its weights, and only when the first such request comes.
+tokenizer.json), never its weights (but the tiny test model's few KB), and only when the first such request
+comes.
 Text and chat messages are tokenized exactly as decode tokenizes a prompt (services/decode/pipeline.py):
 plain text with the model's BOS token when it asks for one, chat rendered with the template and encoded
 without adding special tokens, so `count` equals the `prompt_tokens` a completion of that prompt reports.
@@ -54,6 +55,21 @@ class DetokenizeRequest(StrictModel):
 
     model: str | None = None
     tokens: list[TokenId]
+
+
+class TokenizeResponse(StrictModel):
+    """vLLM's TokenizeResponse."""
+
+    count: int
+    max_model_len: int
+    tokens: list[int]
+    token_strs: list[str] | None = None
+
+
+class DetokenizeResponse(StrictModel):
+    """vLLM's DetokenizeResponse."""
+
+    prompt: str
 
 
 @dataclass(frozen=True)
@@ -180,15 +196,11 @@ class Tokenization:
         else:
             text = request.prompt
         tokens = tokenizer.encode(text, add_special_tokens=request.add_special_tokens)
-        answer: dict[str, Any] = {
-            "count": len(tokens),
-            "max_model_len": loaded.max_model_len,
-            "tokens": tokens,
-        }
-        answer["token_strs"] = (
-            [tokenizer.token_text(t) for t in tokens] if request.return_token_strs else None
+        strs = [tokenizer.token_text(t) for t in tokens] if request.return_token_strs else None
+        answer = TokenizeResponse(
+            count=len(tokens), max_model_len=loaded.max_model_len, tokens=tokens, token_strs=strs
         )
-        return answer
+        return answer.model_dump()
 
     async def detokenize(self, body: Any) -> dict:
         """The answer to a /detokenize body."""
@@ -200,4 +212,4 @@ class Tokenization:
             raise bad_request(
                 "tokens", f"token id {bad} is not below the vocabulary size {tokenizer.vocab_size}"
             )
-        return {"prompt": tokenizer.decode(request.tokens)}
+        return DetokenizeResponse(prompt=tokenizer.decode(request.tokens)).model_dump()

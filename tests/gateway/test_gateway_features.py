@@ -124,6 +124,12 @@ def test_tokenize_renders_chat_messages_with_the_template_as_a_chat_completion_c
     assert answer["count"] == _chat(guarded_gateway, messages=MESSAGES, max_tokens=1).usage.prompt_tokens
 
 
+def test_tokenize_gives_each_tokens_string_when_asked(guarded_gateway) -> None:
+    body = {"prompt": "ab", "return_token_strs": True}
+    status, answer, _ = _call(guarded_gateway, "/tokenize", body, AUTH)
+    assert status == 200 and answer["token_strs"] == ["a", "b"]
+
+
 def test_bad_tokenize_and_detokenize_bodies_are_400s_naming_the_field(guarded_gateway) -> None:
     status, body, _ = _call(guarded_gateway, "/tokenize", {"prompt": 3}, AUTH)
     assert status == 400 and body["error"]["param"] == "prompt"
