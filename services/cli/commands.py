@@ -148,6 +148,9 @@ def run_up(args: argparse.Namespace) -> int:
         printer.finish()
         print(f"pcpstack up: {error}", file=sys.stderr, flush=True)
         return 1
+    except KeyboardInterrupt:  # Ctrl-C while starting: the stack has stopped what it started
+        printer.finish()
+        return 130
     return 0
 
 
