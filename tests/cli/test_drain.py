@@ -11,6 +11,8 @@ import grpc
 import pytest
 
 from pcpstack.common.channel import open_channel
+from pcpstack.common.errors import Unavailable
+from pcpstack.common.startup import DrainGate
 from pcpstack.decode.client import DecodeClient, build_request
 from pcpstack.v1 import registry_pb2, registry_pb2_grpc
 from tests.helpers import start_stack
@@ -74,3 +76,26 @@ def test_a_stream_started_before_sigterm_completes_while_new_requests_are_refuse
         assert "for 1 running stream(s)" in log and "drained: every running stream finished" in log
     finally:
         stack.stop()
+
+
+def test_the_drain_gate_refuses_new_requests_once_closed_and_waits_for_running_ones() -> None:
+    async def scenario() -> None:
+        gate = DrainGate()
+        release = asyncio.Event()
+
+        async def request() -> None:
+            with gate.admit():
+                await release.wait()
+
+        running = asyncio.ensure_future(request())
+        await asyncio.sleep(0)
+        assert gate.running == 1
+        gate.close()
+        with pytest.raises(Unavailable, match="draining"), gate.admit():
+            pass
+        assert gate.running == 1 and not await gate.wait_idle(0.01)  # still running: not idle
+        release.set()
+        assert await gate.wait_idle(10) and gate.running == 0
+        await running
+
+    asyncio.run(scenario())
