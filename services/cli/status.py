@@ -8,7 +8,9 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import signal
 import sys
+import threading
 import time
 import urllib.error
 import urllib.request
@@ -300,8 +302,12 @@ def run(args: argparse.Namespace) -> int:
         return _show(args)
     # A terminal gets the screen redrawn; a pipe gets one report (JSON: one line) per refresh.
     clear = sys.stdout.isatty() and not args.json
+    # Ctrl-C only sets a flag: the refresh in progress (its calls have deadlines) finishes, then the loop
+    # ends; a KeyboardInterrupt raised inside the gRPC event loop could leave the process hanging.
+    stop = threading.Event()
+    previous = signal.signal(signal.SIGINT, lambda *_: stop.set())
     try:
-        while True:
+        while not stop.is_set():
             if clear:
                 print(_CLEAR_SCREEN, end="")
             if not args.json:
@@ -309,6 +315,7 @@ def run(args: argparse.Namespace) -> int:
                     f"pcpstack status, every {args.watch:g} s (Ctrl-C stops) at {time.strftime('%H:%M:%S')}"
                 )
             _show(args)
-            time.sleep(args.watch)
-    except KeyboardInterrupt:
-        return 0
+            stop.wait(args.watch)
+    finally:
+        signal.signal(signal.SIGINT, previous)
+    return 0

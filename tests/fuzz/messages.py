@@ -107,7 +107,19 @@ def messages(
 
 def _assign(message, field: FieldDescriptor, value) -> None:
     target = getattr(message, field.name)
-    if field.is_repeated:
+    if field.message_type is not None and field.message_type.GetOptions().map_entry:
+        # a map field: its drawn entries become keys (a later entry with the same key wins)
+        message_values = (
+            field.message_type.fields_by_name["value"].cpp_type == FieldDescriptor.CPPTYPE_MESSAGE
+        )
+        for entry in value:
+            if entry is None:
+                continue
+            if message_values:
+                target[entry.key].CopyFrom(entry.value)
+            else:
+                target[entry.key] = entry.value
+    elif field.is_repeated:
         if field.cpp_type == FieldDescriptor.CPPTYPE_MESSAGE:
             for item in value:
                 if item is not None:

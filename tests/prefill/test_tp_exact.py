@@ -1,7 +1,8 @@
 """Tensor-parallel (× context-parallel) prefill in real processes over real process groups equals single-rank
 prefill.
 
-For TP=2 and TP=4 (K/V heads replicated) on the tiny model and TP=3 on SmolLM2, alone and with PCP=2:
+For TP=2 (alone and with PCP=2) and TP=4 (K/V heads replicated) on the tiny model, and TP=3 with PCP=2 on
+SmolLM2 (which covers TP=3's shards; TP=3 alone was dropped to keep the suite's time):
 every rank's first-token logits (the ranks of the PCP rank holding the last position; the LM head is
 replicated, so each TP rank has them) and every layer's K/V, gathered over the TP group by K/V head range,
 match single-rank prefill within 1e-4, for prompt lengths including n < 2P. Parametrised by device: CUDA
@@ -75,12 +76,6 @@ def test_tiny_model_tp4_with_replicated_kv_heads_equals_single_rank(device_kind:
 @pytest.mark.parametrize("device_kind", DEVICES)
 def test_tiny_model_tp2_pcp2_prefill_equals_single_rank(device_kind: str) -> None:
     check_against_single_rank("tiny", tp=2, pcp=2, device_kind=device_kind)
-
-
-@pytest.mark.slow
-@pytest.mark.parametrize("device_kind", DEVICES)
-def test_smollm2_tp3_prefill_equals_single_rank(device_kind: str) -> None:
-    check_against_single_rank(None, tp=3, pcp=1, device_kind=device_kind)
 
 
 @pytest.mark.slow
