@@ -178,9 +178,6 @@ class LocalStack:
         self.services.append(service)
         return service
 
-    def _model_args(self) -> list[str]:
-        return ["--model", self.options.model] if self.options.model else []
-
     def _config_file(self, role: str) -> str:
         o = self.options
         section = {

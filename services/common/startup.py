@@ -152,16 +152,22 @@ class NodeConfig(ListenConfig):
         super().__post_init__()
         check_address("--registry", self.registry, required=True)
         check_model_source("model", self.engine.model)
-        tp = self.engine.tensor_parallel_size
-        if tp > 1:
-            # The engine can split a model (services/engine/parallel.py), but no service runs TP ranks yet:
-            # refuse rather than accept the size and silently run one rank per PCP rank.
-            raise ConfigError(
-                f"tensor_parallel_size={tp}: tensor parallelism is not wired into the {self.role} service "
-                "yet; set tensor_parallel_size=1",
-                ("tensor_parallel_size",),
-                "tensor_parallel_size == 1 until TP is wired into the services",
-            )
+        # Settings the config rules accept (`pcpstack config check` validates the seeds' shapes) but no
+        # service acts on yet: refused here rather than accepted and silently ignored. The engine can split
+        # a model (services/engine/parallel.py), but no service runs TP ranks yet.
+        not_yet = (
+            ("kv_transfer_mode", self.engine.kv_transfer_mode, "whole", "a layerwise KV transfer"),
+            ("decode_context_parallel_size", self.engine.decode_context_parallel_size, 1, "decode CP"),
+            ("tensor_parallel_size", self.engine.tensor_parallel_size, 1, "tensor parallelism"),
+        )
+        for key, value, supported, what in not_yet:
+            if value != supported:
+                raise ConfigError(
+                    f"{key}={value!r}: {what} is not wired into the {self.role} service yet; "
+                    f"set {key}={supported!r}",
+                    (key,),
+                    f"{key} == {supported!r} until it is wired into the services",
+                )
 
     @classmethod
     def from_args(cls: type[N], args: argparse.Namespace) -> N:

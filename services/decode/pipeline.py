@@ -25,7 +25,13 @@ import grpc
 import torch
 from opentelemetry.metrics import Observation
 
-from pcpstack.common.errors import InvalidArgument, ServiceError, Unavailable, error_of_code
+from pcpstack.common.errors import (
+    DeadlineExceeded,
+    InvalidArgument,
+    ServiceError,
+    Unavailable,
+    error_of_code,
+)
 from pcpstack.common.ids import check_request_id
 from pcpstack.common.logs import request_id_var
 from pcpstack.common.rpc_errors import error_from_rpc
@@ -394,7 +400,10 @@ class GeneratePipeline:
                 if not isinstance(error, Unavailable):
                     raise error_of_code(error.code, f"prefill on set {chosen.set_id}: {error}") from exc
                 self.router.forget(chosen.set_id)
-        raise Unavailable(last_error or "the request's deadline passed before prefill")
+        if last_error:
+            raise Unavailable(last_error)
+        # Out of time, not out of peers: a retry elsewhere with the same deadline would fail the same way.
+        raise DeadlineExceeded("the request's deadline passed before prefill")
 
     async def _prefill_on(
         self,

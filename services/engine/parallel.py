@@ -14,10 +14,11 @@ partial sums over the TP group: one all-reduce after the attention output and on
 embedding, the norms and the LM head are replicated (every TP rank computes the full logits; with vocabularies
 of SmolLM2's size a vocab split would save little and add a gather).
 
-Collectives run on tensors on the group's device (gloo on the CPU, NCCL on CUDA, HCCL on Ascend). Control
-messages (a job's header and bytes, the ranks' result shares) are host data: on an accelerator they travel
-over `ParallelGroups.control`, a separate gloo group over the same world, instead of being copied to the
-device and back; on the CPU the control group is the world group itself.
+Collectives run on tensors on the group's device (gloo on the CPU, NCCL on CUDA, HCCL on Ascend).
+`ParallelGroups.control` is a separate gloo group over the same world meant for control messages (a job's
+bytes, the ranks' result shares), so that on an accelerator they need not be copied to the device; on the CPU
+it is the world group itself. Today's PCP-only prefill ranks (prefill/rank.py) do not use it yet: they copy
+control messages to the group's device and use the default group.
 """
 
 from __future__ import annotations

@@ -18,7 +18,6 @@ from pcpstack.common.errors import (
     NotFound,
     PermissionDenied,
     ResourceExhausted,
-    ServiceError,
 )
 
 __all__ = [
@@ -29,13 +28,9 @@ __all__ = [
     "FingerprintMismatch",
     "Internal",
     "InvalidArgument",
-    "KvStoreError",
     "NotFound",
     "ProtocolError",
 ]
-
-# Every KV store error is a ServiceError; the alias keeps `except KvStoreError` meaning "any store error".
-KvStoreError = ServiceError
 
 
 class FingerprintMismatch(FailedPrecondition):

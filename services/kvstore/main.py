@@ -49,7 +49,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--reap-interval-s", type=float, default=0.5, help="how often expired leases are reaped"
     )
     parser.add_argument(
-        "--max-message-bytes", type=int, default=DEFAULT_MAX_MESSAGE_BYTES, help="gRPC message size limit"
+        "--max-message-bytes", type=int, default=DEFAULT_MAX_MESSAGE_BYTES, help="largest gRPC message"
     )
     parser.add_argument("--registry", default="", help="registry HOST:PORT to register with (optional)")
     parser.add_argument(
