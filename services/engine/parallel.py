@@ -24,6 +24,7 @@ control messages to the group's device and use the default group.
 from __future__ import annotations
 
 import datetime
+import hashlib
 from dataclasses import dataclass, replace
 
 import torch
@@ -149,6 +150,17 @@ def stored_kv_shards(args: ModelArgs, tp_size: int) -> list[tuple[int, range]]:
         heads = TensorParallelShard(tp_rank, tp_size).kv_head_range(args)
         shards.setdefault(heads.start, (tp_rank, heads))
     return [shards[start] for start in sorted(shards)]
+
+
+def shard_fingerprint(fingerprint: str, heads: range, num_kv_heads: int) -> str:
+    """The fingerprint a store object holding K/V heads `heads` of a replica is stored and read under.
+
+    An object holding every head is the replica itself and keeps the replica's fingerprint; any narrower
+    range gets a fingerprint of its own that names the range, so a reader asking for heads 0-1 is refused
+    an object holding heads 2-3 even though both have the same shape."""
+    if heads.start == 0 and heads.stop == num_kv_heads:
+        return fingerprint
+    return hashlib.sha256(f"{fingerprint}/kv_heads={heads.start}:{heads.stop}".encode()).hexdigest()
 
 
 def kv_fetch_plan(args: ModelArgs, source_tp_size: int, dest: TensorParallelShard) -> list[tuple[int, range]]:

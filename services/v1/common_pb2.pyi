@@ -193,6 +193,8 @@ class KvHandle(_message.Message):
     STORE_ADDRESS_FIELD_NUMBER: _builtins.int
     TOTAL_BYTES_FIELD_NUMBER: _builtins.int
     CAPABILITY_FIELD_NUMBER: _builtins.int
+    SHARDS_FIELD_NUMBER: _builtins.int
+    SOURCE_TP_SIZE_FIELD_NUMBER: _builtins.int
     key: _builtins.str
     """Store key; names the request and carries the fingerprint."""
     fingerprint: _builtins.str
@@ -210,9 +212,19 @@ class KvHandle(_message.Message):
     reader presents it to Get and Release. A bearer secret: pass it on only to the replica's reader and
     never log it.
     """
+    source_tp_size: _builtins.int
+    """Tensor-parallel degree of the prefill set that produced the replica; 0 means 1."""
     @_builtins.property
     def layout(self) -> Global___KvLayout:
         """The layout the fingerprint was computed from."""
+
+    @_builtins.property
+    def shards(self) -> _containers.RepeatedCompositeFieldContainer[Global___KvShard]:
+        """The store objects that make up the replica, in K/V head order: one per K/V head range the prefill
+        set's TP group stored (one object holding every head when it ran without TP); key, capability and
+        fingerprint above then name the first of them, total_bytes their sum. A handle without shards (an
+        older writer) means the single object named by key and capability, holding every head.
+        """
 
     def __init__(
         self,
@@ -225,14 +237,62 @@ class KvHandle(_message.Message):
         store_address: _builtins.str = ...,
         total_bytes: _builtins.int = ...,
         capability: _builtins.str = ...,
+        shards: _abc.Iterable[Global___KvShard] | None = ...,
+        source_tp_size: _builtins.int = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["layout", b"layout"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["capability", b"capability", "fingerprint", b"fingerprint", "key", b"key", "layout", b"layout", "num_tokens", b"num_tokens", "source_pcp_rank", b"source_pcp_rank", "store_address", b"store_address", "total_bytes", b"total_bytes"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["capability", b"capability", "fingerprint", b"fingerprint", "key", b"key", "layout", b"layout", "num_tokens", b"num_tokens", "shards", b"shards", "source_pcp_rank", b"source_pcp_rank", "source_tp_size", b"source_tp_size", "store_address", b"store_address", "total_bytes", b"total_bytes"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
 Global___KvHandle: _TypeAlias = KvHandle  # noqa: Y015
+
+@_typing.final
+class KvShard(_message.Message):
+    """One store object of a replica: the K/V of a contiguous range of K/V heads, for every layer and token,
+    laid out [layers, 2, tokens, kv_end - kv_start, head_dim].
+    """
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    KEY_FIELD_NUMBER: _builtins.int
+    CAPABILITY_FIELD_NUMBER: _builtins.int
+    KV_HEAD_START_FIELD_NUMBER: _builtins.int
+    KV_HEAD_END_FIELD_NUMBER: _builtins.int
+    TOTAL_BYTES_FIELD_NUMBER: _builtins.int
+    FINGERPRINT_FIELD_NUMBER: _builtins.int
+    key: _builtins.str
+    """Store key of the object."""
+    capability: _builtins.str
+    """Read capability the store issued for this object; a bearer secret like KvHandle.capability."""
+    kv_head_start: _builtins.int
+    """First K/V head the object holds."""
+    kv_head_end: _builtins.int
+    """One past the last K/V head the object holds."""
+    total_bytes: _builtins.int
+    """Size of the object in bytes."""
+    fingerprint: _builtins.str
+    """Fingerprint the object was stored under: the replica's fingerprint joined with its head range
+    (engine.parallel.shard_fingerprint), so a reader cannot take one head range for another.
+    """
+    def __init__(
+        self,
+        *,
+        key: _builtins.str = ...,
+        capability: _builtins.str = ...,
+        kv_head_start: _builtins.int = ...,
+        kv_head_end: _builtins.int = ...,
+        total_bytes: _builtins.int = ...,
+        fingerprint: _builtins.str = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["capability", b"capability", "fingerprint", b"fingerprint", "key", b"key", "kv_head_end", b"kv_head_end", "kv_head_start", b"kv_head_start", "total_bytes", b"total_bytes"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___KvShard: _TypeAlias = KvShard  # noqa: Y015
 
 @_typing.final
 class SamplingParams(_message.Message):

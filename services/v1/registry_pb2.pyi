@@ -103,6 +103,8 @@ class Assignment(_message.Message):
     PCP_SIZE_FIELD_NUMBER: _builtins.int
     PCP_RANKS_FIELD_NUMBER: _builtins.int
     MEMBER_NODE_IDS_FIELD_NUMBER: _builtins.int
+    TP_SIZE_FIELD_NUMBER: _builtins.int
+    GLOBAL_RANKS_FIELD_NUMBER: _builtins.int
     set_id: _builtins.str
     """Identity of the set; stable for the set's lifetime."""
     generation: _builtins.int
@@ -121,6 +123,8 @@ class Assignment(_message.Message):
     """Index of the set among the data-parallel sets."""
     pcp_size: _builtins.int
     """PCP degree of the whole set."""
+    tp_size: _builtins.int
+    """Tensor-parallel degree inside each PCP rank; 0 means 1. The set runs tp_size x pcp_size rank processes."""
     @_builtins.property
     def pcp_ranks(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]:
         """PCP ranks this node hosts: pcp_size / nnodes consecutive ranks starting at node_rank * that."""
@@ -128,6 +132,12 @@ class Assignment(_message.Message):
     @_builtins.property
     def member_node_ids(self) -> _containers.RepeatedScalarFieldContainer[_builtins.str]:
         """node_ids of the set's members in node_rank order."""
+
+    @_builtins.property
+    def global_ranks(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]:
+        """Ranks of the set's world this node runs, ascending: for each of pcp_ranks, the tp_size ranks
+        pcp_rank * tp_size + tp_rank (the TP ranks of one PCP rank are consecutive and share a node).
+        """
 
     def __init__(
         self,
@@ -143,10 +153,12 @@ class Assignment(_message.Message):
         pcp_size: _builtins.int = ...,
         pcp_ranks: _abc.Iterable[_builtins.int] | None = ...,
         member_node_ids: _abc.Iterable[_builtins.str] | None = ...,
+        tp_size: _builtins.int = ...,
+        global_ranks: _abc.Iterable[_builtins.int] | None = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["dp_rank", b"dp_rank", "generation", b"generation", "headless", b"headless", "master_addr", b"master_addr", "master_port", b"master_port", "member_node_ids", b"member_node_ids", "nnodes", b"nnodes", "node_rank", b"node_rank", "pcp_ranks", b"pcp_ranks", "pcp_size", b"pcp_size", "set_id", b"set_id"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["dp_rank", b"dp_rank", "generation", b"generation", "global_ranks", b"global_ranks", "headless", b"headless", "master_addr", b"master_addr", "master_port", b"master_port", "member_node_ids", b"member_node_ids", "nnodes", b"nnodes", "node_rank", b"node_rank", "pcp_ranks", b"pcp_ranks", "pcp_size", b"pcp_size", "set_id", b"set_id", "tp_size", b"tp_size"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
