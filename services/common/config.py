@@ -26,6 +26,10 @@ from typing import Any
 from pcpstack.common.errors import FailedPrecondition
 from pcpstack.v1 import common_pb2
 
+# The device kinds a node may run its model on (engine.device picks one; listed here so that checking a
+# config needs no torch).
+DEVICE_KINDS = ("cpu", "cuda", "npu")
+
 ROLE_SECTIONS = {
     "prefill": "motor_engine_prefill_config",
     "decode": "motor_engine_decode_config",

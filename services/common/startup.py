@@ -27,6 +27,7 @@ from typing import Any, ClassVar, TypeVar
 
 from pcpstack.common import security
 from pcpstack.common.config import (
+    DEVICE_KINDS,
     ROLE_SECTIONS,
     ConfigError,
     EngineConfig,
@@ -112,6 +113,12 @@ def add_node_arguments(parser: argparse.ArgumentParser, role: str) -> None:
     parser.add_argument(
         "--max-message-bytes", type=int, default=DEFAULT_MAX_MESSAGE_BYTES, help="largest gRPC message"
     )
+    parser.add_argument(
+        "--device",
+        default="",
+        choices=("", *DEVICE_KINDS),
+        help="where the model runs: cpu, cuda or npu (default: an NPU, else a GPU, else the CPU)",
+    )
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -143,23 +150,31 @@ class NodeConfig(ListenConfig):
 
     role: ClassVar[str]
 
+    # Whether this role runs tensor_parallel_size > 1 (a role that cannot yet refuses it at start-up).
+    tensor_parallel: ClassVar[bool] = False
+
     registry: str
     engine: EngineConfig
     advertise: str = ""
     node_id: str = ""
+    # cpu, cuda or npu; empty: what engine.device.pick_device finds.
+    device: str = ""
 
     def __post_init__(self) -> None:
         super().__post_init__()
         check_address("--registry", self.registry, required=True)
         check_model_source("model", self.engine.model)
+        if self.device and self.device not in DEVICE_KINDS:
+            raise ConfigError.broken("--device", self.device, f"must be one of {', '.join(DEVICE_KINDS)}")
         # Settings the config rules accept (`pcpstack config check` validates the seeds' shapes) but no
-        # service acts on yet: refused here rather than accepted and silently ignored. The engine can split
-        # a model (services/engine/parallel.py), but no service runs TP ranks yet.
-        not_yet = (
+        # service acts on yet: refused here rather than accepted and silently ignored.
+        not_yet = [
             ("kv_transfer_mode", self.engine.kv_transfer_mode, "whole", "a layerwise KV transfer"),
             ("decode_context_parallel_size", self.engine.decode_context_parallel_size, 1, "decode CP"),
-            ("tensor_parallel_size", self.engine.tensor_parallel_size, 1, "tensor parallelism"),
-        )
+        ]
+        if not self.tensor_parallel:
+            tp = self.engine.tensor_parallel_size
+            not_yet.append(("tensor_parallel_size", tp, 1, "tensor parallelism"))
         for key, value, supported, what in not_yet:
             if value != supported:
                 raise ConfigError(

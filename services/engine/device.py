@@ -6,6 +6,8 @@ import os
 
 import torch
 
+from pcpstack.common.config import DEVICE_KINDS
+
 
 def pick_device() -> torch.device:
     """An Ascend NPU when `torch_npu` is installed, else CUDA when available, else the CPU."""
@@ -18,7 +20,6 @@ def pick_device() -> torch.device:
     return torch.device("cpu")
 
 
-DEVICE_KINDS = ("cpu", "cuda", "npu")
 # The variable that narrows each accelerator kind to the devices this process may use.
 _VISIBLE_DEVICES = {"cuda": "CUDA_VISIBLE_DEVICES", "npu": "ASCEND_RT_VISIBLE_DEVICES"}
 
