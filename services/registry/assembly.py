@@ -3,8 +3,9 @@
 No gRPC, no clocks, no state: `membership.py` decides *when* to form sets and keeps the books; this module
 decides *what* a set looks like (seed 000's rules): each `nnodes` consecutive pooled nodes, in registration
 order, form one set; the first is the master (`node_rank = 0`), the others are headless; every node hosts
-`pcp_size / nnodes` consecutive PCP ranks; `master_addr` is the master's host and `master_port` its
-configured port.
+`pcp_size / nnodes` consecutive PCP ranks and, for each, its `tp_size` TP ranks, numbered in the set's world
+as `pcp_rank x tp_size + tp_rank` (the layout of pcpstack.engine.parallel.ParallelLayout); `master_addr` is
+the master's host and `master_port` its configured port.
 """
 
 from __future__ import annotations
@@ -45,6 +46,9 @@ class Assignment:
     pcp_size: int
     pcp_ranks: tuple[int, ...]
     member_node_ids: tuple[str, ...]
+    # TP ranks per PCP rank, and the global ranks (in the set's world of tp x pcp) this node runs.
+    tp_size: int = 1
+    global_ranks: tuple[int, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -63,11 +67,17 @@ class SetShape:
     nnodes: int
     pcp_size: int
     data_parallel_size: int
+    tp_size: int = 1
 
     @classmethod
     def of(cls, config: EngineConfig) -> SetShape:
         """The shape a validated config asks for."""
-        return cls(config.nnodes, config.prefill_context_parallel_size, config.data_parallel_size)
+        return cls(
+            config.nnodes,
+            config.prefill_context_parallel_size,
+            config.data_parallel_size,
+            config.tensor_parallel_size,
+        )
 
     @property
     def nodes_required(self) -> int:
@@ -103,6 +113,12 @@ def pcp_ranks_of(node_rank: int, pcp_size: int, nnodes: int) -> tuple[int, ...]:
     return tuple(range(node_rank * per_node, (node_rank + 1) * per_node))
 
 
+def global_ranks_of(pcp_ranks: Sequence[int], tp_size: int) -> tuple[int, ...]:
+    """Global ranks of the TP ranks of `pcp_ranks`: `pcp_rank x tp_size + tp_rank`, TP ranks of one PCP
+    rank consecutive (so a node runs tp x pcp / nnodes consecutive global ranks)."""
+    return tuple(p * tp_size + t for p in pcp_ranks for t in range(tp_size))
+
+
 def make_assignments(
     set_id: str, generation: int, dp_rank: int, members: Sequence[Candidate], shape: SetShape
 ) -> tuple[Assignment, ...]:
@@ -111,6 +127,7 @@ def make_assignments(
         raise ValueError(f"a set needs nnodes={shape.nnodes} members, got {len(members)}")
     master = members[0]
     member_ids = tuple(m.node_id for m in members)
+    ranks = [pcp_ranks_of(rank, shape.pcp_size, shape.nnodes) for rank in range(shape.nnodes)]
     return tuple(
         Assignment(
             set_id=set_id,
@@ -122,8 +139,10 @@ def make_assignments(
             headless=rank != 0,
             dp_rank=dp_rank,
             pcp_size=shape.pcp_size,
-            pcp_ranks=pcp_ranks_of(rank, shape.pcp_size, shape.nnodes),
+            pcp_ranks=ranks[rank],
             member_node_ids=member_ids,
+            tp_size=shape.tp_size,
+            global_ranks=global_ranks_of(ranks[rank], shape.tp_size),
         )
         for rank in range(shape.nnodes)
     )
@@ -191,6 +210,15 @@ def assignment_problems(assignment: Assignment, node_id: str, shape: SetShape, l
     ):
         problems.append(
             f"pcp_ranks={list(assignment.pcp_ranks)} do not match node_rank {assignment.node_rank}"
+        )
+    if assignment.tp_size != shape.tp_size:
+        problems.append(
+            f"tp_size={assignment.tp_size} but the group runs tensor_parallel_size={shape.tp_size}"
+        )
+    elif assignment.global_ranks != global_ranks_of(assignment.pcp_ranks, shape.tp_size):
+        problems.append(
+            f"global_ranks={list(assignment.global_ranks)} are not the TP ranks of pcp_ranks "
+            f"{list(assignment.pcp_ranks)} with tp_size={shape.tp_size}"
         )
     return problems
 

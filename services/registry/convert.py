@@ -4,7 +4,7 @@ Resolve answers and the ListNodes/ListSets views. The servicer and the clients b
 from __future__ import annotations
 
 from pcpstack.common.config import EngineConfig
-from pcpstack.registry.assembly import Assignment
+from pcpstack.registry.assembly import Assignment, global_ranks_of
 from pcpstack.registry.endpoints import PrefillEndpoint, Resolution, ServiceEndpoint
 from pcpstack.registry.membership import (
     AssemblyTimedOut,
@@ -57,6 +57,8 @@ def assignment_to_proto(assignment: Assignment | None) -> registry_pb2.Assignmen
         pcp_size=assignment.pcp_size,
         pcp_ranks=assignment.pcp_ranks,
         member_node_ids=assignment.member_node_ids,
+        tp_size=assignment.tp_size,
+        global_ranks=assignment.global_ranks,
     )
 
 
@@ -74,6 +76,9 @@ def assignment_from_proto(msg: registry_pb2.Assignment) -> Assignment:
         pcp_size=msg.pcp_size,
         pcp_ranks=tuple(msg.pcp_ranks),
         member_node_ids=tuple(msg.member_node_ids),
+        # A node from before TP wiring sends neither: tp 1, its global ranks are its PCP ranks.
+        tp_size=msg.tp_size or 1,
+        global_ranks=tuple(msg.global_ranks) or global_ranks_of(msg.pcp_ranks, msg.tp_size or 1),
     )
 
 

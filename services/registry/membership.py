@@ -28,7 +28,9 @@ from pcpstack.registry.assembly import (
     SetShape,
     assignment_problems,
     config_differences,
+    global_ranks_of,
     group_label,
+    pcp_ranks_of,
     plan_sets,
 )
 from pcpstack.registry.endpoints import PrefillEndpoint, Resolution, ServiceEndpoint
@@ -261,7 +263,10 @@ def _all_ranks(carried: Assignment) -> tuple[Assignment, ...]:
                 **asdict(carried),
                 "node_rank": rank,
                 "headless": rank != 0,
-                "pcp_ranks": tuple(range(rank * len(carried.pcp_ranks), (rank + 1) * len(carried.pcp_ranks))),
+                "pcp_ranks": pcp_ranks_of(rank, carried.pcp_size, len(carried.member_node_ids)),
+                "global_ranks": global_ranks_of(
+                    pcp_ranks_of(rank, carried.pcp_size, len(carried.member_node_ids)), carried.tp_size
+                ),
                 "member_node_ids": tuple(carried.member_node_ids),
             }
         )
@@ -527,6 +532,7 @@ class Membership:
         for entry in snapshot.get("sets", []):
             raw = dict(entry["assignment"])
             raw["pcp_ranks"] = tuple(raw["pcp_ranks"])
+            raw["global_ranks"] = tuple(raw.get("global_ranks") or raw["pcp_ranks"])
             raw["member_node_ids"] = tuple(raw["member_node_ids"])
             head = Assignment(**raw)
             group = self._group(entry["role"], entry["model"])

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 from hypothesis import given
 from hypothesis import strategies as st
 
@@ -11,6 +13,7 @@ from pcpstack.registry.assembly import (
     SetShape,
     assignment_problems,
     config_differences,
+    global_ranks_of,
     group_label,
     pcp_ranks_of,
     plan_sets,
@@ -67,10 +70,33 @@ def test_assignment_problems_catch_a_node_that_is_not_the_named_member():
     assert assignment_problems(planned.assignments[0], "node-0", SetShape(2, 4, 1), LABEL)
 
 
+def test_a_node_runs_the_tp_ranks_of_each_of_its_pcp_ranks():
+    # seed 000's shape scaled down: tp 3, pcp 2, nnodes 2 -> three consecutive global ranks per node
+    shape = SetShape(nnodes=2, pcp_size=2, data_parallel_size=1, tp_size=3)
+    (planned,) = plan_sets(_pool(2), shape, [0], True, 1, LABEL)
+    master, headless = planned.assignments
+    assert (master.tp_size, master.pcp_ranks, master.global_ranks) == (3, (0,), (0, 1, 2))
+    assert (headless.pcp_ranks, headless.global_ranks) == ((1,), (3, 4, 5))
+    assert global_ranks_of((2, 3), 2) == (4, 5, 6, 7)
+
+
+def test_assignment_problems_catch_a_carried_assignment_with_another_tp():
+    shape = SetShape(nnodes=2, pcp_size=2, data_parallel_size=1, tp_size=2)
+    (planned,) = plan_sets(_pool(2), shape, [0], True, 1, LABEL)
+    headless = planned.assignments[1]
+    assert assignment_problems(headless, "node-1", shape, LABEL) == []
+    (problem,) = assignment_problems(headless, "node-1", SetShape(2, 2, 1, tp_size=3), LABEL)
+    assert "tp_size=2" in problem and "tensor_parallel_size=3" in problem
+    shifted = replace(headless, global_ranks=(1, 2))
+    (problem,) = assignment_problems(shifted, "node-1", shape, LABEL)
+    assert "global_ranks=[1, 2]" in problem
+
+
 @st.composite
 def _shapes(draw) -> SetShape:
     nnodes = draw(st.integers(1, 4))
-    return SetShape(nnodes, nnodes * draw(st.integers(1, 3)), draw(st.integers(1, 4)))
+    pcp_size = nnodes * draw(st.integers(1, 3))
+    return SetShape(nnodes, pcp_size, draw(st.integers(1, 4)), tp_size=draw(st.integers(1, 4)))
 
 
 @given(
@@ -99,6 +125,9 @@ def test_any_pool_yields_valid_non_overlapping_sets(shape, pool_size, free, firs
     for p in planned:
         ranks = sorted(r for a in p.assignments for r in a.pcp_ranks)
         assert ranks == list(range(shape.pcp_size))
+        # every rank of the set's tp x pcp world runs on exactly one node, in node order
+        world = [r for a in p.assignments for r in a.global_ranks]
+        assert world == list(range(shape.tp_size * shape.pcp_size))
         for a in p.assignments:
             node_id = a.member_node_ids[a.node_rank]
             assert assignment_problems(a, node_id, shape, LABEL) == []
