@@ -16,10 +16,12 @@ import time
 import grpc
 
 from pcpstack.cli.progress import ProgressPrinter
-from pcpstack.cli.stack import LocalStack, StackOptions
+from pcpstack.cli.stack import LocalStack, ServiceRefused, StackOptions
 from pcpstack.decode.client import DecodeClient, build_request
 
 USAGE_EXIT_STATUS = 2
+# Where a local stack's models may run (pcpstack.common.config.DEVICE_KINDS); empty: what is present.
+DEVICE_CHOICES = ("cpu", "cuda", "npu")
 # The flag of each sampling field, for messages that name what the user typed.
 _SAMPLING_FLAGS = {
     "max_tokens": "--max-tokens",
@@ -41,8 +43,24 @@ class UsageError(ValueError):
 def add_stack_arguments(parser: argparse.ArgumentParser) -> None:
     """Flags that shape a local stack."""
     parser.add_argument("--pcp", type=int, default=2, help="PCP ranks per prefill set (default 2)")
+    parser.add_argument(
+        "--tp",
+        type=int,
+        default=1,
+        help="tensor-parallel ranks per PCP rank: a prefill set runs tp x pcp rank processes (default 1)",
+    )
     parser.add_argument("--prefill-sets", type=int, default=1, help="number of PCP sets (default 1)")
     parser.add_argument("--decode", type=int, default=1, help="decode workers (default 1)")
+    parser.add_argument(
+        "--decode-tp", type=int, default=1, help="tensor-parallel processes per decode worker (default 1)"
+    )
+    parser.add_argument(
+        "--device",
+        default="",
+        metavar="{cpu,cuda,npu}",
+        help="where prefill ranks and decode workers run the model "
+        "(default: an NPU, else a GPU, else the CPU)",
+    )
     parser.add_argument("--model", default=None, help="a .gguf file, a HF folder or 'tiny' (default SmolLM2)")
     parser.add_argument(
         "--threads-per-rank", type=int, default=1, help="torch threads per PCP rank (default 1)"
@@ -54,12 +72,17 @@ def check_stack_arguments(args: argparse.Namespace) -> None:
     """Raises UsageError for a stack shape that cannot start."""
     for flag, value in (
         ("--pcp", args.pcp),
+        ("--tp", args.tp),
         ("--prefill-sets", args.prefill_sets),
         ("--decode", args.decode),
+        ("--decode-tp", args.decode_tp),
         ("--threads-per-rank", args.threads_per_rank),
     ):
         if value < 1:
             raise UsageError(flag, value, "must be >= 1")
+    # Whether the model splits over these TP sizes is the services' check at start-up (it needs the model).
+    if args.device and args.device not in DEVICE_CHOICES:
+        raise UsageError("--device", args.device, f"must be one of {', '.join(DEVICE_CHOICES)}")
     gateway_port = getattr(args, "gateway_port", 0)
     if not 0 <= gateway_port <= 65535:
         raise UsageError("--gateway-port", gateway_port, "must be in [0, 65535] (0: any free port)")
@@ -70,8 +93,11 @@ def _stack_options(args: argparse.Namespace) -> StackOptions:
         gateway_host=getattr(args, "host", "127.0.0.1"),
         gateway_port=getattr(args, "gateway_port", 0),
         pcp=args.pcp,
+        tp=args.tp,
         prefill_sets=args.prefill_sets,
         decode=args.decode,
+        decode_tp=args.decode_tp,
+        device=args.device,
         model=args.model,
         threads_per_rank=args.threads_per_rank,
         log_dir=args.log_dir,
@@ -80,6 +106,14 @@ def _stack_options(args: argparse.Namespace) -> StackOptions:
 
 
 def _usage_error(command: str, error: UsageError) -> int:
+    print(f"pcpstack {command}: {error}", file=sys.stderr, flush=True)
+    return USAGE_EXIT_STATUS
+
+
+def _refused(command: str, printer: ProgressPrinter, error: ServiceRefused) -> int:
+    """A service refused the configuration the flags made (a TP size the model cannot split): its one line,
+    and the usage exit status, as for a flag the CLI refuses itself."""
+    printer.finish()
     print(f"pcpstack {command}: {error}", file=sys.stderr, flush=True)
     return USAGE_EXIT_STATUS
 
@@ -123,10 +157,12 @@ def run_up(args: argparse.Namespace) -> int:
     async def main() -> None:
         async with _local_stack(args, printer) as stack:
             printer.finish()
+            print(f"shape     {stack.options.shape()}")
             print(f"registry  {stack.registry_address}")
             print(f"kvstore   {stack.kvstore_address}")
-            for address in stack.decode_addresses:
-                print(f"decode    {address}   (pcpstack generate --target {address} 'your prompt')")
+            for address, decode_tp in zip(stack.decode_addresses, stack.options.decode_tps, strict=True):
+                hint = f"pcpstack generate --target {address} 'your prompt'"
+                print(f"decode    {address}   TP={decode_tp}   ({hint})")
             if stack.gateway_url:
                 print(f"openai    {stack.gateway_url}/v1   (OpenAI-compatible HTTP API)")
             for name, url in stack.metrics_urls.items():
@@ -144,6 +180,8 @@ def run_up(args: argparse.Namespace) -> int:
 
     try:
         asyncio.run(main())
+    except ServiceRefused as error:
+        return _refused("up", printer, error)
     except RuntimeError as error:
         printer.finish()
         print(f"pcpstack up: {error}", file=sys.stderr, flush=True)
@@ -308,6 +346,8 @@ def run_generate(args: argparse.Namespace) -> int:
     with contextlib.suppress(KeyboardInterrupt):
         try:
             return asyncio.run(main())
+        except ServiceRefused as error:
+            return _refused("generate", printer, error)
         except RuntimeError as error:
             printer.finish()
             print(f"pcpstack generate: {error}", file=sys.stderr, flush=True)

@@ -66,8 +66,17 @@ class StackOptions:
     """The shape of a local stack."""
 
     pcp: int = 2
+    # Tensor-parallel ranks per PCP rank of every prefill set: a set runs tp x pcp rank processes.
+    tp: int = 1
     prefill_sets: int = 1
     decode: int = 1
+    # Tensor-parallel processes of every decode worker.
+    decode_tp: int = 1
+    # The TP size of each decode worker in turn, when they differ (one stack serving decode TP 1 and 3);
+    # when given, its length is the number of decode workers and `decode`/`decode_tp` are not used.
+    decode_worker_tp: tuple[int, ...] = ()
+    # Where prefill ranks and decode workers run their model: cpu, cuda or npu; empty: what is present.
+    device: str = ""
     model: str | None = None
     block_size: int = 128
     threads_per_rank: int = 1
@@ -85,6 +94,29 @@ class StackOptions:
     # on its own /metrics).
     metrics: bool = False
     extra_env: dict[str, str] = field(default_factory=dict)
+
+    @property
+    def decode_tps(self) -> tuple[int, ...]:
+        """The TP size of each decode worker, in start order."""
+        return self.decode_worker_tp or (self.decode_tp,) * self.decode
+
+    def shape(self) -> str:
+        """The stack's parallel shape in words, for its start-up line and summary."""
+        ranks = self.tp * self.pcp
+        prefill = f"{self.prefill_sets} prefill set(s) of TP={self.tp} x PCP={self.pcp} ({ranks} ranks)"
+        tps = self.decode_tps
+        per_worker = f"TP={tps[0]}" if len(set(tps)) == 1 else "TP=" + ",".join(map(str, tps))
+        return f"{prefill} and {len(tps)} decode worker(s) of {per_worker}"
+
+
+class ServiceRefused(RuntimeError):
+    """A service of the stack refused its configuration at start-up (exit status 2); the message is the
+    service's name and its own one-line refusal."""
+
+
+# The exit status of a service that refused its configuration (pcpstack.common.startup.CONFIG_EXIT_STATUS;
+# not imported from there, which would load every service's config code into the CLI).
+CONFIG_EXIT_STATUS = 2
 
 
 @dataclass
@@ -104,6 +136,15 @@ class Service:
         """The end of the process's log, for error messages."""
         with contextlib.suppress(OSError):
             return "\n".join(self.log_path.read_text(errors="replace").splitlines()[-lines:])
+        return ""
+
+    def refusal(self) -> str:
+        """The one-line config refusal (`pcpstack serve NAME: config error: ...`) the service printed last;
+        empty when its log holds none."""
+        with contextlib.suppress(OSError):
+            for line in reversed(self.log_path.read_text(errors="replace").splitlines()):
+                if line.startswith("pcpstack serve ") and ": config error: " in line:
+                    return line.strip()
         return ""
 
     def progress_lines(self) -> list[str]:
@@ -178,6 +219,9 @@ class LocalStack:
         self.services.append(service)
         return service
 
+    def _device_args(self) -> list[str]:
+        return ["--device", self.options.device] if self.options.device else []
+
     def _config_file(self, role: str) -> str:
         o = self.options
         section = {
@@ -185,6 +229,7 @@ class LocalStack:
                 "prefill-context-parallel-size": o.pcp,
                 "nnodes": 1,
                 "data_parallel_size": o.prefill_sets,
+                "tensor_parallel_size": o.tp,
                 "block_size": o.block_size,
             },
             "decode": {"block_size": o.block_size},
@@ -260,10 +305,11 @@ class LocalStack:
                     # torch's TCPStore listens on every address, so sets on one host need their own ports.
                     "--set",
                     f"master-port={free_port(host)}",
+                    *self._device_args(),
                 ],
             )
         decode_config = self._config_file("decode")
-        for index in range(o.decode):
+        for index, decode_tp in enumerate(o.decode_tps):
             port = free_port()
             address = f"127.0.0.1:{port}"
             self.decode_addresses.append(address)
@@ -276,6 +322,9 @@ class LocalStack:
                 decode_config,
                 "--node-id",
                 f"decode-{index}",
+                "--set",
+                f"tensor_parallel_size={decode_tp}",
+                *self._device_args(),
             ]
             if o.decode_threads:
                 args += ["--threads", str(o.decode_threads)]
@@ -303,10 +352,7 @@ class LocalStack:
                     served_model_name(o.model),
                 ],
             )
-        self._progress(
-            f"starting registry, kvstore, {o.prefill_sets} prefill set(s) of PCP={o.pcp} and "
-            f"{o.decode} decode worker(s); logs in {self._log_dir}"
-        )
+        self._progress(f"starting registry, kvstore, {o.shape()}; logs in {self._log_dir}")
         await self._wait_ready(started)
 
     def _report_service_progress(self) -> None:
@@ -326,7 +372,8 @@ class LocalStack:
     async def _wait_ready(self, started: float) -> None:
         o = self.options
         self._last_state, self._last_state_at = "", 0.0
-        total = 2 + o.prefill_sets + o.decode + (1 if o.gateway else 0)
+        decode_workers = len(o.decode_tps)
+        total = 2 + o.prefill_sets + decode_workers + (1 if o.gateway else 0)
         # The services' security comes from the environment (extra_env may turn on TLS and the token).
         channel = open_channel(
             self.registry_address, default_deadline=2.0, security=security.from_env(self._env())
@@ -337,6 +384,10 @@ class LocalStack:
                 self._report_service_progress()
                 for service in self.services:
                     if service.process.poll() is not None:
+                        refusal = service.refusal()
+                        if service.process.returncode == CONFIG_EXIT_STATUS and refusal:
+                            # Its own one line says which key to change; its log tail would bury it.
+                            raise ServiceRefused(f"{service.name} refused to start: {refusal}")
                         raise RuntimeError(
                             f"{service.name} exited with code {service.process.returncode}:\n{service.tail()}"
                         )
@@ -353,13 +404,13 @@ class LocalStack:
                 gateway_up = await self._gateway_healthy() if o.gateway else False
                 state = (
                     f"registry {'up' if answer else 'starting'}, {ready_sets}/{o.prefill_sets} prefill sets "
-                    f"ready, {decoders}/{o.decode} decode workers, {stores}/1 KV stores"
+                    f"ready, {decoders}/{decode_workers} decode workers, {stores}/1 KV stores"
                     + (f", gateway {'up' if gateway_up else 'starting'}" if o.gateway else "")
                 )
                 done = (
                     (1 if answer else 0)
                     + min(ready_sets, o.prefill_sets)
-                    + min(decoders, o.decode)
+                    + min(decoders, decode_workers)
                     + min(stores, 1)
                     + (1 if gateway_up else 0)
                 )

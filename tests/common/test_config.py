@@ -8,6 +8,7 @@ import subprocess
 
 import pytest
 
+from pcpstack.cli import main as cli
 from pcpstack.cli.launch import cli_command
 from pcpstack.common.config import (
     ConfigError,
@@ -36,6 +37,23 @@ SEED = {
         },
     }
 }
+
+
+# Seed 000's own example, verbatim: one PCP rank's 16 TP ranks on each of 2 nodes.
+SEED_000_EXAMPLE = """{
+  "motor_engine_prefill_config": {
+    "engine_type": "vllm",
+    "engine_config": {
+      "model": "/mnt/weight/your_model",
+      "tensor_parallel_size": 16,
+      "data_parallel_size": 1,
+      "prefill-context-parallel-size": 2,
+      "cp-kv-cache-interleave-size": 128,
+      "nnodes": 2,
+      "master-port": 7001
+    }
+  }
+}"""
 
 
 def prefill(**values) -> EngineConfig:
@@ -160,6 +178,18 @@ def test_config_check_cli_prints_resolution_and_exits_2_on_violation(tmp_path, c
     assert run.returncode == 2
     assert "nnodes=3" in run.stderr and "prefill_context_parallel_size=2" in run.stderr
     assert len(run.stderr.strip().splitlines()) == 1, run.stderr
+
+
+def test_config_check_accepts_seed_000s_example_and_prints_its_world_size_tp_times_pcp(
+    tmp_path, capsys
+) -> None:
+    example = tmp_path / "seed-000.json"
+    example.write_text(SEED_000_EXAMPLE)
+    assert cli.main(["config", "check", str(example)]) == 0
+    resolved = json.loads(capsys.readouterr().out)["prefill"]
+    assert resolved["tensor_parallel_size"] == 16 and resolved["prefill_context_parallel_size"] == 2
+    assert resolved["world_size"] == 32
+    assert resolved["nodes_required"] == 2 and resolved["pcp_ranks_per_node"] == 1
 
 
 def test_an_engine_config_is_validated_when_built() -> None:
