@@ -4,6 +4,10 @@ The servicer builds a `PrefillJob` (the prompt, its checked sampling parameters 
 once); the node hands it to global rank 0, which broadcasts `job.to_tensor()` to every rank. After the
 forward each rank contributes a fixed-size `RankShare` to one all-gather, and rank 0 folds the shares into
 the `PrefillOutcome` its node answers with. Nothing on this path is a dict or JSON.
+
+With tensor parallelism the replica of the owning PCP rank is spread over its TP group by K/V head, and it
+is stored as one object per `ReplicaShard` (`replica_shards`, computed once by the servicer and carried in
+the job): each shard's TP rank pushes its own heads under the shard's key and fingerprint.
 """
 
 from __future__ import annotations
@@ -15,11 +19,16 @@ from dataclasses import dataclass, field
 import torch
 
 from pcpstack.common.errors import Internal, ServiceError, error_of_code
+from pcpstack.engine.config import ModelArgs
+from pcpstack.engine.parallel import shard_fingerprint, stored_kv_shards
 from pcpstack.engine.sampling import MAX_LOGPROBS, SamplingParams, TokenLogprobs
+from pcpstack.kvstore.client import make_key
 from pcpstack.v1 import common_pb2
 
 _LENGTH = struct.Struct("<I")
-_JOB_FIXED = struct.Struct("<qII")  # lease_ms, number of tokens, number of trace-context entries
+# lease_ms, number of tokens, of trace-context entries and of replica shards
+_JOB_FIXED = struct.Struct("<qIII")
+_SHARD_FIXED = struct.Struct("<III")  # tp_rank, kv_head_start, kv_head_end
 
 
 def _pack_str(text: str) -> bytes:
@@ -31,6 +40,49 @@ def _unpack_str(data: memoryview, offset: int) -> tuple[str, int]:
     (length,) = _LENGTH.unpack_from(data, offset)
     offset += _LENGTH.size
     return bytes(data[offset : offset + length]).decode(), offset + length
+
+
+@dataclass(frozen=True)
+class ReplicaShard:
+    """One store object of a request's replica: the TP rank (of the owning PCP rank) that pushes it, its
+    K/V heads [kv_head_start, kv_head_end), and the key and fingerprint it is stored under."""
+
+    tp_rank: int
+    kv_head_start: int
+    kv_head_end: int
+    key: str
+    fingerprint: str
+
+    def to_bytes(self) -> bytes:
+        """The shard as bytes that read_from reads back."""
+        fixed = _SHARD_FIXED.pack(self.tp_rank, self.kv_head_start, self.kv_head_end)
+        return fixed + _pack_str(self.key) + _pack_str(self.fingerprint)
+
+    @classmethod
+    def read_from(cls, view: memoryview, offset: int) -> tuple[ReplicaShard, int]:
+        """The shard encoded at offset, and the offset after it."""
+        tp_rank, start, end = _SHARD_FIXED.unpack_from(view, offset)
+        key, offset = _unpack_str(view, offset + _SHARD_FIXED.size)
+        fingerprint, offset = _unpack_str(view, offset)
+        return cls(tp_rank, start, end, key, fingerprint), offset
+
+
+def replica_shards(kv_key: str, fingerprint: str, args: ModelArgs, tp_size: int) -> tuple[ReplicaShard, ...]:
+    """The store objects of one attempt's replica made by a TP group of tp_size (args: the whole model's).
+
+    Each K/V head is stored once, by the first TP rank holding it (engine.parallel.stored_kv_shards). A
+    shard holding every head is the replica itself: it keeps `kv_key` and the replica's fingerprint, so tp 1
+    stores exactly what it always did. A narrower shard is keyed `<attempt>.kv<start>-<end>/<fp prefix>`
+    under its own fingerprint (engine.parallel.shard_fingerprint).
+    """
+    attempt = kv_key.split("/", 1)[0]
+    shards = []
+    for tp_rank, heads in stored_kv_shards(args, tp_size):
+        shard_fp = shard_fingerprint(fingerprint, heads, args.n_kv_heads)
+        whole = heads.start == 0 and heads.stop == args.n_kv_heads
+        key = kv_key if whole else make_key(f"{attempt}.kv{heads.start}-{heads.stop}", shard_fp)
+        shards.append(ReplicaShard(tp_rank, heads.start, heads.stop, key, shard_fp))
+    return tuple(shards)
 
 
 @dataclass(frozen=True)
@@ -46,11 +98,18 @@ class PrefillJob:
     lease_ms: int
     # W3C trace context of the caller's span, so every rank's work joins the request's trace.
     trace_context: dict[str, str] = field(default_factory=dict)
+    # The store objects of the replica (replica_shards). Empty: one object under kv_key, pushed by TP
+    # rank 0 under the rank's own (whole-model) fingerprint.
+    shards: tuple[ReplicaShard, ...] = ()
+
+    def stored_shards(self, fingerprint: str = "") -> tuple[ReplicaShard, ...]:
+        """The shards to push: `shards`, or the whole replica under kv_key when the job names none."""
+        return self.shards or (ReplicaShard(0, 0, 0, self.kv_key, fingerprint),)
 
     def to_bytes(self) -> bytes:
         """The job as bytes that from_bytes reads back exactly."""
         parts = [
-            _JOB_FIXED.pack(self.lease_ms, len(self.token_ids), len(self.trace_context)),
+            _JOB_FIXED.pack(self.lease_ms, len(self.token_ids), len(self.trace_context), len(self.shards)),
             _pack_str(self.request_id),
             _pack_str(self.kv_key),
             _pack_str(self.kvstore_address),
@@ -58,6 +117,7 @@ class PrefillJob:
         ]
         for key, value in self.trace_context.items():
             parts += [_pack_str(key), _pack_str(value)]
+        parts += [shard.to_bytes() for shard in self.shards]
         # Token ids are below the vocabulary size, far from 2**32.
         parts.append(struct.pack(f"<{len(self.token_ids)}I", *self.token_ids))
         return b"".join(parts)
@@ -66,7 +126,7 @@ class PrefillJob:
     def from_bytes(cls, data: bytes | memoryview) -> PrefillJob:
         """The job encoded by to_bytes."""
         view = memoryview(data)
-        lease_ms, num_tokens, num_trace = _JOB_FIXED.unpack_from(view, 0)
+        lease_ms, num_tokens, num_trace, num_shards = _JOB_FIXED.unpack_from(view, 0)
         offset = _JOB_FIXED.size
         request_id, offset = _unpack_str(view, offset)
         kv_key, offset = _unpack_str(view, offset)
@@ -76,8 +136,14 @@ class PrefillJob:
         for _ in range(num_trace):
             key, offset = _unpack_str(view, offset)
             trace_context[key], offset = _unpack_str(view, offset)
+        shards = []
+        for _ in range(num_shards):
+            shard, offset = ReplicaShard.read_from(view, offset)
+            shards.append(shard)
         token_ids = list(struct.unpack_from(f"<{num_tokens}I", view, offset))
-        return cls(request_id, kv_key, token_ids, sampling, kvstore_address, lease_ms, trace_context)
+        return cls(
+            request_id, kv_key, token_ids, sampling, kvstore_address, lease_ms, trace_context, tuple(shards)
+        )
 
     def to_tensor(self) -> torch.Tensor:
         """The job as a uint8 tensor, for the rank broadcast."""
@@ -161,6 +227,15 @@ class RankShare:
 
 
 @dataclass(frozen=True)
+class StoredShard:
+    """A shard of the replica that is in the store: where, under which capability, and its size."""
+
+    shard: ReplicaShard
+    capability: str
+    total_bytes: int
+
+
+@dataclass(frozen=True)
 class PrefillOutcome:
     """What rank 0 reports back to its node for one job."""
 
@@ -179,11 +254,21 @@ class PrefillOutcome:
     replica_stored: bool = False
     # The first token's log-probabilities, when the request asked.
     first_token_logprobs: TokenLogprobs | None = None
+    # The shards of the replica that are in the store (all of them when the job succeeded), in head order.
+    shards: tuple[StoredShard, ...] = ()
 
     @classmethod
-    def combine(cls, job: PrefillJob, replica_rank: int, shares: Sequence[RankShare]) -> PrefillOutcome:
-        """Rank 0's view of a job from every rank's share (shares[i] is global rank i's)."""
-        owner = shares[replica_rank]
+    def combine(
+        cls, job: PrefillJob, replica_rank: int, shares: Sequence[RankShare], tp_size: int = 1
+    ) -> PrefillOutcome:
+        """Rank 0's view of a job from every rank's share (shares[i] is global rank i's); replica_rank is
+        the owning PCP rank, whose TP ranks pushed the job's shards."""
+        pushed = [(shard, shares[replica_rank * tp_size + shard.tp_rank]) for shard in job.stored_shards()]
+        stored = tuple(
+            StoredShard(shard, share.capability, share.total_bytes)
+            for shard, share in pushed
+            if not share.error and share.total_bytes > 0
+        )
         failed = next((s for s in shares if s.error), None)
         sampler = next((s for s in shares if s.first_token_id >= 0), None)
         first_token = -1 if sampler is None else sampler.first_token_id
@@ -195,14 +280,16 @@ class PrefillOutcome:
             kv_key=job.kv_key,
             first_token_id=first_token,
             replica_rank=replica_rank,
-            total_bytes=owner.total_bytes,
+            total_bytes=sum(s.total_bytes for s in stored),
             forward_seconds=max(s.forward_us for s in shares) / 1e6,
-            push_seconds=owner.push_us / 1e6,
-            capability=owner.capability,
+            # The shards are pushed in parallel: the slowest bounds the push.
+            push_seconds=max(share.push_us for _, share in pushed) / 1e6,
+            capability=stored[0].capability if stored else "",
             error_code=code,
             error=error,
-            replica_stored=not owner.error and owner.total_bytes > 0,
+            replica_stored=bool(stored),
             first_token_logprobs=None if sampler is None else sampler.first_token_logprobs,
+            shards=stored,
         )
 
     def first_token_logprobs_wire(self) -> common_pb2.TokenLogprobs | None:

@@ -1,9 +1,11 @@
 """Run a prefill node: `pcpstack serve prefill --registry HOST:PORT [--config FILE] [--set KEY=VALUE]`.
 
-The node registers with the registry, receives its PCP set assignment, starts its local rank processes and,
-on the set's master, serves Prefill. It keeps doing so across set failures: when told to stop it returns to
-the pool and waits for the next assignment. The flags become a PrefillConfig, checked before torch and the
-model are loaded (they are imported when the node starts), so a bad flag is refused at once.
+The node registers with the registry, receives its PCP set assignment, starts its local rank processes
+(tensor_parallel_size of them per PCP rank, one device each) and, on the set's master, serves Prefill. It
+keeps doing so across set failures: when told to stop it returns to the pool and waits for the next
+assignment. The flags become a PrefillConfig, checked before torch and the model are loaded (they are
+imported when the node starts), so a bad flag is refused at once; the device count and the TP split of the
+model's heads are checked at start-up, before registering.
 """
 
 from __future__ import annotations
@@ -61,6 +63,7 @@ class PrefillConfig(NodeConfig):
     """A prefill node's configuration, validated when built (before any model is loaded)."""
 
     role: ClassVar[str] = "prefill"
+    tensor_parallel: ClassVar[bool] = True
 
     # 0: pcp / nnodes.
     local_ranks: int = 0
@@ -89,17 +92,22 @@ class PrefillConfig(NodeConfig):
 class PrefillNode:
     """Glue between the registry session, the rank supervisor and the gRPC server."""
 
-    def __init__(self, config: PrefillConfig, engine: EngineConfig, info: ModelInfo) -> None:
+    def __init__(
+        self, config: PrefillConfig, engine: EngineConfig, info: ModelInfo, device_count: int
+    ) -> None:
+        """device_count: the rank slots this node offers the registry (see `device_slots`)."""
         from pcpstack.prefill.node import NodeOptions, RankSupervisor
 
         self.config = config
         self.engine = engine
         self.info = info
+        self.device_count = device_count
         self.options = NodeOptions(
             model=engine.model or None,
             block_size=engine.block_size,
             advertised_host=config.advertised_host,
-            local_ranks=config.local_ranks or engine.pcp_ranks_per_node,
+            local_ranks=engine.tensor_parallel_size * (config.local_ranks or engine.pcp_ranks_per_node),
+            device=config.device,
             threads_per_rank=config.threads_per_rank,
             collective_timeout_s=config.collective_timeout,
         )
@@ -181,7 +189,9 @@ class PrefillNode:
 
         config = self.config
         self.resolver = Resolver(config.registry)
-        servicer = PrefillServicer(self.supervisor, self.info, self.kv_stores, config.kv_lease_ms)
+        servicer = PrefillServicer(
+            self.supervisor, self.info, self.kv_stores, config.kv_lease_ms, self.engine.tensor_parallel_size
+        )
         self.running = await start_server(
             lambda server: prefill_pb2_grpc.add_PrefillServiceServicer_to_server(servicer, server),
             [SERVICE_NAME],
@@ -198,7 +208,7 @@ class PrefillNode:
             dist_host=config.advertised_host,
             engine_config=self.engine,
             kv_fingerprint=self.info.fingerprint,
-            device_count=self.options.local_ranks,
+            device_count=self.device_count,
             load=lambda: self.supervisor.load,
         )
         await self.registry.start()
@@ -216,16 +226,46 @@ class PrefillNode:
         return Serving.grpc(self.running, before_stop)
 
 
+def device_slots(config: PrefillConfig) -> int:
+    """The rank slots this node offers: the accelerators it sees on cuda/npu (refusing, naming the numbers
+    and the visible-devices variable, a config whose rank processes need more), or on the CPU the rank
+    processes it runs."""
+    from pcpstack.engine.device import accelerator_count, device_for_rank, pick_device
+
+    engine = config.engine
+    tp, pcp_ranks = engine.tensor_parallel_size, config.local_ranks or engine.pcp_ranks_per_node
+    kind = config.device or pick_device().type
+    if kind == "cpu":
+        return tp * pcp_ranks
+    try:
+        device_for_rank(tp * pcp_ranks - 1, kind)  # the last local rank's device must exist
+    except ValueError as exc:
+        raise ConfigError(
+            f"tensor_parallel_size={tp} x (prefill_context_parallel_size / nnodes)={pcp_ranks} needs "
+            f"{tp * pcp_ranks} {kind} devices on this node, one per rank process: {exc}",
+            ("tensor_parallel_size", "prefill_context_parallel_size", "nnodes", "--device"),
+            "tp x pcp / nnodes <= devices present",
+        ) from None
+    return accelerator_count(kind)
+
+
 async def start(config: PrefillConfig) -> Serving:
-    """Reads the model's shape (the GQA rules need it), then starts the node."""
+    """Checks the devices, reads the model's shape (the GQA and TP rules need it), then starts the node."""
+    from pcpstack.engine.parallel import TensorParallelShard
     from pcpstack.prefill.node import ModelInfo
 
     engine = config.engine
+    device_count = device_slots(config)
     try:
-        info = ModelInfo.probe(engine.model or None, engine.block_size)
+        info = ModelInfo.probe(engine.model or None, engine.block_size, config.device)
     except (OSError, ValueError) as exc:
         raise ConfigError.broken("model", engine.model, f"cannot be loaded ({exc})") from None
-    return await PrefillNode(config, engine.with_model_shape(info.num_kv_heads), info).start()
+    try:
+        TensorParallelShard(0, engine.tensor_parallel_size).check(info.args)
+    except ValueError as exc:
+        rule = "the TP size splits the heads and the intermediate size evenly"
+        raise ConfigError(str(exc), ("tensor_parallel_size",), rule) from None
+    return await PrefillNode(config, engine.with_model_shape(info.num_kv_heads), info, device_count).start()
 
 
 def run(args: argparse.Namespace) -> int:

@@ -1,11 +1,12 @@
-"""A prefill node: the supervisor process of the PCP ranks one host contributes to a set.
+"""A prefill node: the supervisor process of the ranks one host contributes to a set.
 
 The node registers with the registry, waits for its assignment on the Session stream, then starts one
-process per local PCP rank (numbered from the assignment) and reports the set ready once every local rank
-has loaded the model and joined the process group. On the master node (node_rank 0) it serves Prefill by
-handing jobs to global rank 0. When a rank dies, or the group stops making progress, the node fails the
-requests in flight with UNAVAILABLE (SetUnavailable), tells the registry, stops its ranks and waits to be
-re-assigned.
+process per global rank the assignment names (the TP ranks of its PCP ranks; an assignment without global
+ranks is tp 1: its PCP ranks) and reports the set ready once every local rank has loaded its model shard
+and joined the process groups. A rank process's position on this node (its local index) picks its device.
+On the master node (the one running global rank 0) it serves Prefill by handing jobs to global rank 0.
+When a rank dies, or the group stops making progress, the node fails the requests in flight with
+UNAVAILABLE (SetUnavailable), tells the registry, stops its ranks and waits to be re-assigned.
 """
 
 from __future__ import annotations
@@ -20,6 +21,10 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from multiprocessing.connection import Connection
 
+import torch
+
+from pcpstack.engine.config import ModelArgs
+from pcpstack.engine.device import default_dtype, pick_device
 from pcpstack.engine.kv_cache import KvLayout
 from pcpstack.engine.prompt import PromptLimits
 from pcpstack.engine.weights import load_model
@@ -37,9 +42,8 @@ class ModelInfo:
 
     fingerprint: str
     layout: KvLayout
-    vocab_size: int
-    max_seq_len: int
-    num_kv_heads: int
+    # The whole model's arguments (heads, vocabulary, context length).
+    args: ModelArgs
 
     @property
     def limits(self) -> PromptLimits:
@@ -47,17 +51,28 @@ class ModelInfo:
         return PromptLimits(self.vocab_size, self.max_seq_len)
 
     @classmethod
-    def probe(cls, model: str | None, block_size: int) -> ModelInfo:
-        """Loads the model once here to read its shape and KV fingerprint, then drops the weights."""
-        loaded = load_model(model)
+    def probe(cls, model: str | None, block_size: int, device: str = "") -> ModelInfo:
+        """Loads the whole model once here, on the CPU in the dtype its ranks will run on `device` (cpu,
+        cuda, npu; "" = what is present), to read its shape and replica fingerprint; then drops it."""
+        kind = device or pick_device().type
+        loaded = load_model(model, "cpu", default_dtype(torch.device(kind)))
         layout = KvLayout.for_model(loaded.model_id, loaded.args, loaded.dtype, block_size)
-        return cls(
-            layout.fingerprint(),
-            layout,
-            loaded.args.vocab_size,
-            loaded.args.max_seq_len,
-            loaded.args.n_kv_heads,
-        )
+        return cls(layout.fingerprint(), layout, loaded.args)
+
+    @property
+    def vocab_size(self) -> int:
+        """Size of the model's vocabulary."""
+        return self.args.vocab_size
+
+    @property
+    def max_seq_len(self) -> int:
+        """The model's context length."""
+        return self.args.max_seq_len
+
+    @property
+    def num_kv_heads(self) -> int:
+        """The whole model's K/V heads (a replica holds them all)."""
+        return self.args.n_kv_heads
 
 
 @dataclass(frozen=True)
@@ -67,7 +82,10 @@ class NodeOptions:
     model: str | None
     block_size: int
     advertised_host: str
+    # Rank processes per node: tp x pcp / nnodes.
     local_ranks: int = 1
+    # cpu, cuda or npu ("" = what is present).
+    device: str = ""
     threads_per_rank: int = 1
     collective_timeout_s: float = 120.0
     idle_tick_s: float = 1.0
@@ -79,7 +97,7 @@ class _RankProcess:
     process: mp.Process  # type: ignore[name-defined]
     conn: Connection
     progress: object
-    pcp_rank: int
+    global_rank: int
     ready: bool = False
 
 
@@ -96,7 +114,7 @@ class RunningSet:
     @property
     def is_master(self) -> bool:
         """Whether global rank 0 (which takes jobs) is on this node."""
-        return 0 in [r.pcp_rank for r in self.ranks]
+        return 0 in [r.global_rank for r in self.ranks]
 
 
 class RankSupervisor:
@@ -123,11 +141,16 @@ class RankSupervisor:
         await self.stop("re-assigned")
         loop = asyncio.get_running_loop()
         ranks = []
-        for pcp_rank in assignment.pcp_ranks:
+        tp_size = assignment.tp_size or 1
+        global_ranks = list(assignment.global_ranks) or list(assignment.pcp_ranks)
+        for local_index, global_rank in enumerate(global_ranks):
             spec = RankSpec(
                 model=self.options.model,
-                pcp_rank=pcp_rank,
+                global_rank=global_rank,
                 pcp_size=assignment.pcp_size,
+                tp_size=tp_size,
+                device=self.options.device,
+                local_index=local_index,
                 master_addr=assignment.master_addr,
                 master_port=assignment.master_port,
                 block_size=self.options.block_size,
@@ -142,14 +165,14 @@ class RankSupervisor:
             process = self._ctx.Process(target=rank_main, args=(spec, child, progress), daemon=True)
             process.start()
             child.close()
-            ranks.append(_RankProcess(process, parent, progress, pcp_rank))
+            ranks.append(_RankProcess(process, parent, progress, global_rank))
         running = RunningSet(assignment, ranks)
         self.current = running
         for rank in ranks:
             threading.Thread(
                 target=self._read,
                 args=(loop, running, rank),
-                name=f"rank-{rank.pcp_rank}-reader",
+                name=f"rank-{rank.global_rank}-reader",
                 daemon=True,
             ).start()
         try:
@@ -157,7 +180,7 @@ class RankSupervisor:
         except TimeoutError:
             await self.stop("ranks did not start in time")
             raise SetUnavailable(
-                f"ranks {list(assignment.pcp_ranks)} did not join set {assignment.set_id} within "
+                f"ranks {global_ranks} did not join set {assignment.set_id} within "
                 f"{self.options.start_timeout_s:.0f} s"
             ) from None
         if running.failed:
@@ -170,7 +193,7 @@ class RankSupervisor:
             try:
                 message = rank.conn.recv()
             except (EOFError, OSError):
-                message = f"rank {rank.pcp_rank} exited (code {rank.process.exitcode})"
+                message = f"rank {rank.global_rank} exited (code {rank.process.exitcode})"
             loop.call_soon_threadsafe(self._on_message, running, rank, message)
             if isinstance(message, str):
                 return
@@ -178,7 +201,7 @@ class RankSupervisor:
     def _on_message(self, running: RunningSet, rank: _RankProcess, message: object) -> None:
         if isinstance(message, RankReady):
             if message.fingerprint != self.info.fingerprint:
-                self._fail(running, f"rank {rank.pcp_rank} loaded a model with another KV fingerprint")
+                self._fail(running, f"rank {rank.global_rank} loaded a model with another KV fingerprint")
                 return
             rank.ready = True
             if all(r.ready for r in running.ranks):
@@ -207,13 +230,13 @@ class RankSupervisor:
         now = time.time()
         for rank in running.ranks:
             if not rank.process.is_alive():
-                self._fail(running, f"rank {rank.pcp_rank} exited (code {rank.process.exitcode})")
+                self._fail(running, f"rank {rank.global_rank} exited (code {rank.process.exitcode})")
                 return
             if now - rank.progress.value > stale_after_s and (
                 running.pending is None or running.pending.done()
             ):
                 self._fail(
-                    running, f"rank {rank.pcp_rank} made no progress for {now - rank.progress.value:.1f} s"
+                    running, f"rank {rank.global_rank} made no progress for {now - rank.progress.value:.1f} s"
                 )
                 return
 
@@ -238,7 +261,7 @@ class RankSupervisor:
             async with self._job_lock:
                 running = self.ready_set()
                 running.pending = asyncio.get_running_loop().create_future()
-                master = next(r for r in running.ranks if r.pcp_rank == 0)
+                master = next(r for r in running.ranks if r.global_rank == 0)
                 master.conn.send(job)
                 return running, await running.pending
         finally:
@@ -253,7 +276,7 @@ class RankSupervisor:
         if running.pending is not None and not running.pending.done():
             running.pending.set_exception(SetUnavailable(f"set stopped: {reason}"))
         for rank in running.ranks:
-            if rank.pcp_rank == 0 and rank.process.is_alive():
+            if rank.global_rank == 0 and rank.process.is_alive():
                 with contextlib.suppress(OSError):
                     rank.conn.send(None)
         deadline = time.monotonic() + 5

@@ -1,17 +1,22 @@
-"""One PCP rank process: loads the model, joins its set's process group and runs prefill steps.
+"""One rank process of a set (TP rank `tp_rank` of PCP rank `pcp_rank`): joins the set's process groups,
+loads its TP shard of the model on its own device and runs prefill steps.
 
 Global rank 0 takes jobs from its node (the supervisor process) over a pipe and hands each one to every
 rank through the process group itself (a broadcast of a header, then the job's own encoding), so ranks
 never talk over a side channel. The other ranks wait in that broadcast. While idle, rank 0 sends an idle
 tick every `idle_tick_s`, which keeps the group's collective timeout from firing and proves to each rank's
 node that the group is making progress (the heartbeat of a headless rank is that progress, never a fake
-inference request).
+inference request). Control messages (the header, the job, the rank shares) travel as CPU tensors over the
+gloo `control` group (engine.parallel.ParallelGroups), so NCCL/HCCL never see host tensors; the model's
+collectives (the TP all-reduces, the PCP K/V all-gather) run on the device.
 
-After the forward every rank holds the whole prompt's K/V. The rank picked by `replica_owner` pushes its
-replica to the KV store; every rank then frees its blocks, and one all-gather of `RankShare`s brings the
-first token and the push result back to rank 0. A failure that belongs to one request (its sampling, its
-push) travels in the shares: every rank still takes part in the all-gather, so the group stays in step and
-the set serves the next job.
+After the forward every PCP rank holds the whole prompt's K/V, spread over its TP group by K/V head. The
+TP group of the PCP rank picked by `replica_owner` stores it: each TP rank named by the job's shards
+pushes its heads as one store object. Every rank then frees its blocks, and one all-gather of `RankShare`s
+brings the first token (sampled by TP rank 0 of the PCP rank holding the last position; the LM head is
+replicated, so every TP rank there has the full logits) and the push results back to rank 0. A failure
+that belongs to one request (its sampling, a push) travels in the shares: every rank still takes part in
+the all-gather, so the group stays in step and the set serves the next job.
 """
 
 from __future__ import annotations
@@ -33,7 +38,10 @@ from opentelemetry.propagate import extract
 from pcpstack.common.errors import Internal, ServiceError, Unavailable
 from pcpstack.common.logs import setup_logging
 from pcpstack.common.telemetry import setup_telemetry, shutdown_telemetry, tracer
+from pcpstack.engine.device import device_for_rank
 from pcpstack.engine.engine import Engine
+from pcpstack.engine.kv_cache import KvLayout
+from pcpstack.engine.parallel import ParallelGroups, ParallelLayout, init_parallel_groups
 from pcpstack.engine.sampling import (
     TokenHistory,
     TokenLogprobs,
@@ -43,14 +51,10 @@ from pcpstack.engine.sampling import (
     stop_token_set,
     token_logprobs,
 )
+from pcpstack.engine.weights import load_model
 from pcpstack.kvstore.client import KvStoreClient
-from pcpstack.prefill.context_parallel import (
-    KvAllGather,
-    configure_gloo_interface,
-    init_pcp_group,
-    prefill_share,
-)
-from pcpstack.prefill.job import PrefillJob, PrefillOutcome, RankShare
+from pcpstack.prefill.context_parallel import KvAllGather, configure_gloo_interface, prefill_share
+from pcpstack.prefill.job import PrefillJob, PrefillOutcome, RankShare, ReplicaShard
 from pcpstack.prefill.replica import replica_owner
 from pcpstack.prefill.split import DualChunkSplit
 
@@ -79,24 +83,45 @@ class RankSpec:
     """Everything a rank process needs to start."""
 
     model: str | None
-    pcp_rank: int
+    # This rank in the set's world of tp_size x pcp_size (engine.parallel.ParallelLayout numbering).
+    global_rank: int
     pcp_size: int
     master_addr: str
     master_port: int
     block_size: int
     advertised_host: str
+    tp_size: int = 1
+    # cpu, cuda or npu ("" = what is present), and this process's index among its node's ranks (its device).
+    device: str = ""
+    local_index: int = 0
     threads: int = 1
     collective_timeout_s: float = 120.0
     idle_tick_s: float = 1.0
     # The node's --log-level: a spawned process starts without the parent's logging set-up.
     log_level: str = "INFO"
 
+    @property
+    def layout(self) -> ParallelLayout:
+        """The set's shape."""
+        return ParallelLayout(self.tp_size, self.pcp_size)
+
+    @property
+    def pcp_rank(self) -> int:
+        """Which DualChunkSwap share this rank runs."""
+        return self.layout.coordinates(self.global_rank)[0]
+
+    @property
+    def tp_rank(self) -> int:
+        """Which heads and intermediate slice this rank holds."""
+        return self.layout.coordinates(self.global_rank)[1]
+
 
 @dataclass(frozen=True)
 class RankReady:
     """Sent once the rank has its model loaded and has joined the group."""
 
-    pcp_rank: int
+    global_rank: int
+    # The replica fingerprint: the WHOLE model's KV layout, whatever TP shard this rank holds.
     fingerprint: str
     vocab_size: int
     max_seq_len: int
@@ -150,55 +175,60 @@ class ReplicaPusher:
 
 
 class RankWorker:
-    """The state of one rank between jobs: its engine, its place in the group, and its KV pusher."""
+    """The state of one rank between jobs: its engine, its place in the set's groups, and its KV pusher."""
 
-    def __init__(self, spec: RankSpec, engine: Engine, on_progress: Callable[[], None]) -> None:
+    def __init__(
+        self,
+        spec: RankSpec,
+        engine: Engine,
+        groups: ParallelGroups,
+        fingerprint: str,
+        on_progress: Callable[[], None],
+    ) -> None:
+        """fingerprint: the replica fingerprint (the whole model's KV layout, not this shard's)."""
         self.spec = spec
         self.engine = engine
+        self.groups = groups
         self.on_progress = on_progress
-        self.fingerprint = engine.layout.fingerprint()
+        self.fingerprint = fingerprint
         self.pusher = ReplicaPusher()
-        # Collectives take tensors on the group's device (NCCL/HCCL refuse host tensors); the job and the
-        # shares are encoded on the host and copied across.
-        self.device = engine.device
 
     def step(self, job: PrefillJob | None) -> tuple[int, PrefillOutcome | None]:
-        """One round of the group: rank 0 passes its job (None: idle tick). Returns (op, rank 0's outcome)."""
+        """One round of the set: rank 0 passes its job (None: idle tick). Returns (op, rank 0's outcome)."""
+        control = self.groups.control
         payload = None
         header = _header(OP_IDLE)
-        if self.spec.pcp_rank == 0 and job is not None:
-            payload = job.to_tensor().to(self.device)
+        if self.spec.global_rank == 0 and job is not None:
+            payload = job.to_tensor()
             header = _header(OP_PREFILL, payload.numel())
-        header = header.to(self.device)
-        dist.broadcast(header, src=0)
+        dist.broadcast(header, src=0, group=control)
         op, payload_bytes = header.tolist()
         if op != OP_PREFILL:
             return op, None
         if payload is None:
-            payload = torch.empty(payload_bytes, dtype=torch.uint8, device=self.device)
-        dist.broadcast(payload, src=0)
-        return op, self._prefill(job if job is not None else PrefillJob.from_tensor(payload.cpu()))
+            payload = torch.empty(payload_bytes, dtype=torch.uint8)
+        dist.broadcast(payload, src=0, group=control)
+        return op, self._prefill(job if job is not None else PrefillJob.from_tensor(payload))
 
     def _prefill(self, job: PrefillJob) -> PrefillOutcome | None:
         spec = self.spec
         owner = replica_owner(job.request_id, spec.pcp_size)
         with _tracer.start_as_current_span("prefill.rank", context=extract(job.trace_context)) as span:
             span.set_attribute("pcpstack.pcp_rank", spec.pcp_rank)
+            span.set_attribute("pcpstack.tp_rank", spec.tp_rank)
             span.set_attribute("pcpstack.replica_owner", owner == spec.pcp_rank)
             share = self._run(job, owner)
-        shares = [
-            torch.empty(RankShare.SIZE, dtype=torch.uint8, device=self.device) for _ in range(spec.pcp_size)
-        ]
-        dist.all_gather(shares, share.to_tensor().to(self.device))
-        if spec.pcp_rank != 0:
+        shares = [torch.empty(RankShare.SIZE, dtype=torch.uint8) for _ in range(spec.layout.world_size)]
+        dist.all_gather(shares, share.to_tensor(), group=self.groups.control)
+        if spec.global_rank != 0:
             return None
-        return PrefillOutcome.combine(job, owner, [RankShare.from_tensor(s.cpu()) for s in shares])
+        return PrefillOutcome.combine(job, owner, [RankShare.from_tensor(s) for s in shares], spec.tp_size)
 
     def _run(self, job: PrefillJob, owner: int) -> RankShare:
-        """This rank's part of a job: its forward share, the first token (on the rank holding the last
-        position) and the push (on the owner). A failure of sampling or of the push is returned, not
-        raised, so this rank still joins the all-gather; a failure inside the forward's collectives is the
-        set's and propagates."""
+        """This rank's part of a job: its forward share, the first token (on TP rank 0 of the PCP rank
+        holding the last position) and its shard's push (on the owner's TP ranks the job's shards name). A
+        failure of sampling or of the push is returned, not raised, so this rank still joins the
+        all-gather; a failure inside the forward's collectives is the set's and propagates."""
         spec, engine = self.spec, self.engine
         seq_id = job.kv_key  # unique per attempt, whatever the request id
         tokens = torch.tensor(job.token_ids, dtype=torch.long)
@@ -206,12 +236,12 @@ class RankWorker:
         try:
             state = engine.reserve(seq_id, len(tokens))
             started = time.perf_counter()
-            exchange = KvAllGather(split, on_progress=self.on_progress)
+            exchange = KvAllGather(split, group=self.groups.pcp_group, on_progress=self.on_progress)
             logits = prefill_share(engine, state, tokens, split, spec.pcp_rank, exchange)
             forward_us = int((time.perf_counter() - started) * 1e6)
             first_token = -1
             first_logprobs = None
-            if logits is not None:
+            if logits is not None and spec.tp_rank == 0:
                 try:
                     params = job.sampling
                     # The first token sees the whole prompt (repetition penalty) and no output yet.
@@ -221,75 +251,104 @@ class RankWorker:
                     if params.logprobs is not None:
                         first_logprobs = token_logprobs(raw_logprobs(logits), first_token, params.logprobs)
                 except Exception as exc:  # a bug in one request's sampling must not break the group
-                    log.exception("rank %d could not sample request %s", spec.pcp_rank, job.request_id)
+                    log.exception("rank %d could not sample request %s", spec.global_rank, job.request_id)
                     error = f"sampling the first token failed: {type(exc).__name__}: {exc}"
                     return RankShare(forward_us=forward_us, error_code=Internal.code, error=error)
-            if spec.pcp_rank != owner:
+            mine = [s for s in job.stored_shards(self.fingerprint) if s.tp_rank == spec.tp_rank]
+            if spec.pcp_rank != owner or not mine:
                 return RankShare(
                     first_token_id=first_token, forward_us=forward_us, first_token_logprobs=first_logprobs
                 )
-            return self._push(job, first_token, forward_us, first_logprobs)
+            return self._push(job, mine[0], first_token, forward_us, first_logprobs)
         finally:
             # Only the selected replica lives on (in the store); every rank frees its copy at once.
             engine.free(seq_id)
 
     def _push(
-        self, job: PrefillJob, first_token: int, forward_us: int, first_logprobs: TokenLogprobs | None = None
+        self,
+        job: PrefillJob,
+        shard: ReplicaShard,
+        first_token: int,
+        forward_us: int,
+        first_logprobs: TokenLogprobs | None = None,
     ) -> RankShare:
         started = time.perf_counter()
         try:
-            replica = self.engine.export_sequence(job.kv_key).contiguous()
+            # [layers, 2, tokens, this rank's K/V heads, head_dim]: exactly the shard's heads (a rank holding
+            # a replicated head pushes it only when the shard names this rank).
+            local = self.engine.export_sequence(job.kv_key)
+            if shard.kv_head_end and local.shape[3] != shard.kv_head_end - shard.kv_head_start:
+                raise Internal(
+                    f"rank {self.spec.global_rank} holds {local.shape[3]} K/V heads but its shard is heads "
+                    f"{shard.kv_head_start}-{shard.kv_head_end}"
+                )
+            # One staging copy off the device in the cache's own dtype; uint8 bytes, since numpy has no bf16.
+            staged = local.contiguous().cpu().reshape(-1)
             capability = self.pusher.push(
                 job.kvstore_address,
-                job.kv_key,
-                self.fingerprint,
-                memoryview(replica.numpy()).cast("B"),
+                shard.key,
+                shard.fingerprint or self.fingerprint,
+                memoryview(staged.view(torch.uint8).numpy()),
                 job.lease_ms,
             )
         except Exception as exc:  # the store's error travels to rank 0, which answers the caller with it
             code = exc.code if isinstance(exc, ServiceError) else Unavailable.code
             message = (
-                f"rank {self.spec.pcp_rank} could not push its KV replica to {job.kvstore_address}: {exc}"
+                f"rank {self.spec.global_rank} could not push KV heads {shard.kv_head_start}-"
+                f"{shard.kv_head_end} of its replica to {job.kvstore_address}: {exc}"
             )
             log.warning(message)
             return RankShare(first_token, forward_us=forward_us, error_code=code, error=message)
         return RankShare(
             first_token_id=first_token,
             first_token_logprobs=first_logprobs,
-            total_bytes=replica.numel() * replica.element_size(),
+            total_bytes=staged.numel() * staged.element_size(),
             forward_us=forward_us,
             push_us=int((time.perf_counter() - started) * 1e6),
             capability=capability,
         )
 
 
+def _use_device(device: torch.device) -> None:
+    """Makes `device` this process's current accelerator, as NCCL/HCCL expect of a rank."""
+    if device.type != "cpu":
+        getattr(torch, device.type).set_device(device)
+
+
 def rank_main(spec: RankSpec, conn: Connection, progress: Synchronized) -> None:
     """Entry point of a rank process (a multiprocessing target); exits on stop or when the group fails."""
     torch.set_num_threads(spec.threads)
-    setup_logging(f"prefill-rank-{spec.pcp_rank}", spec.log_level)
+    setup_logging(f"prefill-rank-{spec.global_rank}", spec.log_level)
     setup_telemetry("prefill-rank")
     try:
-        engine = Engine.load(spec.model, block_size=spec.block_size, num_blocks=None)
+        device = device_for_rank(spec.local_index, spec.device or None)
+        _use_device(device)
         configure_gloo_interface(spec.advertised_host)
-        init_pcp_group(
+        groups = init_parallel_groups(
+            spec.layout,
+            spec.global_rank,
             spec.master_addr,
             spec.master_port,
-            spec.pcp_rank,
-            spec.pcp_size,
-            engine.device,
+            device,
             spec.collective_timeout_s,
         )
-        worker = RankWorker(spec, engine, on_progress=lambda: setattr(progress, "value", time.time()))
-        conn.send(
-            RankReady(spec.pcp_rank, worker.fingerprint, engine.args.vocab_size, engine.args.max_seq_len)
+        loaded = load_model(spec.model, device, shard=groups.shard())
+        engine = Engine(loaded, block_size=spec.block_size, num_blocks=None)
+        fingerprint = KvLayout.for_model(
+            loaded.model_id, loaded.full_args, loaded.dtype, spec.block_size
+        ).fingerprint()
+        worker = RankWorker(
+            spec, engine, groups, fingerprint, on_progress=lambda: setattr(progress, "value", time.time())
         )
+        args = loaded.full_args
+        conn.send(RankReady(spec.global_rank, fingerprint, args.vocab_size, args.max_seq_len))
         progress.value = time.time()
         while True:
             job = None
-            if spec.pcp_rank == 0 and conn.poll(spec.idle_tick_s):
+            if spec.global_rank == 0 and conn.poll(spec.idle_tick_s):
                 job = conn.recv()
                 if job is None:  # the node asks the set to stop
-                    dist.broadcast(_header(OP_STOP).to(worker.device), src=0)
+                    dist.broadcast(_header(OP_STOP), src=0, group=groups.control)
                     break
             op, outcome = worker.step(job)
             progress.value = time.time()
@@ -298,9 +357,9 @@ def rank_main(spec: RankSpec, conn: Connection, progress: Synchronized) -> None:
             if op == OP_STOP:
                 break
     except Exception as exc:
-        log.exception("rank %d failed", spec.pcp_rank)
+        log.exception("rank %d failed", spec.global_rank)
         try:
-            conn.send(f"rank {spec.pcp_rank} failed: {type(exc).__name__}: {exc}")
+            conn.send(f"rank {spec.global_rank} failed: {type(exc).__name__}: {exc}")
         finally:
             shutdown_telemetry()
             # Not sys.exit: a broken process group can hang in its destructor.

@@ -3,7 +3,8 @@
 Every check on the request happens here, before any rank works (the shared prompt check of
 pcpstack.engine.prompt, the request-id rule, the fingerprint, the KV store), and each failure is raised as
 its kind of pcpstack.common.errors for the common interceptor to answer. The KV key of the attempt is
-computed here, once; the ranks push under it and the reply's handle names it.
+computed here, once, with the keys of its shards when a TP group stores the replica as several objects;
+the ranks push under them and the reply's handle names them.
 """
 
 from __future__ import annotations
@@ -23,7 +24,7 @@ from pcpstack.common.telemetry import latency_histogram, meter, tracer
 from pcpstack.engine.prompt import check_prompt
 from pcpstack.kvstore.client import KvStoreClient
 from pcpstack.prefill.errors import StoreNotListed
-from pcpstack.prefill.job import PrefillJob, PrefillOutcome
+from pcpstack.prefill.job import PrefillJob, PrefillOutcome, replica_shards
 from pcpstack.prefill.node import ModelInfo, RankSupervisor
 from pcpstack.prefill.replica import replica_key
 from pcpstack.v1 import common_pb2, prefill_pb2, prefill_pb2_grpc
@@ -48,11 +49,13 @@ class PrefillServicer(prefill_pb2_grpc.PrefillServiceServicer):
         info: ModelInfo,
         kv_stores: Callable[[], Awaitable[list[str]]],
         lease_ms: int = 0,
+        tp_size: int = 1,
     ) -> None:
         """kv_stores: the addresses ranks may push to (the configured store, then those the registry
-        lists); the first is the default."""
+        lists); the first is the default. tp_size: the TP size of the sets this node runs."""
         self.supervisor = supervisor
         self.info = info
+        self._tp_size = tp_size
         self._background: set[asyncio.Future] = set()
         _meter.create_observable_gauge(
             "pcpstack.prefill.queue_depth",
@@ -75,17 +78,19 @@ class PrefillServicer(prefill_pb2_grpc.PrefillServiceServicer):
         return requested or stores[0]
 
     def _delete_later(self, address: str, outcome: PrefillOutcome) -> None:
-        """Deletes a stored replica nobody will read (its caller left, or its request failed)."""
-        task = asyncio.ensure_future(self._delete(address, outcome.kv_key, outcome.capability))
+        """Deletes every stored shard of a replica nobody will read (its caller left, or its request
+        failed)."""
+        task = asyncio.ensure_future(self._delete(address, outcome))
         self._background.add(task)
         task.add_done_callback(self._background.discard)
 
-    async def _delete(self, address: str, key: str, capability: str) -> None:
-        try:
-            async with KvStoreClient(address) as client:
-                await client.delete(key, capability)
-        except Exception as exc:  # the store's lease reclaims it anyway
-            log.warning("could not delete abandoned replica %s: %s", key, exc)
+    async def _delete(self, address: str, outcome: PrefillOutcome) -> None:
+        async with KvStoreClient(address) as client:
+            for stored in outcome.shards:
+                try:
+                    await client.delete(stored.shard.key, stored.capability)
+                except Exception as exc:  # the store's lease reclaims it anyway
+                    log.warning("could not delete abandoned replica shard %s: %s", stored.shard.key, exc)
 
     def _discard_when_done(self, done: asyncio.Future, address: str) -> None:
         if not done.cancelled() and done.exception() is None:
@@ -113,9 +118,11 @@ class PrefillServicer(prefill_pb2_grpc.PrefillServiceServicer):
         with _tracer.start_as_current_span("prefill.set") as span:
             carrier: dict[str, str] = {}
             inject(carrier)
+            kv_key = replica_key(request.request_id, info.fingerprint)
             job = PrefillJob(
                 request_id=request.request_id,
-                kv_key=replica_key(request.request_id, info.fingerprint),
+                kv_key=kv_key,
+                shards=replica_shards(kv_key, info.fingerprint, info.args, self._tp_size),
                 token_ids=ids,
                 sampling=sampling,
                 kvstore_address=store,
@@ -147,12 +154,24 @@ class PrefillServicer(prefill_pb2_grpc.PrefillServiceServicer):
 
     def _reply(self, job: PrefillJob, assignment, outcome: PrefillOutcome) -> prefill_pb2.PrefillResponse:
         layout = self.info.layout
+        shards = [
+            common_pb2.KvShard(
+                key=stored.shard.key,
+                capability=stored.capability,
+                kv_head_start=stored.shard.kv_head_start,
+                kv_head_end=stored.shard.kv_head_end or layout.num_kv_heads,
+                total_bytes=stored.total_bytes,
+                fingerprint=stored.shard.fingerprint or self.info.fingerprint,
+            )
+            for stored in outcome.shards
+        ]
         return prefill_pb2.PrefillResponse(
             request_id=job.request_id,
             first_token_id=outcome.first_token_id,
             first_token_logprobs=outcome.first_token_logprobs_wire(),
             kv=common_pb2.KvHandle(
-                key=outcome.kv_key,
+                # The first shard's (the replica itself with tp 1); the fingerprint is the whole replica's.
+                key=shards[0].key if shards else outcome.kv_key,
                 fingerprint=self.info.fingerprint,
                 layout=common_pb2.KvLayout(
                     model_id=layout.model_id,
@@ -167,6 +186,8 @@ class PrefillServicer(prefill_pb2_grpc.PrefillServiceServicer):
                 store_address=job.kvstore_address,
                 total_bytes=outcome.total_bytes,
                 capability=outcome.capability,
+                shards=shards,
+                source_tp_size=self._tp_size,
             ),
             set_id=assignment.set_id,
             generation=assignment.generation,

@@ -1,4 +1,4 @@
-"""Until tensor parallelism (and DCP, and a layerwise KV transfer) are wired into the services, a prefill
+"""Until tensor parallelism (and DCP, and a layerwise KV transfer) are wired into a service, a prefill
 node or decode worker configured with them is refused at start-up (exit 2, one line naming the key and the
 value) instead of being accepted and run as if they were off. Real `pcpstack serve` processes, refused before
 any model loads."""
@@ -10,10 +10,33 @@ import pytest
 from tests.common.test_startup import REGISTRY, refusal
 
 
-@pytest.mark.parametrize("service", ["prefill", "decode"])
+@pytest.mark.parametrize("service", ["decode"])
 def test_tensor_parallel_size_above_one_is_refused_naming_the_service(child_env, service: str) -> None:
     line = refusal(child_env, service, "--registry", REGISTRY, "--set", "tensor_parallel_size=3")
     assert f"tensor_parallel_size=3: tensor parallelism is not wired into the {service} service yet" in line
+
+
+# Prefill runs TP: a node is refused only a TP size its model cannot split, or more rank processes than
+# devices (CUDA_VISIBLE_DEVICES="" hides every GPU, so the refusal holds on any machine).
+@pytest.mark.parametrize(
+    ("args", "env", "expected"),
+    [
+        (
+            ["--model", "tiny", "--set", "tensor_parallel_size=3"],
+            {},
+            "tensor_parallel_size=3 must divide the model's num_attention_heads=4",
+        ),
+        (
+            ["--model", "tiny", "--device", "cuda", "--set", "tensor_parallel_size=2"],
+            {"CUDA_VISIBLE_DEVICES": ""},
+            "tensor_parallel_size=2 x (prefill_context_parallel_size / nnodes)=1 needs 2 cuda devices",
+        ),
+    ],
+)
+def test_prefill_refuses_a_tp_its_model_or_devices_cannot_run(child_env, args, env, expected) -> None:
+    # The head rule needs the model's shape, read by loading it: WARNING keeps its progress lines quiet.
+    line = refusal(child_env, "prefill", "--registry", REGISTRY, "--log-level", "WARNING", *args, env=env)
+    assert expected in line
 
 
 @pytest.mark.parametrize(

@@ -1,0 +1,78 @@
+"""A real prefill node running TP=2 x PCP=2 (four rank processes, real gloo groups) on the tiny model, with
+a real registry and KV store on loopback.
+
+The tiny model has 4 query heads and 2 K/V heads, so each TP rank holds one K/V head: the owning PCP rank's
+TP group stores the replica as two objects, one per head. Fetched with each shard's own key, fingerprint
+and capability and placed by head range they give single-rank prefill's KV, and the first token is
+single-rank prefill's.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from pcpstack.engine.engine import Engine
+from pcpstack.engine.parallel import shard_fingerprint
+from pcpstack.kvstore.client import KvStoreClient
+from pcpstack.prefill.client import PrefillClient
+from pcpstack.prefill.replica import replica_owner
+from tests.helpers import pinned_bytes, start_stack
+from tests.prefill.test_service import BLOCK_SIZE, GREEDY, prefill_address, prompt, single_rank
+
+pytestmark = pytest.mark.slow
+
+TP, PCP = 2, 2
+
+
+@pytest.fixture(scope="module")
+def reference() -> Engine:
+    return Engine.load("tiny", block_size=BLOCK_SIZE)
+
+
+@pytest.fixture(scope="module")
+def stack(tmp_path_factory):
+    running = start_stack(tmp_path_factory.mktemp("prefill-tp-stack"), tp=TP, pcp=PCP, decode=0, model="tiny")
+    yield running
+    running.stop()
+
+
+async def prefill_and_fetch_shards(stack, request_id: str, ids: list[int]):
+    """The Prefill reply and, for each KvShard of its handle, the shard's K/V [layers, 2, n, heads, hd]."""
+    client = PrefillClient(prefill_address(stack))
+    try:
+        reply = await client.prefill(request_id, ids, GREEDY, timeout=60)
+    finally:
+        await client.close()
+    layout, shards = reply.kv.layout, []
+    async with KvStoreClient(reply.kv.store_address) as store:
+        for shard in reply.kv.shards:
+            data, _ = await store.get(shard.key, shard.fingerprint, shard.capability)
+            await store.release(shard.key, shard.capability)
+            heads = shard.kv_head_end - shard.kv_head_start
+            kv = torch.frombuffer(bytearray(data), dtype=torch.float32)
+            shards.append(kv.view(layout.num_layers, 2, reply.kv.num_tokens, heads, layout.head_dim))
+    return reply, shards
+
+
+# 3 tokens: fewer than 2 x PCP, so one PCP rank's DualChunkSwap share is partly empty.
+@pytest.mark.parametrize("n", [3, 300])
+def test_tp2_pcp2_replica_shards_and_first_token_equal_single_rank_prefill(stack, reference, n) -> None:
+    request_id = f"tp-replica-{n}"
+    reply, shards = stack.run(prefill_and_fetch_shards(stack, request_id, prompt(n)))
+    first, expected = single_rank(reference, prompt(n))
+    assert reply.first_token_id == first
+    kv = reply.kv
+    assert (kv.source_tp_size, kv.source_pcp_rank) == (TP, replica_owner(request_id, PCP))
+    assert kv.fingerprint == reference.layout.fingerprint()
+    # one shard per K/V head range, covering every head once, in order, each under its own fingerprint
+    assert [(s.kv_head_start, s.kv_head_end) for s in kv.shards] == [(0, 1), (1, 2)]
+    assert [s.fingerprint for s in kv.shards] == [
+        shard_fingerprint(kv.fingerprint, range(h, h + 1), 2) for h in (0, 1)
+    ]
+    assert len({s.key for s in kv.shards}) == 2 and kv.key == kv.shards[0].key
+    assert kv.total_bytes == sum(s.total_bytes for s in kv.shards) == expected.numel() * 4
+    placed = torch.cat(shards, dim=3)
+    assert placed.shape == expected.shape
+    assert (placed - expected).abs().max().item() <= 1e-4
+    assert stack.run(pinned_bytes(kv.store_address)) == 0
