@@ -14,7 +14,7 @@
  * Scales and mins are passed as fp32 arrays [rows, blocks] (exact conversions of the file's fp16 values).
  */
 
-#ifdef __AVX512F__
+#if defined(__AVX512F__) || defined(__AVX2__)
 #include <immintrin.h>
 #endif
 #include <math.h>
@@ -27,100 +27,130 @@
 extern float expf(float);
 
 #define BLOCK 32
-#define ROW_TILE 8
 
-typedef float f32x16 __attribute__((vector_size(64)));
-typedef float f32x8 __attribute__((vector_size(32)));
-typedef float f32x4 __attribute__((vector_size(16)));
-typedef int32_t i32x16 __attribute__((vector_size(64)));
-typedef uint8_t u8x16 __attribute__((vector_size(16)));
-/* Unaligned views for loads; a memcpy into a vector made gcc assemble bytes through scalar registers. */
-typedef float f32x16_u __attribute__((vector_size(64), aligned(1)));
-typedef uint8_t u8x16_u __attribute__((vector_size(16), aligned(1)));
-typedef int8_t i8x16_u __attribute__((vector_size(16), aligned(1)));
-
-static inline f32x16 load16(const float *p) { return *(const f32x16_u *)p; }
-
-/* Widen through int32: gcc turns a direct 8-bit -> float vector conversion into scalar code. */
-#define TO_F32(v) __builtin_convertvector(__builtin_convertvector((v), i32x16), f32x16)
-
-/* 16 signed bytes as floats; gcc scalarises the generic form of this widening inside the Q8_0 loop. */
-static inline f32x16 i8_to_f32(const int8_t *p) {
+/* The matmul tiles work on vectors of the CPU's own width: 16 floats (one zmm register) with AVX-512, else 8
+ * (one ymm register with AVX2; two SSE/NEON registers elsewhere). Wider vectors than the CPU has are split
+ * by gcc into scalar code around every conversion, which made these kernels ten times slower than torch's
+ * dense matmul on AVX2-only CPUs. ROW_TILE input rows share each dequantized block: with 16 vector
+ * registers (AVX2) the WEIGHT_ROWS x ROW_TILE accumulators and the block's vectors must fit in them. */
 #ifdef __AVX512F__
-    return (f32x16)_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)p)));
+#define LANES 16
+#define ROW_TILE 8
 #else
-    return TO_F32(*(const i8x16_u *)p);
+#define LANES 8
+#define ROW_TILE 4
 #endif
-}
+#define VECTORS_PER_BLOCK (BLOCK / LANES)
+#define WEIGHT_ROWS 2
 
-/* Sum of the 16 lanes as a tree of halves (gcc compiles a plain loop into 15 dependent scalar adds). */
-static inline float hsum(f32x16 v) {
+typedef float vf __attribute__((vector_size(LANES * 4)));
+typedef int32_t vi __attribute__((vector_size(LANES * 4)));
+/* Unaligned view for loads; a memcpy into a vector made gcc assemble bytes through scalar registers. */
+typedef float vf_u __attribute__((vector_size(LANES * 4), aligned(1)));
+
+static inline vf load_vf(const float *p) { return *(const vf_u *)p; }
+
+/* Sum of the lanes as a tree of halves (gcc compiles a plain loop into dependent scalar adds). */
+static inline float hsum(vf v) {
+    typedef float f32x4 __attribute__((vector_size(16)));
+#if LANES == 16
+    typedef float f32x8 __attribute__((vector_size(32)));
     const f32x8 half = __builtin_shufflevector(v, v, 0, 1, 2, 3, 4, 5, 6, 7) +
                        __builtin_shufflevector(v, v, 8, 9, 10, 11, 12, 13, 14, 15);
+#else
+    const vf half = v;
+#endif
     const f32x4 quarter = __builtin_shufflevector(half, half, 0, 1, 2, 3) +
                           __builtin_shufflevector(half, half, 4, 5, 6, 7);
     const f32x4 eighth = quarter + __builtin_shufflevector(quarter, quarter, 2, 3, 0, 1);
     return eighth[0] + eighth[1];
 }
 
+/* One Q4_1 block as floats in element order: out[v] holds elements v * LANES ... (v + 1) * LANES - 1.
+ * Elements 0-15 are the low nibbles of the 16 bytes, 16-31 the high nibbles. */
+static inline void q4_1_block(const uint8_t *packed, float d, float mn, vf out[VECTORS_PER_BLOCK]) {
+#if defined(__AVX512F__)
+    const __m128i bytes = _mm_loadu_si128((const __m128i *)packed), mask = _mm_set1_epi8(0x0F);
+    const __m128i lo = _mm_and_si128(bytes, mask), hi = _mm_and_si128(_mm_srli_epi16(bytes, 4), mask);
+    out[0] = (vf)_mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(lo)) * d + mn;
+    out[1] = (vf)_mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(hi)) * d + mn;
+#elif defined(__AVX2__)
+    const __m128i bytes = _mm_loadu_si128((const __m128i *)packed), mask = _mm_set1_epi8(0x0F);
+    const __m128i lo = _mm_and_si128(bytes, mask), hi = _mm_and_si128(_mm_srli_epi16(bytes, 4), mask);
+    out[0] = (vf)_mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(lo)) * d + mn;
+    out[1] = (vf)_mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_srli_si128(lo, 8))) * d + mn;
+    out[2] = (vf)_mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(hi)) * d + mn;
+    out[3] = (vf)_mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_srli_si128(hi, 8))) * d + mn;
+#else
+    float values[BLOCK];
+    for (int j = 0; j < 16; j++) {
+        values[j] = (float)(packed[j] & 0x0F) * d + mn;
+        values[j + 16] = (float)(packed[j] >> 4) * d + mn;
+    }
+    for (int v = 0; v < VECTORS_PER_BLOCK; v++) out[v] = load_vf(values + v * LANES);
+#endif
+}
+
+/* One Q8_0 block as floats in element order. */
+static inline void q8_0_block(const int8_t *q, float d, vf out[VECTORS_PER_BLOCK]) {
+#if defined(__AVX512F__)
+    for (int v = 0; v < 2; v++)
+        out[v] = (vf)_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(q + 16 * v)))) * d;
+#elif defined(__AVX2__)
+    for (int v = 0; v < 4; v++)
+        out[v] = (vf)_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)(q + 8 * v)))) * d;
+#else
+    float values[BLOCK];
+    for (int j = 0; j < BLOCK; j++) values[j] = (float)q[j] * d;
+    for (int v = 0; v < VECTORS_PER_BLOCK; v++) out[v] = load_vf(values + v * LANES);
+#endif
+}
+
 /* The tiles below multiply W weight rows by R input rows, W and R compile-time constants after inlining so
  * the W * R accumulators stay in registers. Each block is dequantized once per tile (w = scale * q + min, as
- * the dense weights hold it) and every input-row load feeds W multiply-adds. */
-#define WEIGHT_ROWS 2
+ * the dense weights hold it) and every input-row load feeds W multiply-adds. The accumulator arrays are
+ * sized for the largest R any CPU uses; the entries a tile does not use are never touched. */
+#define TILE_BODY(DEQUANT)                                                                    \
+    vf acc[WEIGHT_ROWS][8] = {{{0}}};                                                         \
+    for (int64_t b = 0; b < blocks; b++) {                                                    \
+        vf wv[WEIGHT_ROWS][VECTORS_PER_BLOCK];                                                \
+        for (int w = 0; w < W; w++) DEQUANT;                                                  \
+        for (int r = 0; r < R; r++)                                                           \
+            for (int v = 0; v < VECTORS_PER_BLOCK; v++) {                                     \
+                const vf xv = load_vf(x + r * k + b * BLOCK + v * LANES);                     \
+                for (int w = 0; w < W; w++) acc[w][r] += wv[w][v] * xv;                       \
+            }                                                                                 \
+    }                                                                                         \
+    for (int w = 0; w < W; w++)                                                               \
+        for (int r = 0; r < R; r++) y[r * n + w] = hsum(acc[w][r]);
 
 static inline __attribute__((always_inline)) void q4_1_tile(const uint8_t *qs, const float *scale, const float *min,
                                                             int64_t blocks, const float *x, int64_t k, const int W,
                                                             const int R, float *y, int64_t n) {
-    f32x16 acc[WEIGHT_ROWS][ROW_TILE] = {{{0}}};
-    for (int64_t b = 0; b < blocks; b++) {
-        f32x16 lo[WEIGHT_ROWS], hi[WEIGHT_ROWS];
-        for (int w = 0; w < W; w++) {
-            const u8x16 packed = *(const u8x16_u *)(qs + (w * blocks + b) * 16);
-            const float d = scale[w * blocks + b], mn = min[w * blocks + b];
-            lo[w] = TO_F32(packed & 0x0F) * d + mn;
-            hi[w] = TO_F32(packed >> 4) * d + mn;
-        }
-        for (int r = 0; r < R; r++) {
-            const f32x16 x0 = load16(x + r * k + b * BLOCK), x1 = load16(x + r * k + b * BLOCK + 16);
-            for (int w = 0; w < W; w++) acc[w][r] += lo[w] * x0 + hi[w] * x1;
-        }
-    }
-    for (int w = 0; w < W; w++)
-        for (int r = 0; r < R; r++) y[r * n + w] = hsum(acc[w][r]);
+    TILE_BODY(q4_1_block(qs + (w * blocks + b) * 16, scale[w * blocks + b], min[w * blocks + b], wv[w]))
 }
 
 static inline __attribute__((always_inline)) void q8_0_tile(const int8_t *qs, const float *scale, int64_t blocks,
                                                             const float *x, int64_t k, const int W, const int R,
                                                             float *y, int64_t n) {
-    f32x16 acc[WEIGHT_ROWS][ROW_TILE] = {{{0}}};
-    for (int64_t b = 0; b < blocks; b++) {
-        f32x16 lo[WEIGHT_ROWS], hi[WEIGHT_ROWS];
-        for (int w = 0; w < W; w++) {
-            const int8_t *block = qs + (w * blocks + b) * BLOCK;
-            const float d = scale[w * blocks + b];
-            lo[w] = i8_to_f32(block) * d;
-            hi[w] = i8_to_f32(block + 16) * d;
-        }
-        for (int r = 0; r < R; r++) {
-            const f32x16 x0 = load16(x + r * k + b * BLOCK), x1 = load16(x + r * k + b * BLOCK + 16);
-            for (int w = 0; w < W; w++) acc[w][r] += lo[w] * x0 + hi[w] * x1;
-        }
-    }
-    for (int w = 0; w < W; w++)
-        for (int r = 0; r < R; r++) y[r * n + w] = hsum(acc[w][r]);
+    TILE_BODY(q8_0_block(qs + (w * blocks + b) * BLOCK, scale[w * blocks + b], wv[w]))
 }
 
-/* Calls CALL(W, R) with constants: W weight rows (WEIGHT_ROWS, or 1 for an odd last row) and R input rows. */
-#define FOR_TILE_HEIGHT(W, rows, CALL) \
-    switch (rows) {                    \
-    case 1: CALL(W, 1); break;         \
-    case 2: CALL(W, 2); break;         \
-    case 3: CALL(W, 3); break;         \
-    case 4: CALL(W, 4); break;         \
-    case 5: CALL(W, 5); break;         \
-    case 6: CALL(W, 6); break;         \
-    case 7: CALL(W, 7); break;         \
-    default: CALL(W, 8); break;        \
+/* Calls CALL(W, R) with constants: W weight rows (WEIGHT_ROWS, or 1 for an odd last row) and R input rows
+ * (ROW_TILE, or the 1 to ROW_TILE - 1 rows left at the end). */
+#define FOR_TILE_HEIGHT(W, rows, CALL)            \
+    if ((rows) >= ROW_TILE) {                     \
+        CALL(W, ROW_TILE);                        \
+    } else {                                      \
+        switch (rows) {                           \
+        case 1: CALL(W, 1); break;                \
+        case 2: CALL(W, 2); break;                \
+        case 3: CALL(W, 3); break;                \
+        case 4: CALL(W, 4); break;                \
+        case 5: CALL(W, 5); break;                \
+        case 6: CALL(W, 6); break;                \
+        default: CALL(W, 7); break;               \
+        }                                         \
     }
 
 #define FOR_TILE(weight_rows, rows, CALL)                               \

@@ -1,15 +1,24 @@
-"""Builds and loads the C kernels of cpu_kernels.c, and calls them on torch tensors.
+"""Builds and loads the C kernels of cpu_kernels.c, checks they beat plain PyTorch here, and calls them.
 
-The library is compiled on first use with the machine's gcc for its own CPU (-march=native) and cached under
+The library is compiled on first use with the machine's gcc for its own CPU (-march=native, or
+$PCPSTACK_KERNEL_ARCH, e.g. `haswell` to build the AVX2 code on an AVX-512 machine) and cached under
 `~/.cache/pcpstack/kernels` (or $PCPSTACK_KERNEL_CACHE) by a hash of the source, flags, compiler and CPU
-flags, so every process after the first loads it in milliseconds. Where no compiler works, or
-PCPSTACK_CPU_KERNELS=0, `library()` is None and the engine runs its plain PyTorch path: same results,
-slower decode.
+flags, so every process after the first loads it in milliseconds.
+
+The engine never takes a path slower than its fallback: right after the first build, the kernels' block
+matmul is timed against torch's dense fp32 matmul of the same shape on this CPU, and the verdict is kept
+beside the library (so every process on the machine makes the same choice). Kernels that lose are not used,
+with a log line saying so. `library()` is the engine's choice; `build_library()` the kernels themselves.
+
+PCPSTACK_CPU_KERNELS: unset (default) uses the kernels when they win; `1` uses them without the check; `0`
+never. Where no compiler works, or they lose, or are off, `library()` is None and the engine runs its plain
+PyTorch path: same results up to summation order.
 """
 
 import ctypes
 import functools
 import hashlib
+import json
 import logging
 import os
 import platform
@@ -24,9 +33,11 @@ import torch
 log = logging.getLogger(__name__)
 
 SOURCE = Path(__file__).with_name("cpu_kernels.c")
-FLAGS = ("-O3", "-march=native", "-fopenmp", "-fno-math-errno", "-shared", "-fPIC")
 ENABLE_ENV = "PCPSTACK_CPU_KERNELS"
 CACHE_ENV = "PCPSTACK_KERNEL_CACHE"
+ARCH_ENV = "PCPSTACK_KERNEL_ARCH"
+# How much faster than torch's dense matmul the kernels must be to be used (1.0: at least as fast).
+MIN_SPEEDUP_ENV = "PCPSTACK_KERNEL_MIN_SPEEDUP"
 # libmvec: glibc's vector expf for the softmax.
 LIBS = ("-lm", "-lmvec")
 
@@ -54,11 +65,16 @@ def _compiler() -> str | None:
     return os.environ.get("CC") or shutil.which("gcc") or shutil.which("cc")
 
 
+def _flags() -> tuple[str, ...]:
+    arch = os.environ.get(ARCH_ENV) or "native"
+    return ("-O3", f"-march={arch}", "-fopenmp", "-fno-math-errno", "-shared", "-fPIC")
+
+
 def _library_path(compiler: str) -> Path:
     version = subprocess.run([compiler, "--version"], capture_output=True, text=True, check=True).stdout
     key = hashlib.sha256(
         "\0".join(
-            (SOURCE.read_text(), " ".join(FLAGS + LIBS), version, platform.machine(), _cpu_flags())
+            (SOURCE.read_text(), " ".join(_flags() + LIBS), version, platform.machine(), _cpu_flags())
         ).encode()
     ).hexdigest()[:16]
     return _cache_dir() / f"cpu_kernels-{key}.so"
@@ -80,7 +96,7 @@ def _build(compiler: str, target: Path) -> None:
         partial = Path(tmp.name)
     try:
         subprocess.run(
-            [compiler, *FLAGS, "-o", str(partial), str(SOURCE), *LIBS],
+            [compiler, *_flags(), "-o", str(partial), str(SOURCE), *LIBS],
             capture_output=True,
             text=True,
             check=True,
@@ -92,9 +108,9 @@ def _build(compiler: str, target: Path) -> None:
 
 
 @functools.cache
-def library() -> ctypes.CDLL | None:
-    """The loaded kernels, built first if needed; None when disabled or when no compiler can build them."""
-    if os.environ.get(ENABLE_ENV, "1") == "0":
+def build_library() -> ctypes.CDLL | None:
+    """The kernels, built first if needed; None when switched off or when no compiler can build them."""
+    if os.environ.get(ENABLE_ENV, "") == "0":
         return None
     compiler = _compiler()
     if compiler is None:
@@ -116,7 +132,88 @@ def library() -> ctypes.CDLL | None:
     for name, argtypes in _SIGNATURES.items():
         function = getattr(lib, name)
         function.argtypes, function.restype = argtypes, _RESTYPES.get(name)
+    lib._pcpstack_path = path  # type: ignore[attr-defined]  (where its verdict is kept)
     return lib
+
+
+@functools.cache
+def library() -> ctypes.CDLL | None:
+    """The kernels the engine uses: built, and faster than plain PyTorch on this CPU (or forced with
+    PCPSTACK_CPU_KERNELS=1); None otherwise, and the engine runs its plain path."""
+    lib = build_library()
+    if lib is None or os.environ.get(ENABLE_ENV, "") == "1":
+        return lib
+    verdict = _verdict(lib)
+    if not verdict["use"]:
+        log.warning(
+            "CPU kernels are slower than plain PyTorch on this CPU (block matmul %.0f us, dense fp32 "
+            "%.0f us): decode runs on plain PyTorch kernels; PCPSTACK_CPU_KERNELS=1 uses them anyway",
+            verdict["kernel_us"],
+            verdict["dense_us"],
+        )
+        return None
+    return lib
+
+
+def _verdict(lib: ctypes.CDLL) -> dict:
+    """Whether the kernels beat torch's dense matmul here: read from beside the library, else measured once
+    and written there (atomically: processes starting together may both measure; either answer stands)."""
+    min_speedup = float(os.environ.get(MIN_SPEEDUP_ENV) or 1.0)
+    path = Path(f"{lib._pcpstack_path}.speed.json")  # type: ignore[attr-defined]
+    try:
+        verdict = json.loads(path.read_text())
+        if verdict.get("min_speedup") == min_speedup:
+            return verdict
+    except (OSError, ValueError):
+        pass
+    kernel_us, dense_us = measure_against_dense(lib)
+    verdict = {
+        "use": dense_us >= kernel_us * min_speedup,
+        "kernel_us": kernel_us,
+        "dense_us": dense_us,
+        "min_speedup": min_speedup,
+        "threads": torch.get_num_threads(),
+    }
+    log.info("CPU kernels: block matmul %.0f us against dense fp32 %.0f us", kernel_us, dense_us)
+    try:
+        with tempfile.NamedTemporaryFile("w", dir=path.parent, suffix=".json", delete=False) as tmp:
+            json.dump(verdict, tmp)
+        Path(tmp.name).replace(path)
+    except OSError as error:  # a read-only cache: measure again next time
+        log.debug("could not keep the kernel verdict in %s: %s", path, error)
+    return verdict
+
+
+def measure_against_dense(
+    lib: ctypes.CDLL, k: int = 576, n: int = 1536, dense_bytes: int = 96 << 20, repeats: int = 4
+) -> tuple[float, float]:
+    """(kernel, dense) microseconds of one decode-shaped matmul, 1 x k by n x k, as a decode step meets it:
+    cycling through enough weight matrices (`dense_bytes` of fp32) that they stream from memory rather than
+    sit in the CPU's cache, as a model's weights do. Each call is timed on its own and the fastest counts, so
+    a process preempted mid-run (a busy shared machine) does not decide the verdict. Q4_1 is the slower of the
+    block kinds and the one the default model mostly uses."""
+    generator = torch.Generator().manual_seed(0)
+    count = max(1, dense_bytes // (n * k * 4))
+    blocks = [
+        (
+            torch.randint(0, 256, (n, k // 32, 16), dtype=torch.uint8, generator=generator),
+            torch.rand(n, k // 32, generator=generator),
+            torch.rand(n, k // 32, generator=generator),
+        )
+        for _ in range(count)
+    ]
+    dense = [torch.rand(n, k, generator=generator) for _ in range(count)]
+    x = torch.rand(1, k, generator=generator)
+    best_kernel = best_dense = float("inf")
+    for _ in range(repeats):
+        for (qs, scale, minimum), weight in zip(blocks, dense, strict=True):
+            started = time.perf_counter()
+            block_matmul(lib, "q4_1", x, qs, scale, minimum)
+            best_kernel = min(best_kernel, time.perf_counter() - started)
+            started = time.perf_counter()
+            torch.matmul(x, weight.T)
+            best_dense = min(best_dense, time.perf_counter() - started)
+    return best_kernel * 1e6, best_dense * 1e6
 
 
 def block_matmul(

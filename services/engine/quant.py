@@ -56,7 +56,8 @@ class BlockWeight:
         """x [m, cols] fp32 @ W^T -> [m, rows] fp32, on the block kernels."""
         if x.dim() != 2 or x.shape[1] != self.shape[1]:
             raise ValueError(f"block matmul: x has shape {tuple(x.shape)}, expected [m, {self.shape[1]}]")
-        lib = cpu_kernels.library()
+        # Blocks exist only where the engine chose the kernels (weights.py asks cpu_kernels.library()).
+        lib = cpu_kernels.build_library()
         if lib is None:
             raise RuntimeError("the CPU block kernels are not available")
         return cpu_kernels.block_matmul(lib, self.kind, x, self.qs, self.scale, self.minimum)

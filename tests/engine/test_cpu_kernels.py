@@ -1,6 +1,8 @@
 """The C decode kernels: block matmuls equal the dense fp32 matmul of the dequantized GGUF weights, paged
 decode attention equals PyTorch's attention, and decode through them matches Hugging Face transformers."""
 
+import json
+
 import gguf
 import numpy as np
 import pytest
@@ -12,7 +14,9 @@ from pcpstack.engine.model import Linear
 from pcpstack.engine.weights import default_model_path, load_model
 from tests.engine.conftest import hf_logits
 
-pytestmark = pytest.mark.skipif(cpu_kernels.library() is None, reason="no C compiler: kernels not built")
+pytestmark = pytest.mark.skipif(
+    cpu_kernels.build_library() is None, reason="no C compiler: kernels not built"
+)
 
 
 @pytest.fixture(scope="module")
@@ -38,6 +42,53 @@ def test_block_matmul_equals_dense_matmul_of_dequantized_weight(gguf_tensors, na
     assert blocks is not None and blocks.kind == kind and blocks.shape == tuple(dense.shape)
     x = torch.randn(rows, dense.shape[1], generator=torch.Generator().manual_seed(rows))
     torch.testing.assert_close(blocks.matmul(x), x @ dense.T, atol=1e-4, rtol=1e-5)
+
+
+@pytest.fixture
+def fresh_kernels(monkeypatch, tmp_path):
+    """Kernels built and judged anew in an empty cache, with the module's caches restored afterwards."""
+    monkeypatch.setenv(cpu_kernels.CACHE_ENV, str(tmp_path))
+    cpu_kernels.build_library.cache_clear()
+    cpu_kernels.library.cache_clear()
+    yield tmp_path
+    monkeypatch.undo()
+    cpu_kernels.build_library.cache_clear()
+    cpu_kernels.library.cache_clear()
+
+
+def test_kernels_built_for_avx2_only_cpus_equal_the_dense_matmul(gguf_tensors, fresh_kernels, monkeypatch):
+    """The AVX2 code (8-lane vectors, what an AVX2-only CPU compiles) runs here too: built for haswell, it
+    must give the dense results for both block kinds, on whole tiles and on the rows left over."""
+    monkeypatch.setenv(cpu_kernels.ARCH_ENV, "haswell")
+    lib = cpu_kernels.build_library()
+    assert lib is not None
+    for name in ("blk.3.ffn_down.weight", "token_embd.weight"):
+        tensor = gguf_tensors[name]
+        blocks = quant.from_gguf(tensor.data, tensor.tensor_type.name)
+        dense = _dense(tensor)
+        if name == "token_embd.weight":  # the whole vocabulary is slow to compare densely
+            dense = dense[:4096]
+            blocks = quant.BlockWeight(blocks.kind, blocks.qs[:4096], blocks.scale[:4096], None)
+        for rows in (1, 3, 4, 7, 16):
+            x = torch.randn(rows, dense.shape[1], generator=torch.Generator().manual_seed(rows))
+            out = cpu_kernels.block_matmul(lib, blocks.kind, x, blocks.qs, blocks.scale, blocks.minimum)
+            torch.testing.assert_close(out, x @ dense.T, atol=1e-4, rtol=1e-5)
+
+
+def test_kernels_slower_than_plain_pytorch_are_not_used(fresh_kernels, monkeypatch, caplog):
+    """The engine never takes a path slower than its fallback: kernels that do not beat the dense matmul by
+    the margin asked for (here an impossible one) are left out with a log line, the verdict is kept beside
+    the library, and PCPSTACK_CPU_KERNELS=1 uses them anyway."""
+    monkeypatch.setenv(cpu_kernels.MIN_SPEEDUP_ENV, "1000")
+    assert cpu_kernels.build_library() is not None
+    assert cpu_kernels.library() is None
+    assert "slower than plain PyTorch on this CPU" in caplog.text
+    (verdict,) = fresh_kernels.glob("*.speed.json")
+    kept = json.loads(verdict.read_text())
+    assert kept["use"] is False and kept["min_speedup"] == 1000 and kept["kernel_us"] > 0
+    monkeypatch.setenv(cpu_kernels.ENABLE_ENV, "1")
+    cpu_kernels.library.cache_clear()
+    assert cpu_kernels.library() is cpu_kernels.build_library()
 
 
 def test_block_matmul_refuses_input_of_the_wrong_width(gguf_tensors):
@@ -82,7 +133,7 @@ def _paged_case(seed: int, context_lens: list[int], block_size: int = 16):
 
 def test_paged_decode_attention_equals_sdpa_over_each_sequences_blocks():
     q, k_cache, v_cache, tables, lens = _paged_case(0, [1, 15, 16, 17, 200, 513])
-    out = cpu_kernels.paged_decode_attention(cpu_kernels.library(), q, k_cache, v_cache, tables, lens)
+    out = cpu_kernels.paged_decode_attention(cpu_kernels.build_library(), q, k_cache, v_cache, tables, lens)
     heads, kv_heads = q.shape[1], k_cache.shape[2]
     for s, n in enumerate(lens.tolist()):
         keys = k_cache[tables[s]].flatten(0, 1)[:n].repeat_interleave(heads // kv_heads, dim=1)
@@ -93,7 +144,7 @@ def test_paged_decode_attention_equals_sdpa_over_each_sequences_blocks():
 
 def test_paged_decode_attention_refuses_a_table_outside_the_cache():
     q, k_cache, v_cache, tables, lens = _paged_case(1, [20, 30])
-    lib = cpu_kernels.library()
+    lib = cpu_kernels.build_library()
     with pytest.raises(ValueError, match="outside the cache"):
         cpu_kernels.paged_decode_attention(lib, q, k_cache, v_cache, tables + k_cache.shape[0], lens)
     with pytest.raises(ValueError, match="outside the cache"):
@@ -120,6 +171,7 @@ def test_decode_steps_on_the_kernels_match_hf_logits(smollm, smollm_engine, hf_m
 
 def test_kernels_switched_off_leave_the_model_on_dense_weights(monkeypatch):
     monkeypatch.setenv(cpu_kernels.ENABLE_ENV, "0")
+    cpu_kernels.build_library.cache_clear()
     cpu_kernels.library.cache_clear()
     try:
         assert cpu_kernels.library() is None
@@ -128,6 +180,7 @@ def test_kernels_switched_off_leave_the_model_on_dense_weights(monkeypatch):
         assert all(m.blocks is None for m in loaded.model.modules() if isinstance(m, Linear))
     finally:
         monkeypatch.undo()
+        cpu_kernels.build_library.cache_clear()
         cpu_kernels.library.cache_clear()
 
 
@@ -140,6 +193,7 @@ def test_a_compiler_that_fails_means_no_kernels_not_a_crash(monkeypatch, tmp_pat
     cache = tmp_path / "cache"
     monkeypatch.setenv("CC", str(compiler))
     monkeypatch.setenv(cpu_kernels.CACHE_ENV, str(cache))
+    cpu_kernels.build_library.cache_clear()
     cpu_kernels.library.cache_clear()
     try:
         assert cpu_kernels.library() is None
@@ -147,4 +201,5 @@ def test_a_compiler_that_fails_means_no_kernels_not_a_crash(monkeypatch, tmp_pat
         assert list(cache.iterdir()) == []  # nothing half-built left behind
     finally:
         monkeypatch.undo()
+        cpu_kernels.build_library.cache_clear()
         cpu_kernels.library.cache_clear()
