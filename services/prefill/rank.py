@@ -294,8 +294,8 @@ class RankWorker:
         except Exception as exc:  # the store's error travels to rank 0, which answers the caller with it
             code = exc.code if isinstance(exc, ServiceError) else Unavailable.code
             message = (
-                f"rank {self.spec.global_rank} could not push KV heads {shard.kv_head_start}-"
-                f"{shard.kv_head_end} of its replica to {job.kvstore_address}: {exc}"
+                f"rank {self.spec.global_rank} could not push its KV replica (K/V heads "
+                f"{shard.kv_head_start}-{shard.kv_head_end}) to {job.kvstore_address}: {exc}"
             )
             log.warning(message)
             return RankShare(first_token, forward_us=forward_us, error_code=code, error=message)

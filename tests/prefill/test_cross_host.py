@@ -1,7 +1,11 @@
-"""Two prefill nodes on two hosts (network namespaces joined by veth to a bridge) form one PCP set.
+"""Two prefill nodes on two hosts (network namespaces joined by veth to a bridge) form one TP x PCP set.
 
-Each node has its own address; the registry assembles them (nnodes=2, PCP=2, one rank each), they join one
-gloo group across the hosts, and the set's result equals single-rank prefill. Needs root and `ip`.
+Each node has its own address; the registry assembles them (nnodes=2, PCP=2, TP=2: each node runs the two
+TP ranks of one PCP rank), they join one world of gloo groups across the hosts (the TP groups inside a
+host, the PCP groups across), and the set's result, its replica stored as one object per K/V head, equals
+single-rank prefill. Needs root and `ip`. The tiny model (TP=2 splits its 2 K/V heads) keeps this short;
+SmolLM2 at TP=3 takes the same path with three ranks per node, but six SmolLM2 ranks on this test machine's
+two cores would cost minutes of the suite.
 """
 
 from __future__ import annotations
@@ -105,7 +109,7 @@ async def wait_for_node(registry: str, node_id: str, timeout: float) -> None:
     raise TimeoutError(f"{node_id} did not register")
 
 
-def test_two_hosts_form_one_set_and_prefill_exactly(two_hosts, tmp_path) -> None:
+def test_two_hosts_form_one_tp_pcp_set_and_prefill_exactly(two_hosts, tmp_path) -> None:
     bridge_ip, hosts = two_hosts
     registry = f"{bridge_ip}:{free_port(bridge_ip)}"
     kvstore = f"{bridge_ip}:{free_port(bridge_ip)}"
@@ -116,6 +120,7 @@ def test_two_hosts_form_one_set_and_prefill_exactly(two_hosts, tmp_path) -> None
                 "motor_engine_prefill_config": {
                     "engine_config": {
                         "prefill-context-parallel-size": 2,
+                        "tensor_parallel_size": 2,
                         "nnodes": 2,
                         "block_size": 128,
                         "master-port": 29511,
@@ -192,17 +197,25 @@ def test_two_hosts_form_one_set_and_prefill_exactly(two_hosts, tmp_path) -> None
                 )
             finally:
                 await client.close()
+            shards = []
             async with KvStoreClient(reply.kv.store_address, prefer_shm=False) as store:
-                data, _ = await store.get(reply.kv.key, reply.kv.fingerprint, reply.kv.capability)
-            return reply, torch.frombuffer(bytearray(data), dtype=torch.float32)
+                for shard in reply.kv.shards:
+                    data, _ = await store.get(shard.key, shard.fingerprint, shard.capability)
+                    heads = shard.kv_head_end - shard.kv_head_start
+                    kv = torch.frombuffer(bytearray(data), dtype=torch.float32)
+                    layout = reply.kv.layout
+                    shards.append(kv.view(layout.num_layers, 2, len(ids), heads, layout.head_dim))
+            # placed by head range: the whole replica
+            return reply, torch.cat(shards, dim=3)
 
         ids = torch.randint(0, 256, (77,), generator=torch.Generator().manual_seed(1)).tolist()
         reply, kv = loop.run_until_complete(prefill(ids))
         reference = Engine.load("tiny", block_size=128)
         logits = reference.prefill("ref", ids)
-        expected = reference.export_sequence("ref").reshape(-1)
+        expected = reference.export_sequence("ref")
         assert reply.first_token_id == int(logits.argmax())
-        assert reply.pcp_size == 2
+        assert (reply.pcp_size, reply.kv.source_tp_size) == (2, 2)
+        assert [(s.kv_head_start, s.kv_head_end) for s in reply.kv.shards] == [(0, 1), (1, 2)]
         assert (kv - expected).abs().max().item() <= 1e-4
     finally:
         loop.close()

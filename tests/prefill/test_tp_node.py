@@ -12,17 +12,19 @@ from __future__ import annotations
 import pytest
 import torch
 
+from pcpstack.engine.config import ModelArgs
 from pcpstack.engine.engine import Engine
 from pcpstack.engine.parallel import shard_fingerprint
+from pcpstack.engine.sampling import SamplingParams
 from pcpstack.kvstore.client import KvStoreClient
 from pcpstack.prefill.client import PrefillClient
+from pcpstack.prefill.job import PrefillJob, ReplicaShard, replica_shards
 from pcpstack.prefill.replica import replica_owner
 from tests.helpers import pinned_bytes, start_stack
 from tests.prefill.test_service import BLOCK_SIZE, GREEDY, prefill_address, prompt, single_rank
 
-pytestmark = pytest.mark.slow
-
 TP, PCP = 2, 2
+TINY = ModelArgs.tiny()  # 4 query heads, 2 K/V heads
 
 
 @pytest.fixture(scope="module")
@@ -55,7 +57,22 @@ async def prefill_and_fetch_shards(stack, request_id: str, ids: list[int]):
     return reply, shards
 
 
+def test_replica_shards_store_each_kv_head_once_from_its_first_holder() -> None:
+    kv_key, fp = "req.abc/" + "f" * 16, "f" * 64
+    # tp 1: the replica itself, exactly as before TP
+    assert replica_shards(kv_key, fp, TINY, 1) == (ReplicaShard(0, 0, 2, kv_key, fp),)
+    # tp 4 replicates each K/V head on two ranks: ranks 0 and 2 store heads 0 and 1
+    shards = replica_shards(kv_key, fp, TINY, 4)
+    assert [(s.tp_rank, s.kv_head_start, s.kv_head_end) for s in shards] == [(0, 0, 1), (2, 1, 2)]
+    assert [s.fingerprint for s in shards] == [shard_fingerprint(fp, range(h, h + 1), 2) for h in (0, 1)]
+    assert [s.key.split("/")[0] for s in shards] == ["req.abc.kv0-1", "req.abc.kv1-2"]
+    # the job carries them to every rank
+    job = PrefillJob("req", kv_key, [1, 2], SamplingParams(), "127.0.0.1:1", 0, shards=shards)
+    assert PrefillJob.from_tensor(job.to_tensor()) == job
+
+
 # 3 tokens: fewer than 2 x PCP, so one PCP rank's DualChunkSwap share is partly empty.
+@pytest.mark.slow
 @pytest.mark.parametrize("n", [3, 300])
 def test_tp2_pcp2_replica_shards_and_first_token_equal_single_rank_prefill(stack, reference, n) -> None:
     request_id = f"tp-replica-{n}"
