@@ -1,6 +1,10 @@
 """Model arguments of a Llama-family decoder: one dataclass, validated when built."""
 
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:  # rope.py needs torch; checking a config must not
+    from pcpstack.engine.rope import RopeScaling
 
 
 @dataclass(frozen=True)
@@ -21,6 +25,8 @@ class ModelArgs:
     attention_bias: bool = False
     bos_token_id: int | None = None
     eos_token_ids: tuple[int, ...] = field(default_factory=tuple)
+    # How the checkpoint scales its RoPE frequencies for long contexts; None: it does not.
+    rope_scaling: "RopeScaling | None" = None
 
     def __post_init__(self) -> None:
         for name in ("vocab_size", "dim", "n_layers", "n_heads", "n_kv_heads", "head_dim", "hidden_dim"):

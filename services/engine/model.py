@@ -20,6 +20,7 @@ from pcpstack.engine.config import ModelArgs
 from pcpstack.engine.kv_cache import PagedKVCache
 from pcpstack.engine.parallel import tensor_parallel_sum
 from pcpstack.engine.quant import BlockWeight, project
+from pcpstack.engine.rope import NO_SCALING, rotation
 
 
 class Linear(nn.Linear):
@@ -44,17 +45,6 @@ class RMSNorm(nn.Module):
         x32 = x.float()
         x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
         return self.weight * x32.to(x.dtype)
-
-
-def rope_cos_sin(
-    positions: torch.Tensor, head_dim: int, theta: float, dtype: torch.dtype
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """cos and sin [n, head_dim] of the rotation at each absolute position (rotate-half convention)."""
-    exponent = torch.arange(0, head_dim, 2, dtype=torch.int64, device=positions.device).float() / head_dim
-    inv_freq = 1.0 / (theta**exponent)
-    freqs = positions.float()[:, None] * inv_freq[None, :]  # [n, head_dim / 2]
-    angles = torch.cat((freqs, freqs), dim=-1)
-    return angles.cos().to(dtype), angles.sin().to(dtype)
 
 
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
@@ -147,6 +137,10 @@ class Transformer(nn.Module):
         self.output = None if args.tie_embeddings else nn.Linear(args.dim, args.vocab_size, bias=False)
         # The logits projection's quantized blocks (the embedding's when tied), for decode.
         self.output_blocks: BlockWeight | None = None
+        # RoPE frequencies (scaled as the checkpoint declares) computed once, not per step.
+        scaling = args.rope_scaling or NO_SCALING
+        self.rope_inv_freq = scaling.inv_frequencies(args.head_dim, args.rope_theta)
+        self.rope_scale = scaling.cos_sin_scale
 
     def output_weight(self) -> torch.Tensor:
         """[vocab, dim] weight of the logits projection (the embedding when tied)."""
@@ -162,7 +156,7 @@ class Transformer(nn.Module):
     ) -> torch.Tensor:
         """Logits [len(logits_indices), vocab] (all n rows when None) for token_ids [n] at positions [n]."""
         x = self.tok_embeddings(token_ids)  # [n, dim]
-        cos, sin = rope_cos_sin(positions, self.args.head_dim, self.args.rope_theta, x.dtype)
+        cos, sin = rotation(positions, self.rope_inv_freq, self.rope_scale, x.dtype)
         for layer in self.layers:
             x = layer(x, cos, sin, kv_cache, meta)
         if logits_indices is not None:

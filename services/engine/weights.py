@@ -25,6 +25,7 @@ from pcpstack.engine.device import default_dtype, pick_device
 from pcpstack.engine.model import Transformer
 from pcpstack.engine.parallel import SINGLE_RANK, TensorParallelShard
 from pcpstack.engine.quant import BlockWeight, from_gguf
+from pcpstack.engine.rope import RopeScaling
 from pcpstack.engine.tokenizer import Tokenizer
 
 log = logging.getLogger(__name__)
@@ -237,11 +238,10 @@ def _read_gguf(
         for t in reader.tensors
     }
     raw_blocks = {t.name: from_gguf(t.data, t.tensor_type.name) for t in reader.tensors}
-    if "rope_freqs.weight" in tensors or meta.get(f"{arch}.rope.scaling.type", "none") not in (
-        "none",
-        "linear",
-    ):
-        raise ValueError(f"{path.name}: RoPE scaling is not supported by this engine")
+    try:
+        rope_scaling = RopeScaling.from_gguf(meta, arch, tensors.pop("rope_freqs.weight", None))
+    except ValueError as exc:
+        raise ValueError(f"{path.name}: {exc}") from None
     n_heads = meta[f"{arch}.attention.head_count"]
     n_kv_heads = meta.get(f"{arch}.attention.head_count_kv", n_heads)
     dim = meta[f"{arch}.embedding_length"]
@@ -256,6 +256,7 @@ def _read_gguf(
         hidden_dim=meta[f"{arch}.feed_forward_length"],
         norm_eps=meta[f"{arch}.attention.layer_norm_rms_epsilon"],
         rope_theta=meta.get(f"{arch}.rope.freq_base", 10000.0),
+        rope_scaling=rope_scaling,
         max_seq_len=meta[f"{arch}.context_length"],
         tie_embeddings="output.weight" not in tensors,
         attention_bias="blk.0.attn_q.bias" in tensors,
@@ -324,9 +325,7 @@ def _hf_args(config: dict[str, Any]) -> ModelArgs:
             f"config.json model_type={model_type!r} is not supported; supported: {_HF_MODEL_TYPES}"
         )
     rope = config.get("rope_parameters") or config.get("rope_scaling") or {}
-    rope_type = rope.get("rope_type", rope.get("type", "default"))
-    if rope_type != "default":
-        raise ValueError(f"config.json rope type {rope_type!r} is not supported; only the default RoPE is")
+    rope_scaling = RopeScaling.from_hf(config)
     max_seq_len = config.get("max_position_embeddings", 2048)
     # Attention equals full attention while the context fits the window, so cap the context instead.
     if config.get("sliding_window") and config.get("use_sliding_window", model_type == "mistral"):
@@ -343,6 +342,7 @@ def _hf_args(config: dict[str, Any]) -> ModelArgs:
         hidden_dim=config["intermediate_size"],
         norm_eps=config.get("rms_norm_eps", 1e-6),
         rope_theta=rope.get("rope_theta", config.get("rope_theta", 10000.0)),
+        rope_scaling=rope_scaling,
         max_seq_len=max_seq_len,
         tie_embeddings=bool(config.get("tie_word_embeddings", False)),
         attention_bias=model_type == "qwen2" or bool(config.get("attention_bias", False)),

@@ -44,12 +44,41 @@ def test_hf_folder_logits_match_transformers(tmp_path, config_class, extra):
     torch.testing.assert_close(ours, hf_logits(reference, ids), atol=1e-5, rtol=0)
 
 
-def test_hf_folder_refuses_unsupported_rope_scaling(tmp_path):
+# Context extension as Llama 3.1/3.2, linear interpolation and YaRN checkpoints declare it. The original
+# context (64) is shorter than the prompt (120 tokens), so every branch of each scheme is exercised.
+ROPE_SCALINGS = {
+    "llama3": {
+        "rope_type": "llama3",
+        "factor": 8.0,
+        "low_freq_factor": 1.0,
+        "high_freq_factor": 4.0,
+        "original_max_position_embeddings": 64,
+    },
+    "linear": {"rope_type": "linear", "factor": 2.0},
+    "yarn": {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 64},
+}
+
+
+@pytest.mark.parametrize("kind", sorted(ROPE_SCALINGS))
+def test_scaled_rope_logits_match_transformers(tmp_path, kind):
+    torch.manual_seed(0)
+    rope = {**ROPE_SCALINGS[kind], "rope_theta": 10000.0}
+    config = transformers.LlamaConfig(**SMALL, rope_parameters=rope)
+    reference = transformers.AutoModelForCausalLM.from_config(config).eval()
+    reference.save_pretrained(tmp_path)
+    loaded = load_model(tmp_path, device="cpu", dtype=torch.float32)
+    assert loaded.args.rope_scaling is not None and loaded.args.rope_scaling.kind == kind
+    ids = torch.randint(0, 512, (120,), generator=torch.Generator().manual_seed(1)).tolist()
+    ours = engine_logits(Engine(loaded, num_blocks=16), ids)
+    torch.testing.assert_close(ours, hf_logits(reference, ids), atol=1e-5, rtol=0)
+
+
+def test_hf_folder_refuses_dynamic_rope_scaling_saying_why(tmp_path):
     config = transformers.LlamaConfig(
-        **SMALL, rope_parameters={"rope_type": "linear", "factor": 2.0, "rope_theta": 10000.0}
+        **SMALL, rope_parameters={"rope_type": "dynamic", "factor": 2.0, "rope_theta": 10000.0}
     )
     transformers.AutoModelForCausalLM.from_config(config).save_pretrained(tmp_path)
-    with pytest.raises(ValueError, match="rope type 'linear' is not supported"):
+    with pytest.raises(ValueError, match="rope type 'dynamic' is not supported: its frequencies change"):
         load_model(tmp_path, device="cpu")
 
 
