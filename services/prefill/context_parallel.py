@@ -29,7 +29,8 @@ def init_pcp_group(
     device: torch.device,
     timeout_seconds: float,
 ) -> None:
-    """Joins this process to its set's PCP process group (tcp:// rendezvous at the master)."""
+    """Joins this process to a PCP-only world (tcp:// rendezvous at the master), as the PCP harnesses and
+    benchmarks run it; the prefill service's ranks join with engine.parallel.init_parallel_groups."""
     dist.init_process_group(
         backend=distributed_backend(device),
         init_method=f"tcp://{master_addr}:{master_port}",

@@ -85,12 +85,13 @@ class PrefillServicer(prefill_pb2_grpc.PrefillServiceServicer):
         task.add_done_callback(self._background.discard)
 
     async def _delete(self, address: str, outcome: PrefillOutcome) -> None:
-        async with KvStoreClient(address) as client:
-            for stored in outcome.shards:
-                try:
+        # Each shard on its own: one that cannot be deleted must not keep the others in the store.
+        for stored in outcome.shards:
+            try:
+                async with KvStoreClient(address) as client:
                     await client.delete(stored.shard.key, stored.capability)
-                except Exception as exc:  # the store's lease reclaims it anyway
-                    log.warning("could not delete abandoned replica shard %s: %s", stored.shard.key, exc)
+            except Exception as exc:  # the store's lease reclaims it anyway
+                log.warning("could not delete abandoned replica shard %s: %s", stored.shard.key, exc)
 
     def _discard_when_done(self, done: asyncio.Future, address: str) -> None:
         if not done.cancelled() and done.exception() is None:

@@ -5,7 +5,8 @@ headless ranks are frozen (SIGSTOP) before the request is sent; the master rank 
 the first all-gather of the prefill; the registry's load report shows which set holds it; only then is that
 set's headless rank killed. The request must fail over to the other ready set and answer correctly, or fail
 with UNAVAILABLE before its deadline when no other set is ready; the broken set leaves routing and re-forms
-with a newer generation once its node's ranks are back.
+with a newer generation once its node's ranks are back. The same holds for a TP rank of a TP=2 set: its
+death fails the request in flight with UNAVAILABLE before its deadline, and the set re-forms.
 """
 
 from __future__ import annotations
@@ -16,7 +17,9 @@ from collections.abc import Iterator
 import grpc
 import pytest
 
-from pcpstack.v1 import registry_pb2
+from pcpstack.kvstore.client import KvStoreClient
+from pcpstack.prefill.client import PrefillClient
+from pcpstack.v1 import common_pb2, registry_pb2
 from tests.helpers import RunningStack
 from tests.reliability.support import (
     generate,
@@ -35,6 +38,56 @@ pytestmark = pytest.mark.slow
 
 PROMPT = [(7 * i + 3) % 256 for i in range(300)]
 DEADLINE_S = 30.0
+
+
+@pytest.fixture
+def tp_stack(tmp_path) -> Iterator[RunningStack]:
+    """One TP=2 set (two rank processes on one node) and no decode worker: Prefill is called directly."""
+    running = start_tuned_stack(tmp_path, tp=2, pcp=1, decode=0)
+    yield running
+    running.stop()
+
+
+async def prefill(address: str, request_id: str, timeout: float) -> int:
+    """The first token of a greedy Prefill of PROMPT; its replica's shards are deleted at once."""
+    client = PrefillClient(address)
+    try:
+        reply = await client.prefill(
+            request_id, PROMPT, common_pb2.SamplingParams(max_tokens=1, temperature=0), timeout=timeout
+        )
+    finally:
+        await client.close()
+    async with KvStoreClient(reply.kv.store_address) as store:
+        for shard in reply.kv.shards:
+            await store.delete(shard.key, shard.capability)
+    return reply.first_token_id
+
+
+# First in the module: its stack starts and stops before the module's two-set stack exists.
+def test_killed_tp_rank_fails_the_request_unavailable_and_its_set_reforms(tp_stack) -> None:
+    stack = tp_stack
+    node = service(stack, "prefill-0")
+    expected = stack.run(prefill(node.address, "tp-before", DEADLINE_S))
+    (before,) = ready_sets(stack).values()
+    _, tp_rank_1 = rank_pids(node)
+    signal_all([tp_rank_1], signal.SIGSTOP)
+    answer = in_thread(prefill(node.address, "tp-killed", DEADLINE_S))
+    wait_prefill_in_flight(stack)  # rank 0 holds the job, waiting in the first TP all-reduce
+    signal_all([tp_rank_1], signal.SIGKILL)
+
+    with pytest.raises(grpc.aio.AioRpcError) as info:
+        answer.result(timeout=DEADLINE_S + 15)
+    # UNAVAILABLE, not DEADLINE_EXCEEDED: it failed before its deadline
+    assert info.value.code() == grpc.StatusCode.UNAVAILABLE, info.value.details()
+    wait_until("the TP set to leave routing", lambda: not ready_sets(stack), timeout=30)
+    reformed = wait_until(
+        "the TP set to re-form with a newer generation",
+        lambda: (s := list(ready_sets(stack).values())) and s[0].generation > before.generation and s[0],
+        timeout=60,
+    )
+    assert reformed.dp_rank == before.dp_rank
+    assert stack.run(prefill(node.address, "tp-after", DEADLINE_S)) == expected
+    wait_store_unpinned(stack)
 
 
 @pytest.fixture(scope="module")
