@@ -18,12 +18,12 @@ from __future__ import annotations
 
 import json
 import math
-import os
 from dataclasses import asdict, dataclass, fields, replace
 from pathlib import Path
 from typing import Any
 
 from pcpstack.common.errors import FailedPrecondition
+from pcpstack.common.models import resolve_model
 from pcpstack.v1 import common_pb2
 
 # The device kinds a node may run its model on (engine.device picks one; listed here so that checking a
@@ -96,21 +96,15 @@ def check_address(key: str, value: str, required: bool = False) -> None:
 
 
 def check_model_source(key: str, model: str) -> None:
-    """A model a node can load: empty (the embedded default), 'tiny', a .gguf file or a model folder.
+    """A model a node can load: empty (the embedded default), 'tiny', a .gguf file, a model folder or a
+    Hugging Face repo id in the local cache (common/models.py).
 
     Checked before anything is loaded, so a mistyped path is refused at once and not after a slow import.
     """
-    if not model or model == "tiny":
-        return
-    path = Path(model)
-    if path.is_dir():
-        return
-    if path.suffix != ".gguf":
-        raise ConfigError.broken(
-            key, model, "must be empty (the embedded model), 'tiny', a .gguf file or a model folder"
-        )
-    if not path.is_file() or not os.access(path, os.R_OK):
-        raise ConfigError.broken(key, model, "names a .gguf file that does not exist or cannot be read")
+    try:
+        resolve_model(model)
+    except (ValueError, FileNotFoundError) as exc:
+        raise ConfigError.broken(key, model, str(exc)) from None
 
 
 def _key(name: str) -> str:

