@@ -175,8 +175,10 @@ class Batcher:
                 self._step()
             except Exception as exc:  # a failed step fails its requests, never the worker
                 log.exception("decode step failed")
+                # A ServiceError keeps its kind: a TP engine whose rank died is Unavailable, not Internal.
+                error = exc if isinstance(exc, ServiceError) else Internal(f"decode step failed: {exc}")
                 for request in list(self._active.values()):
-                    self._finish(request, TokenEvent(None, "", error=Internal(f"decode step failed: {exc}")))
+                    self._finish(request, TokenEvent(None, "", error=error))
         for request in [*self._active.values(), *self._waiting]:
             self._finish(request, TokenEvent(None, "", finish_reason="cancelled"))
 
@@ -226,7 +228,9 @@ class Batcher:
             try:
                 self.engine.adopt_sequence(request.seq_id, request.kv, request.num_tokens)
             except Exception as exc:
-                error = Internal(f"could not load the KV replica: {exc}")
+                error = exc
+                if not isinstance(exc, ServiceError):
+                    error = Internal(f"could not load the KV replica: {exc}")
                 self._finish(request, TokenEvent(None, "", error=error))
                 continue
             request.kv = torch.empty(0)  # the cache holds it now

@@ -17,7 +17,7 @@ import socket
 from collections.abc import AsyncIterator
 from contextlib import aclosing
 from dataclasses import dataclass
-from typing import ClassVar
+from typing import TYPE_CHECKING, ClassVar
 
 from pcpstack.common.config import (
     ConfigError,
@@ -35,6 +35,10 @@ from pcpstack.common.startup import (
     run_service,
 )
 
+if TYPE_CHECKING:  # torch and the model load only when the worker starts
+    from pcpstack.engine.engine import Engine
+    from pcpstack.engine.tp_engine import TensorParallelEngine
+
 log = logging.getLogger(__name__)
 
 
@@ -50,6 +54,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--kv-lease-ms", type=int, default=0, help="lease of replicas in the store (default 0: the store's)"
     )
     parser.add_argument(
+        "--collective-timeout",
+        type=float,
+        default=60.0,
+        help="with tensor_parallel_size > 1: seconds before a collective of the TP ranks fails",
+    )
+    parser.add_argument(
         "--drain-seconds",
         type=float,
         default=30.0,
@@ -62,6 +72,8 @@ class DecodeConfig(NodeConfig):
     """A decode worker's configuration, validated when built (before any model is loaded)."""
 
     role: ClassVar[str] = "decode"
+    # tensor_parallel_size = T runs T rank processes: this one (it serves Generate) and T-1 followers.
+    tensor_parallel: ClassVar[bool] = True
 
     # 0: torch's choice.
     threads: int = 0
@@ -69,6 +81,7 @@ class DecodeConfig(NodeConfig):
     kv_cache_tokens: int = 32768
     prefill_timeout: float = 300.0
     kv_lease_ms: int = 0
+    collective_timeout: float = 60.0
     drain_seconds: float = 30.0
 
     def __post_init__(self) -> None:
@@ -78,6 +91,7 @@ class DecodeConfig(NodeConfig):
         check_positive("--kv-cache-tokens", self.kv_cache_tokens)
         check_positive("--prefill-timeout", self.prefill_timeout)
         check_non_negative("--kv-lease-ms", self.kv_lease_ms, "0: the store's default")
+        check_positive("--collective-timeout", self.collective_timeout)
         check_non_negative("--drain-seconds", self.drain_seconds)
 
 
@@ -94,6 +108,55 @@ def gate_generate(servicer, gate: DrainGate) -> None:
     servicer.Generate = gated
 
 
+def load_engine(config: DecodeConfig) -> Engine | TensorParallelEngine:
+    """The worker's engine: the plain Engine, or with tensor_parallel_size = T > 1 a TP engine whose T-1
+    follower processes this one leads. A model, device or TP size that cannot work is a ConfigError."""
+    from pcpstack.engine.device import device_for_rank, pick_device
+    from pcpstack.engine.engine import Engine
+    from pcpstack.engine.kv_cache import blocks_needed
+    from pcpstack.engine.tp_engine import TensorParallelEngine
+
+    engine_config = config.engine
+    tp = engine_config.tensor_parallel_size
+    kind = config.device or pick_device().type
+    try:
+        device_for_rank(tp - 1, kind)  # one device per rank: the last rank's must exist
+    except ValueError as exc:
+        raise ConfigError(
+            f"tensor_parallel_size={tp} needs {tp} {kind} devices on this node, one per rank: {exc}",
+            ("tensor_parallel_size", "--device"),
+            "tensor_parallel_size <= devices present",
+        ) from None
+    num_blocks = blocks_needed(config.kv_cache_tokens, engine_config.block_size)
+    try:
+        if tp == 1:
+            return Engine.load(
+                engine_config.model or None,
+                device=device_for_rank(0, kind),
+                block_size=engine_config.block_size,
+                num_blocks=num_blocks,
+            )
+        return TensorParallelEngine.start(
+            engine_config.model or None,
+            tp,
+            device_kind=kind,
+            block_size=engine_config.block_size,
+            num_blocks=num_blocks,
+            timeout_s=config.collective_timeout,
+            threads=config.threads,
+        )
+    except (OSError, ValueError) as exc:
+        if tp == 1:
+            raise ConfigError.broken("model", engine_config.model, f"cannot be loaded ({exc})") from None
+        # The model's shape may forbid the split: the message names its heads and the size.
+        raise ConfigError(
+            f"tensor_parallel_size={tp}: model {engine_config.model!r} cannot be split over {tp} ranks "
+            f"({exc})",
+            ("tensor_parallel_size", "model"),
+            "the TP size splits the model's heads and intermediate size evenly",
+        ) from None
+
+
 async def start(config: DecodeConfig) -> Serving:
     """Loads the model, serves Generate and registers; draining deregisters, then stops the batch."""
     import torch
@@ -102,22 +165,14 @@ async def start(config: DecodeConfig) -> Serving:
     from pcpstack.decode.pipeline import DecodeSettings, GeneratePipeline
     from pcpstack.decode.router import SetRouter
     from pcpstack.decode.server import SERVICE_NAME, DecodeServicer
-    from pcpstack.engine.engine import Engine
-    from pcpstack.engine.kv_cache import blocks_needed
+    from pcpstack.engine.tp_engine import TensorParallelEngine
     from pcpstack.registry.client import NodeSession, Resolver
     from pcpstack.v1 import decode_pb2_grpc
 
     if config.threads:
         torch.set_num_threads(config.threads)
     engine_config = config.engine
-    try:
-        engine = Engine.load(
-            engine_config.model or None,
-            block_size=engine_config.block_size,
-            num_blocks=blocks_needed(config.kv_cache_tokens, engine_config.block_size),
-        )
-    except (OSError, ValueError) as exc:
-        raise ConfigError.broken("model", engine_config.model, f"cannot be loaded ({exc})") from None
+    engine = load_engine(config)
     engine_config = engine_config.with_model_shape(engine.args.n_kv_heads)
 
     batcher = Batcher(engine, max_batch=config.max_batch)
@@ -148,7 +203,7 @@ async def start(config: DecodeConfig) -> Serving:
         advertised_address=address,
         engine_config=engine_config,
         kv_fingerprint=fingerprint,
-        device_count=1,
+        device_count=engine_config.tensor_parallel_size,
         load=lambda: batcher.queue_depth,
     )
     await registry.start()
@@ -167,6 +222,8 @@ async def start(config: DecodeConfig) -> Serving:
                 log.warning("drain time over: cancelling %d running stream(s)", gate.running)
         await resolver.close()
         batcher.close()
+        if isinstance(engine, TensorParallelEngine):
+            engine.close()  # after the batch: its loop thread may be in a step until then
         await pipeline.close()
 
     return Serving.grpc(running, before_stop)

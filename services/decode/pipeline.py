@@ -26,6 +26,7 @@ import torch
 from opentelemetry.metrics import Observation
 
 from pcpstack.common.errors import (
+    DataLoss,
     DeadlineExceeded,
     InvalidArgument,
     ServiceError,
@@ -456,27 +457,107 @@ class GeneratePipeline:
         return client
 
     async def _fetch_kv(self, handle: common_pb2.KvHandle) -> torch.Tensor:
-        """The replica as a tensor [layers, 2, tokens, kv_heads, head_dim]; Unavailable when it cannot."""
-        layout = self.engine.layout
+        """The replica as a tensor [layers, 2, tokens, kv_heads, head_dim] of the whole model, put together
+        from its shards by K/V head range; Unavailable when a shard cannot be read, DataLoss when the shards
+        do not make up the replica."""
+        shards = replica_shards(handle, self.engine.layout.num_kv_heads)
         started = time.monotonic()
         with _tracer.start_as_current_span("decode.kv_fetch") as span:
             span.set_attribute("pcpstack.kv_bytes", handle.total_bytes)
+            span.set_attribute("pcpstack.kv_shards", len(shards))
+            fetches = [asyncio.ensure_future(self._fetch_shard(handle, shard)) for shard in shards]
             try:
-                data, _ = await self._kv_client(handle.store_address).get(
-                    handle.key, handle.fingerprint, handle.capability
-                )
-            except Exception as exc:
-                raise Unavailable(f"could not fetch the KV replica: {exc}") from exc
-        _kv_bytes.add(len(data))
+                parts = await asyncio.gather(*fetches)
+            finally:
+                # One failed shard ends the fetch: the others stop too (their objects are released anyway).
+                for fetch in fetches:
+                    fetch.cancel()
+                await asyncio.gather(*fetches, return_exceptions=True)
         _kv_fetch_time.record(time.monotonic() - started)
-        kv = torch.frombuffer(bytearray(data) if isinstance(data, bytes) else data, dtype=layout.torch_dtype)
-        return kv.view(layout.num_layers, 2, handle.num_tokens, layout.num_kv_heads, layout.head_dim)
+        if len(parts) == 1:
+            return parts[0]
+        layout = self.engine.layout
+        whole = torch.empty(
+            (layout.num_layers, 2, handle.num_tokens, layout.num_kv_heads, layout.head_dim),
+            dtype=layout.torch_dtype,
+        )
+        for shard, part in zip(shards, parts, strict=True):
+            whole[:, :, :, shard.kv_head_start : shard.kv_head_end] = part
+        return whole
+
+    async def _fetch_shard(self, handle: common_pb2.KvHandle, shard: common_pb2.KvShard) -> torch.Tensor:
+        """One store object of a replica: [layers, 2, tokens, its heads, head_dim] in the layout's dtype."""
+        layout = self.engine.layout
+        try:
+            data, _ = await self._kv_client(handle.store_address).get(
+                shard.key, shard.fingerprint, shard.capability
+            )
+        except Exception as exc:
+            raise Unavailable(f"could not fetch the KV replica's shard {shard.key}: {exc}") from exc
+        _kv_bytes.add(len(data))
+        shape = (
+            layout.num_layers,
+            2,
+            handle.num_tokens,
+            shard.kv_head_end - shard.kv_head_start,
+            layout.head_dim,
+        )
+        # Bytes first, then the dtype: numpy (under frombuffer) has no bfloat16.
+        raw = torch.frombuffer(bytearray(data) if isinstance(data, bytes) else data, dtype=torch.uint8)
+        itemsize = torch.empty(0, dtype=layout.torch_dtype).element_size()
+        if raw.numel() != itemsize * torch.Size(shape).numel():
+            raise DataLoss(
+                f"KV shard {shard.key} holds {raw.numel()} bytes; K/V heads "
+                f"{shard.kv_head_start}-{shard.kv_head_end} of {handle.num_tokens} tokens are "
+                f"{itemsize * torch.Size(shape).numel()} bytes in {layout.dtype}"
+            )
+        return raw.view(layout.torch_dtype).view(shape)
 
     async def _release(self, handle: common_pb2.KvHandle) -> None:
-        try:
-            await self._kv_client(handle.store_address).release(handle.key, handle.capability)
-        except Exception as exc:  # the store's lease reclaims it anyway
-            log.warning("release of %s failed: %s", handle.key, exc)
+        """Releases every store object of the replica (each once); a failure is logged, not raised."""
+        # Unchecked: whatever the handle names is pinned and released, even shards that do not fit together;
+        # by key, so an object named twice is released once.
+        named = replica_shards(handle, self.engine.layout.num_kv_heads, check=False)
+        shards = list({shard.key: shard for shard in named}.values())
+        client = self._kv_client(handle.store_address)
+        outcomes = await asyncio.gather(
+            *(client.release(shard.key, shard.capability) for shard in shards), return_exceptions=True
+        )
+        for shard, outcome in zip(shards, outcomes, strict=True):
+            if isinstance(outcome, BaseException):  # the store's lease reclaims it anyway
+                log.warning("release of %s failed: %s", shard.key, outcome)
+
+
+def replica_shards(
+    handle: common_pb2.KvHandle, num_kv_heads: int, check: bool = True
+) -> list[common_pb2.KvShard]:
+    """The store objects of a replica in K/V head order. A handle without shards (a writer before TP) is one
+    object holding every head. With `check`, DataLoss unless the shards cover heads 0..num_kv_heads, each
+    exactly once."""
+    if not handle.shards:
+        return [
+            common_pb2.KvShard(
+                key=handle.key,
+                capability=handle.capability,
+                kv_head_start=0,
+                kv_head_end=num_kv_heads,
+                total_bytes=handle.total_bytes,
+                fingerprint=handle.fingerprint,
+            )
+        ]
+    shards = sorted(handle.shards, key=lambda shard: shard.kv_head_start)
+    if check:
+        fits, next_head = True, 0
+        for shard in shards:
+            fits = fits and shard.kv_head_start == next_head < shard.kv_head_end
+            next_head = shard.kv_head_end
+        if not fits or next_head != num_kv_heads:
+            covered = ", ".join(f"{s.kv_head_start}-{s.kv_head_end}" for s in shards)
+            raise DataLoss(
+                f"the KV replica's shards hold K/V heads {covered}; this model needs heads 0-{num_kv_heads} "
+                "each exactly once"
+            )
+    return shards
 
 
 def _sampling_wire(params: SamplingParams) -> common_pb2.SamplingParams:

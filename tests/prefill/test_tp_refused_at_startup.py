@@ -10,10 +10,26 @@ import pytest
 from tests.common.test_startup import REGISTRY, refusal
 
 
-@pytest.mark.parametrize("service", ["decode"])
-def test_tensor_parallel_size_above_one_is_refused_naming_the_service(child_env, service: str) -> None:
-    line = refusal(child_env, service, "--registry", REGISTRY, "--set", "tensor_parallel_size=3")
-    assert f"tensor_parallel_size=3: tensor parallelism is not wired into the {service} service yet" in line
+# Decode runs TP too: a worker is refused a TP size its model cannot split (found once its ranks load their
+# shards) or more ranks than devices.
+@pytest.mark.parametrize(
+    ("args", "env", "expected"),
+    [
+        (
+            ["--model", "tiny", "--set", "tensor_parallel_size=3"],
+            {},
+            "tensor_parallel_size=3 must divide the model's num_attention_heads=4",
+        ),
+        (
+            ["--model", "tiny", "--device", "cuda", "--set", "tensor_parallel_size=2"],
+            {"CUDA_VISIBLE_DEVICES": ""},
+            "tensor_parallel_size=2 needs 2 cuda devices",
+        ),
+    ],
+)
+def test_decode_refuses_a_tp_its_model_or_devices_cannot_run(child_env, args, env, expected) -> None:
+    line = refusal(child_env, "decode", "--registry", REGISTRY, "--log-level", "WARNING", *args, env=env)
+    assert expected in line
 
 
 # Prefill runs TP: a node is refused only a TP size its model cannot split, or more rank processes than
