@@ -12,6 +12,7 @@ UNAVAILABLE, lets running streams finish for up to --drain-seconds, then stops.
 from __future__ import annotations
 
 import argparse
+import asyncio
 import logging
 import socket
 from collections.abc import AsyncIterator
@@ -226,7 +227,40 @@ async def start(config: DecodeConfig) -> Serving:
             engine.close()  # after the batch: its loop thread may be in a step until then
         await pipeline.close()
 
-    return Serving.grpc(running, before_stop)
+    serving = Serving.grpc(running, before_stop)
+    if not isinstance(engine, TensorParallelEngine):
+        return serving
+    return stop_when_tp_fails(serving, engine)
+
+
+def stop_when_tp_fails(serving: Serving, engine: TensorParallelEngine) -> Serving:
+    """The serving of a TP worker, stopping by itself when its TP group fails: a worker whose rank died
+    would fail every request, so it drains (deregisters: routers stop picking it) and exits with status 1,
+    for its supervisor to restart it."""
+    loop = asyncio.get_running_loop()
+    failed: asyncio.Future[str] = loop.create_future()
+
+    def on_failure(reason: str) -> None:
+        if not failed.done():
+            failed.set_result(reason)
+
+    engine.on_failure = lambda reason: loop.call_soon_threadsafe(on_failure, reason)
+
+    async def stopped() -> None:
+        terminated = asyncio.ensure_future(serving.stopped)  # type: ignore[arg-type]  (grpc sets it)
+        try:
+            await asyncio.wait([terminated, failed], return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            terminated.cancel()
+
+    async def drain() -> None:
+        if failed.done():
+            log.error("stopping: the tensor-parallel group failed (%s)", failed.result())
+        await serving.drain()
+        if failed.done():
+            raise SystemExit(1)
+
+    return Serving(drain, stopped())
 
 
 def run(args: argparse.Namespace) -> int:

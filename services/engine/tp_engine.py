@@ -29,7 +29,7 @@ import os
 import socket
 import threading
 import time
-from collections.abc import Hashable, Iterator, Sequence
+from collections.abc import Callable, Hashable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
 from multiprocessing.connection import Connection
@@ -196,6 +196,8 @@ class TensorParallelEngine:
         self._lock = threading.Lock()
         self._failure = ""
         self._closed = False
+        # Called once, from whichever thread finds the group failed, with the reason (the worker then stops).
+        self.on_failure: Callable[[str], None] | None = None
         self._last_command = time.monotonic()
         self._keepalive = threading.Thread(target=self._keep_alive, name="decode-tp-keepalive", daemon=True)
         self._keepalive.start()
@@ -362,8 +364,7 @@ class TensorParallelEngine:
         dead = [rank for rank, p in enumerate(self._followers, start=1) if not p.is_alive()]
         if dead and not self._failure:
             codes = [self._followers[r - 1].exitcode for r in dead]
-            self._failure = f"TP rank(s) {dead} exited (exit codes {codes})"
-            log.error("decode tensor-parallel group failed: %s", self._failure)
+            self._failed(f"TP rank(s) {dead} exited (exit codes {codes})")
         if self._failure:
             raise Unavailable(f"the decode worker's tensor-parallel group failed: {self._failure}")
 
@@ -381,25 +382,30 @@ class TensorParallelEngine:
 
     def _fail(self, what: str, exc: BaseException) -> Unavailable:
         if not self._failure:
-            self._failure = f"{what} failed: {type(exc).__name__}: {exc}"
-            log.error("decode tensor-parallel group failed: %s", self._failure)
+            self._failed(f"{what} failed: {type(exc).__name__}: {exc}")
         return Unavailable(f"the decode worker's tensor-parallel group failed: {self._failure}")
 
+    def _failed(self, reason: str) -> None:
+        self._failure = reason
+        log.error("decode tensor-parallel group failed: %s", reason)
+        if self.on_failure is not None:
+            self.on_failure(reason)
+
     def _keep_alive(self) -> None:
-        """Sends a no-op when the group has been idle for a third of its timeout, so that a follower waiting
-        for the next command does not time out, and a follower that died while idle is noticed."""
+        """Checks every second that the followers live, so one that dies while the batch is idle is noticed
+        (and on_failure called) at once; sends a no-op when no command went out for a third of the timeout,
+        so that a follower waiting for the next command does not time out."""
         interval = self._timeout_s / 3
         while not self._closed and not self._failure:
             time.sleep(min(interval, 1.0))
-            if time.monotonic() - self._last_command < interval:
-                continue
             with self._lock:
                 if self._closed or self._failure:
                     return
                 try:
                     self._check_alive()
-                    with self._collective("keep-alive"):
-                        dist.broadcast(_header(_OP_NOOP), src=0, group=self._control)
+                    if time.monotonic() - self._last_command >= interval:
+                        with self._collective("keep-alive"):
+                            dist.broadcast(_header(_OP_NOOP), src=0, group=self._control)
                 except Exception:  # recorded in _failure; the next call raises it
                     return
 

@@ -2,7 +2,8 @@
 
 A real `pcpstack serve decode` worker with tensor_parallel_size=2 (the tiny model's 2 K/V heads, one per rank)
 joins the session's tiny-model stack (registry, KV store, a PCP=2 prefill set): its greedy answers equal the
-plain engine's, it registers as a worker of 2 devices, and on SIGTERM it stops its follower rank with it.
+plain engine's, it registers as a worker of 2 devices, and on SIGTERM it stops its follower rank with it. When
+its follower is killed, a request fails UNAVAILABLE (not a hang) and the worker deregisters and exits 1.
 The pipeline reads a replica stored as one store object per K/V head range (what a TP prefill set writes)
 and puts it together exactly, releasing every object once; shards that do not cover each head exactly once
 fail the request with DATA_LOSS and are released all the same.
@@ -12,6 +13,7 @@ from __future__ import annotations
 
 import os
 import signal
+import subprocess
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
@@ -36,14 +38,14 @@ TP = 2
 
 
 @contextmanager
-def running_tp_worker(stack: RunningStack, *extra: str) -> Iterator[tuple[str, int]]:
-    """(address, pid) of a decode worker with tensor_parallel_size=2 registered with the stack."""
+def running_tp_worker(stack: RunningStack, *extra: str) -> Iterator[tuple[str, subprocess.Popen]]:
+    """(address, process) of a decode worker with tensor_parallel_size=2 registered with the stack."""
     args = ["--registry", stack.stack.registry_address, "--model", "tiny", "--threads", "1"]
     args += ["--set", f"tensor_parallel_size={TP}", "--set", f"block_size={BLOCK_SIZE}"]
     args += ["--log-level", "WARNING", *extra]
     process, address = spawn_and_wait_listening("decode", args)
     try:
-        yield address, process.pid
+        yield address, process
     finally:
         if process.poll() is None:
             process.kill()
@@ -52,8 +54,9 @@ def running_tp_worker(stack: RunningStack, *extra: str) -> Iterator[tuple[str, i
 
 @pytest.fixture(scope="module")
 def tp_worker(stack: RunningStack) -> Iterator[tuple[str, int]]:
-    with running_tp_worker(stack) as worker:
-        yield worker
+    """(address, pid) of a TP worker for the module."""
+    with running_tp_worker(stack) as (address, process):
+        yield address, process.pid
 
 
 def follower_ranks(pid: int) -> list[int]:
@@ -93,13 +96,17 @@ def test_sigterm_stops_the_tp_worker_and_its_follower_rank(tp_worker) -> None:
 
 
 @pytest.mark.slow
-def test_killed_follower_rank_ends_the_request_with_unavailable_and_leaves_nothing_pinned(stack) -> None:
-    with running_tp_worker(stack, "--collective-timeout", "5") as (address, pid):
-        os.kill(follower_ranks(pid)[0], signal.SIGKILL)
+def test_killed_follower_rank_fails_the_request_unavailable_and_the_worker_leaves_routing(stack) -> None:
+    with running_tp_worker(stack, "--collective-timeout", "5") as (address, process):
+        os.kill(follower_ranks(process.pid)[0], signal.SIGKILL)
         with pytest.raises(grpc.aio.AioRpcError) as failed:
             stack.run(greedy_answer(address, list(prompt(20, seed=3)), 8))
+        # A worker that can only fail stops: it deregisters and exits 1 for its supervisor to restart.
+        assert process.wait(60) == 1
     assert failed.value.code() == grpc.StatusCode.UNAVAILABLE, failed.value.details()
     assert "tensor-parallel group failed" in failed.value.details()
+    nodes = list_nodes(stack)
+    assert nodes and address not in [n.address for n in nodes]
     assert stack.run(pinned_bytes(stack.stack.kvstore_address)) == 0
 
 
