@@ -186,7 +186,13 @@ def test_a_silent_member_is_evicted_its_set_stopped_and_reformed_with_a_new_gene
             assert reformed.generation > max(a.generation for a in assignments)
             assert list(reformed.member_node_ids) == ["node-0", "node-4"]
             assert late.assignment == registry_pb2.Assignment(
-                **{**_fields(reformed), "node_rank": 1, "headless": True, "pcp_ranks": [1]}
+                **{
+                    **_fields(reformed),
+                    "node_rank": 1,
+                    "headless": True,
+                    "pcp_ranks": [1],
+                    "global_ranks": [1],
+                }
             )
             await late.close()
         finally:
