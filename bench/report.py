@@ -97,6 +97,11 @@ def _table(header: list[str], rows: list[list[str]]) -> list[str]:
 
 
 def _prefill_rows(results: dict) -> list[dict]:
+    """The PCP rows (TP=1; results from before TP rows have no `tp` and are TP=1)."""
+    return [r for r in _all_prefill_rows(results) if r.get("tp", 1) == 1]
+
+
+def _all_prefill_rows(results: dict) -> list[dict]:
     return results.get("prefill", {}).get("results", [])
 
 
@@ -475,7 +480,8 @@ def _prefill_section(results: dict, plots: dict[str, Path], report: Path) -> lis
     lines = ["## Prefill: TTFT against prompt length", ""]
     rows = sorted(_prefill_rows(results), key=lambda r: (r["tokens"], r["pcp"]))
     if not rows:
-        return [*lines, f"pcpstack prefill: {NOT_MEASURED} (`pcpstack bench prefill`).", ""]
+        lines += [f"pcpstack prefill: {NOT_MEASURED} (`pcpstack bench prefill`).", ""]
+        return lines + _tensor_parallel_table(results)
     prefill = results["prefill"]
     lines += [
         f"`pcpstack bench prefill`: {prefill.get('model')}, {prefill.get('threads_per_rank')} thread(s) per "
@@ -495,6 +501,7 @@ def _prefill_section(results: dict, plots: dict[str, Path], report: Path) -> lis
     ]
     lines += _table(["tokens", "PCP", "TTFT", "tokens/s", "speedup over PCP=1"], table)
     lines += _image("prefill", plots, report)
+    lines += _tensor_parallel_table(results)
     lines += ["### Against the peers", ""]
     peers = [p for p in (LLAMA, HF) if _peer(results, p)]
     if not peers:
@@ -516,6 +523,36 @@ def _prefill_section(results: dict, plots: dict[str, Path], report: Path) -> lis
     lines += _table(header, table)
     reason = _comparable(results, prefill.get("model"))
     return [*lines, f"Not comparable: {reason}.", ""] if reason else lines
+
+
+def _tensor_parallel_table(results: dict) -> list[str]:
+    """TP x PCP prefill rows (`bench prefill --tp`), each against TP=1 x PCP=1 at its prompt length."""
+    lines = ["### Tensor parallelism inside PCP ranks", ""]
+    rows = sorted(_all_prefill_rows(results), key=lambda r: (r["tokens"], r.get("tp", 1), r["pcp"]))
+    if not any(r.get("tp", 1) > 1 for r in rows):
+        return [*lines, f"TP rows: {NOT_MEASURED} (`pcpstack bench prefill --tp 1,3 --pcp 1,2`).", ""]
+    cores = results["prefill"].get("cpu_count")
+    lines += [
+        f"Every TP x PCP pair runs TP x PCP rank processes on {cores} core(s): where ranks outnumber cores, "
+        "TP adds processes and all-reduces, not compute, so these rows show what its communication costs "
+        "here.",
+        "",
+    ]
+    base = {r["tokens"]: r["ttft_s_median"] for r in rows if r.get("tp", 1) == 1 and r["pcp"] == 1}
+    table = [
+        [
+            str(r["tokens"]),
+            str(r.get("tp", 1)),
+            str(r["pcp"]),
+            str(r.get("tp", 1) * r["pcp"]),
+            _spread(r["ttft_s_median"], r["ttft_s_min"], r["ttft_s_max"], " s"),
+            _num(r["tokens_per_s"]),
+            f"{base[r['tokens']] / r['ttft_s_median']:.2f}×" if r["tokens"] in base else "",
+        ]
+        for r in rows
+    ]
+    header = ["tokens", "TP", "PCP", "ranks", "TTFT", "tokens/s", "speedup over TP=1 x PCP=1"]
+    return lines + _table(header, table)
 
 
 def _decode_section(results: dict, plots: dict[str, Path], report: Path) -> list[str]:
