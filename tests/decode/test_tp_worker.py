@@ -26,6 +26,7 @@ from pcpstack.cli.launch import spawn_and_wait_listening
 from pcpstack.common.errors import DataLoss
 from pcpstack.decode.client import DecodeClient, build_request
 from pcpstack.decode.pipeline import GeneratePipeline
+from pcpstack.engine.device import accelerator_count, pick_device
 from pcpstack.engine.engine import Engine
 from pcpstack.engine.parallel import shard_fingerprint
 from pcpstack.kvstore.client import KvStoreClient, make_key
@@ -37,9 +38,20 @@ from tests.reliability.support import list_nodes
 TP = 2
 
 
+def skip_without_devices() -> None:
+    """The stack and the reference run on what is present; a worker of TP ranks needs one device each."""
+    kind = pick_device().type
+    present = accelerator_count(kind)
+    if kind != "cpu" and present < TP:
+        reason = f"{kind}: a decode worker of {TP} TP ranks needs {TP} devices, {present} present"
+        print(f"skipped: {reason}")
+        pytest.skip(reason)
+
+
 @contextmanager
 def running_tp_worker(stack: RunningStack, *extra: str) -> Iterator[tuple[str, subprocess.Popen]]:
     """(address, process) of a decode worker with tensor_parallel_size=2 registered with the stack."""
+    skip_without_devices()
     args = ["--registry", stack.stack.registry_address, "--model", "tiny", "--threads", "1"]
     args += ["--set", f"tensor_parallel_size={TP}", "--set", f"block_size={BLOCK_SIZE}"]
     args += ["--log-level", "WARNING", *extra]
