@@ -102,8 +102,8 @@ class StackOptions:
 
     def shape(self) -> str:
         """The stack's parallel shape in words, for its start-up line and summary."""
-        ranks = self.tp * self.pcp
-        prefill = f"{self.prefill_sets} prefill set(s) of TP={self.tp} x PCP={self.pcp} ({ranks} ranks)"
+        ranks = f"{self.tp * self.pcp} rank(s) each"
+        prefill = f"{self.prefill_sets} prefill set(s) of TP={self.tp} x PCP={self.pcp} ({ranks})"
         tps = self.decode_tps
         per_worker = f"TP={tps[0]}" if len(set(tps)) == 1 else "TP=" + ",".join(map(str, tps))
         return f"{prefill} and {len(tps)} decode worker(s) of {per_worker}"
