@@ -17,11 +17,10 @@ import grpc
 
 from pcpstack.cli.progress import ProgressPrinter
 from pcpstack.cli.stack import LocalStack, ServiceRefused, StackOptions
+from pcpstack.common.config import DEVICE_KINDS
 from pcpstack.decode.client import DecodeClient, build_request
 
 USAGE_EXIT_STATUS = 2
-# Where a local stack's models may run (pcpstack.common.config.DEVICE_KINDS); empty: what is present.
-DEVICE_CHOICES = ("cpu", "cuda", "npu")
 # The flag of each sampling field, for messages that name what the user typed.
 _SAMPLING_FLAGS = {
     "max_tokens": "--max-tokens",
@@ -57,7 +56,7 @@ def add_stack_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--device",
         default="",
-        metavar="{cpu,cuda,npu}",
+        metavar="{" + ",".join(DEVICE_KINDS) + "}",
         help="where prefill ranks and decode workers run the model "
         "(default: an NPU, else a GPU, else the CPU)",
     )
@@ -81,8 +80,8 @@ def check_stack_arguments(args: argparse.Namespace) -> None:
         if value < 1:
             raise UsageError(flag, value, "must be >= 1")
     # Whether the model splits over these TP sizes is the services' check at start-up (it needs the model).
-    if args.device and args.device not in DEVICE_CHOICES:
-        raise UsageError("--device", args.device, f"must be one of {', '.join(DEVICE_CHOICES)}")
+    if args.device and args.device not in DEVICE_KINDS:
+        raise UsageError("--device", args.device, f"must be one of {', '.join(DEVICE_KINDS)}")
     gateway_port = getattr(args, "gateway_port", 0)
     if not 0 <= gateway_port <= 65535:
         raise UsageError("--gateway-port", gateway_port, "must be in [0, 65535] (0: any free port)")
@@ -160,9 +159,9 @@ def run_up(args: argparse.Namespace) -> int:
             print(f"shape     {stack.options.shape()}")
             print(f"registry  {stack.registry_address}")
             print(f"kvstore   {stack.kvstore_address}")
-            for address, decode_tp in zip(stack.decode_addresses, stack.options.decode_tps, strict=True):
+            for address in stack.decode_addresses:
                 hint = f"pcpstack generate --target {address} 'your prompt'"
-                print(f"decode    {address}   TP={decode_tp}   ({hint})")
+                print(f"decode    {address}   TP={stack.options.decode_tp}   ({hint})")
             if stack.gateway_url:
                 print(f"openai    {stack.gateway_url}/v1   (OpenAI-compatible HTTP API)")
             for name, url in stack.metrics_urls.items():

@@ -29,6 +29,7 @@ from pcpstack.cli.launch import child_env, spawn_service
 from pcpstack.common import security
 from pcpstack.common.channel import open_channel
 from pcpstack.common.config import served_model_name
+from pcpstack.common.startup import CONFIG_EXIT_STATUS
 from pcpstack.v1 import registry_pb2, registry_pb2_grpc
 
 WILDCARD_HOSTS = ("0.0.0.0", "::", "")
@@ -72,9 +73,6 @@ class StackOptions:
     decode: int = 1
     # Tensor-parallel processes of every decode worker.
     decode_tp: int = 1
-    # The TP size of each decode worker in turn, when they differ (one stack serving decode TP 1 and 3);
-    # when given, its length is the number of decode workers and `decode`/`decode_tp` are not used.
-    decode_worker_tp: tuple[int, ...] = ()
     # Where prefill ranks and decode workers run their model: cpu, cuda or npu; empty: what is present.
     device: str = ""
     model: str | None = None
@@ -95,28 +93,16 @@ class StackOptions:
     metrics: bool = False
     extra_env: dict[str, str] = field(default_factory=dict)
 
-    @property
-    def decode_tps(self) -> tuple[int, ...]:
-        """The TP size of each decode worker, in start order."""
-        return self.decode_worker_tp or (self.decode_tp,) * self.decode
-
     def shape(self) -> str:
         """The stack's parallel shape in words, for its start-up line and summary."""
         ranks = f"{self.tp * self.pcp} rank(s) each"
         prefill = f"{self.prefill_sets} prefill set(s) of TP={self.tp} x PCP={self.pcp} ({ranks})"
-        tps = self.decode_tps
-        per_worker = f"TP={tps[0]}" if len(set(tps)) == 1 else "TP=" + ",".join(map(str, tps))
-        return f"{prefill} and {len(tps)} decode worker(s) of {per_worker}"
+        return f"{prefill} and {self.decode} decode worker(s) of TP={self.decode_tp}"
 
 
 class ServiceRefused(RuntimeError):
     """A service of the stack refused its configuration at start-up (exit status 2); the message is the
     service's name and its own one-line refusal."""
-
-
-# The exit status of a service that refused its configuration (pcpstack.common.startup.CONFIG_EXIT_STATUS;
-# not imported from there, which would load every service's config code into the CLI).
-CONFIG_EXIT_STATUS = 2
 
 
 @dataclass
@@ -139,8 +125,8 @@ class Service:
         return ""
 
     def refusal(self) -> str:
-        """The one-line config refusal (`pcpstack serve NAME: config error: ...`) the service printed last;
-        empty when its log holds none."""
+        """The one-line config refusal (startup.config_error_line: `pcpstack serve NAME: config error: ...`)
+        the service printed last; empty when its log holds none."""
         with contextlib.suppress(OSError):
             for line in reversed(self.log_path.read_text(errors="replace").splitlines()):
                 if line.startswith("pcpstack serve ") and ": config error: " in line:
@@ -309,7 +295,7 @@ class LocalStack:
                 ],
             )
         decode_config = self._config_file("decode")
-        for index, decode_tp in enumerate(o.decode_tps):
+        for index in range(o.decode):
             port = free_port()
             address = f"127.0.0.1:{port}"
             self.decode_addresses.append(address)
@@ -323,7 +309,7 @@ class LocalStack:
                 "--node-id",
                 f"decode-{index}",
                 "--set",
-                f"tensor_parallel_size={decode_tp}",
+                f"tensor_parallel_size={o.decode_tp}",
                 *self._device_args(),
             ]
             if o.decode_threads:
@@ -372,8 +358,7 @@ class LocalStack:
     async def _wait_ready(self, started: float) -> None:
         o = self.options
         self._last_state, self._last_state_at = "", 0.0
-        decode_workers = len(o.decode_tps)
-        total = 2 + o.prefill_sets + decode_workers + (1 if o.gateway else 0)
+        total = 2 + o.prefill_sets + o.decode + (1 if o.gateway else 0)
         # The services' security comes from the environment (extra_env may turn on TLS and the token).
         channel = open_channel(
             self.registry_address, default_deadline=2.0, security=security.from_env(self._env())
@@ -404,13 +389,13 @@ class LocalStack:
                 gateway_up = await self._gateway_healthy() if o.gateway else False
                 state = (
                     f"registry {'up' if answer else 'starting'}, {ready_sets}/{o.prefill_sets} prefill sets "
-                    f"ready, {decoders}/{decode_workers} decode workers, {stores}/1 KV stores"
+                    f"ready, {decoders}/{o.decode} decode workers, {stores}/1 KV stores"
                     + (f", gateway {'up' if gateway_up else 'starting'}" if o.gateway else "")
                 )
                 done = (
                     (1 if answer else 0)
                     + min(ready_sets, o.prefill_sets)
-                    + min(decoders, decode_workers)
+                    + min(decoders, o.decode)
                     + min(stores, 1)
                     + (1 if gateway_up else 0)
                 )

@@ -33,9 +33,8 @@ def test_a_bad_tp_or_device_flag_is_refused_before_anything_starts(
 
 
 def test_the_stack_shape_names_prefill_and_decode_tp_sizes() -> None:
-    shape = StackOptions(tp=3, pcp=2, decode_worker_tp=(1, 3)).shape()
-    assert shape == "1 prefill set(s) of TP=3 x PCP=2 (6 rank(s) each) and 2 decode worker(s) of TP=1,3"
-    assert StackOptions(tp=2, pcp=1, decode=2, decode_tp=2).decode_tps == (2, 2)
+    shape = StackOptions(tp=3, pcp=2, decode=2, decode_tp=3).shape()
+    assert shape == "1 prefill set(s) of TP=3 x PCP=2 (6 rank(s) each) and 2 decode worker(s) of TP=3"
 
 
 @pytest.mark.slow
