@@ -5,6 +5,10 @@ requests are prefilled on ready PCP sets found through the registry and decoded 
 The flags become a DecodeConfig, checked before torch and the model are loaded (they are imported when the
 worker starts), so a bad flag is refused at once.
 
+With tensor_parallel_size = T > 1 the worker is rank 0 of T tensor-parallel rank processes (engine.tp_engine):
+it serves Generate and the T-1 followers it starts follow its steps, one device each. If its TP group fails,
+requests fail UNAVAILABLE and the worker drains and exits 1.
+
 On SIGTERM the worker drains: it deregisters (routers stop sending it work), refuses new requests with
 UNAVAILABLE, lets running streams finish for up to --drain-seconds, then stops.
 """

@@ -5,9 +5,12 @@ prefills the prompt and pushes one KV replica to the store → fetch the replica
 continuous batch → stream tokens → a summary. The servicer (decode.server) only turns a GenerateRequest into a
 `GenerateInput` and these events into protobuf; failures are raised as the common error kinds.
 
-The store object is released exactly once on every path: after the fetch (or when no fetch is needed), when
-the request fails or is cancelled mid-fetch, and, when the caller leaves while the set is still prefilling,
-as soon as the set's answer names the replica nobody will load.
+A replica is one store object per K/V head range (one per stored TP shard of the prefill set; a single
+object holding every head without TP): the fetch reads them all and places each by its head range into the
+whole model's K/V, whatever TP the prefill set or this worker runs. Every store object of the replica is
+released exactly once on every path: after the fetch (or when no fetch is needed), when the request fails or
+is cancelled mid-fetch, and, when the caller leaves while the set is still prefilling, as soon as the set's
+answer names the replica nobody will load.
 """
 
 from __future__ import annotations
