@@ -228,6 +228,7 @@ class Batcher:
             try:
                 self.engine.adopt_sequence(request.seq_id, request.kv, request.num_tokens)
             except Exception as exc:
+                self._reserved_blocks -= need  # never admitted: _finish only returns an active one's blocks
                 error = exc
                 if not isinstance(exc, ServiceError):
                     error = Internal(f"could not load the KV replica: {exc}")
