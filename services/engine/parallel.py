@@ -15,10 +15,10 @@ embedding, the norms and the LM head are replicated (every TP rank computes the 
 of SmolLM2's size a vocab split would save little and add a gather).
 
 Collectives run on tensors on the group's device (gloo on the CPU, NCCL on CUDA, HCCL on Ascend).
-`ParallelGroups.control` is a separate gloo group over the same world meant for control messages (a job's
-bytes, the ranks' result shares), so that on an accelerator they need not be copied to the device; on the CPU
-it is the world group itself. Today's PCP-only prefill ranks (prefill/rank.py) do not use it yet: they copy
-control messages to the group's device and use the default group.
+`ParallelGroups.control` is a separate gloo group over the same world for control messages (a job's bytes,
+the ranks' result shares, a decode step's command), so that on an accelerator they stay host tensors; on the
+CPU it is the world group itself. Prefill ranks (prefill/rank.py) and the decode TP engine (tp_engine.py) send
+all their control messages over it.
 """
 
 from __future__ import annotations

@@ -221,9 +221,10 @@ class KvHandle(_message.Message):
     @_builtins.property
     def shards(self) -> _containers.RepeatedCompositeFieldContainer[Global___KvShard]:
         """The store objects that make up the replica, in K/V head order: one per K/V head range the prefill
-        set's TP group stored (one object holding every head when it ran without TP); key, capability and
-        fingerprint above then name the first of them, total_bytes their sum. A handle without shards (an
-        older writer) means the single object named by key and capability, holding every head.
+        set's TP group stored (one object holding every head when it ran without TP); key and capability
+        above then name the first of them, total_bytes is their sum, and fingerprint stays the whole replica's
+        (each shard's own is in KvShard.fingerprint). A handle without shards (an older writer) means the
+        single object named by key and capability, holding every head.
         """
 
     def __init__(
