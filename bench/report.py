@@ -531,11 +531,11 @@ def _tensor_parallel_table(results: dict) -> list[str]:
     rows = sorted(_all_prefill_rows(results), key=lambda r: (r["tokens"], r.get("tp", 1), r["pcp"]))
     if not any(r.get("tp", 1) > 1 for r in rows):
         return [*lines, f"TP rows: {NOT_MEASURED} (`pcpstack bench prefill --tp 1,3 --pcp 1,2`).", ""]
-    cores = results["prefill"].get("cpu_count")
+    prefill = results["prefill"]
     lines += [
-        f"Every TP x PCP pair runs TP x PCP rank processes on {cores} core(s): where ranks outnumber cores, "
-        "TP adds processes and all-reduces, not compute, so these rows show what its communication costs "
-        "here.",
+        f"Every TP x PCP pair runs TP x PCP rank processes of {prefill.get('threads_per_rank')} thread(s) on "
+        f"{prefill.get('cpu_count')} core(s): more ranks use more of the cores until they outnumber them; "
+        "beyond that TP adds processes and all-reduces, not compute, and these rows show what that costs.",
         "",
     ]
     base = {r["tokens"]: r["ttft_s_median"] for r in rows if r.get("tp", 1) == 1 and r["pcp"] == 1}
