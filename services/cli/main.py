@@ -17,6 +17,7 @@ import sys
 from pathlib import Path
 
 from pcpstack.common.config import ConfigError, load_config_file, parse_overrides
+from pcpstack.common.models import hf_cache_dir, local_models
 
 SERVICES = ("registry", "prefill", "decode", "kvstore", "gateway")
 # The source checkout this package was installed from (editable install): bench/ lives there.
@@ -87,6 +88,20 @@ def _config_check(args: argparse.Namespace) -> int:
     return 0
 
 
+def _models(args: argparse.Namespace) -> int:
+    """Lists what --model can name on this machine without a download."""
+    models = local_models()
+    if args.json:
+        print(json.dumps([vars(m) for m in models], indent=2))
+        return 0
+    print(f"Hugging Face cache: {hf_cache_dir()}")
+    for model in models:
+        name = model.name or "(default: no --model)"
+        mark = "" if model.servable else "  [cannot serve]"
+        print(f"{name:<48} {model.kind:<9} {model.detail}{mark}")
+    return 0
+
+
 def _bench(argv: list[str]) -> int:
     """Runs `python -m bench ARGS` in the checkout; benchmarks are a development tool, not installed."""
     if not (CHECKOUT / "bench" / "__main__.py").is_file():
@@ -130,6 +145,12 @@ def build_parser(argv: list[str]) -> argparse.ArgumentParser:
         "--set", action="append", default=[], metavar="KEY=VALUE", help="override an engine_config key"
     )
     check.set_defaults(handler=_config_check)
+
+    models = add_parser(
+        sub, "models", help="list the models this machine can serve (embedded, local Hugging Face cache)"
+    )
+    models.add_argument("--json", action="store_true", help="print a JSON list instead of a table")
+    models.set_defaults(handler=_models)
 
     from pcpstack.cli import commands
 

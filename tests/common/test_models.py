@@ -7,6 +7,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from pcpstack.cli.main import main
 from pcpstack.common.config import ConfigError, check_model_source
 from pcpstack.common.models import ModelNotFound, cached_snapshot, local_models, resolve_model
 from pcpstack.engine.engine import Engine
@@ -90,3 +91,14 @@ def test_local_models_lists_what_can_be_served_and_says_why_not(hf_cache):
     assert models["acme/llama"].servable and models["acme/llama"].detail == "llama"
     assert not models["acme/bert"].servable and "bert: not served" in models["acme/bert"].detail
     assert models[str(quantized / "model.Q4_1.gguf")].kind == "gguf"
+
+
+def test_pcpstack_models_lists_a_cached_repo_as_servable(hf_cache, capsys):
+    folder = cache_repo(hf_cache, "acme/llama")
+    (folder / "config.json").write_text(json.dumps({"model_type": "llama"}))
+    (folder / "model.safetensors").write_bytes(b"")
+    assert main(["models", "--json"]) == 0
+    listed = {m["name"]: m for m in json.loads(capsys.readouterr().out)}
+    assert listed["acme/llama"]["servable"] and listed["tiny"]["servable"]
+    assert main(["models"]) == 0
+    assert f"Hugging Face cache: {hf_cache}" in capsys.readouterr().out
