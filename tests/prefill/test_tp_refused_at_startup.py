@@ -1,7 +1,6 @@
-"""Until tensor parallelism (and DCP, and a layerwise KV transfer) are wired into a service, a prefill
-node or decode worker configured with them is refused at start-up (exit 2, one line naming the key and the
-value) instead of being accepted and run as if they were off. Real `pcpstack serve` processes, refused before
-any model loads."""
+"""What a prefill node or decode worker refuses at start-up (exit 2, one line naming the key and the value):
+a TP size its model or devices cannot run, and settings the config rules accept that no service runs yet (DCP,
+a layerwise KV transfer), refused rather than run as if they were off. Real `pcpstack serve` processes."""
 
 from __future__ import annotations
 
@@ -10,48 +9,40 @@ import pytest
 from tests.common.test_startup import REGISTRY, refusal
 
 
-# Decode runs TP too: a worker is refused a TP size its model cannot split (found once its ranks load their
-# shards) or more ranks than devices.
+# Prefill and decode run TP: a node is refused only a TP size its model cannot split (found once it has read
+# the model's shape, by loading it) or more rank processes than devices (CUDA_VISIBLE_DEVICES="" hides every
+# GPU, so that refusal holds on any machine).
 @pytest.mark.parametrize(
-    ("args", "env", "expected"),
+    ("service", "args", "env", "expected"),
     [
         (
+            service,
             ["--model", "tiny", "--set", "tensor_parallel_size=3"],
             {},
             "tensor_parallel_size=3 must divide the model's num_attention_heads=4",
+        )
+        for service in ("prefill", "decode")
+    ]
+    + [
+        (
+            "prefill",
+            ["--model", "tiny", "--device", "cuda", "--set", "tensor_parallel_size=2"],
+            {"CUDA_VISIBLE_DEVICES": ""},
+            "tensor_parallel_size=2 x (prefill_context_parallel_size / nnodes)=1 needs 2 cuda devices",
         ),
         (
+            "decode",
             ["--model", "tiny", "--device", "cuda", "--set", "tensor_parallel_size=2"],
             {"CUDA_VISIBLE_DEVICES": ""},
             "tensor_parallel_size=2 needs 2 cuda devices",
         ),
     ],
 )
-def test_decode_refuses_a_tp_its_model_or_devices_cannot_run(child_env, args, env, expected) -> None:
-    line = refusal(child_env, "decode", "--registry", REGISTRY, "--log-level", "WARNING", *args, env=env)
-    assert expected in line
-
-
-# Prefill runs TP: a node is refused only a TP size its model cannot split, or more rank processes than
-# devices (CUDA_VISIBLE_DEVICES="" hides every GPU, so the refusal holds on any machine).
-@pytest.mark.parametrize(
-    ("args", "env", "expected"),
-    [
-        (
-            ["--model", "tiny", "--set", "tensor_parallel_size=3"],
-            {},
-            "tensor_parallel_size=3 must divide the model's num_attention_heads=4",
-        ),
-        (
-            ["--model", "tiny", "--device", "cuda", "--set", "tensor_parallel_size=2"],
-            {"CUDA_VISIBLE_DEVICES": ""},
-            "tensor_parallel_size=2 x (prefill_context_parallel_size / nnodes)=1 needs 2 cuda devices",
-        ),
-    ],
-)
-def test_prefill_refuses_a_tp_its_model_or_devices_cannot_run(child_env, args, env, expected) -> None:
-    # The head rule needs the model's shape, read by loading it: WARNING keeps its progress lines quiet.
-    line = refusal(child_env, "prefill", "--registry", REGISTRY, "--log-level", "WARNING", *args, env=env)
+def test_a_tp_the_model_or_devices_cannot_run_is_refused_at_start_up(
+    child_env, service, args, env, expected
+) -> None:
+    # WARNING keeps the model's loading progress lines out of the one line read back.
+    line = refusal(child_env, service, "--registry", REGISTRY, "--log-level", "WARNING", *args, env=env)
     assert expected in line
 
 
