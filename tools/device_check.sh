@@ -54,12 +54,7 @@ if [[ "$COUNT" -lt 1 ]]; then
     exit 1
 fi
 echo "device_check: $COUNT $KIND device(s) visible; running the $KIND cases of: ${TESTS[*]}"
-if [[ "$KIND" == npu ]]; then
-    echo "device_check: note: the exactness tests are parametrised by cpu and cuda; an npu case runs only" \
-        "where a test lists it"
-fi
-
-# The cuda cases are the tests' [cuda] parameters and the visible-GPU tests of the device choice.
+# The tests' [cuda] / [npu] parameters, and on CUDA the visible-GPU tests of the device choice.
 case "$KIND" in
     cuda) SELECT="cuda or gpu" ;;
     npu) SELECT="npu" ;;

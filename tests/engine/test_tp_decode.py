@@ -98,7 +98,7 @@ def closing() -> Iterator[list[TensorParallelEngine]]:
     torch.set_num_threads(threads)
 
 
-@pytest.mark.parametrize("kind", ["cpu", "cuda"])
+@pytest.mark.parametrize("kind", ["cpu", "cuda", "npu"])
 def test_smollm2_tp3_decode_equals_the_single_engine_as_sequences_join_and_leave(kind, smollm, closing):
     kind = device_kind_or_skip(kind, 3)
     # The reference on the CPU in float32 whatever the TP ranks run on: it is the exact answer.

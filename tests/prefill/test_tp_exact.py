@@ -6,7 +6,7 @@ SmolLM2 (which covers TP=3's shards; TP=3 alone was dropped to keep the suite's 
 every rank's first-token logits (the ranks of the PCP rank holding the last position; the LM head is
 replicated, so each TP rank has them) and every layer's K/V, gathered over the TP group by K/V head range,
 match single-rank prefill within 1e-4, for prompt lengths including n < 2P. Parametrised by device: CUDA
-runs where enough GPUs are present (one per rank), and is skipped with the reason otherwise.
+and Ascend NPUs run where enough devices are present (one per rank); skipped with the reason otherwise.
 """
 
 from __future__ import annotations
@@ -19,7 +19,7 @@ from pcpstack.prefill.split import DualChunkSplit
 from tests.prefill.tp_harness import run_tp_pcp, single_rank
 
 TOL = 1e-4
-DEVICES = ["cpu", "cuda"]
+DEVICES = ["cpu", "cuda", "npu"]
 
 
 def lengths_for(pcp: int) -> list[int]:
