@@ -404,3 +404,19 @@ def test_any_registration_order_and_failure_sequence_keeps_sets_valid(ops):
         _check_invariants(m, now, formations)
         assert m.max_generation >= max_generation
         max_generation = m.max_generation
+
+
+def test_seed_000_example_registers_with_16_devices_a_node_and_forms_one_32_rank_set():
+    """Seed 000's own shape (tp 16, pcp 2, nnodes 2): each node offers 16 devices, runs one PCP rank's 16 TP
+    ranks, and the set's world is the 32 ranks numbered pcp_rank x 16 + tp_rank; 15 devices are refused."""
+    seed = _config(data_parallel_size=1, tensor_parallel_size=16)
+    with pytest.raises(FailedPrecondition, match="device_count=15"):
+        Membership(SETTINGS, 0.0).register(_prefill("node-9", seed, device_count=15), 0.0)
+    m = Membership(SETTINGS, 0.0)
+    m.register(_prefill("node-0", seed, device_count=16), 0.0)
+    m.register(_prefill("node-1", seed, device_count=16), 0.0)
+    held = {v.node_id: v.assignment for v in m.nodes(0.0)}
+    assert [held[n].tp_size for n in ("node-0", "node-1")] == [16, 16]
+    assert held["node-0"].pcp_ranks == (0,) and held["node-1"].pcp_ranks == (1,)
+    assert held["node-0"].global_ranks == tuple(range(16))
+    assert held["node-1"].global_ranks == tuple(range(16, 32))
