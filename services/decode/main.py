@@ -119,7 +119,9 @@ def load_engine(config: DecodeConfig) -> Engine | TensorParallelEngine:
     from pcpstack.engine.device import device_for_rank, pick_device
     from pcpstack.engine.engine import Engine
     from pcpstack.engine.kv_cache import blocks_needed
+    from pcpstack.engine.parallel import TensorParallelShard
     from pcpstack.engine.tp_engine import TensorParallelEngine
+    from pcpstack.engine.weights import describe_model
 
     engine_config = config.engine
     tp = engine_config.tensor_parallel_size
@@ -133,6 +135,13 @@ def load_engine(config: DecodeConfig) -> Engine | TensorParallelEngine:
             "tensor_parallel_size <= devices present",
         ) from None
     num_blocks = blocks_needed(config.kv_cache_tokens, engine_config.block_size)
+    if tp > 1:  # from the model's header, before any rank process starts or any weight loads
+        try:
+            TensorParallelShard(0, tp).check(describe_model(engine_config.model or None).args)
+        except (OSError, ValueError) as exc:
+            raise ConfigError(
+                str(exc), ("tensor_parallel_size",), "the TP size splits the heads and the intermediate size"
+            ) from None
     try:
         if tp == 1:
             return Engine.load(

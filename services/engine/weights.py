@@ -87,32 +87,22 @@ def load_model(
     of a TP group, only that rank's part of it (ValueError when the model cannot be split that way).
     `unpermute_gguf_qk=False` exists only to prove that skipping the un-permutation is caught by the
     tests."""
-    if isinstance(path, str):  # a --model value: maybe a Hugging Face repo id in the local cache
-        try:
-            path = resolve_model(path)
-        except (ValueError, FileNotFoundError) as exc:
-            raise type(exc)(f"model {path!r}: {exc}") from None
+    name = path or "(the embedded default)"
+    path = _source(path)
     device = torch.device(device) if device is not None else pick_device()
     dtype = dtype or default_dtype(device)
     blocks: dict[str, BlockWeight] = {}
-    started, name = time.monotonic(), path if path is not None else "(the embedded default)"
+    started = time.monotonic()
     log.info("loading model %s on %s", name, device, extra=PROGRESS)
     if path == TINY:
         args = ModelArgs.tiny()
         state = _tiny_state(args)
         tokenizer = Tokenizer.byte_level(args.vocab_size, ["<|endoftext|>", "<|im_start|>", "<|im_end|>"])
-        digest = hashlib.sha256(f"tiny-seed-{TINY_SEED}".encode())
+    elif path.is_dir():
+        args, state, tokenizer = _read_hf_folder(path)
     else:
-        path = Path(path) if path is not None else default_model_path()
-        if path.is_dir():
-            args, state, tokenizer = _read_hf_folder(path)
-            digest = _digest_files(sorted(path.glob("*.safetensors")))
-        elif path.suffix == ".gguf":
-            args, state, tokenizer, blocks = _read_gguf(path, unpermute_gguf_qk)
-            digest = _digest_files([path])
-        else:
-            raise ValueError(f"model path {path} is neither a Hugging Face folder nor a .gguf file")
-    digest.update(json.dumps(asdict(args), sort_keys=True).encode())
+        args, state, tokenizer, blocks = _read_gguf(path, unpermute_gguf_qk)
+    model_id = _model_id(path, args)
     local_args, tp_group = args, None
     if shard.size > 1:
         if shard.group is None:
@@ -121,7 +111,58 @@ def load_model(
         state, blocks = shard_state(state, args, shard), {}
     model = _build(local_args, state, blocks, device, dtype, tp_group)
     log.info("model %s loaded in %.1f s", name, time.monotonic() - started, extra=PROGRESS)
-    return LoadedModel(model, local_args, tokenizer, digest.hexdigest()[:16], device, dtype, args, shard)
+    return LoadedModel(model, local_args, tokenizer, model_id, device, dtype, args, shard)
+
+
+@dataclass(frozen=True)
+class ModelDescription:
+    """What a model is, read without loading its weights: its architecture and its identity."""
+
+    args: ModelArgs
+    model_id: str
+
+
+def describe_model(path: str | Path | None = None) -> ModelDescription:
+    """A model's architecture and model id (as `load_model` gives them) from its config.json or GGUF header,
+    without reading its weights: enough to check a TP size or compute a KV fingerprint in a moment."""
+    path = _source(path)
+    if path == TINY:
+        args = ModelArgs.tiny()
+    else:
+        assert isinstance(path, Path)
+        if path.is_dir():
+            args = _hf_args(_hf_config(path))
+        else:
+            import gguf
+
+            args = _gguf_args(path, gguf.GGUFReader(str(path)))[0]
+    return ModelDescription(args, _model_id(path, args))
+
+
+def _source(path: str | Path | None) -> Path | str:
+    """TINY, or the path of a model folder or .gguf file, for any way load_model accepts a model."""
+    if isinstance(path, str):  # a --model value: maybe a Hugging Face repo id in the local cache
+        try:
+            path = resolve_model(path)
+        except (ValueError, FileNotFoundError) as exc:
+            raise type(exc)(f"model {path!r}: {exc}") from None
+    if path == TINY:
+        return TINY
+    path = Path(path) if path is not None else default_model_path()
+    if not path.is_dir() and path.suffix != ".gguf":
+        raise ValueError(f"model path {path} is neither a Hugging Face folder nor a .gguf file")
+    return path
+
+
+def _model_id(path: Path | str, args: ModelArgs) -> str:
+    """A digest of the model's weight files (or the tiny model's seed) and its architecture."""
+    if path == TINY:
+        digest = hashlib.sha256(f"tiny-seed-{TINY_SEED}".encode())
+    else:
+        assert isinstance(path, Path)
+        digest = _digest_files(sorted(path.glob("*.safetensors")) if path.is_dir() else [path])
+    digest.update(json.dumps(asdict(args), sort_keys=True).encode())
+    return digest.hexdigest()[:16]
 
 
 def shard_state(
@@ -230,22 +271,21 @@ def _fuse_layer(
     state[f"layers.{i}.feed_forward.w13.weight"] = torch.cat((gate, up))
 
 
-def _read_gguf(
-    path: Path, unpermute: bool
-) -> tuple[ModelArgs, dict[str, torch.Tensor], Tokenizer, dict[str, BlockWeight]]:
+def _gguf_args(path: Path, reader: Any) -> tuple[ModelArgs, dict[str, Any], Tokenizer]:
+    """A GGUF's architecture, metadata and tokenizer, from its header alone (no weight is dequantized)."""
     import gguf
 
-    reader = gguf.GGUFReader(str(path))
     meta: dict[str, Any] = {name: field.contents() for name, field in reader.fields.items()}
     arch = meta["general.architecture"]
     family_of_gguf(arch)  # refuses an architecture no family serves
-    tensors = {
-        t.name: torch.from_numpy(np.array(gguf.quants.dequantize(t.data, t.tensor_type), dtype=np.float32))
-        for t in reader.tensors
-    }
-    raw_blocks = {t.name: from_gguf(t.data, t.tensor_type.name) for t in reader.tensors}
+    by_name = {t.name: t for t in reader.tensors}
+    rope_freqs = by_name.get("rope_freqs.weight")
+    divisors = None
+    if rope_freqs is not None:
+        values = gguf.quants.dequantize(rope_freqs.data, rope_freqs.tensor_type)
+        divisors = torch.from_numpy(np.array(values, dtype=np.float32))
     try:
-        rope_scaling = RopeScaling.from_gguf(meta, arch, tensors.pop("rope_freqs.weight", None))
+        rope_scaling = RopeScaling.from_gguf(meta, arch, divisors)
     except ValueError as exc:
         raise ValueError(f"{path.name}: {exc}") from None
     n_heads = meta[f"{arch}.attention.head_count"]
@@ -253,7 +293,7 @@ def _read_gguf(
     dim = meta[f"{arch}.embedding_length"]
     tokenizer = Tokenizer.from_gguf_metadata(meta)
     args = ModelArgs(
-        vocab_size=tensors["token_embd.weight"].shape[0],
+        vocab_size=int(by_name["token_embd.weight"].n_elements) // dim,
         dim=dim,
         n_layers=meta[f"{arch}.block_count"],
         n_heads=n_heads,
@@ -264,11 +304,29 @@ def _read_gguf(
         rope_theta=meta.get(f"{arch}.rope.freq_base", 10000.0),
         rope_scaling=rope_scaling,
         max_seq_len=meta[f"{arch}.context_length"],
-        tie_embeddings="output.weight" not in tensors,
-        attention_bias="blk.0.attn_q.bias" in tensors,
+        tie_embeddings="output.weight" not in by_name,
+        attention_bias="blk.0.attn_q.bias" in by_name,
         bos_token_id=tokenizer.bos_token_id,
         eos_token_ids=tokenizer.eos_token_ids,
     )
+    return args, meta, tokenizer
+
+
+def _read_gguf(
+    path: Path, unpermute: bool
+) -> tuple[ModelArgs, dict[str, torch.Tensor], Tokenizer, dict[str, BlockWeight]]:
+    import gguf
+
+    reader = gguf.GGUFReader(str(path))
+    args, meta, tokenizer = _gguf_args(path, reader)
+    arch = meta["general.architecture"]
+    n_heads, n_kv_heads = args.n_heads, args.n_kv_heads
+    tensors = {
+        t.name: torch.from_numpy(np.array(gguf.quants.dequantize(t.data, t.tensor_type), dtype=np.float32))
+        for t in reader.tensors
+        if t.name != "rope_freqs.weight"  # read into args.rope_scaling
+    }
+    raw_blocks = {t.name: from_gguf(t.data, t.tensor_type.name) for t in reader.tensors}
     # llama.cpp permutes q/k rows only for the llama architecture (its convert script's `permute`).
     permuted = arch == "llama" and unpermute
     state = {
@@ -354,13 +412,17 @@ def _hf_args(config: dict[str, Any]) -> ModelArgs:
     )
 
 
-def _read_hf_folder(folder: Path) -> tuple[ModelArgs, dict[str, torch.Tensor], Tokenizer | None]:
-    from safetensors.torch import load_file
-
+def _hf_config(folder: Path) -> dict[str, Any]:
     config_path = folder / "config.json"
     if not config_path.is_file():
         raise FileNotFoundError(f"{folder} has no config.json; expected a Hugging Face model folder")
-    args = _hf_args(json.loads(config_path.read_text()))
+    return json.loads(config_path.read_text())
+
+
+def _read_hf_folder(folder: Path) -> tuple[ModelArgs, dict[str, torch.Tensor], Tokenizer | None]:
+    from safetensors.torch import load_file
+
+    args = _hf_args(_hf_config(folder))
     files = sorted(folder.glob("*.safetensors"))
     if not files:
         raise FileNotFoundError(f"{folder} has no *.safetensors files")

@@ -27,7 +27,7 @@ from pcpstack.engine.config import ModelArgs
 from pcpstack.engine.device import default_dtype, pick_device
 from pcpstack.engine.kv_cache import KvLayout
 from pcpstack.engine.prompt import PromptLimits
-from pcpstack.engine.weights import load_model
+from pcpstack.engine.weights import describe_model
 from pcpstack.prefill.errors import NotMaster, SetUnavailable
 from pcpstack.prefill.job import PrefillJob, PrefillOutcome
 from pcpstack.prefill.rank import RankReady, RankSpec, rank_main
@@ -52,12 +52,14 @@ class ModelInfo:
 
     @classmethod
     def probe(cls, model: str | None, block_size: int, device: str = "") -> ModelInfo:
-        """Loads the whole model once here, on the CPU in the dtype its ranks will run on `device` (cpu,
-        cuda, npu; "" = what is present), to read its shape and replica fingerprint; then drops it."""
+        """Reads the model's shape and identity from its config or GGUF header (no weights are loaded here)
+        and the replica fingerprint its ranks will have in the dtype they run on `device` (cpu, cuda, npu;
+        "" = what is present)."""
         kind = device or pick_device().type
-        loaded = load_model(model, "cpu", default_dtype(torch.device(kind)))
-        layout = KvLayout.for_model(loaded.model_id, loaded.args, loaded.dtype, block_size)
-        return cls(layout.fingerprint(), layout, loaded.args)
+        described = describe_model(model)
+        dtype = default_dtype(torch.device(kind))
+        layout = KvLayout.for_model(described.model_id, described.args, dtype, block_size)
+        return cls(layout.fingerprint(), layout, described.args)
 
     @property
     def vocab_size(self) -> int:

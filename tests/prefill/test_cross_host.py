@@ -1,11 +1,10 @@
 """Two prefill nodes on two hosts (network namespaces joined by veth to a bridge) form one TP x PCP set.
 
-Each node has its own address; the registry assembles them (nnodes=2, PCP=2, TP=2: each node runs the two
-TP ranks of one PCP rank), they join one world of gloo groups across the hosts (the TP groups inside a
-host, the PCP groups across), and the set's result, its replica stored as one object per K/V head, equals
-single-rank prefill. Needs root and `ip`. The tiny model (TP=2 splits its 2 K/V heads) keeps this short;
-SmolLM2 at TP=3 takes the same path with three ranks per node, but six SmolLM2 ranks on this test machine's
-two cores would cost minutes of the suite.
+Each node has its own address; the registry assembles them (nnodes=2, PCP=2, TP=3: each node runs the three
+TP ranks of one PCP rank), they join one world of gloo groups across the hosts (the TP groups inside a host,
+the PCP groups across), and the set's result, its replica stored as one object per K/V head, equals
+single-rank prefill. Needs root and `ip`. A small random model with SmolLM2's head layout (9 query heads,
+3 K/V heads) keeps it short; SmolLM2 itself at TP=3 x PCP=2 is checked in-process in test_tp_exact.py.
 """
 
 from __future__ import annotations
@@ -22,6 +21,7 @@ from pathlib import Path
 import grpc
 import pytest
 import torch
+import transformers
 
 from pcpstack.cli.launch import spawn_service
 from pcpstack.cli.stack import free_port
@@ -109,8 +109,27 @@ async def wait_for_node(registry: str, node_id: str, timeout: float) -> None:
     raise TimeoutError(f"{node_id} did not register")
 
 
-def test_two_hosts_form_one_tp_pcp_set_and_prefill_exactly(two_hosts, tmp_path) -> None:
+def small_gqa_model(folder: Path) -> Path:
+    """A random 2-layer Llama with SmolLM2's head layout (3 K/V heads, 3 query heads each), so TP=3 splits it
+    the way it splits SmolLM2, at a size that loads in a moment."""
+    torch.manual_seed(0)
+    config = transformers.LlamaConfig(
+        vocab_size=256,
+        hidden_size=144,
+        intermediate_size=192,
+        num_hidden_layers=2,
+        num_attention_heads=9,
+        num_key_value_heads=3,
+        max_position_embeddings=1024,
+    )
+    transformers.AutoModelForCausalLM.from_config(config).save_pretrained(folder)
+    return folder
+
+
+def test_two_hosts_form_one_tp3_pcp2_set_and_prefill_exactly(two_hosts, tmp_path) -> None:
+    """The issue's shape scaled down: TP=3 x PCP=2 over nnodes=2, three rank processes per host."""
     bridge_ip, hosts = two_hosts
+    model = small_gqa_model(tmp_path / "model")
     registry = f"{bridge_ip}:{free_port(bridge_ip)}"
     kvstore = f"{bridge_ip}:{free_port(bridge_ip)}"
     config = tmp_path / "prefill.json"
@@ -120,11 +139,11 @@ def test_two_hosts_form_one_tp_pcp_set_and_prefill_exactly(two_hosts, tmp_path) 
                 "motor_engine_prefill_config": {
                     "engine_config": {
                         "prefill-context-parallel-size": 2,
-                        "tensor_parallel_size": 2,
+                        "tensor_parallel_size": 3,
                         "nnodes": 2,
                         "block_size": 128,
                         "master-port": 29511,
-                        "model": "tiny",
+                        "model": str(model),
                     }
                 }
             }
@@ -210,12 +229,12 @@ def test_two_hosts_form_one_tp_pcp_set_and_prefill_exactly(two_hosts, tmp_path) 
 
         ids = torch.randint(0, 256, (77,), generator=torch.Generator().manual_seed(1)).tolist()
         reply, kv = loop.run_until_complete(prefill(ids))
-        reference = Engine.load("tiny", block_size=128)
+        reference = Engine.load(str(model), device="cpu", dtype=torch.float32, block_size=128)
         logits = reference.prefill("ref", ids)
         expected = reference.export_sequence("ref")
         assert reply.first_token_id == int(logits.argmax())
-        assert (reply.pcp_size, reply.kv.source_tp_size) == (2, 2)
-        assert [(s.kv_head_start, s.kv_head_end) for s in reply.kv.shards] == [(0, 1), (1, 2)]
+        assert (reply.pcp_size, reply.kv.source_tp_size) == (2, 3)
+        assert [(s.kv_head_start, s.kv_head_end) for s in reply.kv.shards] == [(0, 1), (1, 2), (2, 3)]
         assert (kv - expected).abs().max().item() <= 1e-4
     finally:
         loop.close()
