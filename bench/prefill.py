@@ -23,8 +23,8 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from pcpstack.cli.stack import free_port
 from pcpstack.common.config import served_model_name
+from pcpstack.common.ports import free_port
 from pcpstack.engine.engine import Engine
 from pcpstack.engine.kv_cache import blocks_needed
 from pcpstack.engine.parallel import SINGLE_RANK, ParallelLayout, init_parallel_groups

@@ -15,9 +15,9 @@ import time
 from pathlib import Path
 
 from pcpstack.cli.launch import spawn_service
-from pcpstack.cli.stack import free_port
 from pcpstack.common.channel import open_channel
 from pcpstack.common.config import EngineConfig
+from pcpstack.common.ports import free_port
 from pcpstack.registry.client import NodeSession
 from pcpstack.v1 import registry_pb2, registry_pb2_grpc
 

@@ -29,17 +29,11 @@ from pcpstack.cli.launch import child_env, spawn_service
 from pcpstack.common import security
 from pcpstack.common.channel import open_channel
 from pcpstack.common.config import served_model_name
+from pcpstack.common.ports import free_port
 from pcpstack.common.startup import CONFIG_EXIT_STATUS
 from pcpstack.v1 import registry_pb2, registry_pb2_grpc
 
 WILDCARD_HOSTS = ("0.0.0.0", "::", "")
-
-
-def free_port(host: str = "127.0.0.1") -> int:
-    """A TCP port that was free a moment ago."""
-    with socket.socket() as s:
-        s.bind((host, 0))
-        return s.getsockname()[1]
 
 
 def https_context(deployment: security.Security) -> ssl.SSLContext | None:

@@ -26,7 +26,6 @@ from __future__ import annotations
 import logging
 import multiprocessing as mp
 import os
-import socket
 import threading
 import time
 from collections.abc import Callable, Hashable, Iterator, Sequence
@@ -41,6 +40,7 @@ import torch.distributed as dist
 
 from pcpstack.common.errors import Unavailable
 from pcpstack.common.logs import setup_logging
+from pcpstack.common.ports import free_port
 from pcpstack.engine.config import ModelArgs
 from pcpstack.engine.device import device_for_rank
 from pcpstack.engine.engine import Engine
@@ -75,13 +75,6 @@ class FollowerSpec:
     timeout_s: float
     threads: int
     log_level: str
-
-
-def _free_port() -> int:
-    """A loopback port that was free a moment ago, for the group's rendezvous."""
-    with socket.socket() as s:
-        s.bind((_MASTER_ADDR, 0))
-        return s.getsockname()[1]
 
 
 def _device(spec: FollowerSpec) -> torch.device:
@@ -227,7 +220,7 @@ class TensorParallelEngine:
         # T ranks share the host's cores; each taking all of them would oversubscribe every collective.
         threads = threads or max(1, (os.cpu_count() or 1) // tp_size)
         torch.set_num_threads(threads)
-        port = _free_port()
+        port = free_port(_MASTER_ADDR)
         specs = [
             FollowerSpec(
                 model=None if model is None else str(model),

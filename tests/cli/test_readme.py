@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 
 from pcpstack.cli.launch import cli_command
-from pcpstack.cli.stack import free_port
+from pcpstack.common.ports import free_port
 from tests.security import test_tls_recipe
 from tools.flags_table import render_readme
 

@@ -12,7 +12,7 @@ import urllib.request
 import pytest
 
 from pcpstack.cli.launch import spawn_service
-from pcpstack.cli.stack import free_port
+from pcpstack.common.ports import free_port
 from pcpstack.kvstore.client import KvStoreClient
 
 

@@ -14,7 +14,7 @@ import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from pcpstack.cli.launch import spawn_service
-from pcpstack.cli.stack import free_port
+from pcpstack.common.ports import free_port
 from pcpstack.v1 import registry_pb2, registry_pb2_grpc
 
 # A length-delimited field 1 that claims 5 bytes and has 2: no protobuf decoder accepts it.

@@ -15,8 +15,8 @@ import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from pcpstack.cli.launch import service_command, spawn_service
-from pcpstack.cli.stack import free_port
 from pcpstack.common.config import ConfigError, EngineConfig
+from pcpstack.common.ports import free_port
 from pcpstack.common.server import ServerOptions
 from pcpstack.common.startup import Serving, serve_until_stopped
 from pcpstack.prefill.main import PrefillConfig

@@ -28,9 +28,9 @@ from typing import Any
 import pytest
 
 from pcpstack.cli import main as cli
-from pcpstack.cli.stack import free_port
 from pcpstack.common.channel import open_channel
 from pcpstack.common.config import load_config_file
+from pcpstack.common.ports import free_port
 from pcpstack.decode.client import DecodeClient, build_request
 from pcpstack.v1 import registry_pb2, registry_pb2_grpc
 from tests.compose.loopback import (

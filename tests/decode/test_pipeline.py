@@ -14,9 +14,9 @@ from contextlib import aclosing
 
 import pytest
 
-from pcpstack.cli.stack import free_port
 from pcpstack.common.errors import InvalidArgument, ResourceExhausted, ServiceError
 from pcpstack.common.ids import MAX_REQUEST_ID_CHARS
+from pcpstack.common.ports import free_port
 from pcpstack.decode.batcher import Batcher
 from pcpstack.decode.pipeline import DecodeSettings, GenerateInput, GeneratePipeline, TokenPrompt
 from pcpstack.decode.router import SetRouter

@@ -13,8 +13,8 @@ import time
 import pytest
 
 from pcpstack.cli.launch import cli_command
-from pcpstack.cli.stack import free_port
 from pcpstack.common.channel import open_channel
+from pcpstack.common.ports import free_port
 from pcpstack.decode.client import DecodeClient, build_request
 from pcpstack.v1 import registry_pb2, registry_pb2_grpc
 from tests.helpers import child_pids, start_stack

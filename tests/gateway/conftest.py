@@ -13,7 +13,7 @@ import openai
 import pytest
 
 from pcpstack.cli.launch import child_env, spawn_service
-from pcpstack.cli.stack import free_port
+from pcpstack.common.ports import free_port
 from pcpstack.common.telemetry import read_span_file
 from tests.helpers import RunningStack, start_stack
 

@@ -7,7 +7,7 @@ import asyncio
 
 from aiohttp.test_utils import TestClient, TestServer
 
-from pcpstack.cli.stack import free_port
+from pcpstack.common.ports import free_port
 from pcpstack.gateway.server import GatewaySettings, create_app
 from pcpstack.gateway.upstream import DecodePool
 

@@ -11,7 +11,7 @@ import httpx2
 import openai
 
 from pcpstack.cli.certs import write_certs
-from pcpstack.cli.stack import free_port
+from pcpstack.common.ports import free_port
 from tests.gateway.conftest import GatewayProcess, child_environment
 
 

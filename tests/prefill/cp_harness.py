@@ -11,7 +11,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from pcpstack.cli.stack import free_port
+from pcpstack.common.ports import free_port
 from pcpstack.engine.engine import Engine
 from pcpstack.engine.kv_cache import blocks_needed
 from pcpstack.prefill.context_parallel import KvAllGather, init_pcp_group, prefill_share

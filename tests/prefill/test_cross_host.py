@@ -24,8 +24,8 @@ import torch
 import transformers
 
 from pcpstack.cli.launch import spawn_service
-from pcpstack.cli.stack import free_port
 from pcpstack.common.channel import open_channel
+from pcpstack.common.ports import free_port
 from pcpstack.engine.engine import Engine
 from pcpstack.kvstore.client import KvStoreClient
 from pcpstack.prefill.client import PrefillClient

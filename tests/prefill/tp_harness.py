@@ -14,7 +14,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from pcpstack.cli.stack import free_port
+from pcpstack.common.ports import free_port
 from pcpstack.engine.config import ModelArgs
 from pcpstack.engine.device import device_for_rank
 from pcpstack.engine.engine import Engine

@@ -12,8 +12,8 @@ from typing import TypeVar
 
 import grpc
 
-from pcpstack.cli.stack import free_port
 from pcpstack.common.channel import open_channel
+from pcpstack.common.ports import free_port
 from pcpstack.v1 import registry_pb2, registry_pb2_grpc
 
 T = TypeVar("T")

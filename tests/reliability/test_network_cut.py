@@ -20,7 +20,7 @@ import time
 import grpc
 import pytest
 
-from pcpstack.cli.stack import free_port
+from pcpstack.common.ports import free_port
 from pcpstack.prefill.client import PrefillClient
 from pcpstack.v1 import common_pb2, registry_pb2
 from tests.prefill.test_cross_host import ip, spawn, two_hosts, wait_for_set
