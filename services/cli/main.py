@@ -17,7 +17,7 @@ import sys
 from pathlib import Path
 
 from pcpstack.common.config import ConfigError, load_config_file, parse_overrides
-from pcpstack.common.models import hf_cache_dir, local_models
+from pcpstack.common.models import hf_cache_dir, local_models, resolve_model
 
 SERVICES = ("registry", "prefill", "decode", "kvstore", "gateway")
 # The source checkout this package was installed from (editable install): bench/ lives there.
@@ -76,6 +76,11 @@ def _config_check(args: argparse.Namespace) -> int:
     except (ConfigError, OSError) as exc:
         print(f"config error: {exc}", file=sys.stderr)
         return 2
+    for role, config in configs.items():
+        problem = _model_shape_problem(role, config)
+        if problem:
+            print(f"config error: {problem}", file=sys.stderr)
+            return 2
     resolved = {}
     for role, config in configs.items():
         resolved[role] = {
@@ -86,6 +91,31 @@ def _config_check(args: argparse.Namespace) -> int:
         }
     print(json.dumps(resolved, indent=2))
     return 0
+
+
+def _model_shape_problem(role: str, config) -> str:
+    """Why the model a config names cannot run at its TP size (heads or intermediate size not divisible),
+    read from the model's header; "" when it can, or when the model is not on this machine (a config is
+    often checked away from the nodes that hold the weights: start-up checks it there)."""
+    if config.tensor_parallel_size == 1:
+        return ""
+    try:
+        resolve_model(config.model)
+    except (ValueError, FileNotFoundError):
+        print(
+            f"config check: {role} model {config.model!r} is not on this machine; its heads are checked "
+            f"against tensor_parallel_size={config.tensor_parallel_size} when a node starts",
+            file=sys.stderr,
+        )
+        return ""
+    from pcpstack.engine.parallel import TensorParallelShard
+    from pcpstack.engine.weights import describe_model
+
+    try:
+        TensorParallelShard(0, config.tensor_parallel_size).check(describe_model(config.model or None).args)
+    except ValueError as exc:
+        return f"{role}: {exc}"
+    return ""
 
 
 def _models(args: argparse.Namespace) -> int:

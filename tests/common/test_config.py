@@ -241,3 +241,19 @@ def test_a_config_file_that_cannot_be_read_or_parsed_is_a_config_error(tmp_path)
     broken.write_text("{not json")
     with pytest.raises(ConfigError, match="must hold valid JSON"):
         load_config_file(broken)
+
+
+def test_config_check_refuses_a_tp_the_named_model_cannot_split_and_notes_a_model_it_cannot_see(
+    tmp_path, capsys
+) -> None:
+    """With the model on this machine, config check applies the TP rule to its heads (tiny has 4 query and 2
+    K/V heads); a model path it cannot see is noted on stderr and left to the node's start-up check."""
+    config = tmp_path / "tp3.json"
+    config.write_text(json.dumps({"motor_engine_prefill_config": {"engine_config": {"model": "tiny"}}}))
+    assert cli.main(["config", "check", str(config), "--set", "tensor_parallel_size=3"]) == 2
+    assert "tensor_parallel_size=3 must divide the model's num_attention_heads=4" in capsys.readouterr().err
+    assert cli.main(["config", "check", str(config), "--set", "tensor_parallel_size=2"]) == 0
+    example = tmp_path / "seed-000.json"
+    example.write_text(SEED_000_EXAMPLE)
+    assert cli.main(["config", "check", str(example)]) == 0
+    assert "'/mnt/weight/your_model' is not on this machine" in capsys.readouterr().err
