@@ -60,7 +60,11 @@ def add_stack_arguments(parser: argparse.ArgumentParser) -> None:
         help="where prefill ranks and decode workers run the model "
         "(default: an NPU, else a GPU, else the CPU)",
     )
-    parser.add_argument("--model", default=None, help="a .gguf file, a HF folder or 'tiny' (default SmolLM2)")
+    parser.add_argument(
+        "--model",
+        default=None,
+        help="a .gguf file, a HF folder, a HF repo id in the local cache or 'tiny' (default SmolLM2)",
+    )
     parser.add_argument(
         "--threads-per-rank", type=int, default=1, help="torch threads per PCP rank (default 1)"
     )

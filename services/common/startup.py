@@ -108,7 +108,9 @@ def add_node_arguments(parser: argparse.ArgumentParser, role: str) -> None:
         "--set", action="append", default=[], metavar="KEY=VALUE", help="engine_config override"
     )
     parser.add_argument(
-        "--model", default=None, help="model: a .gguf file, a HF folder, 'tiny'; default SmolLM2"
+        "--model",
+        default=None,
+        help="model: a .gguf file, a HF folder, a HF repo id in the local cache, 'tiny'; default SmolLM2",
     )
     parser.add_argument(
         "--max-message-bytes", type=int, default=DEFAULT_MAX_MESSAGE_BYTES, help="largest gRPC message"
