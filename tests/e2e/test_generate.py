@@ -46,8 +46,8 @@ def test_greedy_output_equals_hf_transformers_pcp2(smollm_stack_pcp2, hf_referen
     check_greedy_against_hf(smollm_stack_pcp2, hf_reference)
 
 
-def check_greedy_against_hf(stack, hf_reference) -> None:
-    for prompt in PROMPTS:
+def check_greedy_against_hf(stack, hf_reference, prompts=tuple(PROMPTS)) -> None:
+    for prompt in prompts:
         result = stack.run(_answer(stack.decode, prompt, max_tokens=32, ignore_eos=True))
         assert result.summary.completion_tokens == 32
         expected = hf_reference(list(result.summary.prompt_token_ids), 32)
