@@ -99,20 +99,27 @@ def _model_shape_problem(role: str, config) -> str:
     often checked away from the nodes that hold the weights: start-up checks it there)."""
     if config.tensor_parallel_size == 1:
         return ""
-    try:
-        resolve_model(config.model)
-    except (ValueError, FileNotFoundError):
-        print(
-            f"config check: {role} model {config.model!r} is not on this machine; its heads are checked "
-            f"against tensor_parallel_size={config.tensor_parallel_size} when a node starts",
-            file=sys.stderr,
-        )
-        return ""
     from pcpstack.engine.parallel import TensorParallelShard
     from pcpstack.engine.weights import describe_model
 
+    note = (
+        f"config check: {role} model {config.model!r} is not on this machine; its heads are checked against "
+        f"tensor_parallel_size={config.tensor_parallel_size} when a node starts"
+    )
     try:
-        TensorParallelShard(0, config.tensor_parallel_size).check(describe_model(config.model or None).args)
+        resolve_model(config.model)
+    except (ValueError, OSError):  # a path or repo id this machine does not have
+        print(note, file=sys.stderr)
+        return ""
+    try:
+        args = describe_model(config.model or None).args
+    except OSError:  # the embedded default's package is not installed here
+        print(note, file=sys.stderr)
+        return ""
+    except ValueError as exc:  # a model this engine cannot serve: start-up would refuse it too
+        return f"{role}: model {config.model!r}: {exc}"
+    try:
+        TensorParallelShard(0, config.tensor_parallel_size).check(args)
     except ValueError as exc:
         return f"{role}: {exc}"
     return ""
