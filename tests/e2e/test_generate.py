@@ -1,8 +1,9 @@
 """The whole request path through real processes with SmolLM2: registry, kvstore, PCP prefill ranks, decode.
 
-Greedy answers equal HF transformers' for PCP=1, 2 and 3; concurrent requests equal the same requests run
-alone; seeded sampling repeats; a cancelled request leaves nothing pinned in the store; a request id can be
-sent again; bad input (a request id that breaks the id rule included) gets INVALID_ARGUMENT naming the field.
+Greedy answers equal HF transformers' at PCP=2 (with TP in test_tp_path.py); concurrent requests equal the
+same requests run alone; seeded sampling repeats; a cancelled request leaves nothing pinned in the store; a
+request id can be sent again; bad input (a request id that breaks the id rule included) gets INVALID_ARGUMENT
+naming the field.
 """
 
 from __future__ import annotations
@@ -13,7 +14,7 @@ import grpc
 import pytest
 
 from pcpstack.decode.client import DecodeClient, build_request
-from tests.helpers import pinned_bytes, start_stack
+from tests.helpers import pinned_bytes
 
 PROMPTS = [
     "The history of the printing press",
@@ -30,17 +31,9 @@ async def _answer(address: str, prompt, **sampling):
         await client.close()
 
 
-@pytest.mark.slow
-def test_greedy_output_equals_hf_transformers(hf_reference, tmp_path) -> None:
-    # PCP=1 here; PCP=2 below and with TP in test_tp_path.py. PCP=3's split is checked against single-rank
-    # prefill in tests/prefill/test_cp_exact.py (a whole PCP=3 stack cost a minute of the suite's 25).
-    stack = start_stack(tmp_path, pcp=1)
-    try:
-        check_greedy_against_hf(stack, hf_reference)
-    finally:
-        stack.stop()
-
-
+# Whole-path parity with HF runs at PCP=2 here and with TP x PCP in test_tp_path.py; PCP=1 and PCP=3 prefill
+# equal single-rank prefill in tests/prefill/test_cp_exact.py, and the engine equals HF in
+# tests/engine/test_hf_parity.py (whole PCP=1 and PCP=3 stacks cost two minutes of the suite's 25).
 @pytest.mark.slow
 def test_greedy_output_equals_hf_transformers_pcp2(smollm_stack_pcp2, hf_reference) -> None:
     check_greedy_against_hf(smollm_stack_pcp2, hf_reference)
