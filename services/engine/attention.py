@@ -126,8 +126,10 @@ def paged_attention(
         return out[0].transpose(0, 1).reshape(n, n_heads * head_dim)
     if meta.fresh_context and q.device.type == "cpu" and n > 0:
         return attend_runs(q, k, v, meta.query_runs(), q_per_kv)
-    if not meta.fresh_context and tokens == 1 and q.device.type == "cpu" and q.dtype == torch.float32:
-        # Decode: one query per sequence read straight from its blocks, no gather of the whole context.
+    decode = not meta.fresh_context and tokens == 1 and meta.kv_exchange is None
+    if decode and q.device.type == "cpu" and q.dtype == torch.float32:
+        # Decode: one query per sequence read straight from its blocks, no gather of the whole context. (A
+        # context-parallel rank's single query may sit before other ranks' new keys: it takes the mask.)
         lib = cpu_kernels.library()
         if lib is not None:
             out = cpu_kernels.paged_decode_attention(

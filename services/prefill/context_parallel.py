@@ -5,6 +5,11 @@ engine calls the seam `kv_exchange(k, v)`; here that is `KvAllGather`, which pad
 largest share, all-gathers them over the PCP process group, and restores position order. Every rank then
 writes the whole prompt's K/V into its own cache (a complete replica) and attends its local queries to it
 under a causal mask on true positions. Only the rank holding the last prompt position computes logits.
+
+The same step appends new tokens after tokens every rank already holds in its cache (`start` > 0): only the
+new tokens are split and exchanged, and they attend to the held prefix and to each other at their true
+positions. Chunked prefill (`prefill_chunked`) is that step repeated, chunk after chunk; prefix reuse is the
+same step after loading a cached prefix into every rank.
 """
 
 from __future__ import annotations
@@ -107,24 +112,62 @@ def prefill_share(
     split: DualChunkSplit,
     pcp_rank: int,
     exchange: KvAllGather | None,
+    start: int = 0,
 ) -> torch.Tensor | None:
-    """Runs this rank's share of a prompt; fills the sequence's blocks with the whole prompt's K/V.
+    """Runs this rank's share of `token_ids`, appended after the `start` tokens the sequence already holds
+    (the same ones on every rank); fills the sequence's blocks with their K/V.
 
-    token_ids: [n] the whole prompt (every rank has it); `state` has blocks for n tokens. Returns the last
-    position's logits [vocab] on the rank that owns that position, None elsewhere.
+    token_ids: [n] the new tokens (every rank has them), split by `split` (of n tokens); `state` has blocks
+    for start + n tokens. Returns the logits [vocab] after the last new token on the rank that computes it,
+    None elsewhere.
     """
-    positions = torch.tensor(split.positions(pcp_rank), dtype=torch.long)
     n = split.num_tokens
+    if len(token_ids) != n:
+        raise ValueError(f"{len(token_ids)} new tokens but the split is of {n}")
+    local = torch.tensor(split.positions(pcp_rank), dtype=torch.long)
+    positions = local + start  # true positions, after the held prefix
     owner = split.last_position_owner() == pcp_rank
     with torch.inference_mode():
         logits = engine.forward_tokens(
             state,
-            token_ids[positions].tolist(),
-            start=0,
+            token_ids[local].tolist(),
+            start=start,
             positions=positions,
-            kv_positions=torch.arange(n),
+            kv_positions=torch.arange(start, start + n),
             kv_exchange=exchange,
-            logits_rows=(positions == n - 1).nonzero().view(-1),
+            logits_rows=(local == n - 1).nonzero().view(-1),
         )
-    state.num_tokens = n
+    state.num_tokens = start + n
     return logits[0] if owner else None
+
+
+def chunk_bounds(num_tokens: int, chunk_tokens: int) -> list[range]:
+    """The chunks a prompt of num_tokens runs in: consecutive ranges of at most chunk_tokens (0: one)."""
+    size = chunk_tokens if 0 < chunk_tokens < num_tokens else num_tokens
+    return [range(s, min(s + size, num_tokens)) for s in range(0, num_tokens, size)]
+
+
+def prefill_chunked(
+    engine: Engine,
+    state: SequenceState,
+    token_ids: torch.Tensor,
+    pcp_rank: int,
+    pcp_size: int,
+    chunk_tokens: int,
+    exchange_for: Callable[[DualChunkSplit], KvAllGather | None],
+    start: int = 0,
+) -> torch.Tensor | None:
+    """Prefills `token_ids` after the `start` tokens the sequence holds, in chunks of at most chunk_tokens
+    (0: one chunk), each split over the PCP ranks by DualChunkSwap and attending to all before it.
+
+    Chunking bounds a forward's activations (the attention scores grow with the chunk times the context);
+    the K/V of the whole prompt still lands in every rank's cache. exchange_for(split) gives each chunk's
+    K/V exchange (None: this is the only rank). Returns the logits [vocab] after the last token on the rank
+    that computes it, None elsewhere.
+    """
+    logits = None
+    for chunk in chunk_bounds(len(token_ids), chunk_tokens):
+        split = DualChunkSplit(len(chunk), pcp_size)
+        new = token_ids[chunk.start : chunk.stop]
+        logits = prefill_share(engine, state, new, split, pcp_rank, exchange_for(split), start + chunk.start)
+    return logits

@@ -1,8 +1,9 @@
 """Runs context-parallel prefill in real processes joined by a real gloo group, for the exactness tests.
 
-`run_pcp(model, pcp_size, lengths)` spawns pcp_size processes; each loads the model, joins the group over
-tcp:// on loopback, prefills every prompt length with its DualChunkSwap share and returns its logits (on
-the rank owning the last position) and its complete KV replica for every length.
+`run_pcp(model, pcp_size, lengths, chunk_tokens)` spawns pcp_size processes; each loads the model, joins
+the group over tcp:// on loopback, prefills every prompt length with its DualChunkSwap share (in chunks of
+chunk_tokens when > 0) and returns its logits (on the rank owning the last position) and its complete KV
+replica for every length.
 """
 
 from __future__ import annotations
@@ -14,7 +15,7 @@ import torch.multiprocessing as mp
 from pcpstack.common.ports import free_port
 from pcpstack.engine.engine import Engine
 from pcpstack.engine.kv_cache import blocks_needed
-from pcpstack.prefill.context_parallel import KvAllGather, init_pcp_group, prefill_share
+from pcpstack.prefill.context_parallel import KvAllGather, init_pcp_group, prefill_chunked
 from pcpstack.prefill.split import DualChunkSplit
 
 BLOCK_SIZE = 16
@@ -24,42 +25,61 @@ def prompt(vocab_size: int, n: int) -> torch.Tensor:
     return torch.randint(0, vocab_size, (n,), generator=torch.Generator().manual_seed(n))
 
 
-def prefill_all(model_name: str | None, pcp_rank: int, pcp_size: int, lengths: list[int], group: bool):
-    """[(logits or None, replica)] for every length, computed as rank pcp_rank of pcp_size."""
+def prefill_all(
+    model_name: str | None,
+    pcp_rank: int,
+    pcp_size: int,
+    lengths: list[int],
+    group: bool,
+    chunk_tokens: int = 0,
+):
+    """[(logits or None, replica)] for every length, computed as rank pcp_rank of pcp_size (in chunks of
+    chunk_tokens when > 0)."""
     torch.set_num_threads(1)
     engine = Engine.load(
         model_name, block_size=BLOCK_SIZE, num_blocks=blocks_needed(max(lengths), BLOCK_SIZE)
     )
     results = []
     for n in lengths:
-        split = DualChunkSplit(n, pcp_size)
         state = engine.reserve(n, n)
-        exchange = KvAllGather(split) if group else None
-        logits = prefill_share(engine, state, prompt(engine.args.vocab_size, n), split, pcp_rank, exchange)
+        ids = prompt(engine.args.vocab_size, n)
+
+        def exchange_for(split: DualChunkSplit) -> KvAllGather | None:
+            return KvAllGather(split) if group else None
+
+        logits = prefill_chunked(engine, state, ids, pcp_rank, pcp_size, chunk_tokens, exchange_for)
         results.append((logits, engine.export_sequence(n).clone()))
         engine.free(n)
     return results
 
 
 def _child(
-    pcp_rank: int, pcp_size: int, port: int, model_name: str | None, lengths: list[int], queue
+    pcp_rank: int,
+    pcp_size: int,
+    port: int,
+    model_name: str | None,
+    lengths: list[int],
+    chunk_tokens: int,
+    queue,
 ) -> None:
     init_pcp_group("127.0.0.1", port, pcp_rank, pcp_size, torch.device("cpu"), timeout_seconds=120)
     try:
-        results = prefill_all(model_name, pcp_rank, pcp_size, lengths, group=True)
+        results = prefill_all(model_name, pcp_rank, pcp_size, lengths, True, chunk_tokens)
         # numpy pickles by value; a tensor would travel as a shared-memory handle that dies with this process.
         queue.put((pcp_rank, [(None if lg is None else lg.numpy(), kv.numpy()) for lg, kv in results]))
     finally:
         dist.destroy_process_group()
 
 
-def run_pcp(model_name: str | None, pcp_size: int, lengths: list[int]) -> dict[int, list]:
+def run_pcp(
+    model_name: str | None, pcp_size: int, lengths: list[int], chunk_tokens: int = 0
+) -> dict[int, list]:
     """Results of every rank of a real pcp_size-process gloo group, by rank."""
     ctx = mp.get_context("spawn")
     queue = ctx.Queue()
     port = free_port()
     procs = [
-        ctx.Process(target=_child, args=(r, pcp_size, port, model_name, lengths, queue))
+        ctx.Process(target=_child, args=(r, pcp_size, port, model_name, lengths, chunk_tokens, queue))
         for r in range(pcp_size)
     ]
     for proc in procs:
