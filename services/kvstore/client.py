@@ -12,6 +12,10 @@ Capabilities: `put` returns the object's capability (in `StoredReplica`); the wr
 reader it means to, who passes it to `get`, `release` and `delete`. Anyone may `stat` the store's counters;
 an object's details need its capability.
 
+Ranged reads: `get(..., ranges=[ByteRange(...)])` returns only the selected bytes (kvstore.ranges); the
+store checksums the selection from its copy and the client verifies what it received against that, chunk
+by chunk on the streaming path, over the bytes it copied on the shared-memory path.
+
 Tensors: pass `tensor.numpy()` (or any C-contiguous buffer) to put; `torch.frombuffer(data, dtype=...)`
 reads what get returns without a copy.
 """
@@ -20,6 +24,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 import grpc
@@ -35,11 +40,20 @@ from pcpstack.kvstore.errors import (
     FingerprintMismatch,
     ProtocolError,
 )
-from pcpstack.kvstore.shm import anonymous_buffer, copy_segment, fill_segment, shares_memory_with
+from pcpstack.kvstore.ranges import ByteRange, ByteRepeat, selection_bytes
+from pcpstack.kvstore.shm import (
+    anonymous_buffer,
+    copy_ranges,
+    copy_segment,
+    fill_segment,
+    shares_memory_with,
+)
 from pcpstack.kvstore.stream import DEFAULT_CHUNK_BYTES, ChunkReceiver, ChunkSender, verify_object
 from pcpstack.kvstore.wire import SERVICE_NAME, serialize
 from pcpstack.v1 import kvstore_pb2 as pb
 from pcpstack.v1 import kvstore_pb2_grpc
+
+__all__ = ["ByteRange", "ByteRepeat", "KvStoreClient", "StoredReplica", "make_key"]
 
 FINGERPRINT_KEY_CHARS = 16
 
@@ -197,36 +211,57 @@ class KvStoreClient:
             raise ProtocolError(f"store sent {message.WhichOneof('body')} where {expected} was expected")
         return message
 
-    async def get(self, key: str, fingerprint: str, capability: str) -> tuple[memoryview, bytes]:
-        """The object's bytes (a writable buffer torch.frombuffer can wrap) and its metadata.
+    async def get(
+        self, key: str, fingerprint: str, capability: str, ranges: Sequence[ByteRange] = ()
+    ) -> tuple[memoryview, bytes]:
+        """The object's bytes (a writable buffer torch.frombuffer can wrap) and its metadata; with ranges,
+        only the bytes they select, range after range (each range's pieces in row-major order).
 
         Raises CapabilityDenied without the object's capability, ChecksumMismatch when the bytes do not
         match their CRC32C, FingerprintMismatch when the object was written with another fingerprint,
-        NotFound when there is no such object.
+        NotFound when there is no such object, InvalidArgument naming the field for a bad range.
         """
         use_shm = await self.uses_shm()
+        ranges = list(ranges)
         request = pb.GetRequest(
             key=key,
             fingerprint=fingerprint,
             max_chunk_size=self._chunk_bytes,
             accept_shm=use_shm,
             capability=capability,
+            ranges=[r.to_wire() for r in ranges],
         )
         call = self._stub.Get()
         try:
             await call.write(request)
             header = (await self._read(call, "header")).header
+            if ranges and header.selected_bytes != selection_bytes(ranges):
+                raise ProtocolError(
+                    f"store announced {header.selected_bytes} selected bytes of {key!r}; the ranges asked "
+                    f"select {selection_bytes(ranges)}"
+                )
+            # A ranged read is checked against the selection's CRC32C, a whole one against the object's.
+            size, announced = (
+                (header.selected_bytes, header.selected_crc32c)
+                if ranges
+                else (header.total_bytes, header.crc32c)
+            )
             if header.shm_name:
                 try:
-                    data, crc = await asyncio.to_thread(
-                        copy_segment, self._shm_dir, header.shm_name, header.total_bytes
-                    )
+                    if ranges:
+                        data, crc = await asyncio.to_thread(
+                            copy_ranges, self._shm_dir, header.shm_name, header.total_bytes, ranges
+                        )
+                    else:
+                        data, crc = await asyncio.to_thread(
+                            copy_segment, self._shm_dir, header.shm_name, header.total_bytes
+                        )
                 finally:
                     await call.done_writing()  # the half-close: the store may reuse the segment now
-                verify_object(key, crc, header.crc32c, "the store")
+                verify_object(key, crc, announced, "the store")
             else:
                 await call.done_writing()
-                data = await self._receive_chunks(call, key, header)
+                data = await self._receive_chunks(call, key, size, header.chunk_size, announced)
             return data, header.metadata
         except grpc.aio.AioRpcError as exc:
             raise _store_error(exc) from exc
@@ -234,18 +269,18 @@ class KvStoreClient:
             await _end_stream(call)
 
     @staticmethod
-    async def _receive_chunks(call, key: str, header: pb.GetHeader) -> memoryview:
-        data = anonymous_buffer(header.total_bytes)
+    async def _receive_chunks(call, key: str, size: int, chunk_size: int, announced_crc: int) -> memoryview:
+        data = anonymous_buffer(size)
 
         def write(offset: int, chunk: bytes) -> None:
             data[offset : offset + len(chunk)] = chunk
 
-        receiver = ChunkReceiver(key, header.total_bytes, header.chunk_size, write, malformed=ProtocolError)
+        receiver = ChunkReceiver(key, size, chunk_size, write, malformed=ProtocolError)
         while (message := await call.read()) is not grpc.aio.EOF:
             if message.WhichOneof("body") != "chunk":
                 raise ProtocolError(f"store sent {message.WhichOneof('body')} among the chunks of {key!r}")
             receiver.add(message.chunk)
-        receiver.finish(header.crc32c, "the store")
+        receiver.finish(announced_crc, "the store")
         return data
 
     async def release(self, key: str, capability: str) -> bool:

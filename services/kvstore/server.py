@@ -13,7 +13,7 @@ import asyncio
 import contextlib
 import logging
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Iterator
 from dataclasses import dataclass
 
 import grpc
@@ -23,7 +23,8 @@ from pcpstack.common.errors import ServiceError
 from pcpstack.common.server import RunningServer, ServerOptions, start_server
 from pcpstack.common.telemetry import meter
 from pcpstack.kvstore.errors import CapacityExceeded, InvalidArgument
-from pcpstack.kvstore.shm import Segment, SegmentStore
+from pcpstack.kvstore.ranges import ByteRange, check_ranges, gather_with_crc
+from pcpstack.kvstore.shm import Segment, SegmentStore, anonymous_buffer
 from pcpstack.kvstore.store import (
     DEFAULT_MAX_LEASE_MS,
     KvStore,
@@ -68,6 +69,13 @@ class KvStoreServerConfig:
 class _StreamEnded(InvalidArgument):
     """The writer's stream ended before the commit: on a broken connection grpc ends the request stream
     just as a half-close does, so this counts as an abandoned put, not a refused one."""
+
+
+def _encode_chunks(data: memoryview, chunk_size: int) -> Iterator[tuple[int, bytes]]:
+    """(length, encoded chunk message) of every chunk of a buffer the store owns outright."""
+    sender = ChunkSender(len(data), chunk_size)
+    for offset, length in sender.spans():
+        yield length, sender.encode(offset, data[offset : offset + length])
 
 
 def _unix_ms(monotonic_deadline: float) -> int:
@@ -184,6 +192,14 @@ class KvStoreServicer(kvstore_pb2_grpc.KvStoreServiceServicer):
                 raise InvalidArgument("a Get stream must start with a GetRequest")
             obj = self.store.begin_get(request.key, request.fingerprint, request.capability)
             segment: Segment | None = obj.payload
+            ranges = [ByteRange.from_wire(r) for r in request.ranges]
+            selected = check_ranges(ranges, obj.total_bytes) if ranges else 0
+            selection, selected_crc = None, 0
+            if ranges:
+                # The selection's CRC32C comes from the store's copy, which matched the writer's at commit.
+                selection = anonymous_buffer(selected)
+                with segment.view(0, obj.total_bytes) as whole:
+                    selected_crc = await asyncio.to_thread(gather_with_crc, whole, ranges, selection)
             use_shm = request.accept_shm and segment is not None
             chunk_size = min(request.max_chunk_size or self._config.default_chunk_bytes, self._max_chunk)
             yield pb.GetResponse(
@@ -193,13 +209,21 @@ class KvStoreServicer(kvstore_pb2_grpc.KvStoreServiceServicer):
                     metadata=obj.metadata,
                     shm_name=segment.name if use_shm else "",
                     chunk_size=0 if use_shm else chunk_size,
+                    selected_bytes=selected,
+                    selected_crc32c=selected_crc,
                 )
             )
             if use_shm:
                 # The reader copies out of the segment, then half-closes: only then may it be reused.
                 async for _ in request_iterator:
                     pass
-                sent = obj.total_bytes
+                sent = selected if ranges else obj.total_bytes
+                return
+            if selection is not None:
+                # The chunks carry the selection (offsets within it), each with its own CRC32C as ever.
+                for length, encoded in _encode_chunks(selection, chunk_size):
+                    yield encoded
+                    sent += length
                 return
             sender = ChunkSender(obj.total_bytes, chunk_size)
             for offset, length in sender.spans():

@@ -26,6 +26,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 from pcpstack.kvstore.checksum import crc32c, crc32c_two_threads
+from pcpstack.kvstore.ranges import ByteRange, gather_with_crc, selection_bytes
 
 PREFIX = "pcpkv-"
 _HUGE_PAGE = 2 << 20
@@ -244,5 +245,17 @@ def copy_segment(shm_dir: str, name: str, size: int) -> tuple[memoryview, int]:
             memoryview(seg) as view,
         ):
             return out, _copy_with_crc(out, view)
+    finally:
+        os.close(fd)
+
+
+def copy_ranges(shm_dir: str, name: str, size: int, ranges: list[ByteRange]) -> tuple[memoryview, int]:
+    """A private copy of the selected ranges of the store's segment (of size bytes) and its CRC32C: only
+    the pages the ranges touch are read (no MAP_POPULATE of the whole segment)."""
+    out = anonymous_buffer(selection_bytes(ranges))
+    fd = os.open(os.path.join(shm_dir, name), os.O_RDONLY)
+    try:
+        with mmap.mmap(fd, size, flags=mmap.MAP_SHARED, prot=mmap.PROT_READ) as seg:
+            return out, gather_with_crc(seg, ranges, out)
     finally:
         os.close(fd)

@@ -5,8 +5,10 @@ The KV store: holds complete KV replicas between prefill and decode. Objects are
 committed, pinned until released or until their lease expires, and evicted LRU when released.
 """
 
+from collections import abc as _abc
 from google.protobuf import descriptor as _descriptor
 from google.protobuf import message as _message
+from google.protobuf.internal import containers as _containers
 import builtins as _builtins
 import sys
 import typing as _typing
@@ -262,6 +264,7 @@ class GetRequest(_message.Message):
     MAX_CHUNK_SIZE_FIELD_NUMBER: _builtins.int
     ACCEPT_SHM_FIELD_NUMBER: _builtins.int
     CAPABILITY_FIELD_NUMBER: _builtins.int
+    RANGES_FIELD_NUMBER: _builtins.int
     key: _builtins.str
     """The key."""
     fingerprint: _builtins.str
@@ -274,6 +277,15 @@ class GetRequest(_message.Message):
     """The object's capability (PutCommitted.capability); missing or wrong is refused with
     PERMISSION_DENIED.
     """
+    @_builtins.property
+    def ranges(self) -> _containers.RepeatedCompositeFieldContainer[Global___ByteRange]:
+        """Ranged read: when given, the Get delivers only these bytes of the object, range after range, each
+        range's pieces in row-major order of its repeats (GetHeader.selected_bytes says how many); empty reads
+        the whole object. A range that reaches beyond the object, a zero length or count, a zero stride that
+        repeats a piece, more than the limits below or a selection larger than the object is refused with
+        INVALID_ARGUMENT naming the field (e.g. ranges[2].repeats[0].count). At most 4096 ranges.
+        """
+
     def __init__(
         self,
         *,
@@ -282,14 +294,79 @@ class GetRequest(_message.Message):
         max_chunk_size: _builtins.int = ...,
         accept_shm: _builtins.bool = ...,
         capability: _builtins.str = ...,
+        ranges: _abc.Iterable[Global___ByteRange] | None = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["accept_shm", b"accept_shm", "capability", b"capability", "fingerprint", b"fingerprint", "key", b"key", "max_chunk_size", b"max_chunk_size"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["accept_shm", b"accept_shm", "capability", b"capability", "fingerprint", b"fingerprint", "key", b"key", "max_chunk_size", b"max_chunk_size", "ranges", b"ranges"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
 Global___GetRequest: _TypeAlias = GetRequest  # noqa: Y015
+
+@_typing.final
+class ByteRange(_message.Message):
+    """A strided selection of an object's bytes: equal pieces of `length` bytes at regular distances, nested
+    like the strides of an array. A DCP rank's token blocks of one K/V head range in every (layer, K/V)
+    plane are one range: repeats = [(plane bytes, planes), (D blocks' bytes, blocks), (token row bytes,
+    tokens per block)] with length = the head range's bytes of one token.
+    """
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    OFFSET_FIELD_NUMBER: _builtins.int
+    LENGTH_FIELD_NUMBER: _builtins.int
+    REPEATS_FIELD_NUMBER: _builtins.int
+    offset: _builtins.int
+    """Byte offset in the object of the first piece."""
+    length: _builtins.int
+    """Bytes of every piece; must be > 0."""
+    @_builtins.property
+    def repeats(self) -> _containers.RepeatedCompositeFieldContainer[Global___ByteRepeat]:
+        """Repetitions of the piece, outermost first (at most 8): piece (i0, i1, ...) starts at
+        offset + i0 * repeats[0].stride + i1 * repeats[1].stride + ...; none means one piece.
+        """
+
+    def __init__(
+        self,
+        *,
+        offset: _builtins.int = ...,
+        length: _builtins.int = ...,
+        repeats: _abc.Iterable[Global___ByteRepeat] | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["length", b"length", "offset", b"offset", "repeats", b"repeats"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___ByteRange: _TypeAlias = ByteRange  # noqa: Y015
+
+@_typing.final
+class ByteRepeat(_message.Message):
+    """One level of repetition of a ByteRange's piece."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    STRIDE_FIELD_NUMBER: _builtins.int
+    COUNT_FIELD_NUMBER: _builtins.int
+    stride: _builtins.int
+    """Distance in bytes between the starts of consecutive repetitions; must be > 0 when count > 1."""
+    count: _builtins.int
+    """Number of repetitions; must be > 0."""
+    def __init__(
+        self,
+        *,
+        stride: _builtins.int = ...,
+        count: _builtins.int = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["count", b"count", "stride", b"stride"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___ByteRepeat: _TypeAlias = ByteRepeat  # noqa: Y015
 
 @_typing.final
 class GetHeader(_message.Message):
@@ -302,6 +379,8 @@ class GetHeader(_message.Message):
     METADATA_FIELD_NUMBER: _builtins.int
     SHM_NAME_FIELD_NUMBER: _builtins.int
     CHUNK_SIZE_FIELD_NUMBER: _builtins.int
+    SELECTED_BYTES_FIELD_NUMBER: _builtins.int
+    SELECTED_CRC32C_FIELD_NUMBER: _builtins.int
     total_bytes: _builtins.int
     """Size of the object."""
     crc32c: _builtins.int
@@ -317,6 +396,16 @@ class GetHeader(_message.Message):
     """Streaming path: size of every chunk but the last (the reader's max_chunk_size or less), so the
     reader checks each chunk's size as the store checks a writer's. 0 when shm_name is set.
     """
+    selected_bytes: _builtins.int
+    """Ranged read (GetRequest.ranges given): bytes the selection holds, which is what the chunks carry (their
+    offsets count within the selection); 0 for a whole-object read. total_bytes and crc32c still describe
+    the whole object.
+    """
+    selected_crc32c: _builtins.int
+    """Ranged read: CRC32C of the selected bytes in delivery order, computed by the store from its copy of
+    the object (committed only after its CRC32C matched the writer's). On the streaming path the chunks'
+    own CRC32Cs combine to it; on the shared-memory path the reader checks the bytes it copied against it.
+    """
     def __init__(
         self,
         *,
@@ -325,10 +414,12 @@ class GetHeader(_message.Message):
         metadata: _builtins.bytes = ...,
         shm_name: _builtins.str = ...,
         chunk_size: _builtins.int = ...,
+        selected_bytes: _builtins.int = ...,
+        selected_crc32c: _builtins.int = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["chunk_size", b"chunk_size", "crc32c", b"crc32c", "metadata", b"metadata", "shm_name", b"shm_name", "total_bytes", b"total_bytes"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["chunk_size", b"chunk_size", "crc32c", b"crc32c", "metadata", b"metadata", "selected_bytes", b"selected_bytes", "selected_crc32c", b"selected_crc32c", "shm_name", b"shm_name", "total_bytes", b"total_bytes"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

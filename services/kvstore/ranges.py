@@ -1,0 +1,128 @@
+"""Ranged reads: strided selections of an object's bytes, checked against the object and gathered.
+
+A `ByteRange` is a piece of `length` bytes repeated on nested strides, like an array's strides: piece
+(i0, i1, ...) starts at offset + i0 * repeats[0].stride + i1 * repeats[1].stride + ... . A DCP rank's token
+blocks of one K/V head range in every (layer, K/V) plane fit in one such range, so a rank's share of a
+replica is a handful of ranges rather than one per block. The store checks a request's ranges once
+(`check_ranges`, INVALID_ARGUMENT naming the field) and both ends gather with the same function
+(`gather`), so the reader's copy and the store's checksum cover the same bytes in the same order.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import numpy as np
+
+from pcpstack.kvstore.checksum import crc32c_two_threads
+from pcpstack.kvstore.errors import InvalidArgument
+from pcpstack.v1 import kvstore_pb2 as pb
+
+MAX_RANGES = 4096  # a DCP rank needs a few per shard; this bounds the work one request can ask for
+MAX_REPEATS = 8
+
+
+@dataclass(frozen=True)
+class ByteRepeat:
+    """One level of repetition: `count` copies, `stride` bytes apart."""
+
+    stride: int
+    count: int
+
+
+@dataclass(frozen=True)
+class ByteRange:
+    """Pieces of `length` bytes at `offset` plus the nested `repeats` (outermost first)."""
+
+    offset: int
+    length: int
+    repeats: tuple[ByteRepeat, ...] = ()
+
+    @property
+    def pieces(self) -> int:
+        """How many pieces the range selects."""
+        return math.prod(repeat.count for repeat in self.repeats)
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes the range selects."""
+        return self.pieces * self.length
+
+    @property
+    def end(self) -> int:
+        """One past the last byte the range touches."""
+        return self.offset + sum((r.count - 1) * r.stride for r in self.repeats) + self.length
+
+    def to_wire(self) -> pb.ByteRange:
+        """The protobuf form."""
+        return pb.ByteRange(
+            offset=self.offset,
+            length=self.length,
+            repeats=[pb.ByteRepeat(stride=r.stride, count=r.count) for r in self.repeats],
+        )
+
+    @classmethod
+    def from_wire(cls, msg: pb.ByteRange) -> ByteRange:
+        """The range a protobuf message describes (unchecked: see check_ranges)."""
+        return cls(msg.offset, msg.length, tuple(ByteRepeat(r.stride, r.count) for r in msg.repeats))
+
+
+def selection_bytes(ranges: Sequence[ByteRange]) -> int:
+    """Bytes a list of ranges selects, in all."""
+    return sum(r.nbytes for r in ranges)
+
+
+def check_ranges(ranges: Sequence[ByteRange], total_bytes: int, field: str = "ranges") -> int:
+    """The bytes the ranges select from an object of total_bytes; InvalidArgument naming the field when a
+    range is empty, reaches beyond the object or the selection is larger than the object."""
+    if len(ranges) > MAX_RANGES:
+        raise InvalidArgument(f"{field}: {len(ranges)} ranges; at most {MAX_RANGES}")
+    for i, byte_range in enumerate(ranges):
+        name = f"{field}[{i}]"
+        if byte_range.length == 0:
+            raise InvalidArgument(f"{name}.length=0: a range must select at least one byte")
+        if len(byte_range.repeats) > MAX_REPEATS:
+            raise InvalidArgument(f"{name}.repeats: {len(byte_range.repeats)} levels; at most {MAX_REPEATS}")
+        for j, repeat in enumerate(byte_range.repeats):
+            if repeat.count == 0:
+                raise InvalidArgument(f"{name}.repeats[{j}].count=0: must be > 0")
+            if repeat.stride == 0 and repeat.count > 1:
+                raise InvalidArgument(
+                    f"{name}.repeats[{j}].stride=0 with count={repeat.count}: would repeat one piece"
+                )
+        # Python integers do not wrap, so offsets near 2**64 land here rather than wrapping into range.
+        if byte_range.end > total_bytes:
+            raise InvalidArgument(
+                f"{name}: offset={byte_range.offset} length={byte_range.length} with its repeats ends at "
+                f"byte {byte_range.end}, beyond the object's total_bytes={total_bytes}"
+            )
+    selected = selection_bytes(ranges)
+    if selected > total_bytes:
+        raise InvalidArgument(
+            f"{field}: the ranges select {selected} bytes, more than the object's total_bytes={total_bytes}"
+        )
+    return selected
+
+
+def gather(source, ranges: Sequence[ByteRange], out) -> None:
+    """Copies the selection of source (a bytes-like object) into out, range after range, each range's
+    pieces in row-major order of its repeats. The ranges must have passed check_ranges against source."""
+    src = np.frombuffer(source, dtype=np.uint8)
+    dst = np.frombuffer(out, dtype=np.uint8)
+    at = 0
+    for byte_range in ranges:
+        shape = (*(r.count for r in byte_range.repeats), byte_range.length)
+        strides = (*(r.stride for r in byte_range.repeats), 1)
+        # A strided view of the source (no copy); checked bounds make it safe, copyto does the one copy.
+        pieces = np.lib.stride_tricks.as_strided(src[byte_range.offset :], shape, strides, writeable=False)
+        np.copyto(dst[at : at + byte_range.nbytes].reshape(shape), pieces)
+        at += byte_range.nbytes
+
+
+def gather_with_crc(source, ranges: Sequence[ByteRange], out) -> int:
+    """gather, then the CRC32C of what was gathered (out's first selection_bytes(ranges) bytes)."""
+    gather(source, ranges, out)
+    with memoryview(out) as view, view[: selection_bytes(ranges)] as selected:
+        return crc32c_two_threads(selected.cast("B") if selected.format != "B" else selected)
