@@ -14,6 +14,7 @@ import torch
 import torch.nn.functional as F
 
 from pcpstack.engine import cpu_kernels
+from pcpstack.engine.dcp import DcpStep, dcp_decode_attention
 
 KvExchange = Callable[[torch.Tensor, torch.Tensor], tuple[torch.Tensor, torch.Tensor]]
 
@@ -32,6 +33,9 @@ class AttentionMetadata:
     fresh_context: True when the K/V rows after the exchange are a single sequence's whole context in
         position order (one-shot prefill): attention then uses them directly instead of reading the cache,
         and when the queries are those same rows, the causal kernel.
+    dcp: set on a decode context-parallel rank's decode step (engine.dcp): the cache holds only the rank's
+        token blocks, `block_tables` and `context_lens` are local, `slot_mapping` addresses only the rows
+        `dcp.write_rows` this rank owns.
     """
 
     positions: torch.Tensor
@@ -41,6 +45,7 @@ class AttentionMetadata:
     max_context_len: int
     kv_exchange: KvExchange | None = None
     fresh_context: bool = False
+    dcp: DcpStep | None = None
     _mask: torch.Tensor | None = field(default=None, repr=False)
     _runs: list[tuple[int, int]] | None = field(default=None, repr=False)
 
@@ -105,6 +110,8 @@ def paged_attention(
     q: [n, n_heads, head_dim]; k, v: [n, n_kv_heads, head_dim] with RoPE applied; caches
     [num_blocks, block_size, n_kv_heads, head_dim]. Returns [n, n_heads * head_dim].
     """
+    if meta.dcp is not None:
+        return dcp_decode_attention(q, k, v, k_cache, v_cache, meta, meta.dcp)
     k, v = exchange_kv(k, v, meta)
     n_kv_heads, head_dim = k_cache.shape[2:]
     k_cache.view(-1, n_kv_heads, head_dim).index_copy_(0, meta.slot_mapping, k)

@@ -9,6 +9,7 @@ from pathlib import Path
 import torch
 
 from pcpstack.engine.attention import AttentionMetadata, KvExchange
+from pcpstack.engine.dcp import DcpShard, DcpStep, KvPart
 from pcpstack.engine.kv_cache import BlockAllocator, KvLayout, PagedKVCache, blocks_needed, slots_for
 from pcpstack.engine.sampling import SamplingParams, StopChecker, TokenHistory, make_generator, sample
 from pcpstack.engine.weights import LoadedModel, load_model
@@ -35,7 +36,12 @@ class GenerationResult:
 
 
 class Engine:
-    """Model + paged KV cache + block allocator for many concurrent sequences, keyed by any hashable id."""
+    """Model + paged KV cache + block allocator for many concurrent sequences, keyed by any hashable id.
+
+    A decode context-parallel rank (`dcp` of size D > 1, built by the TP engine) stores only its own token
+    blocks of each sequence (engine.dcp) and only decodes and adopts: `num_tokens` of a sequence stays its
+    global length, the blocks and the replicas it adopts or exports are the rank's share.
+    """
 
     def __init__(
         self,
@@ -43,6 +49,7 @@ class Engine:
         *,
         block_size: int = DEFAULT_BLOCK_SIZE,
         num_blocks: int | None = None,
+        dcp: DcpShard | None = None,
     ) -> None:
         self.loaded = loaded
         self.model = loaded.model
@@ -54,6 +61,9 @@ class Engine:
         self.cache = PagedKVCache(self.layout, num_blocks, self.device)
         self.allocator = BlockAllocator(num_blocks)
         self.sequences: dict[Hashable, SequenceState] = {}
+        self.dcp = dcp or DcpShard(0, 1, block_size)
+        if self.dcp.block_size != block_size:
+            raise ValueError(f"DCP interleave size {self.dcp.block_size} must equal block_size={block_size}")
 
     @classmethod
     def load(
@@ -71,6 +81,19 @@ class Engine:
         """Tokens per KV block."""
         return self.layout.block_size
 
+    @property
+    def dcp_size(self) -> int:
+        """Ranks a sequence's tokens are split over (1: this engine holds them all)."""
+        return self.dcp.size
+
+    def blocks_for(self, num_tokens: int) -> int:
+        """KV blocks this engine needs for a sequence of `num_tokens` tokens."""
+        return self.dcp.blocks_for(num_tokens)
+
+    def kv_parts(self, num_tokens: int) -> list[KvPart]:
+        """Where a sequence's K/V lives: one part, every K/V head and every position."""
+        return [KvPart(0, range(self.layout.num_kv_heads), self.dcp.owned_runs(num_tokens))]
+
     def reserve(self, seq_id: Hashable, total_tokens: int) -> SequenceState:
         """The sequence's state (created if new) with blocks for `total_tokens` tokens."""
         if total_tokens > self.args.max_seq_len:
@@ -78,7 +101,7 @@ class Engine:
                 f"sequence of {total_tokens} tokens exceeds the context length {self.args.max_seq_len}"
             )
         state = self.sequences.setdefault(seq_id, SequenceState())
-        missing = blocks_needed(total_tokens, self.block_size) - len(state.block_table)
+        missing = self.blocks_for(total_tokens) - len(state.block_table)
         if missing > 0:
             state.block_table.extend(self.allocator.allocate(missing))
         return state
@@ -128,6 +151,8 @@ class Engine:
         whole prompt that its `kv_exchange` returns, start=0, and the `logits_rows` it wants (possibly none).
         The caller updates `state.num_tokens`.
         """
+        if self.dcp.size > 1:
+            raise ValueError("a decode context-parallel rank holds part of each sequence: it only decodes")
         positions = positions if positions is not None else torch.arange(start, start + len(token_ids))
         positions = positions.to(self.device)
         kv_positions = kv_positions.to(self.device) if kv_positions is not None else positions
@@ -155,6 +180,8 @@ class Engine:
             raise ValueError(f"decode_step got {len(seq_ids)} sequences but {len(token_ids)} tokens")
         states = [self.reserve(s, self.sequences[s].num_tokens + 1) for s in self._known(seq_ids)]
         positions = [s.num_tokens for s in states]
+        if self.dcp.size > 1:
+            return self._dcp_decode_step(states, positions, token_ids)
         slots = [
             s.block_table[p // self.block_size] * self.block_size + p % self.block_size
             for s, p in zip(states, positions, strict=True)
@@ -174,6 +201,34 @@ class Engine:
             state.num_tokens += 1
         return logits
 
+    def _dcp_decode_step(
+        self, states: list[SequenceState], positions: list[int], token_ids: Sequence[int]
+    ) -> torch.Tensor:
+        """decode_step on a DCP rank: local block tables and key counts; it writes only the new tokens whose
+        block it owns."""
+        dcp, size = self.dcp, self.block_size
+        rows = [i for i, p in enumerate(positions) if dcp.owns(p)]
+        slots = []
+        for i in rows:
+            local = dcp.local_index(positions[i])
+            slots.append(states[i].block_table[local // size] * size + local % size)
+        # At least one column: a rank may own no block yet of any sequence in the step.
+        width = max(1, *(len(s.block_table) for s in states))
+        tables = [s.block_table + [0] * (width - len(s.block_table)) for s in states]
+        counts = [dcp.local_count(p + 1) for p in positions]
+        meta = AttentionMetadata(
+            positions=self._tensor(positions),
+            slot_mapping=self._tensor(slots),
+            block_tables=self._tensor(tables),
+            context_lens=self._tensor(counts),
+            max_context_len=max(counts),
+            dcp=DcpStep(dcp, self._tensor(rows)),
+        )
+        logits = self.model(self._tensor(token_ids), meta.positions, self.cache, meta)
+        for state in states:
+            state.num_tokens += 1
+        return logits
+
     def _known(self, seq_ids: Sequence[Hashable]) -> Sequence[Hashable]:
         unknown = [s for s in seq_ids if s not in self.sequences]
         if unknown:
@@ -181,11 +236,15 @@ class Engine:
         return seq_ids
 
     def adopt_sequence(self, seq_id: Hashable, kv: torch.Tensor, num_tokens: int) -> None:
-        """Start `seq_id` from an imported KV replica [layers, 2, num_tokens, kv_heads, head_dim]."""
+        """Start `seq_id` from an imported KV replica [layers, 2, num_tokens, kv_heads, head_dim] (a DCP
+        rank: its share, [layers, 2, dcp.local_count(num_tokens), kv_heads, head_dim])."""
         if seq_id in self.sequences:
             raise ValueError(f"sequence {seq_id!r} already exists")
-        if kv.shape[2] != num_tokens:
-            raise ValueError(f"KV replica holds {kv.shape[2]} tokens, not num_tokens={num_tokens}")
+        if kv.shape[2] != self.dcp.local_count(num_tokens):
+            raise ValueError(
+                f"KV replica holds {kv.shape[2]} tokens, not {self.dcp.local_count(num_tokens)} of "
+                f"num_tokens={num_tokens}"
+            )
         state = self.reserve(seq_id, num_tokens)
         try:
             self.cache.import_sequence(kv, state.block_table)
@@ -195,9 +254,9 @@ class Engine:
         state.num_tokens = num_tokens
 
     def export_sequence(self, seq_id: Hashable) -> torch.Tensor:
-        """The sequence's KV replica [layers, 2, num_tokens, kv_heads, head_dim]."""
+        """The sequence's KV replica [layers, 2, num_tokens, kv_heads, head_dim] (a DCP rank: its share)."""
         state = self.sequences[seq_id]
-        return self.cache.export_sequence(state.block_table, state.num_tokens)
+        return self.cache.export_sequence(state.block_table, self.dcp.local_count(state.num_tokens))
 
     def free(self, seq_id: Hashable) -> None:
         """Release a sequence's blocks; unknown ids are ignored so cancellation can always call it."""

@@ -12,6 +12,12 @@ ranks' block allocators stay identical; the model's all-reduces join the partial
 replicated, so the leader returns its own logits. Adopting a replica, the leader holds the whole model's K/V
 and sends each follower only its K/V head range (point to point on `control`), never the whole replica.
 
+Decode context parallelism (`dcp_size` D > 1, engine.dcp): the D consecutive TP ranks of a DCP group hold
+the same K/V head(s), and each stores only its interleaved token blocks of them; the ranks' attention
+gathers over the group. Each rank's allocator then differs (rank 0 of a group owns block 0, so it never needs
+fewer blocks than the others: the leader's count is the one admission needs). `kv_parts` says which heads and
+positions each rank stores; `adopt_parts` takes a replica already cut that way.
+
 `layout` is the WHOLE model's KvLayout: its fingerprint is what prefill stores replicas under and what
 routers match, whatever TP either side runs.
 
@@ -31,6 +37,7 @@ import time
 from collections.abc import Callable, Hashable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
+from datetime import timedelta
 from multiprocessing.connection import Connection
 from multiprocessing.process import BaseProcess
 from pathlib import Path
@@ -42,6 +49,7 @@ from pcpstack.common.errors import Unavailable
 from pcpstack.common.logs import setup_logging
 from pcpstack.common.ports import free_port
 from pcpstack.engine.config import ModelArgs
+from pcpstack.engine.dcp import DcpShard, KvPart
 from pcpstack.engine.device import device_for_rank
 from pcpstack.engine.engine import Engine
 from pcpstack.engine.kv_cache import KvLayout, PagedKVCache
@@ -56,7 +64,7 @@ _LOAD_TIMEOUT_S = 900.0
 _MASTER_ADDR = "127.0.0.1"
 
 # Command codes of the header [op, a, b] the leader broadcasts.
-_OP_NOOP, _OP_ADOPT, _OP_DECODE, _OP_FREE, _OP_STOP = range(5)
+_OP_NOOP, _OP_ADOPT, _OP_DECODE, _OP_FREE, _OP_STOP, _OP_BLOCKS = range(6)
 _HEADER = 3
 
 
@@ -67,6 +75,7 @@ class FollowerSpec:
     model: str | None
     tp_rank: int
     tp_size: int
+    dcp_size: int
     master_port: int
     device_kind: str  # cpu, cuda, npu; empty: what is present
     dtype: torch.dtype | None
@@ -82,14 +91,28 @@ def _device(spec: FollowerSpec) -> torch.device:
     return device_for_rank(spec.tp_rank, spec.device_kind or None)
 
 
-def _join(spec: FollowerSpec, device: torch.device) -> ParallelGroups:
+def _join(spec: FollowerSpec, device: torch.device) -> tuple[ParallelGroups, DcpShard]:
+    """Joins the world; with DCP also creates every DCP group (consecutive TP ranks), in the same order on
+    every rank since group creation is collective over the world. Returns the groups and this rank's DCP
+    shard."""
     layout = ParallelLayout(spec.tp_size, 1)
-    return init_parallel_groups(layout, spec.tp_rank, _MASTER_ADDR, spec.master_port, device, spec.timeout_s)
+    groups = init_parallel_groups(
+        layout, spec.tp_rank, _MASTER_ADDR, spec.master_port, device, spec.timeout_s
+    )
+    size = spec.dcp_size
+    if size == 1:
+        return groups, DcpShard(0, 1, spec.block_size)
+    timeout = timedelta(seconds=spec.timeout_s)
+    dcp_groups = [
+        dist.new_group(list(range(g * size, (g + 1) * size)), timeout=timeout)
+        for g in range(spec.tp_size // size)
+    ]
+    return groups, DcpShard(spec.tp_rank % size, size, spec.block_size, dcp_groups[spec.tp_rank // size])
 
 
-def _shard_engine(spec: FollowerSpec, groups: ParallelGroups, device: torch.device) -> Engine:
+def _shard_engine(spec: FollowerSpec, groups: ParallelGroups, dcp: DcpShard, device: torch.device) -> Engine:
     loaded = load_model(spec.model, device, spec.dtype, shard=groups.shard())
-    return Engine(loaded, block_size=spec.block_size, num_blocks=spec.num_blocks)
+    return Engine(loaded, block_size=spec.block_size, num_blocks=spec.num_blocks, dcp=dcp)
 
 
 def _header(op: int, a: int = 0, b: int = 0) -> torch.Tensor:
@@ -110,8 +133,8 @@ def follower_main(spec: FollowerSpec, conn: Connection) -> None:
     try:
         device = _device(spec)
         conn.send("joining")  # imported and on its device: the leader may open the rendezvous
-        groups = _join(spec, device)
-        engine = _shard_engine(spec, groups, device)
+        groups, dcp = _join(spec, device)
+        engine = _shard_engine(spec, groups, dcp, device)
         conn.send("ready")
         started = True
         _follow(engine, groups.control)
@@ -141,7 +164,8 @@ def _follow(engine: Engine, control: dist.ProcessGroup) -> None:
             return
         if op == _OP_ADOPT:
             seq, num_tokens = a, b
-            shape = (layout.num_layers, 2, num_tokens, layout.num_kv_heads, layout.head_dim)
+            local = engine.dcp.local_count(num_tokens)
+            shape = (layout.num_layers, 2, local, layout.num_kv_heads, layout.head_dim)
             itemsize = torch.empty(0, dtype=layout.torch_dtype).element_size()
             data = torch.empty(itemsize * torch.Size(shape).numel(), dtype=torch.uint8)
             dist.recv(data, src=0, group=control)
@@ -152,6 +176,16 @@ def _follow(engine: Engine, control: dist.ProcessGroup) -> None:
             engine.decode_step(step[0].tolist(), step[1].tolist())
         elif op == _OP_FREE:
             engine.free(a)
+        elif op == _OP_BLOCKS:
+            _gather_blocks_in_use(engine, control)
+
+
+def _gather_blocks_in_use(engine: Engine, control: dist.ProcessGroup) -> list[int]:
+    """Every rank's allocated KV blocks, in rank order (a collective on `control`)."""
+    used = engine.allocator.num_blocks - engine.allocator.num_free
+    counts = [torch.zeros(1, dtype=torch.long) for _ in range(dist.get_world_size(control))]
+    dist.all_gather(counts, torch.tensor([used], dtype=torch.long), group=control)
+    return [int(c) for c in counts]
 
 
 class TensorParallelEngine:
@@ -179,9 +213,13 @@ class TensorParallelEngine:
         loaded = leader.loaded
         self.layout = KvLayout.for_model(loaded.model_id, full_args, loaded.dtype, leader.block_size)
         self._timeout_s = timeout_s
-        # Each follower's K/V heads of the whole model, for adoption.
+        # Each rank's K/V heads of the whole model and token blocks, for adoption.
         self._kv_heads = [
             TensorParallelShard(rank, self.tp_size).kv_head_range(full_args) for rank in range(self.tp_size)
+        ]
+        dcp = leader.dcp
+        self._dcp_shards = [
+            DcpShard(rank % dcp.size, dcp.size, dcp.block_size) for rank in range(self.tp_size)
         ]
         # Sequence ids travel as ints; the batch's ids are any hashable.
         self._numbers: dict[Hashable, int] = {}
@@ -207,16 +245,23 @@ class TensorParallelEngine:
         num_blocks: int,
         timeout_s: float = DEFAULT_COLLECTIVE_TIMEOUT_S,
         threads: int = 0,
+        dcp_size: int = 1,
     ) -> TensorParallelEngine:
         """Spawns the followers, joins the group as rank 0 and loads every rank's shard.
 
         Every rank, this process included, runs `threads` torch threads (0: the host's cores / tp_size).
+        With `dcp_size` D > 1 each group of D consecutive ranks splits the tokens of its K/V head(s).
 
-        ValueError when the model cannot be split `tp_size` ways or a rank has no device; Unavailable when a
-        follower fails to start.
+        ValueError when the model cannot be split `tp_size` ways (or its K/V heads `dcp_size` ways) or a
+        rank has no device; Unavailable when a follower fails to start.
         """
         if tp_size < 2:
             raise ValueError(f"tensor_parallel_size={tp_size}: a single rank runs the plain Engine")
+        if dcp_size < 1 or tp_size % dcp_size:
+            raise ValueError(
+                f"tensor_parallel_size={tp_size}, decode_context_parallel_size={dcp_size}: DCP needs "
+                "tp % dcp == 0 and tp >= dcp"
+            )
         # T ranks share the host's cores; each taking all of them would oversubscribe every collective.
         threads = threads or max(1, (os.cpu_count() or 1) // tp_size)
         torch.set_num_threads(threads)
@@ -226,6 +271,7 @@ class TensorParallelEngine:
                 model=None if model is None else str(model),
                 tp_rank=rank,
                 tp_size=tp_size,
+                dcp_size=dcp_size,
                 master_port=port,
                 device_kind=device_kind,
                 dtype=dtype,
@@ -250,8 +296,9 @@ class TensorParallelEngine:
         try:
             # A follower that died importing would leave the rendezvous waiting its whole timeout.
             _wait_for(followers, conns, "joining", _LOAD_TIMEOUT_S)
-            groups = _join(specs[0], device)
-            leader = _shard_engine(specs[0], groups, device)
+            groups, dcp = _join(specs[0], device)
+            leader = _shard_engine(specs[0], groups, dcp, device)
+            _check_dcp_heads(leader.loaded.full_args, tp_size, dcp_size)
             _wait_for(followers, conns, "ready", _LOAD_TIMEOUT_S)
         except BaseException:
             _stop_processes(followers, grace_s=0)
@@ -279,27 +326,76 @@ class TensorParallelEngine:
         """The leader's cache (every rank has as many blocks, holding its own K/V heads)."""
         return self._leader.cache
 
+    @property
+    def dcp_size(self) -> int:
+        """Ranks of a DCP group, over which each sequence's tokens are split (1: no DCP)."""
+        return self._leader.dcp_size
+
+    def blocks_for(self, num_tokens: int) -> int:
+        """KV blocks one rank needs for a sequence of `num_tokens` tokens (the leader's, the most)."""
+        return self._leader.blocks_for(num_tokens)
+
+    def kv_parts(self, num_tokens: int) -> list[KvPart]:
+        """The K/V heads and token positions each rank stores of a `num_tokens` sequence, in rank order."""
+        return [
+            KvPart(rank, heads, dcp.owned_runs(num_tokens))
+            for rank, (heads, dcp) in enumerate(zip(self._kv_heads, self._dcp_shards, strict=True))
+        ]
+
     def adopt_sequence(self, seq_id: Hashable, kv: torch.Tensor, num_tokens: int) -> None:
         """Starts `seq_id` from a whole-model replica [layers, 2, num_tokens, n_kv_heads, head_dim]: each
-        rank receives and stores only its own K/V heads."""
+        rank receives and stores only its own K/V heads (and with DCP, its own token blocks)."""
         layout = self.layout
         expected = (layout.num_layers, 2, num_tokens, layout.num_kv_heads, layout.head_dim)
         if tuple(kv.shape) != expected:
             raise ValueError(f"KV replica has shape {tuple(kv.shape)}, this model expects {expected}")
+        parts = []
+        for heads, dcp in zip(self._kv_heads, self._dcp_shards, strict=True):
+            part = kv[:, :, :, heads.start : heads.stop]
+            if dcp.size > 1:
+                part = part.index_select(2, dcp.owned_positions(num_tokens).to(kv.device))
+            parts.append(part)
+        self.adopt_parts(seq_id, parts, num_tokens)
+
+    def adopt_parts(self, seq_id: Hashable, parts: Sequence[torch.Tensor], num_tokens: int) -> None:
+        """Starts `seq_id` from a replica cut as `kv_parts(num_tokens)` says: parts[r] is [layers, 2,
+        len(owned positions of rank r), len(kv_heads of rank r), head_dim] in the layout's dtype, tokens in
+        position order. The leader keeps parts[0]; each follower is sent only its own part.
+
+        ValueError on a wrong number of parts, shape or dtype, before anything reaches a follower.
+        """
+        layout = self.layout
+        if len(parts) != self.tp_size:
+            raise ValueError(f"got {len(parts)} KV parts, this engine has {self.tp_size} ranks")
+        for part, want in zip(parts, self.kv_parts(num_tokens), strict=True):
+            expected = (layout.num_layers, 2, want.num_tokens, len(want.kv_heads), layout.head_dim)
+            if tuple(part.shape) != expected:
+                raise ValueError(
+                    f"KV part of TP rank {want.tp_rank} has shape {tuple(part.shape)}, expected {expected}"
+                )
+            if part.dtype != layout.torch_dtype:
+                raise ValueError(f"KV part has dtype {part.dtype}, this model's cache holds {layout.dtype}")
         with self._lock:
             self._check_alive()
             if seq_id in self._numbers:
                 raise ValueError(f"sequence {seq_id!r} already exists")
             number = self._next_number
-            # The leader first: a replica it refuses (wrong dtype, no blocks) never reaches the followers.
-            heads = self._kv_heads[0]
-            self._leader.adopt_sequence(number, kv[:, :, :, heads.start : heads.stop], num_tokens)
+            # The leader first: a part it refuses (no blocks) never reaches the followers.
+            self._leader.adopt_sequence(number, parts[0], num_tokens)
             self._next_number += 1
             self._numbers[seq_id] = number
             with self._collective("adopt"):
                 dist.broadcast(_header(_OP_ADOPT, number, num_tokens), src=0, group=self._control)
-                for rank, heads in enumerate(self._kv_heads[1:], start=1):
-                    dist.send(_as_bytes(kv[:, :, :, heads.start : heads.stop]), dst=rank, group=self._control)
+                for rank, part in enumerate(parts[1:], start=1):
+                    dist.send(_as_bytes(part), dst=rank, group=self._control)
+
+    def blocks_in_use(self) -> list[int]:
+        """Every rank's allocated KV blocks, in rank order (asks the followers)."""
+        with self._lock:
+            self._check_alive()
+            with self._collective("blocks in use"):
+                dist.broadcast(_header(_OP_BLOCKS), src=0, group=self._control)
+                return _gather_blocks_in_use(self._leader, self._control)
 
     @torch.inference_mode()
     def decode_step(self, seq_ids: Sequence[Hashable], token_ids: Sequence[int]) -> torch.Tensor:
@@ -401,6 +497,17 @@ class TensorParallelEngine:
                             dist.broadcast(_header(_OP_NOOP), src=0, group=self._control)
                 except Exception:  # recorded in _failure; the next call raises it
                     return
+
+
+def _check_dcp_heads(args: ModelArgs, tp_size: int, dcp_size: int) -> None:
+    """Refuses a DCP size whose groups of consecutive TP ranks do not all hold the same K/V heads."""
+    for first in range(0, tp_size, dcp_size):
+        heads = {TensorParallelShard(r, tp_size).kv_head_range(args) for r in range(first, first + dcp_size)}
+        if len(heads) > 1:
+            raise ValueError(
+                f"tensor_parallel_size={tp_size}, num_kv_heads={args.n_kv_heads}, decode_context_parallel_"
+                f"size={dcp_size}: (tp // num_kv_heads) must be >= dcp and divisible by dcp"
+            )
 
 
 def _wait_for(followers: list[BaseProcess], conns: list[Connection], state: str, timeout_s: float) -> None:
