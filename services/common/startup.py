@@ -154,6 +154,8 @@ class NodeConfig(ListenConfig):
 
     # Whether this role runs tensor_parallel_size > 1 (a role that cannot yet refuses it at start-up).
     tensor_parallel: ClassVar[bool] = False
+    # Whether this role acts on decode_context_parallel_size > 1 (only decode does).
+    decode_context_parallel: ClassVar[bool] = False
 
     registry: str
     engine: EngineConfig
@@ -170,10 +172,10 @@ class NodeConfig(ListenConfig):
             raise ConfigError.broken("--device", self.device, f"must be one of {', '.join(DEVICE_KINDS)}")
         # Settings the config rules accept (`pcpstack config check` validates the seeds' shapes) but no
         # service acts on yet: refused here rather than accepted and silently ignored.
-        not_yet = [
-            ("kv_transfer_mode", self.engine.kv_transfer_mode, "whole", "a layerwise KV transfer"),
-            ("decode_context_parallel_size", self.engine.decode_context_parallel_size, 1, "decode CP"),
-        ]
+        not_yet = [("kv_transfer_mode", self.engine.kv_transfer_mode, "whole", "a layerwise KV transfer")]
+        if not self.decode_context_parallel:
+            dcp = self.engine.decode_context_parallel_size
+            not_yet.append(("decode_context_parallel_size", dcp, 1, "decode CP"))
         if not self.tensor_parallel:
             tp = self.engine.tensor_parallel_size
             not_yet.append(("tensor_parallel_size", tp, 1, "tensor parallelism"))

@@ -7,7 +7,9 @@ worker starts), so a bad flag is refused at once.
 
 With tensor_parallel_size = T > 1 the worker is rank 0 of T tensor-parallel rank processes (engine.tp_engine):
 it serves Generate and the T-1 followers it starts follow its steps, one device each. If its TP group fails,
-requests fail UNAVAILABLE and the worker drains and exits 1.
+requests fail UNAVAILABLE and the worker drains and exits 1. With decode_context_parallel_size = D > 1 each
+group of D consecutive ranks splits every sequence's tokens by KV block (seed 001's rules, the GQA one
+against the model's K/V heads, are checked before any rank starts); each rank loads only its own blocks.
 
 On SIGTERM the worker drains: it deregisters (routers stop sending it work), refuses new requests with
 UNAVAILABLE, lets running streams finish for up to --drain-seconds, then stops.
@@ -79,6 +81,8 @@ class DecodeConfig(NodeConfig):
     role: ClassVar[str] = "decode"
     # tensor_parallel_size = T runs T rank processes: this one (it serves Generate) and T-1 followers.
     tensor_parallel: ClassVar[bool] = True
+    # decode_context_parallel_size = D splits each sequence's tokens over D of those T ranks.
+    decode_context_parallel: ClassVar[bool] = True
 
     # 0: torch's choice.
     threads: int = 0
@@ -124,7 +128,7 @@ def load_engine(config: DecodeConfig) -> Engine | TensorParallelEngine:
     from pcpstack.engine.weights import describe_model
 
     engine_config = config.engine
-    tp = engine_config.tensor_parallel_size
+    tp, dcp = engine_config.tensor_parallel_size, engine_config.decode_context_parallel_size
     kind = config.device or pick_device().type
     try:
         device_for_rank(tp - 1, kind)  # one device per rank: the last rank's must exist
@@ -137,11 +141,14 @@ def load_engine(config: DecodeConfig) -> Engine | TensorParallelEngine:
     num_blocks = blocks_needed(config.kv_cache_tokens, engine_config.block_size)
     if tp > 1:  # from the model's header, before any rank process starts or any weight loads
         try:
-            TensorParallelShard(0, tp).check(describe_model(engine_config.model or None).args)
+            args = describe_model(engine_config.model or None).args
+            TensorParallelShard(0, tp).check(args)
         except (OSError, ValueError) as exc:
             raise ConfigError(
                 str(exc), ("tensor_parallel_size",), "the TP size splits the heads and the intermediate size"
             ) from None
+        # DCP's GQA rule needs the model's K/V heads: a ConfigError naming the keys and the rule.
+        engine_config.with_model_shape(args.n_kv_heads)
     try:
         if tp == 1:
             return Engine.load(
@@ -158,6 +165,7 @@ def load_engine(config: DecodeConfig) -> Engine | TensorParallelEngine:
             num_blocks=num_blocks,
             timeout_s=config.collective_timeout,
             threads=config.threads,
+            dcp_size=dcp,
         )
     except (OSError, ValueError) as exc:
         if tp == 1:

@@ -47,14 +47,48 @@ def test_a_tp_the_model_or_devices_cannot_run_is_refused_at_start_up(
 
 
 @pytest.mark.parametrize(
-    ("override", "expected"),
+    ("service", "override", "expected"),
     [
-        ("decode_context_parallel_size=3", "decode_context_parallel_size=3: decode CP is not wired"),
-        ("kv_transfer_mode=layerwise", "kv_transfer_mode='layerwise': a layerwise KV transfer is not wired"),
+        (
+            "prefill",
+            "decode_context_parallel_size=3",
+            "decode_context_parallel_size=3: decode CP is not wired",
+        ),
+        (
+            "decode",
+            "kv_transfer_mode=layerwise",
+            "kv_transfer_mode='layerwise': a layerwise KV transfer is not wired",
+        ),
     ],
 )
-def test_other_accepted_but_unbuilt_settings_are_refused_at_start_up(child_env, override, expected) -> None:
-    # DCP 3 needs TP 9 by seed 001's rules; the DCP refusal comes first
+def test_other_accepted_but_unbuilt_settings_are_refused_at_start_up(
+    child_env, service, override, expected
+) -> None:
+    # DCP 3 needs TP 9 by seed 001's rules; the DCP refusal comes first (decode runs DCP, prefill does not)
     extra = ["--set", "tensor_parallel_size=9"] if override.startswith("decode_context") else []
-    line = refusal(child_env, "decode", "--registry", REGISTRY, "--set", override, *extra)
+    line = refusal(child_env, service, "--registry", REGISTRY, "--set", override, *extra)
     assert expected in line
+
+
+# A decode worker runs DCP, within seed 001's rules: a DCP size they forbid is refused at start-up, the rule
+# named, before any rank starts (the tiny model has 2 K/V heads, so TP=2 leaves none to split by tokens).
+@pytest.mark.parametrize(
+    ("overrides", "rule"),
+    [
+        (["decode_context_parallel_size=2"], "tp % dcp == 0 and tp >= dcp"),
+        (
+            ["tensor_parallel_size=2", "decode_context_parallel_size=2"],
+            "(tp // num_kv_heads)=1 must be >= dcp",
+        ),
+        (
+            ["prefill_context_parallel_size=2", "decode_context_parallel_size=2"],
+            "PCP and DCP cannot both be > 1",
+        ),
+    ],
+    ids=["dcp-without-tp", "gqa", "with-pcp"],
+)
+def test_a_dcp_the_rules_forbid_is_refused_at_decode_start_up(child_env, overrides, rule) -> None:
+    sets = [arg for override in overrides for arg in ("--set", override)]
+    args = ["--registry", REGISTRY, "--log-level", "WARNING", "--model", "tiny", *sets]
+    line = refusal(child_env, "decode", *args)
+    assert rule in line and "decode_context_parallel_size=" in line
