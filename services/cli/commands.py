@@ -68,6 +68,19 @@ def add_stack_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--threads-per-rank", type=int, default=1, help="torch threads per PCP rank (default 1)"
     )
+    parser.add_argument(
+        "--prefill-kv-cache-tokens",
+        type=int,
+        default=0,
+        help="K/V tokens each prefill rank holds, the longest prompt a set takes (default 0: the prefill "
+        "service's, 16,384)",
+    )
+    parser.add_argument(
+        "--prefill-chunk-tokens",
+        type=int,
+        default=0,
+        help="prefill a longer prompt in chunks of this many tokens (default 0: one forward)",
+    )
     parser.add_argument("--log-dir", default=None, help="where service logs go (default: a temp folder)")
 
 
@@ -83,6 +96,12 @@ def check_stack_arguments(args: argparse.Namespace) -> None:
     ):
         if value < 1:
             raise UsageError(flag, value, "must be >= 1")
+    for flag, value in (
+        ("--prefill-kv-cache-tokens", args.prefill_kv_cache_tokens),
+        ("--prefill-chunk-tokens", args.prefill_chunk_tokens),
+    ):
+        if value < 0:
+            raise UsageError(flag, value, "must be >= 0 (0: the prefill service's default)")
     # Whether the model splits over these TP sizes is the services' check at start-up (it needs the model).
     if args.device and args.device not in DEVICE_KINDS:
         raise UsageError("--device", args.device, f"must be one of {', '.join(DEVICE_KINDS)}")
@@ -103,6 +122,8 @@ def _stack_options(args: argparse.Namespace) -> StackOptions:
         device=args.device,
         model=args.model,
         threads_per_rank=args.threads_per_rank,
+        prefill_kv_cache_tokens=args.prefill_kv_cache_tokens,
+        prefill_chunk_tokens=args.prefill_chunk_tokens,
         log_dir=args.log_dir,
         metrics=getattr(args, "metrics", False),
     )

@@ -72,6 +72,10 @@ class StackOptions:
     model: str | None = None
     block_size: int = 128
     threads_per_rank: int = 1
+    # K/V tokens each prefill rank's cache holds, the longest prompt a set takes; 0: the service's default.
+    prefill_kv_cache_tokens: int = 0
+    # Longest piece of a prompt one prefill forward runs; 0: the whole prompt in one forward.
+    prefill_chunk_tokens: int = 0
     decode_threads: int = 0
     kv_capacity_bytes: int = 2 * 1024**3
     lease_s: float = 3.0
@@ -202,6 +206,15 @@ class LocalStack:
     def _device_args(self) -> list[str]:
         return ["--device", self.options.device] if self.options.device else []
 
+    def _prefill_cache_args(self) -> list[str]:
+        """The prefill flags of the options that differ from the service's defaults (0)."""
+        o = self.options
+        flags = (
+            ("--kv-cache-tokens", o.prefill_kv_cache_tokens),
+            ("--prefill-chunk-tokens", o.prefill_chunk_tokens),
+        )
+        return [arg for flag, value in flags if value for arg in (flag, str(value))]
+
     def _config_file(self, role: str) -> str:
         o = self.options
         section = {
@@ -282,6 +295,7 @@ class LocalStack:
                     f"prefill-{index}",
                     "--threads-per-rank",
                     str(o.threads_per_rank),
+                    *self._prefill_cache_args(),
                     # torch's TCPStore listens on every address, so sets on one host need their own ports.
                     "--set",
                     f"master-port={free_port(host)}",

@@ -8,7 +8,7 @@ its cause, and the set keeps serving.
 
 from __future__ import annotations
 
-from pcpstack.common.errors import FailedPrecondition, PermissionDenied, Unavailable
+from pcpstack.common.errors import FailedPrecondition, PermissionDenied, ResourceExhausted, Unavailable
 
 
 class SetUnavailable(Unavailable):
@@ -21,3 +21,8 @@ class NotMaster(FailedPrecondition):
 
 class StoreNotListed(PermissionDenied):
     """A request named a KV store the registry does not list; ranks push only to listed stores."""
+
+
+class PromptOverCapacity(ResourceExhausted):
+    """A prompt longer than the K/V a rank's cache holds (--kv-cache-tokens): every PCP rank keeps the
+    whole prompt's K/V, so no set of this configuration can take it."""

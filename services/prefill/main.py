@@ -37,6 +37,9 @@ if TYPE_CHECKING:
     from pcpstack.prefill.node import ModelInfo, RunningSet
 
 log = logging.getLogger(__name__)
+# engine.engine.DEFAULT_CACHE_TOKENS (this module must not import torch): twice SmolLM2's 8,192-token
+# context, 720 MiB a rank at SmolLM2-135M's 46,080 bytes a token in fp32 (23,040 in bf16).
+DEFAULT_KV_CACHE_TOKENS = 16384
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -56,6 +59,21 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--collective-timeout", type=float, default=120.0, help="seconds before a collective fails"
     )
+    parser.add_argument(
+        "--kv-cache-tokens",
+        type=int,
+        default=DEFAULT_KV_CACHE_TOKENS,
+        help="K/V tokens each rank's cache holds: the longest prompt the set takes (each PCP rank keeps it "
+        "whole); a longer one is refused with RESOURCE_EXHAUSTED. SmolLM2-135M takes 46,080 bytes a token "
+        "in fp32, 23,040 in bf16 (the default: 720 MiB a rank on the CPU)",
+    )
+    parser.add_argument(
+        "--prefill-chunk-tokens",
+        type=int,
+        default=0,
+        help="longest piece of a prompt one forward runs: a longer prompt is prefilled in chunks, each "
+        "attending to those before it (bounds the activations of long prompts; exact); 0: one forward",
+    )
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -71,6 +89,9 @@ class PrefillConfig(NodeConfig):
     kvstore: str = ""
     kv_lease_ms: int = 0
     collective_timeout: float = 120.0
+    kv_cache_tokens: int = DEFAULT_KV_CACHE_TOKENS
+    # 0: the whole prompt in one forward.
+    prefill_chunk_tokens: int = 0
 
     def __post_init__(self) -> None:
         super().__post_init__()
@@ -87,6 +108,8 @@ class PrefillConfig(NodeConfig):
         check_positive("--threads-per-rank", self.threads_per_rank)
         check_non_negative("--kv-lease-ms", self.kv_lease_ms, "0: the store's default")
         check_positive("--collective-timeout", self.collective_timeout)
+        check_positive("--kv-cache-tokens", self.kv_cache_tokens)
+        check_non_negative("--prefill-chunk-tokens", self.prefill_chunk_tokens, "0: one forward")
 
 
 class PrefillNode:
@@ -110,6 +133,8 @@ class PrefillNode:
             device=config.device,
             threads_per_rank=config.threads_per_rank,
             collective_timeout_s=config.collective_timeout,
+            kv_cache_tokens=config.kv_cache_tokens,
+            prefill_chunk_tokens=config.prefill_chunk_tokens,
         )
         self.supervisor = RankSupervisor(self.options, info, self._on_set_failure)
         self.registry = None
@@ -190,7 +215,12 @@ class PrefillNode:
         config = self.config
         self.resolver = Resolver(config.registry)
         servicer = PrefillServicer(
-            self.supervisor, self.info, self.kv_stores, config.kv_lease_ms, self.engine.tensor_parallel_size
+            self.supervisor,
+            self.info,
+            self.kv_stores,
+            config.kv_lease_ms,
+            self.engine.tensor_parallel_size,
+            kv_cache_tokens=config.kv_cache_tokens,
         )
         self.running = await start_server(
             lambda server: prefill_pb2_grpc.add_PrefillServiceServicer_to_server(servicer, server),

@@ -25,6 +25,7 @@ import torch
 
 from pcpstack.engine.config import ModelArgs
 from pcpstack.engine.device import default_dtype, pick_device
+from pcpstack.engine.engine import DEFAULT_CACHE_TOKENS
 from pcpstack.engine.kv_cache import KvLayout
 from pcpstack.engine.prompt import PromptLimits
 from pcpstack.engine.weights import describe_model
@@ -92,6 +93,10 @@ class NodeOptions:
     collective_timeout_s: float = 120.0
     idle_tick_s: float = 1.0
     start_timeout_s: float = 600.0
+    # Tokens of K/V each rank's cache holds: the longest prompt the set takes (each rank keeps it whole).
+    kv_cache_tokens: int = DEFAULT_CACHE_TOKENS
+    # Longest chunk of a prompt one forward runs; 0: the whole prompt in one forward.
+    prefill_chunk_tokens: int = 0
 
 
 @dataclass
@@ -161,6 +166,8 @@ class RankSupervisor:
                 collective_timeout_s=self.options.collective_timeout_s,
                 idle_tick_s=self.options.idle_tick_s,
                 log_level=logging.getLevelName(logging.getLogger().getEffectiveLevel()),
+                kv_cache_tokens=self.options.kv_cache_tokens,
+                prefill_chunk_tokens=self.options.prefill_chunk_tokens,
             )
             parent, child = self._ctx.Pipe()
             progress = self._ctx.Value("d", 0.0, lock=False)

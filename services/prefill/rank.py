@@ -17,6 +17,9 @@ brings the first token (sampled by TP rank 0 of the PCP rank holding the last po
 replicated, so every TP rank there has the full logits) and the push results back to rank 0. A failure
 that belongs to one request (its sampling, a push) travels in the shares: every rank still takes part in
 the all-gather, so the group stays in step and the set serves the next job.
+
+A rank's cache holds `kv_cache_tokens` (the servicer refuses a longer prompt before the job reaches the
+set); a prompt above `prefill_chunk_tokens` runs in chunks (context_parallel.prefill_chunked).
 """
 
 from __future__ import annotations
@@ -39,8 +42,8 @@ from pcpstack.common.errors import Internal, ServiceError, Unavailable
 from pcpstack.common.logs import setup_logging
 from pcpstack.common.telemetry import setup_telemetry, shutdown_telemetry, tracer
 from pcpstack.engine.device import device_for_rank
-from pcpstack.engine.engine import Engine
-from pcpstack.engine.kv_cache import KvLayout
+from pcpstack.engine.engine import DEFAULT_CACHE_TOKENS, Engine
+from pcpstack.engine.kv_cache import KvLayout, blocks_needed
 from pcpstack.engine.parallel import ParallelGroups, ParallelLayout, init_parallel_groups
 from pcpstack.engine.sampling import (
     TokenHistory,
@@ -53,7 +56,12 @@ from pcpstack.engine.sampling import (
 )
 from pcpstack.engine.weights import load_model
 from pcpstack.kvstore.client import KvStoreClient
-from pcpstack.prefill.context_parallel import KvAllGather, configure_gloo_interface, prefill_share
+from pcpstack.prefill.context_parallel import (
+    KvAllGather,
+    chunk_bounds,
+    configure_gloo_interface,
+    prefill_chunked,
+)
 from pcpstack.prefill.job import PrefillJob, PrefillOutcome, RankShare, ReplicaShard
 from pcpstack.prefill.replica import replica_owner
 from pcpstack.prefill.split import DualChunkSplit
@@ -99,6 +107,11 @@ class RankSpec:
     idle_tick_s: float = 1.0
     # The node's --log-level: a spawned process starts without the parent's logging set-up.
     log_level: str = "INFO"
+    # Tokens of K/V this rank's cache holds (--kv-cache-tokens): a whole prompt, since every rank keeps a
+    # complete replica.
+    kv_cache_tokens: int = DEFAULT_CACHE_TOKENS
+    # Longest chunk one forward runs (--prefill-chunk-tokens); 0: the whole prompt in one forward.
+    prefill_chunk_tokens: int = 0
 
     @property
     def layout(self) -> ParallelLayout:
@@ -217,6 +230,8 @@ class RankWorker:
             span.set_attribute("pcpstack.pcp_rank", spec.pcp_rank)
             span.set_attribute("pcpstack.tp_rank", spec.tp_rank)
             span.set_attribute("pcpstack.replica_owner", owner == spec.pcp_rank)
+            chunks = chunk_bounds(len(job.token_ids), spec.prefill_chunk_tokens)
+            span.set_attribute("pcpstack.prefill_chunks", len(chunks))
             share = self._run(job, owner)
         shares = [torch.empty(RankShare.SIZE, dtype=torch.uint8) for _ in range(spec.layout.world_size)]
         dist.all_gather(shares, share.to_tensor(), group=self.groups.control)
@@ -232,12 +247,16 @@ class RankWorker:
         spec, engine = self.spec, self.engine
         seq_id = job.kv_key  # unique per attempt, whatever the request id
         tokens = torch.tensor(job.token_ids, dtype=torch.long)
-        split = DualChunkSplit(len(tokens), spec.pcp_size)
+
+        def exchange_for(split: DualChunkSplit) -> KvAllGather:
+            return KvAllGather(split, group=self.groups.pcp_group, on_progress=self.on_progress)
+
         try:
             state = engine.reserve(seq_id, len(tokens))
             started = time.perf_counter()
-            exchange = KvAllGather(split, group=self.groups.pcp_group, on_progress=self.on_progress)
-            logits = prefill_share(engine, state, tokens, split, spec.pcp_rank, exchange)
+            logits = prefill_chunked(
+                engine, state, tokens, spec.pcp_rank, spec.pcp_size, spec.prefill_chunk_tokens, exchange_for
+            )
             forward_us = int((time.perf_counter() - started) * 1e6)
             first_token = -1
             first_logprobs = None
@@ -333,7 +352,8 @@ def rank_main(spec: RankSpec, conn: Connection, progress: Synchronized) -> None:
             spec.collective_timeout_s,
         )
         loaded = load_model(spec.model, device, shard=groups.shard())
-        engine = Engine(loaded, block_size=spec.block_size, num_blocks=None)
+        num_blocks = blocks_needed(spec.kv_cache_tokens, spec.block_size)
+        engine = Engine(loaded, block_size=spec.block_size, num_blocks=num_blocks)
         fingerprint = KvLayout.for_model(
             loaded.model_id, loaded.full_args, loaded.dtype, spec.block_size
         ).fingerprint()

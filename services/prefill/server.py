@@ -1,10 +1,10 @@
 """The Prefill servicer: turns a PrefillRequest into a job for the node's set and the outcome into a reply.
 
 Every check on the request happens here, before any rank works (the shared prompt check of
-pcpstack.engine.prompt, the request-id rule, the fingerprint, the KV store), and each failure is raised as
-its kind of pcpstack.common.errors for the common interceptor to answer. The KV key of the attempt is
-computed here, once, with the keys of its shards when a TP group stores the replica as several objects;
-the ranks push under them and the reply's handle names them.
+pcpstack.engine.prompt, the request-id rule, the set's KV capacity, the fingerprint, the KV store), and each
+failure is raised as its kind of pcpstack.common.errors for the common interceptor to answer. The KV key
+of the attempt is computed here, once, with the keys of its shards when a TP group stores the replica as
+several objects; the ranks push under them and the reply's handle names them.
 """
 
 from __future__ import annotations
@@ -23,7 +23,7 @@ from pcpstack.common.logs import request_id_var
 from pcpstack.common.telemetry import latency_histogram, meter, tracer
 from pcpstack.engine.prompt import check_prompt
 from pcpstack.kvstore.client import KvStoreClient
-from pcpstack.prefill.errors import StoreNotListed
+from pcpstack.prefill.errors import PromptOverCapacity, StoreNotListed
 from pcpstack.prefill.job import PrefillJob, PrefillOutcome, replica_shards
 from pcpstack.prefill.node import ModelInfo, RankSupervisor
 from pcpstack.prefill.replica import replica_key
@@ -50,10 +50,14 @@ class PrefillServicer(prefill_pb2_grpc.PrefillServiceServicer):
         kv_stores: Callable[[], Awaitable[list[str]]],
         lease_ms: int = 0,
         tp_size: int = 1,
+        kv_cache_tokens: int = 0,
     ) -> None:
         """kv_stores: the addresses ranks may push to (the configured store, then those the registry
-        lists); the first is the default. tp_size: the TP size of the sets this node runs."""
+        lists); the first is the default. tp_size: the TP size of the sets this node runs.
+        kv_cache_tokens: the K/V each rank's cache holds, the longest prompt a set takes (0: no limit
+        beyond the model's context)."""
         self.supervisor = supervisor
+        self._kv_cache_tokens = kv_cache_tokens
         self.info = info
         self._tp_size = tp_size
         self._background: set[asyncio.Future] = set()
@@ -109,6 +113,11 @@ class PrefillServicer(prefill_pb2_grpc.PrefillServiceServicer):
         ids, sampling = check_prompt(
             request.token_ids, request.sampling, info.limits, default_max_tokens=1, generates=False
         )
+        if self._kv_cache_tokens and len(ids) > self._kv_cache_tokens:
+            raise PromptOverCapacity(
+                f"prompt of {len(ids)} tokens exceeds this prefill set's KV capacity of "
+                f"{self._kv_cache_tokens} tokens (--kv-cache-tokens; every PCP rank holds the whole prompt)"
+            )
         if request.expected_fingerprint and request.expected_fingerprint != info.fingerprint:
             raise FailedPrecondition(
                 f"expected_fingerprint={request.expected_fingerprint[:16]}… but this set produces KV with "

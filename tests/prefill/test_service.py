@@ -1,7 +1,8 @@
 """The prefill service in real processes: registry, KV store and a PCP=2 prefill node on the tiny model.
 
-The replica the set pushes equals single-rank prefill; concurrent requests queue without deadlock; bad
-requests are refused before any rank works; one request's failure (a refused push) fails that request alone
+The replica the set pushes equals single-rank prefill, also when the set runs a prompt in chunks; concurrent
+requests queue without deadlock; bad requests, and a prompt above the set's KV capacity, are refused before
+any rank works; one request's failure (a refused push) fails that request alone
 and the set serves the next; a dead rank makes requests fail fast with UNAVAILABLE, takes the set out of
 routing, and the set re-forms with a newer generation.
 """
@@ -28,9 +29,13 @@ from tests.helpers import child_pids, start_stack
 BLOCK_SIZE = 128
 GREEDY = common_pb2.SamplingParams(max_tokens=1, temperature=0)
 # The tiny model's KV takes 512 bytes a token: the store holds the tests' prompts (at most a few hundred
-# tokens) but refuses a replica of STORE_OVERFLOW tokens.
+# tokens) but refuses a replica of STORE_OVERFLOW tokens, which the ranks' caches still hold.
 KV_CAPACITY_BYTES = 1 << 20
-STORE_OVERFLOW = 4000
+STORE_OVERFLOW = 3000
+# Each rank's cache (--kv-cache-tokens), below the tiny model's 4,096-token context so a prompt can exceed it.
+RANK_KV_TOKENS = 3072
+# Prompts longer than this run in chunks (--prefill-chunk-tokens).
+CHUNK_TOKENS = 128
 
 
 @pytest.fixture(scope="module")
@@ -46,6 +51,8 @@ def stack(tmp_path_factory):
         decode=0,
         model="tiny",
         kv_capacity_bytes=KV_CAPACITY_BYTES,
+        prefill_kv_cache_tokens=RANK_KV_TOKENS,
+        prefill_chunk_tokens=CHUNK_TOKENS,
     )
     yield running
     running.stop()
@@ -83,7 +90,8 @@ def prompt(n: int) -> list[int]:
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("n", [1, 5, 300])
+# 299 runs in three chunks (128, 128, 43), none a multiple of 2P.
+@pytest.mark.parametrize("n", [1, 5, 299])
 def test_pushed_replica_and_first_token_equal_single_rank_prefill(stack, reference, n) -> None:
     request_id = f"replica-{n}"
     reply, kv = stack.run(prefill_and_fetch(stack, request_id, prompt(n)))
@@ -129,6 +137,20 @@ def test_bad_prompts_are_refused_before_any_rank_works(stack, ids, code, needle)
         stack.run(call())
     assert info.value.code() == code
     assert needle in info.value.details()
+
+
+@pytest.mark.slow
+def test_a_prompt_above_the_kv_capacity_is_refused_naming_both_numbers_and_the_set_serves_the_next(
+    stack, reference
+) -> None:
+    generation = stack.run(_sets(stack))[0].generation
+    error = prefill_error(stack, "too-long", prompt(RANK_KV_TOKENS + 1))
+    assert error.code() == grpc.StatusCode.RESOURCE_EXHAUSTED, error.details()
+    assert f"{RANK_KV_TOKENS + 1} tokens" in error.details()
+    assert f"capacity of {RANK_KV_TOKENS} tokens" in error.details()
+    reply, _ = stack.run(prefill_and_fetch(stack, "after-too-long", prompt(11)))
+    assert reply.first_token_id == single_rank(reference, prompt(11))[0]
+    assert reply.generation == generation
 
 
 @pytest.mark.slow
