@@ -5,7 +5,8 @@ cancelled, so the batch changes every step. The engine is touched only from the 
 side talks to it through a thread-safe inbox and gets tokens back through per-request callbacks.
 
 Admission is by KV blocks: a request is admitted only when the cache can hold its prompt and all of its
-max_tokens, so a running request never runs out of blocks half-way.
+max_tokens, so a running request never runs out of blocks half-way. Blocks are counted per rank
+(engine.blocks_for): a decode context-parallel rank holds about 1/D of each sequence.
 """
 
 from __future__ import annotations
@@ -23,7 +24,6 @@ import torch
 from pcpstack.common.errors import Internal, ResourceExhausted, ServiceError
 from pcpstack.common.telemetry import latency_histogram, meter
 from pcpstack.engine.engine import Engine
-from pcpstack.engine.kv_cache import blocks_needed
 from pcpstack.engine.sampling import (
     SamplingParams,
     StopChecker,
@@ -36,6 +36,9 @@ from pcpstack.engine.sampling import (
 )
 
 log = logging.getLogger(__name__)
+# A prompt's KV as the batch adopts it: the whole model's replica [layers, 2, prompt_tokens, kv_heads,
+# head_dim], or with decode context parallelism one part per TP rank (engine.kv_parts says which).
+KvReplica = torch.Tensor | list[torch.Tensor]
 _queue_time = latency_histogram(
     meter("pcpstack.decode"),
     "pcpstack.request_queue_time",
@@ -78,7 +81,7 @@ class DecodeRequest:
     already taken the first token (prefill samples it, and it is streamed before the KV is loaded)."""
 
     seq_id: Hashable
-    kv: torch.Tensor  # [layers, 2, prompt_tokens, kv_heads, head_dim]
+    kv: KvReplica
     num_tokens: int
     checker: StopChecker
     params: SamplingParams
@@ -206,7 +209,8 @@ class Batcher:
         capacity = self.engine.cache.num_blocks
         while self._waiting:
             request = self._waiting[0]
-            need = blocks_needed(request.num_tokens + request.params.max_tokens, self.engine.block_size)
+            # Blocks of one rank's cache: with DCP a rank holds about 1/D of each sequence.
+            need = self.engine.blocks_for(request.num_tokens + request.params.max_tokens)
             if need > capacity:
                 self._waiting.popleft()
                 self._finish(
@@ -226,7 +230,10 @@ class Batcher:
             self._reserved_blocks += need
             request.blocks = need
             try:
-                self.engine.adopt_sequence(request.seq_id, request.kv, request.num_tokens)
+                if isinstance(request.kv, list):
+                    self.engine.adopt_parts(request.seq_id, request.kv, request.num_tokens)
+                else:
+                    self.engine.adopt_sequence(request.seq_id, request.kv, request.num_tokens)
             except Exception as exc:
                 self._reserved_blocks -= need  # never admitted: _finish only returns an active one's blocks
                 error = exc

@@ -7,10 +7,12 @@ continuous batch → stream tokens → a summary. The servicer (decode.server) o
 
 A replica is one store object per K/V head range (one per stored TP shard of the prefill set; a single
 object holding every head without TP): the fetch reads them all and places each by its head range into the
-whole model's K/V, whatever TP the prefill set or this worker runs. Every store object of the replica is
-released exactly once on every path: after the fetch (or when no fetch is needed), when the request fails or
-is cancelled mid-fetch, and, when the caller leaves while the set is still prefilling, as soon as the set's
-answer names the replica nobody will load.
+whole model's K/V, whatever TP the prefill set or this worker runs. A decode context-parallel worker
+(engine.dcp_size > 1) instead fetches, for each of its TP ranks, only that rank's token blocks of its K/V
+heads with ranged Gets (decode.kv_ranges) and hands the batch one part per rank. Every store object of the
+replica is released exactly once on every path: after the fetch (or when no fetch is needed), when the
+request fails or is cancelled mid-fetch, and, when the caller leaves while the set is still prefilling, as
+soon as the set's answer names the replica nobody will load.
 """
 
 from __future__ import annotations
@@ -20,9 +22,10 @@ import itertools
 import logging
 import time
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Awaitable, Iterable
 from contextlib import aclosing
 from dataclasses import dataclass, replace
+from typing import TypeVar
 
 import grpc
 import torch
@@ -40,8 +43,10 @@ from pcpstack.common.ids import check_request_id
 from pcpstack.common.logs import request_id_var
 from pcpstack.common.rpc_errors import error_from_rpc
 from pcpstack.common.telemetry import current_trace_id, latency_histogram, meter, tracer
-from pcpstack.decode.batcher import Batcher, DecodeRequest, TokenEvent, accept_token
+from pcpstack.decode.batcher import Batcher, DecodeRequest, KvReplica, TokenEvent, accept_token
+from pcpstack.decode.kv_ranges import ShardRead, assemble_part, part_reads
 from pcpstack.decode.router import NoReadySet, SetRouter
+from pcpstack.engine.dcp import KvPart
 from pcpstack.engine.engine import Engine
 from pcpstack.engine.prompt import PromptLimits, check_logit_bias, check_token_ids
 from pcpstack.engine.sampling import SamplingParams, StopChecker, TokenLogprobs, sampling_to_wire
@@ -50,6 +55,7 @@ from pcpstack.prefill.client import PrefillClient
 from pcpstack.registry.endpoints import PrefillEndpoint
 from pcpstack.v1 import common_pb2, prefill_pb2
 
+T = TypeVar("T")
 log = logging.getLogger(__name__)
 _tracer = tracer(__name__)
 _meter = meter("pcpstack.decode")
@@ -340,7 +346,7 @@ class GeneratePipeline:
         )
 
     async def _join_batch(
-        self, request_id: str, ids: list[int], request: GenerateInput, checker: StopChecker, kv: torch.Tensor
+        self, request_id: str, ids: list[int], request: GenerateInput, checker: StopChecker, kv: KvReplica
     ) -> AsyncIterator[Delta]:
         """Decodes in the shared batch until the request finishes; leaving early cancels it there."""
         events: asyncio.Queue[TokenEvent] = asyncio.Queue()
@@ -459,23 +465,20 @@ class GeneratePipeline:
             client = self._kv_clients[address] = KvStoreClient(address)
         return client
 
-    async def _fetch_kv(self, handle: common_pb2.KvHandle) -> torch.Tensor:
+    async def _fetch_kv(self, handle: common_pb2.KvHandle) -> KvReplica:
         """The replica as a tensor [layers, 2, tokens, kv_heads, head_dim] of the whole model, put together
-        from its shards by K/V head range; Unavailable when a shard cannot be read, DataLoss when the shards
-        do not make up the replica."""
+        from its shards by K/V head range; with DCP, one part per TP rank (_fetch_parts). Unavailable when a
+        shard cannot be read, DataLoss when the shards do not make up the replica."""
         shards = replica_shards(handle, self.engine.layout.num_kv_heads)
         started = time.monotonic()
         with _tracer.start_as_current_span("decode.kv_fetch") as span:
             span.set_attribute("pcpstack.kv_bytes", handle.total_bytes)
             span.set_attribute("pcpstack.kv_shards", len(shards))
-            fetches = [asyncio.ensure_future(self._fetch_shard(handle, shard)) for shard in shards]
-            try:
-                parts = await asyncio.gather(*fetches)
-            finally:
-                # One failed shard ends the fetch: the others stop too (their objects are released anyway).
-                for fetch in fetches:
-                    fetch.cancel()
-                await asyncio.gather(*fetches, return_exceptions=True)
+            if self.engine.dcp_size > 1:
+                parts = await _all_or_none(self._fetch_parts(handle, shards))
+                _kv_fetch_time.record(time.monotonic() - started)
+                return parts
+            parts = await _all_or_none(self._fetch_shard(handle, shard) for shard in shards)
         _kv_fetch_time.record(time.monotonic() - started)
         if len(parts) == 1:
             return parts[0]
@@ -487,6 +490,51 @@ class GeneratePipeline:
         for shard, part in zip(shards, parts, strict=True):
             whole[:, :, :, shard.kv_head_start : shard.kv_head_end] = part
         return whole
+
+    def _fetch_parts(
+        self, handle: common_pb2.KvHandle, shards: list[common_pb2.KvShard]
+    ) -> list[Awaitable[torch.Tensor]]:
+        """One fetch per TP rank of a DCP worker: the rank's own token blocks of its K/V heads, read with
+        ranged Gets from the shards that hold those heads (never a whole object per rank)."""
+        layout = self.engine.layout
+        itemsize = torch.empty(0, dtype=layout.torch_dtype).element_size()
+        heads = [range(shard.kv_head_start, shard.kv_head_end) for shard in shards]
+        for shard, held in zip(shards, heads, strict=True):
+            expected = layout.num_layers * 2 * handle.num_tokens * len(held) * layout.head_dim * itemsize
+            if shard.total_bytes and shard.total_bytes != expected:
+                raise DataLoss(
+                    f"KV shard {shard.key} holds {shard.total_bytes} bytes; K/V heads {held.start}-"
+                    f"{held.stop} of {handle.num_tokens} tokens are {expected} bytes in {layout.dtype}"
+                )
+        return [
+            self._fetch_part(handle, shards, part, part_reads(part, heads, handle.num_tokens, layout))
+            for part in self.engine.kv_parts(handle.num_tokens)
+        ]
+
+    async def _fetch_part(
+        self,
+        handle: common_pb2.KvHandle,
+        shards: list[common_pb2.KvShard],
+        part: KvPart,
+        reads: list[ShardRead],
+    ) -> torch.Tensor:
+        """One rank's part [layers, 2, its tokens, its heads, head_dim], its reads run at once."""
+        client = self._kv_client(handle.store_address)
+
+        async def read(planned: ShardRead) -> memoryview:
+            shard = shards[planned.shard_index]
+            try:
+                data, _ = await client.get(
+                    shard.key, shard.fingerprint, shard.capability, ranges=planned.ranges
+                )
+            except Exception as exc:
+                what = f"TP rank {part.tp_rank}'s KV of {shard.key}"
+                raise Unavailable(f"could not fetch {what}: {exc}") from exc
+            _kv_bytes.add(len(data))
+            return data
+
+        data = await _all_or_none(read(planned) for planned in reads)
+        return assemble_part(part, reads, data, self.engine.layout)
 
     async def _fetch_shard(self, handle: common_pb2.KvHandle, shard: common_pb2.KvShard) -> torch.Tensor:
         """One store object of a replica: [layers, 2, tokens, its heads, head_dim] in the layout's dtype."""
@@ -529,6 +577,18 @@ class GeneratePipeline:
         for shard, outcome in zip(shards, outcomes, strict=True):
             if isinstance(outcome, BaseException):  # the store's lease reclaims it anyway
                 log.warning("release of %s failed: %s", shard.key, outcome)
+
+
+async def _all_or_none(awaitables: Iterable[Awaitable[T]]) -> list[T]:
+    """Every result in order; the first failure cancels the rest (their objects are released anyway) and is
+    raised once they have stopped."""
+    tasks = [asyncio.ensure_future(awaitable) for awaitable in awaitables]
+    try:
+        return await asyncio.gather(*tasks)
+    finally:
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
 
 
 def replica_shards(

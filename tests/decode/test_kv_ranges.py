@@ -1,0 +1,78 @@
+"""A DCP rank's part of a replica read with ranged Gets from a real store equals the slice of the whole
+replica it stands for (its K/V heads at its owned token positions), whatever the replica's shards."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+import torch
+
+from pcpstack.decode.kv_ranges import assemble_part, fold_runs, part_reads
+from pcpstack.engine.dcp import DcpShard, KvPart
+from pcpstack.engine.kv_cache import KvLayout
+from pcpstack.kvstore.client import KvStoreClient
+from tests.kvstore.conftest import running_store
+
+# Three K/V heads as SmolLM2 has; blocks of 4 tokens; a worker of TP=9 x DCP=3 (rank r: head r // 3).
+LAYOUT = KvLayout("m", num_layers=2, num_kv_heads=3, head_dim=8, dtype="bfloat16", block_size=4)
+TP, DCP = 9, 3
+
+
+def _parts(num_tokens: int) -> list[KvPart]:
+    """The parts of a TP=9 DCP=3 worker, as its engine's kv_parts lays them out."""
+    per_head = TP // LAYOUT.num_kv_heads
+    return [
+        KvPart(
+            rank,
+            range(rank // per_head, rank // per_head + 1),
+            DcpShard(rank % DCP, DCP, 4).owned_runs(num_tokens),
+        )
+        for rank in range(TP)
+    ]
+
+
+def test_runs_of_one_length_at_one_spacing_fold_into_one():
+    runs = DcpShard(1, 3, 4).owned_runs(30)  # blocks 1, 4 full; block 7 (28..29) short
+    folds = fold_runs(runs)
+    assert [(f.start, f.length, f.spacing, f.count) for f in folds] == [(4, 4, 12, 2), (28, 2, 0, 1)]
+
+
+@pytest.mark.parametrize(
+    "shard_heads", [[range(0, 3)], [range(0, 1), range(1, 2), range(2, 3)]], ids=["one", "per-head"]
+)
+@pytest.mark.parametrize(
+    "num_tokens", [37, 24, 5]
+)  # not a block multiple, a multiple of D blocks, < D blocks
+@pytest.mark.timeout(60)
+def test_every_ranks_ranged_part_equals_its_slice_of_the_replica(shard_heads, num_tokens):
+    replica = torch.randn(LAYOUT.num_layers, 2, num_tokens, LAYOUT.num_kv_heads, LAYOUT.head_dim).to(
+        torch.bfloat16
+    )
+
+    async def body():
+        async with running_store() as server, KvStoreClient(server.address) as client:
+            stored = []
+            for i, heads in enumerate(shard_heads):
+                shard = replica[:, :, :, heads.start : heads.stop].contiguous()
+                stored.append(await client.put(f"s{i}", "fp", shard.view(torch.uint8).numpy()))
+            sent_before = (await client.stat()).bytes_out
+            for part in _parts(num_tokens):
+                reads = part_reads(part, shard_heads, num_tokens, LAYOUT)
+                assert all(len(read.ranges) <= 2 for read in reads)  # full blocks, then a short one
+                data = [
+                    (
+                        await client.get(
+                            f"s{r.shard_index}", "fp", stored[r.shard_index].capability, ranges=r.ranges
+                        )
+                    )[0]
+                    for r in reads
+                ]
+                got = assemble_part(part, reads, data, LAYOUT)
+                positions = torch.tensor([p for run in part.positions for p in run], dtype=torch.long)
+                want = replica[:, :, :, part.kv_heads.start : part.kv_heads.stop].index_select(2, positions)
+                assert torch.equal(got, want), f"TP rank {part.tp_rank}"
+            # Each rank read one head of its own blocks: the nine ranks together read the replica once.
+            assert (await client.stat()).bytes_out - sent_before == replica.numel() * 2
+
+    asyncio.run(body())
