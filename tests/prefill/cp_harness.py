@@ -1,8 +1,9 @@
 """Runs context-parallel prefill in real processes joined by a real gloo group, for the exactness tests.
 
-`run_pcp(model, pcp_size, lengths, chunk_tokens)` spawns pcp_size processes; each loads the model, joins
-the group over tcp:// on loopback, prefills every prompt length with its DualChunkSwap share (in chunks of
-chunk_tokens when > 0) and returns its logits (on the rank owning the last position) and its complete KV
+`run_pcp(model, pcp_size, lengths, chunk_tokens, held)` spawns pcp_size processes; each loads the model,
+joins the group over tcp:// on loopback, prefills every prompt length with its DualChunkSwap share (in chunks
+of chunk_tokens when > 0; after a prefix of held[n] tokens that every rank first loads as a cached replica,
+as prefix reuse will) and returns its logits (on the rank owning the last position) and its complete KV
 replica for every length.
 """
 
@@ -25,6 +26,15 @@ def prompt(vocab_size: int, n: int) -> torch.Tensor:
     return torch.randint(0, vocab_size, (n,), generator=torch.Generator().manual_seed(n))
 
 
+def load_held_prefix(engine: Engine, seq_id: int, ids: torch.Tensor) -> None:
+    """Starts sequence seq_id from ids' K/V as a replica from the store would arrive: computed elsewhere (a
+    single-rank prefill of a scratch sequence), exported, adopted."""
+    engine.prefill("scratch", ids.tolist())
+    kv = engine.export_sequence("scratch").clone()
+    engine.free("scratch")
+    engine.adopt_sequence(seq_id, kv, len(ids))
+
+
 def prefill_all(
     model_name: str | None,
     pcp_rank: int,
@@ -32,22 +42,28 @@ def prefill_all(
     lengths: list[int],
     group: bool,
     chunk_tokens: int = 0,
+    held: dict[int, int] | None = None,
 ):
     """[(logits or None, replica)] for every length, computed as rank pcp_rank of pcp_size (in chunks of
-    chunk_tokens when > 0)."""
+    chunk_tokens when > 0, after loading a held prefix of held[n] tokens when given)."""
     torch.set_num_threads(1)
     engine = Engine.load(
         model_name, block_size=BLOCK_SIZE, num_blocks=blocks_needed(max(lengths), BLOCK_SIZE)
     )
     results = []
     for n in lengths:
-        state = engine.reserve(n, n)
         ids = prompt(engine.args.vocab_size, n)
+        start = (held or {}).get(n, 0)
+        if start:
+            load_held_prefix(engine, n, ids[:start])
+        state = engine.reserve(n, n)
 
         def exchange_for(split: DualChunkSplit) -> KvAllGather | None:
             return KvAllGather(split) if group else None
 
-        logits = prefill_chunked(engine, state, ids, pcp_rank, pcp_size, chunk_tokens, exchange_for)
+        logits = prefill_chunked(
+            engine, state, ids[start:], pcp_rank, pcp_size, chunk_tokens, exchange_for, start
+        )
         results.append((logits, engine.export_sequence(n).clone()))
         engine.free(n)
     return results
@@ -60,11 +76,12 @@ def _child(
     model_name: str | None,
     lengths: list[int],
     chunk_tokens: int,
+    held: dict[int, int] | None,
     queue,
 ) -> None:
     init_pcp_group("127.0.0.1", port, pcp_rank, pcp_size, torch.device("cpu"), timeout_seconds=120)
     try:
-        results = prefill_all(model_name, pcp_rank, pcp_size, lengths, True, chunk_tokens)
+        results = prefill_all(model_name, pcp_rank, pcp_size, lengths, True, chunk_tokens, held)
         # numpy pickles by value; a tensor would travel as a shared-memory handle that dies with this process.
         queue.put((pcp_rank, [(None if lg is None else lg.numpy(), kv.numpy()) for lg, kv in results]))
     finally:
@@ -72,14 +89,18 @@ def _child(
 
 
 def run_pcp(
-    model_name: str | None, pcp_size: int, lengths: list[int], chunk_tokens: int = 0
+    model_name: str | None,
+    pcp_size: int,
+    lengths: list[int],
+    chunk_tokens: int = 0,
+    held: dict[int, int] | None = None,
 ) -> dict[int, list]:
     """Results of every rank of a real pcp_size-process gloo group, by rank."""
     ctx = mp.get_context("spawn")
     queue = ctx.Queue()
     port = free_port()
     procs = [
-        ctx.Process(target=_child, args=(r, pcp_size, port, model_name, lengths, chunk_tokens, queue))
+        ctx.Process(target=_child, args=(r, pcp_size, port, model_name, lengths, chunk_tokens, held, queue))
         for r in range(pcp_size)
     ]
     for proc in procs:

@@ -4,8 +4,8 @@ Each chunk is split by DualChunkSwap over the PCP ranks and attends to the chunk
 every rank's cache) and to itself at true positions; only its own K/V travel in the all-gather. Run chunk
 after chunk, it must equal one-shot single-rank prefill: the same first-token logits and the same complete
 replica on every rank, within 1e-4 on the tiny model at PCP=2, for prompt lengths not divisible by 2P and
-chunks that end inside a KV block. This is the step prefix reuse stands on (a cached prefix is a held
-start).
+chunks that end inside a KV block. One prompt starts from a prefix every rank loads as an adopted replica
+first, as prefix reuse will load cached blocks: the same step, with a held start.
 """
 
 from __future__ import annotations
@@ -21,8 +21,10 @@ PCP = 2
 # Not a multiple of the harness's 16-token blocks: chunk boundaries fall inside blocks.
 CHUNK_TOKENS = 120
 # 243 = 120 + 120 + 3: the last chunk gives one rank a single token that is not the last position (it must
-# still not see the other rank's later keys); 1031 runs in nine chunks. Neither divides by 2P.
+# still not see the other rank's later keys). 1031 starts from a held 256-token prefix (16 whole blocks, as
+# cached blocks come) and runs the other 775 in seven chunks. Neither length divides by 2P.
 LENGTHS = [243, 1031]
+HELD = {1031: 256}
 
 
 def test_chunk_bounds_cover_the_prompt_in_order() -> None:
@@ -32,9 +34,9 @@ def test_chunk_bounds_cover_the_prompt_in_order() -> None:
 
 
 @pytest.mark.slow
-def test_chunked_pcp_prefill_equals_one_shot_single_rank() -> None:
+def test_chunked_pcp_prefill_after_a_held_prefix_equals_one_shot_single_rank() -> None:
     reference = prefill_all("tiny", 0, 1, LENGTHS, group=False)
-    ranks = run_pcp("tiny", PCP, LENGTHS, chunk_tokens=CHUNK_TOKENS)
+    ranks = run_pcp("tiny", PCP, LENGTHS, chunk_tokens=CHUNK_TOKENS, held=HELD)
     for i, n in enumerate(LENGTHS):
         ref_logits, ref_kv = reference[i]
         with_logits = [rank for rank in range(PCP) if ranks[rank][i][0] is not None]
