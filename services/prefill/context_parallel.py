@@ -143,7 +143,7 @@ def prefill_share(
 
 def chunk_bounds(num_tokens: int, chunk_tokens: int) -> list[range]:
     """The chunks a prompt of num_tokens runs in: consecutive ranges of at most chunk_tokens (0: one)."""
-    size = chunk_tokens if 0 < chunk_tokens < num_tokens else num_tokens
+    size = chunk_tokens if 0 < chunk_tokens < num_tokens else max(num_tokens, 1)
     return [range(s, min(s + size, num_tokens)) for s in range(0, num_tokens, size)]
 
 
