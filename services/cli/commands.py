@@ -17,7 +17,7 @@ import grpc
 
 from pcpstack.cli.progress import ProgressPrinter
 from pcpstack.cli.stack import LocalStack, ServiceRefused, StackOptions
-from pcpstack.common.config import DEVICE_KINDS
+from pcpstack.common.config import DEVICE_KINDS, ConfigError, EngineConfig
 from pcpstack.decode.client import DecodeClient, build_request
 
 USAGE_EXIT_STATUS = 2
@@ -52,6 +52,14 @@ def add_stack_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--decode", type=int, default=1, help="decode workers (default 1)")
     parser.add_argument(
         "--decode-tp", type=int, default=1, help="tensor-parallel processes per decode worker (default 1)"
+    )
+    parser.add_argument(
+        "--dcp",
+        type=int,
+        default=1,
+        help="decode context parallelism: groups of DCP of a decode worker's --decode-tp ranks split each "
+        "sequence's KV by blocks, each rank holding about 1/DCP (needs --decode-tp divisible by it, and "
+        "--decode-tp / the model's K/V heads divisible by it) (default 1)",
     )
     parser.add_argument(
         "--device",
@@ -92,10 +100,18 @@ def check_stack_arguments(args: argparse.Namespace) -> None:
         ("--prefill-sets", args.prefill_sets),
         ("--decode", args.decode),
         ("--decode-tp", args.decode_tp),
+        ("--dcp", args.dcp),
         ("--threads-per-rank", args.threads_per_rank),
     ):
         if value < 1:
             raise UsageError(flag, value, "must be >= 1")
+    try:  # seed 001's DCP rules between the decode sizes; the one with the model's K/V heads is start-up's
+        EngineConfig(
+            role="decode", tensor_parallel_size=args.decode_tp, decode_context_parallel_size=args.dcp
+        )
+    except ConfigError as error:
+        rule = f"with --decode-tp={args.decode_tp}: DCP needs {error.rule}"
+        raise UsageError("--dcp", args.dcp, rule) from None
     for flag, value in (
         ("--prefill-kv-cache-tokens", args.prefill_kv_cache_tokens),
         ("--prefill-chunk-tokens", args.prefill_chunk_tokens),
@@ -119,6 +135,7 @@ def _stack_options(args: argparse.Namespace) -> StackOptions:
         prefill_sets=args.prefill_sets,
         decode=args.decode,
         decode_tp=args.decode_tp,
+        dcp=args.dcp,
         device=args.device,
         model=args.model,
         threads_per_rank=args.threads_per_rank,
@@ -186,7 +203,7 @@ def run_up(args: argparse.Namespace) -> int:
             print(f"kvstore   {stack.kvstore_address}")
             for address in stack.decode_addresses:
                 hint = f"pcpstack generate --target {address} 'your prompt'"
-                print(f"decode    {address}   TP={stack.options.decode_tp}   ({hint})")
+                print(f"decode    {address}   {stack.options.decode_shape()}   ({hint})")
             if stack.gateway_url:
                 print(f"openai    {stack.gateway_url}/v1   (OpenAI-compatible HTTP API)")
             for name, url in stack.metrics_urls.items():

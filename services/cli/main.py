@@ -120,7 +120,8 @@ def _model_shape_problem(role: str, config) -> str:
         return f"{role}: model {config.model!r}: {exc}"
     try:
         TensorParallelShard(0, config.tensor_parallel_size).check(args)
-    except ValueError as exc:
+        config.with_model_shape(args.n_kv_heads)  # DCP's GQA rule, now that the K/V heads are known
+    except ValueError as exc:  # a ConfigError is one too
         return f"{role}: {exc}"
     return ""
 

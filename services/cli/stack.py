@@ -67,6 +67,8 @@ class StackOptions:
     decode: int = 1
     # Tensor-parallel processes of every decode worker.
     decode_tp: int = 1
+    # Decode context parallelism: groups of dcp of those processes split each sequence's KV by blocks.
+    dcp: int = 1
     # Where prefill ranks and decode workers run their model: cpu, cuda or npu; empty: what is present.
     device: str = ""
     model: str | None = None
@@ -95,7 +97,11 @@ class StackOptions:
         """The stack's parallel shape in words, for its start-up line and summary."""
         ranks = f"{self.tp * self.pcp} rank(s) each"
         prefill = f"{self.prefill_sets} prefill set(s) of TP={self.tp} x PCP={self.pcp} ({ranks})"
-        return f"{prefill} and {self.decode} decode worker(s) of TP={self.decode_tp}"
+        return f"{prefill} and {self.decode} decode worker(s) of {self.decode_shape()}"
+
+    def decode_shape(self) -> str:
+        """A decode worker's parallel shape: its TP, and its DCP when it splits sequences."""
+        return f"TP={self.decode_tp}" + (f" x DCP={self.dcp}" if self.dcp > 1 else "")
 
 
 class ServiceRefused(RuntimeError):
@@ -318,6 +324,8 @@ class LocalStack:
                 f"decode-{index}",
                 "--set",
                 f"tensor_parallel_size={o.decode_tp}",
+                "--set",
+                f"decode_context_parallel_size={o.dcp}",
                 *self._device_args(),
             ]
             if o.decode_threads:

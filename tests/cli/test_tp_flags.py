@@ -1,6 +1,7 @@
-"""`--tp`, `--decode-tp` and `--device` on `pcpstack up` and `generate --local`: a value the CLI can judge
-alone is refused at once (exit 2, one line naming the flag, nothing started); a TP size only the model can
-judge reaches the services, and their one-line refusal is what the user reads (exit 2, no traceback)."""
+"""`--tp`, `--decode-tp`, `--dcp` and `--device` on `pcpstack up` and `generate --local`: a value the CLI
+can judge alone is refused at once (exit 2, one line naming the flag, nothing started); a TP size only the
+model can judge reaches the services, and their one-line refusal is what the user reads (exit 2, no
+traceback)."""
 
 from __future__ import annotations
 
@@ -19,6 +20,16 @@ from pcpstack.cli.stack import StackOptions
         (["up"], ["--tp", "0"], "--tp=0: must be >= 1"),
         (["generate", "--local"], ["--decode-tp", "-1", "hi"], "--decode-tp=-1: must be >= 1"),
         (["up"], ["--device", "gpu"], "--device='gpu': must be one of cpu, cuda, npu"),
+        (
+            ["up"],
+            ["--decode-tp", "4", "--dcp", "3"],
+            "--dcp=3: with --decode-tp=4: DCP needs tp % dcp == 0 and tp >= dcp",
+        ),
+        (
+            ["generate", "--local"],
+            ["--dcp", "2", "hi"],
+            "--dcp=2: with --decode-tp=1: DCP needs tp % dcp == 0 and tp >= dcp",
+        ),
     ],
 )
 def test_a_bad_tp_or_device_flag_is_refused_before_anything_starts(
@@ -35,6 +46,7 @@ def test_a_bad_tp_or_device_flag_is_refused_before_anything_starts(
 def test_the_stack_shape_names_prefill_and_decode_tp_sizes() -> None:
     shape = StackOptions(tp=3, pcp=2, decode=2, decode_tp=3).shape()
     assert shape == "1 prefill set(s) of TP=3 x PCP=2 (6 rank(s) each) and 2 decode worker(s) of TP=3"
+    assert StackOptions(decode_tp=9, dcp=3).shape().endswith("1 decode worker(s) of TP=9 x DCP=3")
 
 
 @pytest.mark.slow

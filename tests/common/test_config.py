@@ -257,3 +257,18 @@ def test_config_check_refuses_a_tp_the_named_model_cannot_split_and_notes_a_mode
     example.write_text(SEED_000_EXAMPLE)
     assert cli.main(["config", "check", str(example)]) == 0
     assert "'/mnt/weight/your_model' is not on this machine" in capsys.readouterr().err
+
+
+def test_config_check_applies_the_dcp_gqa_rule_to_the_named_models_kv_heads(tmp_path, capsys) -> None:
+    """tiny has 2 K/V heads: a decode TP of 2 leaves one rank per head, none to split its tokens over DCP=2;
+    TP=4 leaves two."""
+
+    def check(tp: int) -> int:
+        config = tmp_path / f"tp{tp}.json"
+        section = {"model": "tiny", "tensor_parallel_size": tp, "decode_context_parallel_size": 2}
+        config.write_text(json.dumps({"motor_engine_decode_config": {"engine_config": section}}))
+        return cli.main(["config", "check", str(config)])
+
+    assert check(2) == 2
+    assert "(tp // num_kv_heads)=1 must be >= dcp and divisible by dcp" in capsys.readouterr().err
+    assert check(4) == 0
