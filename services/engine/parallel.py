@@ -9,7 +9,8 @@ the same order, because torch.distributed.new_group is itself a collective over 
 The model is split Megatron-style. Attention: each TP rank owns `n_heads / T` query heads and the K/V heads
 they read (when `T > n_kv_heads`, a K/V head is replicated on `T / n_kv_heads` ranks, as in vLLM); its slice
 of the output projection gives a partial sum over heads. MLP: each rank owns `hidden_dim / T` of the
-intermediate dimension; its slice of the down projection gives a partial sum. `tensor_parallel_sum` adds the
+intermediate dimension (rounded: slices differ by at most one column when T does not divide it, e.g.
+SmolLM2's 1536 at T = 9); its slice of the down projection gives a partial sum. `tensor_parallel_sum` adds the
 partial sums over the TP group: one all-reduce after the attention output and one after the MLP. The
 embedding, the norms and the LM head are replicated (every TP rank computes the full logits; with vocabularies
 of SmolLM2's size a vocab split would save little and add a gather).
@@ -107,8 +108,8 @@ class TensorParallelShard:
                 f"tensor_parallel_size={t} must divide num_key_value_heads={args.n_kv_heads} or be a "
                 "multiple of it (K/V heads are then replicated)"
             )
-        if args.hidden_dim % t:
-            raise ValueError(f"tensor_parallel_size={t} must divide intermediate_size={args.hidden_dim}")
+        if args.hidden_dim < t:
+            raise ValueError(f"tensor_parallel_size={t} must not exceed intermediate_size={args.hidden_dim}")
 
     def head_range(self, args: ModelArgs) -> range:
         """The query heads of this rank."""
@@ -124,9 +125,9 @@ class TensorParallelShard:
         return range(head, head + 1)
 
     def hidden_range(self, args: ModelArgs) -> range:
-        """This rank's slice of the MLP's intermediate dimension."""
-        per_rank = args.hidden_dim // self.size
-        return range(self.rank * per_rank, (self.rank + 1) * per_rank)
+        """This rank's slice of the MLP's intermediate dimension (contiguous; the ranks' slices differ by at
+        most one column when the size does not divide it: the partial sums are exact either way)."""
+        return range(self.rank * args.hidden_dim // self.size, (self.rank + 1) * args.hidden_dim // self.size)
 
     def local_args(self, args: ModelArgs) -> ModelArgs:
         """The architecture this rank runs: the same model with its own heads and intermediate slice."""

@@ -86,9 +86,13 @@ def test_kv_heads_neither_dividing_nor_divided_by_tp_are_refused() -> None:
         shard(0, 4).local_args(args)
 
 
-def test_intermediate_size_not_divisible_by_tp_is_refused() -> None:
-    with pytest.raises(ValueError, match=r"tensor_parallel_size=3 must divide intermediate_size=1000"):
-        shard(0, 3).local_args(args_with(hidden_dim=1000))
+def test_intermediate_size_not_divisible_by_tp_is_split_in_near_equal_slices_covering_it_once() -> None:
+    # SmolLM2 at TP=9 (its decode with DCP=3): 1536 columns in slices of 170 and 171.
+    args = args_with(hidden_dim=1536)
+    slices = [shard(rank, 9).hidden_range(args) for rank in range(9)]
+    assert [c for s in slices for c in s] == list(range(1536))
+    assert {len(s) for s in slices} == {170, 171}
+    assert shard(8, 9).local_args(args).hidden_dim == len(slices[8])
 
 
 def test_loading_a_multi_rank_shard_without_its_group_is_refused() -> None:
