@@ -68,3 +68,24 @@ def child_pids(pid: int) -> list[int]:
             if int(stat.rsplit(")", 1)[1].split()[1]) == pid:
                 children.append(int(entry))
     return sorted(children)
+
+
+def small_hf_llama(folder: Path, *, heads: int = 4, kv_heads: int = 2, head_dim: int = 8, layers: int = 1):
+    """A random Llama (fixed seed) saved as an HF folder: transformers' own config and weights, at a size that
+    loads in a moment. Returns the transformers model (eval mode) for reference logits."""
+    import torch
+    import transformers
+
+    torch.manual_seed(0)
+    config = transformers.LlamaConfig(
+        vocab_size=256,
+        hidden_size=heads * head_dim,
+        intermediate_size=192,
+        num_hidden_layers=layers,
+        num_attention_heads=heads,
+        num_key_value_heads=kv_heads,
+        max_position_embeddings=1024,
+    )
+    model = transformers.AutoModelForCausalLM.from_config(config).eval()
+    model.save_pretrained(folder)
+    return model

@@ -184,8 +184,9 @@ def rotation(
     positions: torch.Tensor, inv_freq: torch.Tensor, scale: float, dtype: torch.dtype
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """cos and sin [n, head_dim] of the rotation at each absolute position (rotate-half convention), for the
-    frequencies `inv_freq` [head_dim / 2] (RopeScaling.inv_frequencies) and the cos/sin `scale`."""
-    freqs = positions.float()[:, None] * inv_freq.to(positions.device)[None, :]  # [n, head_dim / 2]
+    frequencies `inv_freq` [head_dim / 2] (RopeScaling.inv_frequencies, on the positions' device) and the
+    cos/sin `scale`."""
+    freqs = positions.float()[:, None] * inv_freq[None, :]  # [n, head_dim / 2]
     angles = torch.cat((freqs, freqs), dim=-1)
     if scale == 1.0:
         return angles.cos().to(dtype), angles.sin().to(dtype)

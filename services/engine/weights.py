@@ -211,6 +211,8 @@ def _build(
         model = Transformer(args, tp_group)
     state = {name: _aligned(tensor.to(device=device, dtype=dtype)) for name, tensor in state.items()}
     model.load_state_dict(state, strict=True, assign=True)
+    # Computed on the CPU at build; kept beside the weights so no step copies it to the device.
+    model.rope_inv_freq = model.rope_inv_freq.to(device)
     # The block kernels compute in fp32 on the CPU; elsewhere the dense weights serve every step.
     if device.type == "cpu" and dtype == torch.float32 and cpu_kernels.library() is not None:
         for name, weight in blocks.items():

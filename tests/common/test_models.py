@@ -13,8 +13,7 @@ from pcpstack.common.models import ModelNotFound, cached_snapshot, local_models,
 from pcpstack.engine.engine import Engine
 from pcpstack.engine.weights import load_model
 from tests.engine.conftest import engine_logits, hf_logits
-
-transformers = pytest.importorskip("transformers")
+from tests.helpers import small_hf_llama
 
 
 def cache_repo(cache: Path, repo_id: str, revision: str = "abc123", main: bool = True) -> Path:
@@ -39,18 +38,7 @@ def hf_cache(tmp_path, monkeypatch) -> Path:
 def test_a_cached_repo_id_loads_the_snapshot_main_points_to(hf_cache):
 
     folder = cache_repo(hf_cache, "acme/tiny-llama")
-    torch.manual_seed(0)
-    config = transformers.LlamaConfig(
-        vocab_size=256,
-        hidden_size=32,
-        intermediate_size=64,
-        num_hidden_layers=1,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=128,
-    )
-    reference = transformers.AutoModelForCausalLM.from_config(config).eval()
-    reference.save_pretrained(folder)
+    reference = small_hf_llama(folder)
     assert resolve_model("acme/tiny-llama") == folder
     loaded = load_model("acme/tiny-llama", device="cpu", dtype=torch.float32)
     ids = list(range(1, 30))

@@ -21,7 +21,6 @@ from pathlib import Path
 import grpc
 import pytest
 import torch
-import transformers
 
 from pcpstack.cli.launch import spawn_service
 from pcpstack.common.channel import open_channel
@@ -30,6 +29,7 @@ from pcpstack.engine.engine import Engine
 from pcpstack.kvstore.client import KvStoreClient
 from pcpstack.prefill.client import PrefillClient
 from pcpstack.v1 import common_pb2, registry_pb2, registry_pb2_grpc
+from tests.helpers import small_hf_llama
 
 pytestmark = [
     pytest.mark.slow,
@@ -112,17 +112,7 @@ async def wait_for_node(registry: str, node_id: str, timeout: float) -> None:
 def small_gqa_model(folder: Path) -> Path:
     """A random 2-layer Llama with SmolLM2's head layout (3 K/V heads, 3 query heads each), so TP=3 splits it
     the way it splits SmolLM2, at a size that loads in a moment."""
-    torch.manual_seed(0)
-    config = transformers.LlamaConfig(
-        vocab_size=256,
-        hidden_size=144,
-        intermediate_size=192,
-        num_hidden_layers=2,
-        num_attention_heads=9,
-        num_key_value_heads=3,
-        max_position_embeddings=1024,
-    )
-    transformers.AutoModelForCausalLM.from_config(config).save_pretrained(folder)
+    small_hf_llama(folder, heads=9, kv_heads=3, head_dim=16, layers=2)
     return folder
 
 
