@@ -38,22 +38,24 @@ from tests.reliability.support import list_nodes
 TP = 2
 
 
-def skip_without_devices() -> None:
+def skip_without_devices(tp: int = TP) -> None:
     """The stack and the reference run on what is present; a worker of TP ranks needs one device each."""
     kind = pick_device().type
     present = accelerator_count(kind)
-    if kind != "cpu" and present < TP:
-        reason = f"{kind}: a decode worker of {TP} TP ranks needs {TP} devices, {present} present"
+    if kind != "cpu" and present < tp:
+        reason = f"{kind}: a decode worker of {tp} TP ranks needs {tp} devices, {present} present"
         print(f"skipped: {reason}")
         pytest.skip(reason)
 
 
 @contextmanager
-def running_tp_worker(stack: RunningStack, *extra: str) -> Iterator[tuple[str, subprocess.Popen]]:
-    """(address, process) of a decode worker with tensor_parallel_size=2 registered with the stack."""
-    skip_without_devices()
+def running_tp_worker(
+    stack: RunningStack, *extra: str, tp: int = TP
+) -> Iterator[tuple[str, subprocess.Popen]]:
+    """(address, process) of a decode worker with tensor_parallel_size=tp (2) registered with the stack."""
+    skip_without_devices(tp)
     args = ["--registry", stack.stack.registry_address, "--model", "tiny", "--threads", "1"]
-    args += ["--set", f"tensor_parallel_size={TP}", "--set", f"block_size={BLOCK_SIZE}"]
+    args += ["--set", f"tensor_parallel_size={tp}", "--set", f"block_size={BLOCK_SIZE}"]
     args += ["--log-level", "WARNING", *extra]
     process, address = spawn_and_wait_listening("decode", args)
     try:
