@@ -34,6 +34,8 @@ from pcpstack.common.startup import CONFIG_EXIT_STATUS
 from pcpstack.v1 import registry_pb2, registry_pb2_grpc
 
 WILDCARD_HOSTS = ("0.0.0.0", "::", "")
+# Seconds the stack waits after SIGTERM, beyond the decode workers' drain time, before it SIGKILLs a service.
+STOP_MARGIN_S = 5.0
 
 
 def https_context(deployment: security.Security) -> ssl.SSLContext | None:
@@ -79,6 +81,9 @@ class StackOptions:
     # Longest piece of a prompt one prefill forward runs; 0: the whole prompt in one forward.
     prefill_chunk_tokens: int = 0
     decode_threads: int = 0
+    # Seconds a stopping decode worker lets its running streams finish; the stack's stop waits this long
+    # plus STOP_MARGIN_S before it kills anything (the gateway stops first anyway, ending its streams).
+    decode_drain_s: float = 10.0
     kv_capacity_bytes: int = 2 * 1024**3
     lease_s: float = 3.0
     ready_timeout_s: float = 900.0
@@ -326,6 +331,8 @@ class LocalStack:
                 f"tensor_parallel_size={o.decode_tp}",
                 "--set",
                 f"decode_context_parallel_size={o.dcp}",
+                "--drain-seconds",
+                str(o.decode_drain_s),
                 *self._device_args(),
             ]
             if o.decode_threads:
@@ -444,7 +451,8 @@ class LocalStack:
             if service.process.poll() is None:
                 with contextlib.suppress(ProcessLookupError):
                     os.killpg(service.process.pid, signal.SIGTERM)
-        deadline = time.monotonic() + 15
+        # A draining decode worker is never killed mid-drain.
+        deadline = time.monotonic() + self.options.decode_drain_s + STOP_MARGIN_S
         for service in self.services:
             while service.process.poll() is None and time.monotonic() < deadline:
                 await asyncio.sleep(0.1)

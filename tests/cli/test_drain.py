@@ -36,7 +36,8 @@ async def _wait_for_log(path, text: str, timeout_s: float = 60.0) -> None:
 
 @pytest.mark.slow
 def test_a_stream_started_before_sigterm_completes_while_new_requests_are_refused(tmp_path) -> None:
-    stack = start_stack(tmp_path, pcp=1, model="tiny")
+    # A drain long enough for the whole stream on a loaded machine (the local stack's default is 10 s).
+    stack = start_stack(tmp_path, pcp=1, model="tiny", decode_drain_s=120)
     decode = next(s for s in stack.stack.services if s.name == "decode-0")
     try:
 
