@@ -240,11 +240,10 @@ class Engine:
         rank: its share, [layers, 2, dcp.local_count(num_tokens), kv_heads, head_dim])."""
         if seq_id in self.sequences:
             raise ValueError(f"sequence {seq_id!r} already exists")
-        if kv.shape[2] != self.dcp.local_count(num_tokens):
-            raise ValueError(
-                f"KV replica holds {kv.shape[2]} tokens, not {self.dcp.local_count(num_tokens)} of "
-                f"num_tokens={num_tokens}"
-            )
+        local = self.dcp.local_count(num_tokens)
+        if kv.shape[2] != local:
+            share = "" if self.dcp.size == 1 else f" (this DCP rank's share: {local})"
+            raise ValueError(f"KV replica holds {kv.shape[2]} tokens, not num_tokens={num_tokens}{share}")
         state = self.reserve(seq_id, num_tokens)
         try:
             self.cache.import_sequence(kv, state.block_table)
@@ -252,6 +251,13 @@ class Engine:
             self.free(seq_id)
             raise
         state.num_tokens = num_tokens
+
+    def adopt_parts(self, seq_id: Hashable, parts: Sequence[torch.Tensor], num_tokens: int) -> None:
+        """`adopt_sequence` from the one part `kv_parts` names (the TP engine's signature, so a caller can
+        adopt the same way whatever engine it holds)."""
+        if len(parts) != 1:
+            raise ValueError(f"got {len(parts)} KV parts, this engine takes 1")
+        self.adopt_sequence(seq_id, parts[0], num_tokens)
 
     def export_sequence(self, seq_id: Hashable) -> torch.Tensor:
         """The sequence's KV replica [layers, 2, num_tokens, kv_heads, head_dim] (a DCP rank: its share)."""
