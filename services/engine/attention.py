@@ -133,6 +133,13 @@ def paged_attention(
         return out[0].transpose(0, 1).reshape(n, n_heads * head_dim)
     if meta.fresh_context and q.device.type == "cpu" and n > 0:
         return attend_runs(q, k, v, meta.query_runs(), q_per_kv)
+    if not meta.fresh_context and batch == 1 and tokens > 1 and q.device.type == "cpu":
+        # Prefill after a held prefix (a chunk, a cached prefix): the context's K/V read back from the cache
+        # in position order, then the run-wise kernel of a fresh prompt (no mask, causal half skipped).
+        blocks = meta.block_tables[0]
+        keys = k_cache.index_select(0, blocks).flatten(0, 1)[: meta.max_context_len]
+        values = v_cache.index_select(0, blocks).flatten(0, 1)[: meta.max_context_len]
+        return attend_runs(q, keys, values, meta.query_runs(), q_per_kv)
     decode = not meta.fresh_context and tokens == 1 and meta.kv_exchange is None
     if decode and q.device.type == "cpu" and q.dtype == torch.float32:
         # Decode: one query per sequence read straight from its blocks, no gather of the whole context. (A
