@@ -19,6 +19,7 @@ import time
 
 import torch
 
+from bench.machine import machine_facts
 from pcpstack.common.config import served_model_name
 from pcpstack.engine.dcp import DcpShard
 from pcpstack.engine.tp_engine import TensorParallelEngine
@@ -94,6 +95,7 @@ def _measure(args: argparse.Namespace, dcp_size: int) -> dict:
 def run(args: argparse.Namespace) -> dict:
     """Runs every DCP size in turn (one TP group at a time) and returns a JSON-serialisable result."""
     threads = torch.get_num_threads()
+    facts = machine_facts()
     try:
         results = {str(d): _measure(args, d) for d in args.dcp}
     finally:
@@ -108,5 +110,6 @@ def run(args: argparse.Namespace) -> dict:
         "repeats": args.repeats,
         "threads_per_rank": args.threads_per_rank,
         "torch": torch.__version__,
+        **facts,
         "dcp": results,
     }

@@ -11,13 +11,12 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import os
-import platform
 import statistics
 import time
 
 import torch
 
+from bench.machine import machine_facts
 from pcpstack.cli.stack import LocalStack, StackOptions
 from pcpstack.common.config import served_model_name
 from pcpstack.decode.client import DecodeClient, build_request
@@ -97,6 +96,7 @@ async def _load(address: str, vocab: int, args: argparse.Namespace) -> list[dict
 def run(args: argparse.Namespace) -> dict:
     """Starts a stack, measures load and overhead, stops the stack."""
     total_threads = args.pcp * args.threads_per_rank
+    facts = machine_facts()
 
     async def main() -> dict:
         options = StackOptions(pcp=args.pcp, model=args.model, threads_per_rank=args.threads_per_rank)
@@ -129,8 +129,7 @@ def run(args: argparse.Namespace) -> dict:
         "model": served_model_name(args.model),
         "pcp": args.pcp,
         "threads_per_rank": args.threads_per_rank,
-        "cpu": platform.processor() or platform.machine(),
-        "cpu_count": os.cpu_count(),
+        **facts,
         "load": measured["load"],
         "overhead": {
             "prompt_tokens": args.overhead_tokens,

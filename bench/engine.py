@@ -3,13 +3,12 @@ tokens of context each) on the embedded model by default. `python -m bench.engin
 
 import argparse
 import json
-import platform
 import statistics
 import time
-from pathlib import Path
 
 import torch
 
+from bench.machine import machine_facts
 from pcpstack.common.config import served_model_name
 from pcpstack.engine.engine import Engine
 
@@ -31,15 +30,6 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--dtype", choices=("float32", "bfloat16"), default=None, help="run dtype (default: device's)"
     )
-
-
-def _cpu_model() -> str:
-    cpuinfo = Path("/proc/cpuinfo")
-    if cpuinfo.exists():
-        for line in cpuinfo.read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    return platform.processor() or platform.machine()
 
 
 def _prompt(length: int, vocab_size: int, seed: int) -> list[int]:
@@ -99,7 +89,7 @@ def run(args: argparse.Namespace) -> dict:
         "device": str(engine.device),
         "dtype": str(engine.loaded.dtype).removeprefix("torch."),
         "threads": torch.get_num_threads(),
-        "cpu_model": _cpu_model(),
+        **machine_facts(),
         "torch": torch.__version__,
         # Whether decode ran on the C block kernels (services/engine/cpu_kernels.c) or plain PyTorch.
         "decode_kernels": "c-blocks" if engine.model.output_blocks is not None else "torch",

@@ -19,8 +19,6 @@ from __future__ import annotations
 
 import argparse
 import importlib.metadata
-import os
-import platform
 import statistics
 import time
 from collections.abc import Callable
@@ -29,6 +27,7 @@ from pathlib import Path
 import torch
 
 from bench.engine import _prompt
+from bench.machine import machine_facts
 from pcpstack.engine.weights import default_model_path
 
 PEERS = ("transformers", "llama.cpp")
@@ -220,7 +219,7 @@ def run(args: argparse.Namespace) -> dict:
     gguf = Path(args.gguf) if args.gguf else default_model_path()
     if not gguf.is_file():
         raise SystemExit(f"--gguf={gguf} is not a file; give the GGUF the engine loads")
-    load_1m = os.getloadavg()[0]
+    facts = machine_facts()
     previous = torch.get_num_threads()
     torch.set_num_threads(args.threads)
     peers = {}
@@ -235,8 +234,6 @@ def run(args: argparse.Namespace) -> dict:
         "threads": args.threads,
         "repeats": args.repeats,
         "prompt": "random token ids, seeded with the prompt length (decode: seed 0), as bench/prefill.py",
-        "cpu": platform.processor() or platform.machine(),
-        "cpu_count": os.cpu_count(),
-        "loadavg_1m_at_start": round(load_1m, 2),
+        **facts,
         "peers": peers,
     }

@@ -13,8 +13,6 @@ cores than ranks, TP adds processes, not cores: the rows then show its communica
 from __future__ import annotations
 
 import argparse
-import os
-import platform
 import queue as queue_module
 import statistics
 import time
@@ -23,6 +21,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
+from bench.machine import machine_facts
 from pcpstack.common.config import served_model_name
 from pcpstack.common.ports import free_port
 from pcpstack.engine.engine import Engine
@@ -124,6 +123,7 @@ def _measure(layout: ParallelLayout, args: dict) -> dict[int, list[float]]:
 def run(args: argparse.Namespace) -> dict:
     """Runs every (tokens, tp, pcp) configuration; returns medians, spread and the PCP speedups of TP=1 (a
     TP row's speedup over TP=1 x PCP=1 is the report's to compute from the rows)."""
+    facts = machine_facts()  # before any rank loads: the load average says how busy the machine already was
     settings = {
         "model": args.model,
         "tokens": args.tokens,
@@ -157,8 +157,7 @@ def run(args: argparse.Namespace) -> dict:
         "model": served_model_name(args.model),
         "threads_per_rank": args.threads_per_rank,
         "repeats": args.repeats,
-        "cpu": platform.processor() or platform.machine(),
-        "cpu_count": os.cpu_count(),
+        **facts,
         "results": rows,
         "speedup": speedups,
     }

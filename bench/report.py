@@ -23,7 +23,7 @@ RESULTS_DIR = Path("bench") / "results"
 REPORT_PATH = Path("BENCHMARKS.md")
 PLOTS_DIR = Path("bench") / "plots"
 NOTES_PATH = Path("bench") / "notes.md"
-AREAS = ("prefill", "peers", "engine", "e2e", "kv", "registry")
+AREAS = ("prefill", "peers", "engine", "decode", "e2e", "kv", "registry")
 NOT_MEASURED = "not measured yet"
 LLAMA = "llama.cpp"
 HF = "transformers"
@@ -424,6 +424,7 @@ def _machine(results: dict, folder: Path) -> list[str]:
         "peers": lambda r: f"{r.get('threads')}",
         "engine": lambda r: f"{r.get('threads')}",
         "e2e": lambda r: f"{r.get('threads_per_rank')} per rank × PCP={r.get('pcp')}",
+        "decode": lambda r: f"{r.get('threads_per_rank')} per rank × TP={r.get('tp')}",
     }
     rows = []
     for area in AREAS:
@@ -436,6 +437,8 @@ def _machine(results: dict, folder: Path) -> list[str]:
             path = folder / "all.json"
         when = datetime.fromtimestamp(path.stat().st_mtime, UTC).strftime("%Y-%m-%d %H:%M")
         cpu = result.get("cpu_model") or result.get("cpu") or ""
+        if result.get("cpu_flags"):  # the vector sets the kernels ran with
+            cpu = f"{cpu} ({', '.join(result['cpu_flags'])})"
         cores = result.get("cpu_count") or result.get("cpus") or ""
         load = result.get("loadavg_1m_at_start")
         rows.append(
@@ -665,6 +668,40 @@ def _e2e_section(results: dict, plots: dict[str, Path], report: Path) -> list[st
     return lines
 
 
+def _dcp_section(results: dict) -> list[str]:
+    """`bench decode`: KV bytes per rank and decode tokens/s of a TP decode worker at each DCP size."""
+    lines = ["## Decode context parallelism: KV per rank", ""]
+    decode = results.get("decode")
+    if not decode or not decode.get("dcp"):
+        command = "`pcpstack bench decode --dcp 1,3 --tp 9 --context 4096`"
+        return [*lines, f"DCP rows: {NOT_MEASURED} ({command}).", ""]
+    lines += [
+        f"`pcpstack bench decode`: {decode.get('model')}, TP={decode.get('tp')}, {decode.get('batch')} "
+        f"sequence(s) of {decode.get('context')} tokens, {decode.get('threads_per_rank')} thread(s) per rank "
+        f"on {decode.get('cpu_count')} core(s). KV per rank is the largest rank's blocks times one rank's "
+        "block bytes: DCP divides it. With more ranks than cores, tokens/s measures the collectives' cost, "
+        "not a speedup.",
+        "",
+    ]
+    sizes = sorted(decode["dcp"], key=int)
+    base = decode["dcp"].get("1", {}).get("kv_bytes_per_rank")
+    rows = []
+    for size in sizes:
+        row = decode["dcp"][size]
+        share = f"{row['kv_bytes_per_rank'] / base:.2f}" if base else ""
+        rows.append(
+            [
+                size,
+                f"{row['kv_bytes_per_rank'] / 2**20:.1f} MiB",
+                str(max(row["kv_blocks_per_rank"])),
+                share,
+                _spread(row["tokens_per_s"], row["tokens_per_s_min"], row["tokens_per_s_max"]),
+            ]
+        )
+    header = ["DCP", "KV per rank", "blocks per rank", "÷ DCP=1", "decode tokens/s"]
+    return lines + _table(header, rows)
+
+
 def _registry_section(results: dict) -> list[str]:
     lines = ["## Registry", ""]
     registry = results.get("registry")
@@ -731,6 +768,7 @@ def render(results: dict, folder: Path, plots: dict[str, Path], report: Path, no
         *_ratios_section(compute_ratios(results)),
         *_prefill_section(results, plots, report),
         *_decode_section(results, plots, report),
+        *_dcp_section(results),
         *_kv_section(results, plots, report),
         *_e2e_section(results, plots, report),
         *_registry_section(results),

@@ -231,3 +231,33 @@ def test_notes_are_copied_in_as_the_analysis(tmp_path) -> None:
     (tmp_path / "notes.md").write_text("Decode is bound by the attention gather.\n")
     text, _ = _generate(tmp_path, kv=_kv())
     assert "## What limits the missed targets\n\nDecode is bound by the attention gather." in text
+
+
+def test_dcp_rows_report_each_ranks_kv_against_dcp1_and_the_cpu_flags(tmp_path) -> None:
+    row = {"kv_blocks_per_rank": [256] * 9, "kv_bytes_per_rank": 256 * 1024, "block_bytes": 1024}
+    decode = {
+        "model": MODEL,
+        "tp": 9,
+        "context": 4096,
+        "batch": 1,
+        "threads_per_rank": 1,
+        "cpu_model": "Some CPU",
+        "cpu_flags": ["avx2", "fma"],
+        "cpu_count": 2,
+        "dcp": {
+            "1": {**row, "tokens_per_s": 9.0, "tokens_per_s_min": 8.0, "tokens_per_s_max": 10.0},
+            "3": {
+                "kv_blocks_per_rank": [86] * 9,
+                "kv_bytes_per_rank": 86 * 1024,
+                "block_bytes": 1024,
+                "tokens_per_s": 6.0,
+                "tokens_per_s_min": 5.5,
+                "tokens_per_s_max": 6.5,
+            },
+        },
+    }
+    text, _ = _generate(tmp_path, decode=decode)
+    section = text.split("## Decode context parallelism: KV per rank", 1)[1]
+    assert "| 1 | 0.2 MiB | 256 | 1.00 | 9.00 (8.00–10.0) |" in section
+    assert "| 3 | 0.1 MiB | 86 | 0.34 | 6.00 (5.50–6.50) |" in section
+    assert _line(text, "| decode |").split("|")[3].strip() == "Some CPU (avx2, fma)"
