@@ -16,12 +16,17 @@ from pathlib import Path
 
 from bench.report import NOTES_PATH, PLOTS_DIR, REPORT_PATH, RESULTS_DIR, load_results, write_report
 
-AREAS = ("registry", "kv", "engine", "prefill", "peers", "e2e")
+AREAS = ("registry", "kv", "engine", "prefill", "decode", "peers", "e2e")
 SMOKE_ARGS: dict[str, list[str]] = {
     "engine": ["--model", "tiny", "--threads", "1", "--repeats", "1", "--decode-steps", "2"],
     "registry": ["--nodes", "20", "--duration", "1", "--lease", "3"],
     "kv": ["--bytes", "1MiB", "--repeats", "1"],
     "prefill": ["--tokens", "64", "--pcp", "1,2", "--model", "tiny", "--repeats", "1"],
+    # One TP group only (DCP=2 of TP=4): each size starts four rank processes.
+    "decode": [
+        *("--model", "tiny", "--tp", "4", "--dcp", "2"),
+        *("--context", "64", "--steps", "2", "--repeats", "1"),
+    ],
     "peers": ["--tokens", "32", "--repeats", "1", "--decode-context", "32", "--decode-tokens", "4"],
     "e2e": [
         *("--model", "tiny", "--concurrency", "1,2", "--prompt-tokens", "16", "--max-tokens", "4"),
