@@ -20,6 +20,7 @@ from pcpstack.registry.membership import Settings
 
 log = logging.getLogger(__name__)
 DEFAULT_PORT = 7000
+DEFAULT_ETCD_PREFIX = "/pcpstack/registry/"
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -54,6 +55,18 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--snapshot", type=Path, default=None, help="file to keep a snapshot in, so a restart is faster"
     )
     parser.add_argument(
+        "--etcd",
+        default=None,
+        metavar="http://HOST:PORT[,...]",
+        help="keep membership state (sets, generations, node records under leases) in this etcd cluster "
+        "instead of in memory; a registry restarted against it awaits the same sets (needs aetcd)",
+    )
+    parser.add_argument(
+        "--etcd-prefix",
+        default=DEFAULT_ETCD_PREFIX,
+        help=f"key prefix of this registry's state in etcd (default {DEFAULT_ETCD_PREFIX})",
+    )
+    parser.add_argument(
         "--max-message-bytes", type=int, default=DEFAULT_MAX_MESSAGE_BYTES, help="largest gRPC message"
     )
 
@@ -68,6 +81,8 @@ class RegistryConfig(ListenConfig):
     # None: 2 x lease.
     restore_grace: float | None = None
     snapshot: Path | None = None
+    etcd: str | None = None
+    etcd_prefix: str = DEFAULT_ETCD_PREFIX
     verify_peer_address: bool = True
 
     def __post_init__(self) -> None:
@@ -78,6 +93,21 @@ class RegistryConfig(ListenConfig):
             check_non_negative("--restore-grace", self.restore_grace)
         if self.snapshot is not None and not self.snapshot.parent.is_dir():
             raise ConfigError.broken("--snapshot", str(self.snapshot), "must be a file in an existing folder")
+        if self.etcd is not None:
+            self._check_etcd(self.etcd)
+        if not self.etcd_prefix.startswith("/"):
+            raise ConfigError.broken("--etcd-prefix", self.etcd_prefix, "must start with /")
+
+    def _check_etcd(self, urls: str) -> None:
+        if self.snapshot is not None:
+            rule = "with --etcd the state is kept in etcd; give one of the two"
+            raise ConfigError.broken("--snapshot", str(self.snapshot), rule)
+        try:
+            from pcpstack.registry.etcd_store import parse_endpoints
+        except ImportError as exc:
+            rule = f"needs the aetcd package (pip install aetcd): {exc}"
+            raise ConfigError.broken("--etcd", urls, rule) from None
+        parse_endpoints(urls)
 
     @classmethod
     def from_args(cls, args: argparse.Namespace) -> RegistryConfig:
@@ -96,7 +126,12 @@ async def start(config: RegistryConfig) -> Serving:
 
     settings = config.settings()
     registry = await start_registry(
-        settings, config.server_options(), config.snapshot, config.verify_peer_address
+        settings,
+        config.server_options(),
+        config.snapshot,
+        config.verify_peer_address,
+        config.etcd,
+        config.etcd_prefix,
     )
     log.info("registry serving", extra={"address": registry.address, "lease_s": settings.lease_s})
     return Serving.grpc(registry.running, registry.stop)

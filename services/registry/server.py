@@ -14,6 +14,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, replace
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import grpc
 from opentelemetry.metrics import Observation
@@ -40,6 +41,9 @@ from pcpstack.registry.membership import (
 )
 from pcpstack.registry.snapshot import read_snapshot, write_snapshot
 from pcpstack.v1 import registry_pb2, registry_pb2_grpc
+
+if TYPE_CHECKING:
+    from pcpstack.registry.etcd_store import EtcdStore
 
 log = logging.getLogger(__name__)
 
@@ -69,8 +73,15 @@ class RegistryServicer(registry_pb2_grpc.RegistryServiceServicer):
         clock: Callable[[], float] = time.monotonic,
         snapshot_path: Path | None = None,
         verify_peer_address: bool = True,
+        etcd: EtcdStore | None = None,
     ) -> None:
         self._membership = membership
+        self._etcd = etcd
+        # commands whose state etcd has not confirmed yet, in order (delivered after the next good save)
+        self._held: Outgoing = []
+        self._commit_lock = asyncio.Lock()
+        # set once etcd refused a write because another registry wrote: this registry's view is stale
+        self._superseded: ServiceError | None = None
         self._verify_peer_address = verify_peer_address
         self._clock = clock
         self._mailboxes = Mailboxes()
@@ -118,8 +129,37 @@ class RegistryServicer(registry_pb2_grpc.RegistryServiceServicer):
         if out:
             self._dirty = True
 
+    async def commit(self, out: Outgoing) -> None:
+        """Delivers the commands of a state change. With etcd, the change is written first and the commands
+        wait until it is (in order, with those of earlier changes whose write failed); raises Unavailable
+        when etcd refuses or cannot be reached, so no node acts on a set etcd does not hold."""
+        if self._etcd is None:
+            self.deliver(out)
+            return
+        from pcpstack.registry.etcd_store import Superseded  # loaded already: self._etcd is one of its
+
+        self._held += out
+        async with self._commit_lock:
+            # the snapshot taken now holds every change whose commands are held so far; later ones wait
+            covered = len(self._held)
+            try:
+                await self._etcd.save(self._membership.snapshot())
+            except Superseded as exc:
+                self._superseded = exc
+                log.error("registry superseded in etcd; refusing every request", extra={"error": str(exc)})
+                raise
+            held, self._held = self._held[:covered], self._held[covered:]
+        self.deliver(held)
+
+    def _check_current(self) -> None:
+        """Refuses (UNAVAILABLE) every request once another registry wrote the state in etcd, so nodes and
+        routers go to a registry whose view is current."""
+        if self._superseded is not None:
+            raise self._superseded
+
     async def Register(self, request, context):
         """Validates and records the node; the response carries its assignment when it has one."""
+        self._check_current()
         try:
             registration = convert.registration_from_proto(request, peer_identity(context))
         except ConfigError as exc:
@@ -134,7 +174,7 @@ class RegistryServicer(registry_pb2_grpc.RegistryServiceServicer):
             context.set_trailing_metadata(((convert.REFUSAL_METADATA, convert.REFUSAL_NODE_ID_IN_USE),))
             raise
         self._mailboxes.reset(request.node_id)
-        self.deliver(out)
+        await self.commit(out)
         self._dirty = True
         log.info("registered", extra={"node_id": request.node_id, "role": registration.role})
         return registry_pb2.RegisterResponse(
@@ -168,6 +208,7 @@ class RegistryServicer(registry_pb2_grpc.RegistryServiceServicer):
     async def Session(self, request_iterator, context):
         """Reads heartbeats and status reports; yields commands, acks and refusals. (A generator, not
         context.write: the OpenTelemetry server interceptor wraps streaming handlers as generators.)"""
+        self._check_current()
         requests = aiter(request_iterator)
         try:
             first = await anext(requests)
@@ -193,14 +234,14 @@ class RegistryServicer(registry_pb2_grpc.RegistryServiceServicer):
     async def _read(self, requests, node_id: str, session: str, queue: Queue, failure: _Failure) -> None:
         try:
             async for request in requests:
-                queue.put_nowait(self._on_session_message(node_id, session, request))
+                queue.put_nowait(await self._on_session_message(node_id, session, request))
         except ServiceError as exc:
             failure.refused = exc
         except (asyncio.CancelledError, grpc.aio.AioRpcError):
             pass
         queue.put_nowait(None)
 
-    def _on_session_message(self, node_id: str, session: str, request) -> registry_pb2.SessionResponse:
+    async def _on_session_message(self, node_id: str, session: str, request) -> registry_pb2.SessionResponse:
         now = self._clock()
         kind = request.WhichOneof("body")
         if kind == "heartbeat":
@@ -212,7 +253,7 @@ class RegistryServicer(registry_pb2_grpc.RegistryServiceServicer):
             reply, out = self._membership.report_status(
                 node_id, status.set_id, status.generation, status.ready, status.error, now
             )
-            self.deliver(out)
+            await self.commit(out)
             self._dirty = True
         else:
             self._membership.open_session(node_id, now, session)
@@ -226,20 +267,24 @@ class RegistryServicer(registry_pb2_grpc.RegistryServiceServicer):
     async def Resolve(self, request, context):
         """Ready prefill sets, decode and KV store endpoints; while the registry is warming up (it may not
         have heard from every live node yet) the answer says so (`warming`)."""
+        self._check_current()
         warming = self._membership.warming(self._clock())
         return convert.resolution_to_proto(self._membership.resolve(request.model), warming)
 
     async def ListNodes(self, request, context):
         """Every node with its state."""
+        self._check_current()
         views = self._membership.nodes(self._clock())
         return registry_pb2.ListNodesResponse(nodes=[convert.node_to_proto(v) for v in views])
 
     async def ListSets(self, request, context):
         """Every set, formed or forming (and broken ones until re-formed)."""
+        self._check_current()
         return registry_pb2.ListSetsResponse(sets=[convert.set_to_proto(v) for v in self._membership.sets()])
 
     async def Deregister(self, request, context):
         """Removes a node (only its own session may); its set breaks and its Session ends."""
+        self._check_current()
         if not request.node_id:
             raise InvalidArgument("node_id is required")
         removed, out = self._membership.deregister(
@@ -248,7 +293,7 @@ class RegistryServicer(registry_pb2_grpc.RegistryServiceServicer):
             convert.session_identity(request.instance_id, peer_identity(context)),
         )
         self._mailboxes.reset(request.node_id)
-        self.deliver(out)
+        await self.commit(out)
         self._dirty = self._dirty or removed
         log.info("deregistered", extra={"node_id": request.node_id, "known": removed})
         return registry_pb2.DeregisterResponse(removed=removed)
@@ -257,7 +302,16 @@ class RegistryServicer(registry_pb2_grpc.RegistryServiceServicer):
         """Ticks the core every interval seconds and keeps the snapshot file fresh; runs until cancelled."""
         while True:
             await asyncio.sleep(interval)
-            self.deliver(self._membership.tick(self._clock()))
+            if self._superseded is not None:
+                continue
+            now = self._clock()
+            try:
+                await self.commit(self._membership.tick(now))
+                if self._etcd is not None:
+                    await self._etcd.sync_nodes(self._membership.nodes(now), now)
+            except ServiceError as exc:
+                # etcd unreachable or this registry superseded: held commands wait for the next good write
+                log.warning("membership not written to etcd", extra={"error": str(exc)})
             self._count_sets()
             if self._dirty and self._snapshot_path is not None:
                 self._dirty = False
@@ -267,10 +321,17 @@ class RegistryServicer(registry_pb2_grpc.RegistryServiceServicer):
 class RegistryServer:
     """A running registry: the gRPC server plus its clock."""
 
-    def __init__(self, running: RunningServer, servicer: RegistryServicer, clock_task: asyncio.Task) -> None:
+    def __init__(
+        self,
+        running: RunningServer,
+        servicer: RegistryServicer,
+        clock_task: asyncio.Task,
+        etcd: EtcdStore | None = None,
+    ) -> None:
         self.running = running
         self.servicer = servicer
         self._clock_task = clock_task
+        self._etcd = etcd
 
     @property
     def address(self) -> str:
@@ -278,11 +339,13 @@ class RegistryServer:
         return self.running.address
 
     async def stop(self, grace: float | None = None) -> None:
-        """Stops the clock and the server."""
+        """Stops the clock and the server (and closes the etcd connection; node leases are left to expire)."""
         self._clock_task.cancel()
         with contextlib.suppress(asyncio.CancelledError):
             await self._clock_task
         await self.running.stop(grace)
+        if self._etcd is not None:
+            await self._etcd.close()
 
 
 async def start_registry(
@@ -290,22 +353,33 @@ async def start_registry(
     options: ServerOptions | None = None,
     snapshot_path: Path | None = None,
     verify_peer_address: bool = True,
+    etcd_endpoints: str | None = None,
+    etcd_prefix: str = "/pcpstack/registry/",
 ) -> RegistryServer:
     """Starts a registry. With a snapshot_path, an existing snapshot is read (the restore grace then ends
     as soon as its sets' members are back) and a missing one means a cold start with no grace at all.
-    verify_peer_address refuses registrations whose advertised host is not the caller's own."""
+    With etcd_endpoints ("http://HOST:PORT,..."), membership state is kept in that etcd cluster instead,
+    under etcd_prefix, with the same restart rules (etcd_store). verify_peer_address refuses registrations
+    whose advertised host is not the caller's own."""
     settings = settings or Settings()
     options = options or ServerOptions()
-    now = time.monotonic()
-    snapshot = read_snapshot(snapshot_path) if snapshot_path is not None else None
-    if snapshot_path is not None and snapshot is None:
+    etcd = None
+    if etcd_endpoints:
+        # imported here: aetcd is needed only with --etcd
+        from pcpstack.registry.etcd_store import EtcdStore
+
+        etcd = await EtcdStore.connect(etcd_endpoints, etcd_prefix, settings.lease_s)
+        snapshot = await etcd.load()
+    else:
+        snapshot = read_snapshot(snapshot_path) if snapshot_path is not None else None
+    if (snapshot_path is not None or etcd is not None) and snapshot is None:
         settings = replace(settings, restore_grace_s=0.0)
-    membership = Membership(settings, now, snapshot)
-    servicer = RegistryServicer(membership, time.monotonic, snapshot_path, verify_peer_address)
+    membership = Membership(settings, time.monotonic(), snapshot)
+    servicer = RegistryServicer(membership, time.monotonic, snapshot_path, verify_peer_address, etcd)
     running = await start_server(
         lambda server: registry_pb2_grpc.add_RegistryServiceServicer_to_server(servicer, server),
         [SERVICE_NAME],
         options,
     )
     clock = asyncio.create_task(servicer.run_clock(min(0.25, settings.lease_s / 4)))
-    return RegistryServer(running, servicer, clock)
+    return RegistryServer(running, servicer, clock, etcd)

@@ -1,0 +1,239 @@
+"""The registry's membership state kept in etcd (`pcpstack serve registry --etcd URL[,URL...]`).
+
+This is a store under the membership core, not a second registry: `Membership` still decides everything
+(assembly, fencing, re-forming); this module persists what it decides and gives it back after a restart.
+- Sets and the generation counter are the core's snapshot (`Membership.snapshot()`), one key per set plus
+  one generation key. Every write is a transaction that compares the generation key's mod revision with the
+  one this registry last read or wrote, so a registry whose view is stale (another registry wrote in the
+  meantime) cannot commit: its sets are refused before any node hears of them, and two registries can never
+  hand out overlapping sets.
+- A restart reads the snapshot back, so the same set ids and generations are awaited from their members.
+- Every live node has a record under an etcd lease of its own (TTL: the registry lease rounded up to whole
+  seconds). The registry keeps the lease alive while the node's heartbeats keep it alive in the core; a node
+  the core declares dead has its lease revoked, and a registry that dies stops refreshing, so the records
+  expire with the leases.
+
+Client: `aetcd` (PyPI, 1.0.0, 2026), the maintained asyncio fork of python-etcd3. It depends only on grpcio
+and protobuf with ranges that accept the versions pinned here (grpcio 1.85, protobuf 7) and installs without
+conflicts; its generated etcd v3 stubs load under protobuf 7. Several endpoints are dialled as one gRPC
+channel over their addresses (pick-first), so one etcd member going down moves the channel to another.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import math
+import socket
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass
+from urllib.parse import urlsplit
+
+import aetcd
+import aetcd.exceptions
+import grpc
+
+from pcpstack.common.config import ConfigError
+from pcpstack.common.errors import Unavailable
+from pcpstack.registry.membership import SNAPSHOT_VERSION, NodeState, NodeView
+
+log = logging.getLogger(__name__)
+
+# etcd refuses leases shorter than about 1.5 election timeouts (1.5 s with its defaults)
+MIN_LEASE_TTL_S = 2
+REQUEST_TIMEOUT_S = 5.0
+
+
+class Superseded(Unavailable):
+    """Another registry wrote the membership in etcd since this one last read it: this registry's view is
+    stale and it may not form or change sets (nodes retry against another replica)."""
+
+
+@dataclass(frozen=True)
+class Endpoint:
+    """One etcd member's client URL, parsed."""
+
+    host: str
+    port: int
+
+
+def parse_endpoints(urls: str) -> list[Endpoint]:
+    """Endpoints from "http://HOST:PORT[,http://HOST:PORT...]"; raises ConfigError naming the bad one (only
+    plain http: TLS to etcd is not supported yet)."""
+    endpoints = []
+    for url in (part.strip() for part in urls.split(",")):
+        parts = urlsplit(url)
+        try:
+            port = parts.port
+        except ValueError:
+            port = None
+        if parts.scheme != "http" or not parts.hostname or port is None or parts.path not in ("", "/"):
+            rule = f"every endpoint must be http://HOST:PORT; {url!r} is not"
+            raise ConfigError.broken("--etcd", urls, rule)
+        endpoints.append(Endpoint(parts.hostname, port))
+    return endpoints
+
+
+def _channel_target(endpoints: list[Endpoint]) -> tuple[str, int]:
+    """(host, port) for aetcd.Client such that its "host:port" target is one gRPC channel over every
+    endpoint: gRPC's ipv4: scheme lists addresses, so names are resolved here once."""
+    addresses = [f"{socket.gethostbyname(e.host)}:{e.port}" for e in endpoints]
+    joined = "ipv4:" + ",".join(addresses)
+    host, _, port = joined.rpartition(":")
+    return host, int(port)
+
+
+class EtcdStore:
+    """Membership state in etcd under one key prefix. One registry writes at a time (fenced by the
+    generation key); every method may raise Unavailable when etcd cannot be reached."""
+
+    def __init__(self, client: aetcd.Client, prefix: str, lease_ttl_s: int) -> None:
+        self._client = client
+        self._prefix = prefix.encode()
+        self._lease_ttl_s = lease_ttl_s
+        # mod revision of the generation key as this registry last read or wrote it (0: absent)
+        self._generation_revision = 0
+        self._saved_sets: dict[str, bytes] = {}
+        self._saved_generation = -1
+        self._node_leases: dict[str, int] = {}
+        self._node_records: dict[str, bytes] = {}
+        self._refreshed_at = 0.0
+        self._lock = asyncio.Lock()
+
+    @classmethod
+    async def connect(cls, urls: str, prefix: str, lease_s: float) -> EtcdStore:
+        """A store over the etcd cluster at urls, its keys under prefix; node records live under leases of
+        lease_s (rounded up)."""
+        host, port = _channel_target(parse_endpoints(urls))
+        client = aetcd.Client(host, port, timeout=REQUEST_TIMEOUT_S)
+        await client.connect()
+        return cls(client, prefix, max(MIN_LEASE_TTL_S, math.ceil(lease_s)))
+
+    def _key(self, *parts: str) -> bytes:
+        return self._prefix + "/".join(parts).encode()
+
+    @property
+    def _generation_key(self) -> bytes:
+        return self._key("generation")
+
+    async def load(self) -> dict | None:
+        """The core's snapshot as etcd holds it (None before any registry wrote one), read at one revision;
+        later writes are fenced against what was read here."""
+        async with self._lock:
+            # one range over the prefix: the sets and the generation as of one revision
+            stored = await self._call(self._client.get_prefix(self._prefix))
+            sets_key = self._key("sets", "")
+            generation = next((kv for kv in stored if kv.key == self._generation_key), None)
+            if generation is None:
+                # nothing stored: the first write happens when this registry forms a set
+                self._generation_revision = 0
+                self._saved_generation = 0
+                return None
+            self._generation_revision = generation.mod_revision
+            self._saved_sets = {
+                kv.key[len(sets_key) :].decode(): kv.value for kv in stored if kv.key.startswith(sets_key)
+            }
+            self._saved_generation = int(generation.value)
+            return {
+                "version": SNAPSHOT_VERSION,
+                "max_generation": self._saved_generation,
+                "sets": [json.loads(value) for value in self._saved_sets.values()],
+            }
+
+    async def save(self, snapshot: Mapping) -> None:
+        """Writes what changed in the snapshot since the last save in one transaction, only if nobody else
+        wrote since; raises Superseded otherwise (nothing is written then)."""
+        async with self._lock:
+            sets = {
+                entry["assignment"]["set_id"]: json.dumps(entry, sort_keys=True).encode()
+                for entry in snapshot["sets"]
+            }
+            generation = int(snapshot["max_generation"])
+            if sets == self._saved_sets and generation == self._saved_generation:
+                return
+            ops = self._client.transactions
+            writes = [ops.put(self._generation_key, str(generation).encode())]
+            changed = [(sid, v) for sid, v in sets.items() if self._saved_sets.get(sid) != v]
+            writes += [ops.put(self._key("sets", sid), v) for sid, v in changed]
+            writes += [ops.delete(self._key("sets", sid)) for sid in self._saved_sets.keys() - sets.keys()]
+            succeeded, responses = await self._call(
+                self._client.transaction(
+                    compare=[ops.mod(self._generation_key) == self._generation_revision],
+                    success=writes,
+                    failure=[],
+                )
+            )
+            if not succeeded:
+                raise Superseded(
+                    "another registry changed the membership in etcd since this one read it; this registry "
+                    "stopped forming sets (restart it, or let the elected leader assemble)"
+                )
+            self._generation_revision = responses[0].response_put.header.revision
+            self._saved_sets = sets
+            self._saved_generation = generation
+
+    async def sync_nodes(self, nodes: Iterable[NodeView], now: float) -> None:
+        """Makes etcd's node records those of the core's live nodes: new nodes get a lease and a record,
+        gone (dead or removed) ones have their lease revoked, and the leases of the others are refreshed
+        once a third of their TTL has passed."""
+        async with self._lock:
+            encoded = {
+                v.node_id: json.dumps({"role": v.role, "address": v.address, "model": v.model}).encode()
+                for v in nodes
+                if v.state is not NodeState.DEAD
+            }
+            for node_id in self._node_leases.keys() - encoded.keys():
+                lease_id = self._node_leases.pop(node_id)
+                self._node_records.pop(node_id, None)
+                await self._call(self._client.revoke_lease(lease_id))
+            if now - self._refreshed_at >= self._lease_ttl_s / 3 and self._node_leases:
+                self._refreshed_at = now
+                for lease_id in await self._keep_alive(list(self._node_leases.values())):
+                    # the lease ran out (etcd unreachable for a whole TTL): a fresh one is granted below
+                    expired = [n for n, lid in self._node_leases.items() if lid == lease_id]
+                    for node_id in expired:
+                        del self._node_leases[node_id]
+                        self._node_records.pop(node_id, None)
+            for node_id, value in encoded.items():
+                if self._node_records.get(node_id) == value:
+                    continue
+                if node_id not in self._node_leases:
+                    lease = await self._call(self._client.lease(self._lease_ttl_s))
+                    self._node_leases[node_id] = lease.id
+                lease_id = self._node_leases[node_id]
+                await self._call(self._client.put(self._key("nodes", node_id), value, lease=lease_id))
+                self._node_records[node_id] = value
+
+    async def node_records(self) -> dict[str, dict]:
+        """The node records etcd holds now (those whose leases are alive)."""
+        start = len(self._key("nodes", ""))
+        stored = await self._call(self._client.get_prefix(self._key("nodes", "")))
+        return {kv.key[start:].decode(): json.loads(kv.value) for kv in stored}
+
+    async def _keep_alive(self, lease_ids: list[int]) -> list[int]:
+        """Refreshes the leases over one LeaseKeepAlive stream; returns those etcd no longer knows."""
+
+        async def requests():
+            for lease_id in lease_ids:
+                yield aetcd.rpc.LeaseKeepAliveRequest(ID=lease_id)
+
+        expired = []
+        try:
+            async for reply in self._client.leasestub.LeaseKeepAlive(requests(), timeout=REQUEST_TIMEOUT_S):
+                if reply.TTL <= 0:
+                    expired.append(reply.ID)
+        except grpc.aio.AioRpcError as exc:
+            raise Unavailable(f"etcd lease keep-alive failed: {exc.code().name}: {exc.details()}") from None
+        return expired
+
+    async def _call(self, awaitable):
+        """Awaits an etcd call, turning the client's errors into Unavailable."""
+        try:
+            return await awaitable
+        except (aetcd.exceptions.ClientError, grpc.aio.AioRpcError) as exc:
+            raise Unavailable(f"etcd request failed: {exc}") from None
+
+    async def close(self) -> None:
+        """Closes the connection; node leases are left to expire (a restarted registry re-registers nodes)."""
+        await self._client.close()

@@ -1,0 +1,162 @@
+"""The registry with its state in a real 3-member etcd cluster (`--etcd`): sets and generations survive a
+registry restart, node records live under etcd leases, and a second registry writing the same state is
+fenced out instead of forming overlapping sets. Nodes are real NodeSession clients over gRPC on loopback."""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+from collections.abc import Iterator
+from pathlib import Path
+
+import grpc
+import pytest
+
+from pcpstack.common.channel import open_channel
+from pcpstack.common.config import EngineConfig
+from pcpstack.registry.client import NodeSession
+from pcpstack.registry.etcd_store import EtcdStore
+from pcpstack.registry.membership import Settings
+from pcpstack.registry.server import RegistryServer, start_registry
+from pcpstack.v1 import registry_pb2, registry_pb2_grpc
+from tests.registry.etcd_cluster import EtcdCluster
+from tests.registry.support import until
+
+pytestmark = pytest.mark.timeout(90)
+SETTINGS = Settings(lease_s=1.0, assembly_timeout_s=5.0, restore_grace_s=3.0)
+CONFIG = EngineConfig(data_parallel_size=2, nnodes=2, prefill_context_parallel_size=2, master_port=7100)
+_prefixes = itertools.count()
+
+
+@pytest.fixture(scope="module")
+def etcd(tmp_path_factory: pytest.TempPathFactory) -> Iterator[EtcdCluster]:
+    """One 3-member etcd cluster shared by the module's tests (each keeps its state under its own prefix)."""
+    with EtcdCluster(tmp_path_factory.mktemp("etcd")) as cluster:
+        yield cluster
+
+
+def _prefix() -> str:
+    return f"/test-{next(_prefixes)}/registry/"
+
+
+def _run(coro):
+    return asyncio.run(asyncio.wait_for(coro, 60))
+
+
+async def _start(etcd: EtcdCluster, prefix: str) -> RegistryServer:
+    return await start_registry(SETTINGS, etcd_endpoints=etcd.endpoints, etcd_prefix=prefix)
+
+
+async def _nodes(address: str, indices: range) -> list[NodeSession]:
+    clients = [
+        NodeSession(address, f"node-{i}", "prefill", f"127.0.0.1:{9000 + i}", CONFIG, "fp", device_count=1)
+        for i in indices
+    ]
+    for client in clients:
+        await client.start()
+    return clients
+
+
+async def _sets(address: str) -> list[tuple[str, int, tuple[str, ...]]]:
+    async with open_channel(address, default_deadline=2.0) as channel:
+        reply = await registry_pb2_grpc.RegistryServiceStub(channel).ListSets(registry_pb2.ListSetsRequest())
+    return sorted((s.set_id, s.generation, tuple(s.member_node_ids)) for s in reply.sets)
+
+
+async def _close(clients: list[NodeSession]) -> None:
+    for client in clients:
+        await client.close()
+
+
+@pytest.mark.slow
+def test_a_registry_restarted_on_etcd_awaits_the_same_sets_with_the_same_generations(etcd):
+    async def scenario():
+        prefix = _prefix()
+        first = await _start(etcd, prefix)
+        clients = await _nodes(first.address, range(4))
+        store = await EtcdStore.connect(etcd.endpoints, prefix, SETTINGS.lease_s)
+        try:
+            for client in clients:
+                await client.wait_registered(timeout=10)
+            await until(lambda: _all_assigned(clients))
+            formed = await _sets(first.address)
+            assert len(formed) == 2 and {g for _, g, _ in formed} == {1, 2}
+            # every live node has a record in etcd, under a lease the registry keeps alive
+            records = await until(lambda: _records_of(store, 4))
+            assert records is not None
+            assert {r["address"] for r in records.values()} == {f"127.0.0.1:{9000 + i}" for i in range(4)}
+            await _close(clients)
+            await first.stop()
+            # nobody refreshes the leases any more: the records expire with them
+            await until(lambda: _no_records(store))
+            second = await _start(etcd, prefix)
+            try:
+                assert await _sets(second.address) == formed
+            finally:
+                await second.stop()
+        finally:
+            await _close(clients)
+            await store.close()
+
+    _run(scenario())
+
+
+@pytest.mark.slow
+def test_a_second_registry_on_the_same_etcd_state_is_fenced_out_instead_of_forming_overlapping_sets(etcd):
+    async def scenario():
+        prefix = _prefix()
+        first = await _start(etcd, prefix)
+        second = await _start(etcd, prefix)  # reads the same (empty) state before the first writes
+        ours = await _nodes(first.address, range(4))
+        theirs: list[NodeSession] = []
+        try:
+            await until(lambda: _all_assigned(ours))
+            formed = await _sets(first.address)
+            theirs = await _nodes(second.address, range(4, 8))
+            # the second registry's assembly is refused by etcd: its nodes never hear of a set, and it
+            # answers UNAVAILABLE from then on so that nodes and routers go elsewhere
+            with pytest.raises(grpc.aio.AioRpcError) as refused:
+                await until(lambda: _sets(second.address), timeout=10)
+            assert refused.value.code() is grpc.StatusCode.UNAVAILABLE
+            assert "another registry" in refused.value.details()
+            assert all(client.assignment is None for client in theirs)
+            store = await EtcdStore.connect(etcd.endpoints, prefix, SETTINGS.lease_s)
+            try:
+                stored = await store.load()
+            finally:
+                await store.close()
+            assert stored is not None
+            assert sorted(
+                (s["assignment"]["set_id"], s["assignment"]["generation"]) for s in stored["sets"]
+            ) == [(set_id, generation) for set_id, generation, _ in formed]
+            assert {m for _, _, members in formed for m in members} == {f"node-{i}" for i in range(4)}
+        finally:
+            await _close(ours + theirs)
+            await first.stop()
+            await second.stop()
+
+    _run(scenario())
+
+
+async def _no_records(store: EtcdStore) -> bool:
+    return not await store.node_records()
+
+
+async def _all_assigned(clients: list[NodeSession]) -> bool:
+    return all(client.assignment is not None for client in clients)
+
+
+async def _records_of(store: EtcdStore, count: int) -> dict[str, dict] | None:
+    """The node records etcd holds once there are `count` of them (an empty dict reads as reached)."""
+    records = await store.node_records()
+    return records if len(records) == count else None
+
+
+def test_registry_flags_refuse_an_etcd_url_that_is_not_http_host_port(tmp_path: Path):
+    from pcpstack.common.config import ConfigError
+    from pcpstack.registry.main import RegistryConfig
+
+    with pytest.raises(ConfigError, match="--etcd"):
+        RegistryConfig(etcd="127.0.0.1:2379")
+    with pytest.raises(ConfigError, match="--snapshot"):
+        RegistryConfig(etcd="http://127.0.0.1:2379", snapshot=tmp_path / "s.json")
