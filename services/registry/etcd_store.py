@@ -110,12 +110,18 @@ class EtcdStore:
         await client.connect()
         return cls(client, prefix, max(MIN_LEASE_TTL_S, math.ceil(lease_s)))
 
-    def _key(self, *parts: str) -> bytes:
+    @property
+    def client(self) -> aetcd.Client:
+        """The etcd client (shared with the leader election)."""
+        return self._client
+
+    def key(self, *parts: str) -> bytes:
+        """The etcd key of parts under this store's prefix."""
         return self._prefix + "/".join(parts).encode()
 
     @property
     def _generation_key(self) -> bytes:
-        return self._key("generation")
+        return self.key("generation")
 
     async def load(self) -> dict | None:
         """The core's snapshot as etcd holds it (None before any registry wrote one), read at one revision;
@@ -123,7 +129,7 @@ class EtcdStore:
         async with self._lock:
             # one range over the prefix: the sets and the generation as of one revision
             stored = await self._call(self._client.get_prefix(self._prefix))
-            sets_key = self._key("sets", "")
+            sets_key = self.key("sets", "")
             generation = next((kv for kv in stored if kv.key == self._generation_key), None)
             if generation is None:
                 # nothing stored: the first write happens when this registry forms a set
@@ -155,8 +161,8 @@ class EtcdStore:
             ops = self._client.transactions
             writes = [ops.put(self._generation_key, str(generation).encode())]
             changed = [(sid, v) for sid, v in sets.items() if self._saved_sets.get(sid) != v]
-            writes += [ops.put(self._key("sets", sid), v) for sid, v in changed]
-            writes += [ops.delete(self._key("sets", sid)) for sid in self._saved_sets.keys() - sets.keys()]
+            writes += [ops.put(self.key("sets", sid), v) for sid, v in changed]
+            writes += [ops.delete(self.key("sets", sid)) for sid in self._saved_sets.keys() - sets.keys()]
             succeeded, responses = await self._call(
                 self._client.transaction(
                     compare=[ops.mod(self._generation_key) == self._generation_revision],
@@ -202,13 +208,13 @@ class EtcdStore:
                     lease = await self._call(self._client.lease(self._lease_ttl_s))
                     self._node_leases[node_id] = lease.id
                 lease_id = self._node_leases[node_id]
-                await self._call(self._client.put(self._key("nodes", node_id), value, lease=lease_id))
+                await self._call(self._client.put(self.key("nodes", node_id), value, lease=lease_id))
                 self._node_records[node_id] = value
 
     async def node_records(self) -> dict[str, dict]:
         """The node records etcd holds now (those whose leases are alive)."""
-        start = len(self._key("nodes", ""))
-        stored = await self._call(self._client.get_prefix(self._key("nodes", "")))
+        start = len(self.key("nodes", ""))
+        stored = await self._call(self._client.get_prefix(self.key("nodes", "")))
         return {kv.key[start:].decode(): json.loads(kv.value) for kv in stored}
 
     async def _keep_alive(self, lease_ids: list[int]) -> list[int]:

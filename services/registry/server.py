@@ -20,8 +20,15 @@ import grpc
 from opentelemetry.metrics import Observation
 
 from pcpstack.common import security
+from pcpstack.common.channel import open_channel
 from pcpstack.common.config import ConfigError
-from pcpstack.common.errors import FailedPrecondition, InvalidArgument, PermissionDenied, ServiceError
+from pcpstack.common.errors import (
+    FailedPrecondition,
+    InvalidArgument,
+    PermissionDenied,
+    ServiceError,
+    Unavailable,
+)
 from pcpstack.common.server import RunningServer, ServerOptions, start_server
 from pcpstack.common.telemetry import meter
 from pcpstack.registry import convert
@@ -43,6 +50,7 @@ from pcpstack.registry.snapshot import read_snapshot, write_snapshot
 from pcpstack.v1 import registry_pb2, registry_pb2_grpc
 
 if TYPE_CHECKING:
+    from pcpstack.registry.election import Election
     from pcpstack.registry.etcd_store import EtcdStore
 
 log = logging.getLogger(__name__)
@@ -82,6 +90,10 @@ class RegistryServicer(registry_pb2_grpc.RegistryServiceServicer):
         self._commit_lock = asyncio.Lock()
         # set once etcd refused a write because another registry wrote: this registry's view is stale
         self._superseded: ServiceError | None = None
+        # with replicas: this replica's campaign (None: a registry that leads alone), and a channel to the
+        # leader that reads are forwarded to while following
+        self.election: Election | None = None
+        self._leader_channel: tuple[str, grpc.aio.Channel] | None = None
         self._verify_peer_address = verify_peer_address
         self._clock = clock
         self._mailboxes = Mailboxes()
@@ -145,8 +157,12 @@ class RegistryServicer(registry_pb2_grpc.RegistryServiceServicer):
             try:
                 await self._etcd.save(self._membership.snapshot())
             except Superseded as exc:
-                self._superseded = exc
-                log.error("registry superseded in etcd; refusing every request", extra={"error": str(exc)})
+                log.error("registry superseded in etcd", extra={"error": str(exc)})
+                if self.election is not None:
+                    # step down: whoever leads next (this replica too) starts from what etcd holds
+                    await self.election.resign()
+                else:
+                    self._superseded = exc
                 raise
             held, self._held = self._held[:covered], self._held[covered:]
         self.deliver(held)
@@ -157,9 +173,53 @@ class RegistryServicer(registry_pb2_grpc.RegistryServiceServicer):
         if self._superseded is not None:
             raise self._superseded
 
+    @property
+    def _following(self) -> bool:
+        return self.election is not None and not self.election.leading
+
+    def _require_leader(self) -> None:
+        """Refuses (UNAVAILABLE) a change on a replica that does not lead, naming the one that does."""
+        self._check_current()
+        if self._following:
+            assert self.election is not None
+            leader = self.election.leader_address or "not elected yet"
+            raise Unavailable(f"this registry replica does not lead; the leader is {leader}")
+
+    async def _from_leader(self, method: str, request, context):
+        """The leader's answer to a read, for a follower (reads are served by every replica)."""
+        assert self.election is not None
+        leader = self.election.leader_address
+        if not leader:
+            raise Unavailable("no registry replica leads yet (an election is under way); retry")
+        if self._leader_channel is None or self._leader_channel[0] != leader:
+            if self._leader_channel is not None:
+                await self._leader_channel[1].close()
+            self._leader_channel = (leader, open_channel(leader, default_deadline=2.0))
+        stub = registry_pb2_grpc.RegistryServiceStub(self._leader_channel[1])
+        try:
+            return await getattr(stub, method)(request, timeout=context.time_remaining() or 2.0)
+        except grpc.aio.AioRpcError as exc:
+            raise Unavailable(f"the leader {leader} did not answer {method}: {exc.details()}") from None
+
+    async def lead(self) -> None:
+        """Takes over as leader: the state etcd holds becomes this replica's core, whose sets are awaited
+        from their members exactly as after a restart."""
+        assert self._etcd is not None
+        snapshot = await self._etcd.load()
+        settings = self._membership.settings
+        if snapshot is None:
+            settings = replace(settings, restore_grace_s=0.0)
+        self._membership = Membership(settings, self._clock(), snapshot)
+        self._held = []
+
+    def deposed(self) -> None:
+        """This replica stopped leading: commands not yet written are dropped (their nodes re-register with
+        the next leader), and it follows until it is elected again."""
+        self._held = []
+
     async def Register(self, request, context):
         """Validates and records the node; the response carries its assignment when it has one."""
-        self._check_current()
+        self._require_leader()
         try:
             registration = convert.registration_from_proto(request, peer_identity(context))
         except ConfigError as exc:
@@ -208,7 +268,7 @@ class RegistryServicer(registry_pb2_grpc.RegistryServiceServicer):
     async def Session(self, request_iterator, context):
         """Reads heartbeats and status reports; yields commands, acks and refusals. (A generator, not
         context.write: the OpenTelemetry server interceptor wraps streaming handlers as generators.)"""
-        self._check_current()
+        self._require_leader()
         requests = aiter(request_iterator)
         try:
             first = await anext(requests)
@@ -242,6 +302,8 @@ class RegistryServicer(registry_pb2_grpc.RegistryServiceServicer):
         queue.put_nowait(None)
 
     async def _on_session_message(self, node_id: str, session: str, request) -> registry_pb2.SessionResponse:
+        # a replica that stopped leading ends its Sessions: the nodes move on to the leader
+        self._require_leader()
         now = self._clock()
         kind = request.WhichOneof("body")
         if kind == "heartbeat":
@@ -268,23 +330,32 @@ class RegistryServicer(registry_pb2_grpc.RegistryServiceServicer):
         """Ready prefill sets, decode and KV store endpoints; while the registry is warming up (it may not
         have heard from every live node yet) the answer says so (`warming`)."""
         self._check_current()
+        if self._following:
+            return await self._from_leader("Resolve", request, context)
         warming = self._membership.warming(self._clock())
         return convert.resolution_to_proto(self._membership.resolve(request.model), warming)
 
     async def ListNodes(self, request, context):
         """Every node with its state."""
         self._check_current()
+        if self._following:
+            return await self._from_leader("ListNodes", request, context)
         views = self._membership.nodes(self._clock())
         return registry_pb2.ListNodesResponse(nodes=[convert.node_to_proto(v) for v in views])
 
     async def ListSets(self, request, context):
-        """Every set, formed or forming (and broken ones until re-formed)."""
+        """Every set, formed or forming (and broken ones until re-formed), and the leading replica."""
         self._check_current()
-        return registry_pb2.ListSetsResponse(sets=[convert.set_to_proto(v) for v in self._membership.sets()])
+        if self._following:
+            return await self._from_leader("ListSets", request, context)
+        return registry_pb2.ListSetsResponse(
+            sets=[convert.set_to_proto(v) for v in self._membership.sets()],
+            leader_address=self.election.leader_address if self.election is not None else "",
+        )
 
     async def Deregister(self, request, context):
         """Removes a node (only its own session may); its set breaks and its Session ends."""
-        self._check_current()
+        self._require_leader()
         if not request.node_id:
             raise InvalidArgument("node_id is required")
         removed, out = self._membership.deregister(
@@ -302,7 +373,7 @@ class RegistryServicer(registry_pb2_grpc.RegistryServiceServicer):
         """Ticks the core every interval seconds and keeps the snapshot file fresh; runs until cancelled."""
         while True:
             await asyncio.sleep(interval)
-            if self._superseded is not None:
+            if self._superseded is not None or self._following:
                 continue
             now = self._clock()
             try:
@@ -327,11 +398,13 @@ class RegistryServer:
         servicer: RegistryServicer,
         clock_task: asyncio.Task,
         etcd: EtcdStore | None = None,
+        election_task: asyncio.Task | None = None,
     ) -> None:
         self.running = running
         self.servicer = servicer
         self._clock_task = clock_task
         self._etcd = etcd
+        self._election_task = election_task
 
     @property
     def address(self) -> str:
@@ -339,10 +412,15 @@ class RegistryServer:
         return self.running.address
 
     async def stop(self, grace: float | None = None) -> None:
-        """Stops the clock and the server (and closes the etcd connection; node leases are left to expire)."""
-        self._clock_task.cancel()
-        with contextlib.suppress(asyncio.CancelledError):
-            await self._clock_task
+        """Stops the clock and the server; a leading replica resigns so that another takes over at once
+        (node leases in etcd are left to expire)."""
+        for task in (self._clock_task, self._election_task):
+            if task is not None:
+                task.cancel()
+                with contextlib.suppress(asyncio.CancelledError):
+                    await task
+        if self.servicer.election is not None:
+            await self.servicer.election.resign()
         await self.running.stop(grace)
         if self._etcd is not None:
             await self._etcd.close()
@@ -355,12 +433,15 @@ async def start_registry(
     verify_peer_address: bool = True,
     etcd_endpoints: str | None = None,
     etcd_prefix: str = "/pcpstack/registry/",
+    elect: bool = True,
 ) -> RegistryServer:
     """Starts a registry. With a snapshot_path, an existing snapshot is read (the restore grace then ends
     as soon as its sets' members are back) and a missing one means a cold start with no grace at all.
     With etcd_endpoints ("http://HOST:PORT,..."), membership state is kept in that etcd cluster instead,
-    under etcd_prefix, with the same restart rules (etcd_store). verify_peer_address refuses registrations
-    whose advertised host is not the caller's own."""
+    under etcd_prefix, with the same restart rules (etcd_store), and the registry is one of possibly
+    several replicas: it campaigns (election) and serves changes only while it leads, forwarding reads to
+    the leader meanwhile; elect=False makes it act as the only one (the generation fence still holds).
+    verify_peer_address refuses registrations whose advertised host is not the caller's own."""
     settings = settings or Settings()
     options = options or ServerOptions()
     etcd = None
@@ -369,10 +450,11 @@ async def start_registry(
         from pcpstack.registry.etcd_store import EtcdStore
 
         etcd = await EtcdStore.connect(etcd_endpoints, etcd_prefix, settings.lease_s)
-        snapshot = await etcd.load()
+        # a replica that campaigns loads the state when it is elected
+        snapshot = await etcd.load() if not elect else None
     else:
         snapshot = read_snapshot(snapshot_path) if snapshot_path is not None else None
-    if (snapshot_path is not None or etcd is not None) and snapshot is None:
+    if (snapshot_path is not None or (etcd is not None and not elect)) and snapshot is None:
         settings = replace(settings, restore_grace_s=0.0)
     membership = Membership(settings, time.monotonic(), snapshot)
     servicer = RegistryServicer(membership, time.monotonic, snapshot_path, verify_peer_address, etcd)
@@ -381,5 +463,11 @@ async def start_registry(
         [SERVICE_NAME],
         options,
     )
+    election_task = None
+    if etcd is not None and elect:
+        from pcpstack.registry.election import Election
+
+        servicer.election = Election(etcd, running.address, servicer.lead, servicer.deposed)
+        election_task = asyncio.create_task(servicer.election.run(), name="registry-election")
     clock = asyncio.create_task(servicer.run_clock(min(0.25, settings.lease_s / 4)))
-    return RegistryServer(running, servicer, clock, etcd)
+    return RegistryServer(running, servicer, clock, etcd, election_task)

@@ -71,13 +71,18 @@ class NodeSession:
         retry_max_s: float = 2.0,
         in_use_patience_s: float | None = None,
     ) -> None:
-        """role is "prefill", "decode" or "kvstore"; load() is read at every heartbeat (queued plus running
-        requests) and steers least-loaded routing. A node id still bound to an earlier session (a node
+        """address is the registry's host:port, or several replicas' separated by commas (the session moves
+        to the next one when the one it uses is unreachable or does not lead). role is "prefill", "decode"
+        or "kvstore"; load() is read at every heartbeat (queued plus running requests) and steers
+        least-loaded routing. A node id still bound to an earlier session (a node
         restarted within its old lease) is retried until that session ends, or for in_use_patience_s when
         given (then it counts as refused)."""
         if role not in ROLE_VALUES:
             raise ValueError(f"role={role!r} is not one of {', '.join(ROLE_VALUES)}")
-        self.address = address
+        self._addresses = [a.strip() for a in address.split(",") if a.strip()]
+        self.address = self._addresses[0]
+        # registry replicas that failed since the last successful registration
+        self._failed_in_row = 0
         self.node_id = node_id
         self._request = registry_pb2.RegisterRequest(
             node_id=node_id,
@@ -185,6 +190,19 @@ class NodeSession:
             )
             self._stub = registry_pb2_grpc.RegistryServiceStub(self._channel)
 
+    async def _next_registry(self) -> bool:
+        """Moves to the next registry replica, when there are several; True while some replica has not
+        been tried since the last success (the caller retries at once instead of backing off)."""
+        if len(self._addresses) < 2:
+            return False
+        self._failed_in_row += 1
+        self.address = self._addresses[(self._addresses.index(self.address) + 1) % len(self._addresses)]
+        if self._channel is not None:
+            await self._channel.close()
+            self._channel = None
+        self._connect()
+        return self._failed_in_row % len(self._addresses) != 0
+
     async def _run(self) -> None:
         assert self._stub is not None
         delay = 0.1
@@ -221,11 +239,14 @@ class NodeSession:
                     "registry unreachable; retrying",
                     extra={"node_id": self.node_id, "error": exc.code().name, "retry_in_s": delay},
                 )
+                if await self._next_registry():
+                    continue
                 await asyncio.sleep(delay)
                 delay = min(delay * 2, self._retry_max_s)
                 continue
             delay = 0.1
             in_use_since = None
+            self._failed_in_row = 0
             self._lease_s = (response.lease_ms or 3000) / 1000
             if response.HasField("assignment"):
                 self._apply_assignment(response.assignment)
@@ -245,7 +266,8 @@ class NodeSession:
                 )
                 # NOT_FOUND (evicted, or a registry that restarted) and a session that simply ran its
                 # course re-register at once; anything else waits a little first
-                if code not in (grpc.StatusCode.NOT_FOUND, grpc.StatusCode.DEADLINE_EXCEEDED):
+                lost = code not in (grpc.StatusCode.NOT_FOUND, grpc.StatusCode.DEADLINE_EXCEEDED)
+                if lost and not await self._next_registry():
                     await asyncio.sleep(delay)
 
     async def _session(self) -> None:

@@ -891,6 +891,11 @@ class ListSetsResponse(_message.Message):
     DESCRIPTOR: _descriptor.Descriptor
 
     SETS_FIELD_NUMBER: _builtins.int
+    LEADER_ADDRESS_FIELD_NUMBER: _builtins.int
+    leader_address: _builtins.str
+    """With registry replicas on etcd: the address of the replica that leads (assembles sets); empty for a
+    registry without etcd.
+    """
     @_builtins.property
     def sets(self) -> _containers.RepeatedCompositeFieldContainer[Global___PcpSet]:
         """Sets by dp_rank."""
@@ -899,10 +904,11 @@ class ListSetsResponse(_message.Message):
         self,
         *,
         sets: _abc.Iterable[Global___PcpSet] | None = ...,
+        leader_address: _builtins.str = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["sets", b"sets"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["leader_address", b"leader_address", "sets", b"sets"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

@@ -1,11 +1,14 @@
 """The registry with its state in a real 3-member etcd cluster (`--etcd`): sets and generations survive a
-registry restart, node records live under etcd leases, and a second registry writing the same state is
-fenced out instead of forming overlapping sets. Nodes are real NodeSession clients over gRPC on loopback."""
+registry restart, node records live under etcd leases, a second registry writing the same state is fenced
+out instead of forming overlapping sets, and of two replicas one leads and the other takes over after a
+kill -9. Nodes are real NodeSession clients over gRPC on loopback."""
 
 from __future__ import annotations
 
 import asyncio
 import itertools
+import subprocess
+import sys
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -14,13 +17,14 @@ import pytest
 
 from pcpstack.common.channel import open_channel
 from pcpstack.common.config import EngineConfig
+from pcpstack.common.ports import free_port
 from pcpstack.registry.client import NodeSession
 from pcpstack.registry.etcd_store import EtcdStore
 from pcpstack.registry.membership import Settings
 from pcpstack.registry.server import RegistryServer, start_registry
 from pcpstack.v1 import registry_pb2, registry_pb2_grpc
 from tests.registry.etcd_cluster import EtcdCluster
-from tests.registry.support import until
+from tests.registry.support import until, wait_serving
 
 pytestmark = pytest.mark.timeout(90)
 SETTINGS = Settings(lease_s=1.0, assembly_timeout_s=5.0, restore_grace_s=3.0)
@@ -43,8 +47,8 @@ def _run(coro):
     return asyncio.run(asyncio.wait_for(coro, 60))
 
 
-async def _start(etcd: EtcdCluster, prefix: str) -> RegistryServer:
-    return await start_registry(SETTINGS, etcd_endpoints=etcd.endpoints, etcd_prefix=prefix)
+async def _start(etcd: EtcdCluster, prefix: str, elect: bool = True) -> RegistryServer:
+    return await start_registry(SETTINGS, etcd_endpoints=etcd.endpoints, etcd_prefix=prefix, elect=elect)
 
 
 async def _nodes(address: str, indices: range) -> list[NodeSession]:
@@ -57,9 +61,13 @@ async def _nodes(address: str, indices: range) -> list[NodeSession]:
     return clients
 
 
-async def _sets(address: str) -> list[tuple[str, int, tuple[str, ...]]]:
+async def _list_sets(address: str) -> registry_pb2.ListSetsResponse:
     async with open_channel(address, default_deadline=2.0) as channel:
-        reply = await registry_pb2_grpc.RegistryServiceStub(channel).ListSets(registry_pb2.ListSetsRequest())
+        return await registry_pb2_grpc.RegistryServiceStub(channel).ListSets(registry_pb2.ListSetsRequest())
+
+
+async def _sets(address: str) -> list[tuple[str, int, tuple[str, ...]]]:
+    reply = await _list_sets(address)
     return sorted((s.set_id, s.generation, tuple(s.member_node_ids)) for s in reply.sets)
 
 
@@ -91,6 +99,7 @@ def test_a_registry_restarted_on_etcd_awaits_the_same_sets_with_the_same_generat
             await until(lambda: _no_records(store))
             second = await _start(etcd, prefix)
             try:
+                await until(lambda: _leads(second))
                 assert await _sets(second.address) == formed
             finally:
                 await second.stop()
@@ -105,8 +114,10 @@ def test_a_registry_restarted_on_etcd_awaits_the_same_sets_with_the_same_generat
 def test_a_second_registry_on_the_same_etcd_state_is_fenced_out_instead_of_forming_overlapping_sets(etcd):
     async def scenario():
         prefix = _prefix()
-        first = await _start(etcd, prefix)
-        second = await _start(etcd, prefix)  # reads the same (empty) state before the first writes
+        # two registries that both act as leader (as a paused leader whose lease ran out would): the
+        # second reads the same (empty) state before the first writes
+        first = await _start(etcd, prefix, elect=False)
+        second = await _start(etcd, prefix, elect=False)
         ours = await _nodes(first.address, range(4))
         theirs: list[NodeSession] = []
         try:
@@ -138,6 +149,10 @@ def test_a_second_registry_on_the_same_etcd_state_is_fenced_out_instead_of_formi
     _run(scenario())
 
 
+async def _leads(registry: RegistryServer) -> bool:
+    return registry.servicer.election is not None and registry.servicer.election.leading
+
+
 async def _no_records(store: EtcdStore) -> bool:
     return not await store.node_records()
 
@@ -160,3 +175,73 @@ def test_registry_flags_refuse_an_etcd_url_that_is_not_http_host_port(tmp_path: 
         RegistryConfig(etcd="127.0.0.1:2379")
     with pytest.raises(ConfigError, match="--snapshot"):
         RegistryConfig(etcd="http://127.0.0.1:2379", snapshot=tmp_path / "s.json")
+
+
+def _replica(etcd: EtcdCluster, prefix: str, port: int, env: dict[str, str]) -> subprocess.Popen:
+    """`pcpstack serve registry --etcd ...` as a process of its own, so that it can be killed -9."""
+    command = [sys.executable, "-m", "pcpstack.cli", "serve", "registry", "--port", str(port)]
+    # the restore grace ends as soon as every member is back; it only bounds how long that may take
+    flags = ["--lease", "1", "--restore-grace", "10", "--etcd", etcd.endpoints, "--etcd-prefix", prefix]
+    return subprocess.Popen(
+        [*command, *flags, "--log-level", "WARNING"],
+        env=env,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
+
+
+@pytest.mark.slow
+def test_of_two_registry_replicas_one_leads_and_after_a_kill_9_the_other_leads_with_the_same_sets(
+    etcd, child_env
+):
+    async def scenario():
+        prefix = _prefix()
+        addresses = {}
+        replicas = {}
+        for _ in range(2):
+            port = free_port()
+            addresses[port] = f"127.0.0.1:{port}"
+            replicas[addresses[port]] = _replica(etcd, prefix, port, child_env)
+        clients: list[NodeSession] = []
+        try:
+            for address in replicas:
+                await wait_serving(address)
+            clients = await _nodes(",".join(replicas), range(4))
+            await until(lambda: _all_assigned(clients))
+            before = {address: await _list_sets(address) for address in replicas}
+            leader = before[next(iter(replicas))].leader_address
+            assert leader in replicas
+            # every replica answers, and names the same leader and sets
+            assert len({reply.SerializeToString(deterministic=True) for reply in before.values()}) == 1
+            formed = await _sets(leader)
+            assignments = [(c.assignment.set_id, c.assignment.generation) for c in clients]
+
+            replicas[leader].kill()
+            replicas[leader].wait()
+            (survivor,) = (address for address in replicas if address != leader)
+
+            async def survivor_leads_with_every_node_back():
+                try:
+                    reply = await _list_sets(survivor)
+                    nodes = await _list_nodes(survivor)
+                except grpc.aio.AioRpcError:
+                    return False  # UNAVAILABLE until the lease of the killed leader runs out
+                back = len(nodes) == 4 and all(n.state == registry_pb2.NODE_STATE_ASSIGNED for n in nodes)
+                return reply.leader_address == survivor and back
+
+            await until(survivor_leads_with_every_node_back, timeout=20)
+            assert await _sets(survivor) == formed
+            assert [(c.assignment.set_id, c.assignment.generation) for c in clients] == assignments
+        finally:
+            await _close(clients)
+            for process in replicas.values():
+                process.kill()
+                process.wait()
+
+    _run(scenario())
+
+
+async def _list_nodes(address: str) -> list[registry_pb2.NodeStatus]:
+    async with open_channel(address, default_deadline=2.0) as channel:
+        stub = registry_pb2_grpc.RegistryServiceStub(channel)
+        return list((await stub.ListNodes(registry_pb2.ListNodesRequest())).nodes)

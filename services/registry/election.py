@@ -1,0 +1,108 @@
+"""Which registry replica leads, decided in etcd: one key written under the winner's lease.
+
+A replica campaigns by writing `<prefix>leader` = its address under a lease of its own, in a transaction
+that succeeds only if the key does not exist (create revision 0); it keeps the lease alive while it leads.
+A leader that dies stops refreshing, the lease expires (its TTL, 2 s) and the key goes with it; the
+followers, polling the key, campaign again and one wins, and loads the state from etcd. A leader that loses
+its lease (it could not refresh it for a whole TTL) or resigns steps down and campaigns again; the
+generation fence in etcd_store refuses its writes anyway once another replica has written.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+from collections.abc import Awaitable, Callable
+
+import aetcd
+
+from pcpstack.common.errors import ServiceError
+from pcpstack.registry.etcd_store import EtcdStore
+
+log = logging.getLogger(__name__)
+
+# seconds: etcd's smallest lease is about 1.5 election timeouts (1.5 s at its defaults); failover takes
+# this long plus a poll
+LEADER_TTL_S = 2
+POLL_S = 0.2
+
+
+class Election:
+    """One replica's campaign. `run` returns only when cancelled; on_elected runs (awaited) when this
+    replica becomes leader, on_deposed when it stops leading (lease lost or resigned)."""
+
+    def __init__(
+        self,
+        store: EtcdStore,
+        address: str,
+        on_elected: Callable[[], Awaitable[None]],
+        on_deposed: Callable[[], None],
+    ) -> None:
+        self._store = store
+        self._address = address.encode()
+        self._on_elected = on_elected
+        self._on_deposed = on_deposed
+        self.leader_address = ""
+        # True while this replica holds the leader key (set after on_elected has run)
+        self.leading = False
+        self._lease_id: int | None = None
+
+    async def run(self) -> None:
+        """Campaigns, leads while the lease lasts, and campaigns again after losing it."""
+        client = self._store.client
+        key = self._store.key("leader")
+        while True:
+            try:
+                lease = await client.lease(LEADER_TTL_S)
+                ops = client.transactions
+                won, _ = await client.transaction(
+                    compare=[ops.create(key) == 0],
+                    success=[ops.put(key, self._address, lease=lease.id)],
+                    failure=[],
+                )
+                if not won:
+                    await client.revoke_lease(lease.id)
+                    await self._follow(client, key)
+                    continue
+                self.leader_address = self._address.decode()
+                self._lease_id = lease.id
+                log.info("registry replica elected leader", extra={"address": self.leader_address})
+                await self._on_elected()
+                self.leading = True
+                await self._lead(client, lease.id)
+                self.leading = False
+                self.leader_address = ""
+                log.error("registry replica stopped leading", extra={"address": self._address.decode()})
+                self._on_deposed()
+            except (aetcd.exceptions.ClientError, ServiceError, OSError) as exc:
+                log.warning("leader election: etcd unreachable; retrying", extra={"error": str(exc)})
+                await asyncio.sleep(POLL_S)
+
+    async def _follow(self, client: aetcd.Client, key: bytes) -> None:
+        """Returns once the leader key is gone (its lease expired or was revoked)."""
+        while (current := await client.get(key)) is not None:
+            self.leader_address = current.value.decode()
+            await asyncio.sleep(POLL_S)
+        self.leader_address = ""
+
+    async def _lead(self, client: aetcd.Client, lease_id: int) -> None:
+        """Refreshes the lease at a third of its TTL; returns when etcd no longer knows it or this replica
+        resigned."""
+        while self.leading:
+            await asyncio.sleep(LEADER_TTL_S / 3)
+            try:
+                reply = await client.refresh_lease(lease_id)
+            except aetcd.exceptions.ClientError as exc:
+                log.warning("leader lease refresh failed", extra={"error": str(exc)})
+                continue
+            if reply is not None and reply.TTL <= 0:
+                return
+
+    async def resign(self) -> None:
+        """Gives the leadership up at once (a clean stop, or a view found stale), so that another replica
+        need not wait for the lease to run out; a running campaign starts again."""
+        if self.leading and self._lease_id is not None:
+            self.leading = False
+            with contextlib.suppress(aetcd.exceptions.ClientError):
+                await self._store.client.revoke_lease(self._lease_id)
