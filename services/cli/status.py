@@ -185,7 +185,8 @@ def render(
                 node_rows,
             ),
             "",
-            f"PCP SETS ({len(set_rows)})",
+            # registry replicas on etcd: which one leads (assembles sets)
+            f"PCP SETS ({len(set_rows)}){f'  leader: {sets.leader_address}' if sets.leader_address else ''}",
             _table(["SET", "GEN", "DP", "STATE", "PCP", "MASTER", "MEMBERS", "REASON"], set_rows),
             *(_routing(routing) if routing is not None else []),
         ]

@@ -1,6 +1,6 @@
 """Where to send work, asked of the registry: Resolve with one cache, answered as typed endpoints.
 
-    resolver = Resolver("registry:7000")
+    resolver = Resolver("registry:7000")       # or several replicas: "registry-0:7000,registry-1:7000"
     found = await resolver.resolve()        # Resolution: prefill_sets, decode, kvstore
     ...
     await resolver.close()
@@ -66,7 +66,8 @@ class Resolver:
         rpc_deadline_s: float = 5.0,
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
-        self.address = address
+        self._addresses = [a.strip() for a in address.split(",") if a.strip()]
+        self.address = self._addresses[0]
         self._ttl_s = ttl_s
         self._rpc_deadline_s = rpc_deadline_s
         self._clock = clock
@@ -104,12 +105,26 @@ class Resolver:
         return answer
 
     async def _ask(self, model: str) -> Resolution:
+        """Asks the registry in use; one that cannot answer (unreachable, or a replica while no other
+        leads) passes the question to the next replica, each tried once."""
+        request = registry_pb2.ResolveRequest(model=model)
+        for _ in range(len(self._addresses) - 1):
+            try:
+                return await self._resolve_once(request)
+            except grpc.aio.AioRpcError as exc:
+                if exc.code() not in _TRANSPORT:
+                    raise
+                await self.close()
+                next_index = (self._addresses.index(self.address) + 1) % len(self._addresses)
+                self.address = self._addresses[next_index]
+        return await self._resolve_once(request)
+
+    async def _resolve_once(self, request: registry_pb2.ResolveRequest) -> Resolution:
         if self._stub is None:
             self._channel = open_channel(
                 self.address, default_deadline=self._rpc_deadline_s, extra_options=CHANNEL_OPTIONS
             )
             self._stub = registry_pb2_grpc.RegistryServiceStub(self._channel)
-        request = registry_pb2.ResolveRequest(model=model)
         return resolution_from_proto(await self._stub.Resolve(request, timeout=self._rpc_deadline_s))
 
     async def close(self) -> None:

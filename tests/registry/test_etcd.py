@@ -18,7 +18,7 @@ import pytest
 from pcpstack.common.channel import open_channel
 from pcpstack.common.config import EngineConfig
 from pcpstack.common.ports import free_port
-from pcpstack.registry.client import NodeSession
+from pcpstack.registry.client import NodeSession, PrefillEndpoint, Resolver
 from pcpstack.registry.etcd_store import EtcdStore
 from pcpstack.registry.membership import Settings
 from pcpstack.registry.server import RegistryServer, start_registry
@@ -181,7 +181,7 @@ def _replica(etcd: EtcdCluster, prefix: str, port: int, env: dict[str, str]) -> 
     """`pcpstack serve registry --etcd ...` as a process of its own, so that it can be killed -9."""
     command = [sys.executable, "-m", "pcpstack.cli", "serve", "registry", "--port", str(port)]
     # the restore grace ends as soon as every member is back; it only bounds how long that may take
-    flags = ["--lease", "1", "--restore-grace", "10", "--etcd", etcd.endpoints, "--etcd-prefix", prefix]
+    flags = ["--lease", "2", "--restore-grace", "10", "--etcd", etcd.endpoints, "--etcd-prefix", prefix]
     return subprocess.Popen(
         [*command, *flags, "--log-level", "WARNING"],
         env=env,
@@ -194,6 +194,8 @@ def _replica(etcd: EtcdCluster, prefix: str, port: int, env: dict[str, str]) -> 
 def test_of_two_registry_replicas_one_leads_and_after_a_kill_9_the_other_leads_with_the_same_sets(
     etcd, child_env
 ):
+    """Nodes and a router are given both replicas' addresses, the killed leader's first."""
+
     async def scenario():
         prefix = _prefix()
         addresses = {}
@@ -208,6 +210,7 @@ def test_of_two_registry_replicas_one_leads_and_after_a_kill_9_the_other_leads_w
                 await wait_serving(address)
             clients = await _nodes(",".join(replicas), range(4))
             await until(lambda: _all_assigned(clients))
+            await _ready(clients)
             before = {address: await _list_sets(address) for address in replicas}
             leader = before[next(iter(replicas))].leader_address
             assert leader in replicas
@@ -215,10 +218,11 @@ def test_of_two_registry_replicas_one_leads_and_after_a_kill_9_the_other_leads_w
             assert len({reply.SerializeToString(deterministic=True) for reply in before.values()}) == 1
             formed = await _sets(leader)
             assignments = [(c.assignment.set_id, c.assignment.generation) for c in clients]
+            (survivor,) = (address for address in replicas if address != leader)
+            resolver = Resolver(f"{leader},{survivor}", ttl_s=0.0)
 
             replicas[leader].kill()
             replicas[leader].wait()
-            (survivor,) = (address for address in replicas if address != leader)
 
             async def survivor_leads_with_every_node_back():
                 try:
@@ -226,12 +230,17 @@ def test_of_two_registry_replicas_one_leads_and_after_a_kill_9_the_other_leads_w
                     nodes = await _list_nodes(survivor)
                 except grpc.aio.AioRpcError:
                     return False  # UNAVAILABLE until the lease of the killed leader runs out
-                back = len(nodes) == 4 and all(n.state == registry_pb2.NODE_STATE_ASSIGNED for n in nodes)
+                in_sets = (registry_pb2.NODE_STATE_ASSIGNED, registry_pb2.NODE_STATE_READY)
+                back = len(nodes) == 4 and all(n.state in in_sets for n in nodes)
                 return reply.leader_address == survivor and back
 
             await until(survivor_leads_with_every_node_back, timeout=20)
             assert await _sets(survivor) == formed
             assert [(c.assignment.set_id, c.assignment.generation) for c in clients] == assignments
+            # the nodes re-sent their readiness: the router, its first address dead, routes to the same sets
+            routed = await until(lambda: _routed(resolver, 2))
+            assert sorted((e.set_id, e.generation) for e in routed) == [(s, g) for s, g, _ in formed]
+            await resolver.close()
         finally:
             await _close(clients)
             for process in replicas.values():
@@ -239,6 +248,17 @@ def test_of_two_registry_replicas_one_leads_and_after_a_kill_9_the_other_leads_w
                 process.wait()
 
     _run(scenario())
+
+
+async def _ready(clients: list[NodeSession]) -> None:
+    for client in clients:
+        assert client.assignment is not None
+        await client.report_status(client.assignment.set_id, client.assignment.generation, ready=True)
+
+
+async def _routed(resolver: Resolver, count: int) -> tuple[PrefillEndpoint, ...] | None:
+    sets = (await resolver.resolve(fresh=True)).prefill_sets
+    return sets if len(sets) == count else None
 
 
 async def _list_nodes(address: str) -> list[registry_pb2.NodeStatus]:
