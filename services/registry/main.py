@@ -59,7 +59,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         default=None,
         metavar="http://HOST:PORT[,...]",
         help="keep membership state (sets, generations, node records under leases) in this etcd cluster "
-        "instead of in memory; a registry restarted against it awaits the same sets (needs aetcd)",
+        "instead of in memory; registries started against one etcd elect a leader that assembles sets, "
+        "and a restarted or newly elected one awaits the same sets (needs aetcd; docs/registry-on-etcd.md)",
     )
     parser.add_argument(
         "--etcd-prefix",
