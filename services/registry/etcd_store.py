@@ -26,8 +26,9 @@ import json
 import logging
 import math
 import socket
-from collections.abc import Iterable, Mapping
+from collections.abc import AsyncIterator, Awaitable, Iterable, Mapping
 from dataclasses import dataclass
+from typing import TypeVar
 from urllib.parse import urlsplit
 
 import aetcd
@@ -39,6 +40,7 @@ from pcpstack.common.errors import Unavailable
 from pcpstack.registry.membership import SNAPSHOT_VERSION, NodeState, NodeView
 
 log = logging.getLogger(__name__)
+T = TypeVar("T")
 
 # etcd refuses leases shorter than about 1.5 election timeouts (1.5 s with its defaults)
 MIN_LEASE_TTL_S = 2
@@ -220,7 +222,7 @@ class EtcdStore:
     async def _keep_alive(self, lease_ids: list[int]) -> list[int]:
         """Refreshes the leases over one LeaseKeepAlive stream; returns those etcd no longer knows."""
 
-        async def requests():
+        async def requests() -> AsyncIterator[aetcd.rpc.LeaseKeepAliveRequest]:
             for lease_id in lease_ids:
                 yield aetcd.rpc.LeaseKeepAliveRequest(ID=lease_id)
 
@@ -233,7 +235,7 @@ class EtcdStore:
             raise Unavailable(f"etcd lease keep-alive failed: {exc.code().name}: {exc.details()}") from None
         return expired
 
-    async def _call(self, awaitable):
+    async def _call(self, awaitable: Awaitable[T]) -> T:
         """Awaits an etcd call, turning the client's errors into Unavailable."""
         try:
             return await awaitable

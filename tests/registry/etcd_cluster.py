@@ -73,6 +73,12 @@ class EtcdCluster:
                 raise RuntimeError(f"etcd cluster not healthy after {timeout:g} s: {probe.stderr.decode()}")
             time.sleep(0.1)
 
+    def kill_member(self, index: int) -> None:
+        """SIGKILL one member, as a crash would (the others keep quorum)."""
+        process = self._processes[self._names[index]]
+        process.kill()
+        process.wait()
+
     def stop(self) -> None:
         """Stops every member (SIGTERM, then SIGKILL after 10 s) and waits for them, one at a time: members
         stopped together keep handing leadership to each other and take seconds longer."""
