@@ -45,6 +45,8 @@ T = TypeVar("T")
 # etcd refuses leases shorter than about 1.5 election timeouts (1.5 s with its defaults)
 MIN_LEASE_TTL_S = 2
 REQUEST_TIMEOUT_S = 5.0
+# etcd's --max-txn-ops default: the most operations one transaction may carry
+MAX_TXN_OPS = 128
 
 
 class Superseded(Unavailable):
@@ -150,8 +152,11 @@ class EtcdStore:
             }
 
     async def save(self, snapshot: Mapping) -> None:
-        """Writes what changed in the snapshot since the last save in one transaction, only if nobody else
-        wrote since; raises Superseded otherwise (nothing is written then)."""
+        """Writes what changed in the snapshot since the last save, only if nobody else wrote since; raises
+        Superseded otherwise. Each transaction carries at most MAX_TXN_OPS operations (etcd's default
+        limit), so a large change takes several, each fenced on the revision the previous one wrote; the
+        caller delivers the change's commands only once all are written, so a registry that dies halfway
+        leaves sets that no node was told of (they are awaited, time out and are re-formed)."""
         async with self._lock:
             sets = {
                 entry["assignment"]["set_id"]: json.dumps(entry, sort_keys=True).encode()
@@ -161,57 +166,65 @@ class EtcdStore:
             if sets == self._saved_sets and generation == self._saved_generation:
                 return
             ops = self._client.transactions
-            writes = [ops.put(self._generation_key, str(generation).encode())]
-            changed = [(sid, v) for sid, v in sets.items() if self._saved_sets.get(sid) != v]
-            writes += [ops.put(self.key("sets", sid), v) for sid, v in changed]
-            writes += [ops.delete(self.key("sets", sid)) for sid in self._saved_sets.keys() - sets.keys()]
-            succeeded, responses = await self._call(
-                self._client.transaction(
-                    compare=[ops.mod(self._generation_key) == self._generation_revision],
-                    success=writes,
-                    failure=[],
-                )
-            )
-            if not succeeded:
-                raise Superseded(
-                    "another registry changed the membership in etcd since this one read it; this registry "
-                    "stopped forming sets (restart it, or let the elected leader assemble)"
-                )
-            self._generation_revision = responses[0].response_put.header.revision
+            changes = [
+                ops.put(self.key("sets", sid), v) for sid, v in sets.items() if self._saved_sets.get(sid) != v
+            ]
+            changes += [ops.delete(self.key("sets", sid)) for sid in self._saved_sets.keys() - sets.keys()]
+            step = MAX_TXN_OPS - 1  # one operation of each transaction writes the generation key
+            for start in range(0, max(len(changes), 1), step):
+                generation_put = ops.put(self._generation_key, str(generation).encode())
+                await self._fenced_write([generation_put, *changes[start : start + step]])
             self._saved_sets = sets
             self._saved_generation = generation
+
+    async def _fenced_write(self, writes: list) -> None:
+        """One transaction of writes, applied only if the generation key is as this registry left it."""
+        ops = self._client.transactions
+        succeeded, responses = await self._call(
+            self._client.transaction(
+                compare=[ops.mod(self._generation_key) == self._generation_revision],
+                success=writes,
+                failure=[],
+            )
+        )
+        if not succeeded:
+            raise Superseded(
+                "another registry changed the membership in etcd since this one read it; this registry "
+                "stopped forming sets (restart it, or let the elected leader assemble)"
+            )
+        self._generation_revision = responses[0].response_put.header.revision
 
     async def sync_nodes(self, nodes: Iterable[NodeView], now: float) -> None:
         """Makes etcd's node records those of the core's live nodes: new nodes get a lease and a record,
         gone (dead or removed) ones have their lease revoked, and the leases of the others are refreshed
-        once a third of their TTL has passed."""
-        async with self._lock:
-            encoded = {
-                v.node_id: json.dumps({"role": v.role, "address": v.address, "model": v.model}).encode()
-                for v in nodes
-                if v.state is not NodeState.DEAD
-            }
-            for node_id in self._node_leases.keys() - encoded.keys():
-                lease_id = self._node_leases.pop(node_id)
+        once a third of their TTL has passed. One caller at a time (the registry's clock); it does not take
+        the lock of `save`, so that node records never hold up a change of sets."""
+        encoded = {
+            v.node_id: json.dumps({"role": v.role, "address": v.address, "model": v.model}).encode()
+            for v in nodes
+            if v.state is not NodeState.DEAD
+        }
+        gone = [self._node_leases.pop(node_id) for node_id in self._node_leases.keys() - encoded.keys()]
+        for node_id in self._node_records.keys() - encoded.keys():
+            del self._node_records[node_id]
+        await asyncio.gather(*(self._call(self._client.revoke_lease(lease_id)) for lease_id in gone))
+        if now - self._refreshed_at >= self._lease_ttl_s / 3 and self._node_leases:
+            self._refreshed_at = now
+            expired = set(await self._keep_alive(list(self._node_leases.values())))
+            # a lease that ran out (etcd unreachable for a whole TTL) is granted afresh below
+            for node_id in [n for n, lease_id in self._node_leases.items() if lease_id in expired]:
+                del self._node_leases[node_id]
                 self._node_records.pop(node_id, None)
-                await self._call(self._client.revoke_lease(lease_id))
-            if now - self._refreshed_at >= self._lease_ttl_s / 3 and self._node_leases:
-                self._refreshed_at = now
-                for lease_id in await self._keep_alive(list(self._node_leases.values())):
-                    # the lease ran out (etcd unreachable for a whole TTL): a fresh one is granted below
-                    expired = [n for n, lid in self._node_leases.items() if lid == lease_id]
-                    for node_id in expired:
-                        del self._node_leases[node_id]
-                        self._node_records.pop(node_id, None)
-            for node_id, value in encoded.items():
-                if self._node_records.get(node_id) == value:
-                    continue
-                if node_id not in self._node_leases:
-                    lease = await self._call(self._client.lease(self._lease_ttl_s))
-                    self._node_leases[node_id] = lease.id
-                lease_id = self._node_leases[node_id]
-                await self._call(self._client.put(self.key("nodes", node_id), value, lease=lease_id))
-                self._node_records[node_id] = value
+        changed = [(n, value) for n, value in encoded.items() if self._node_records.get(n) != value]
+        await asyncio.gather(*(self._write_node(node_id, value) for node_id, value in changed))
+
+    async def _write_node(self, node_id: str, value: bytes) -> None:
+        if node_id not in self._node_leases:
+            self._node_leases[node_id] = (await self._call(self._client.lease(self._lease_ttl_s))).id
+        await self._call(
+            self._client.put(self.key("nodes", node_id), value, lease=self._node_leases[node_id])
+        )
+        self._node_records[node_id] = value
 
     async def node_records(self) -> dict[str, dict]:
         """The node records etcd holds now (those whose leases are alive)."""

@@ -19,8 +19,8 @@ from pcpstack.common.channel import open_channel
 from pcpstack.common.config import EngineConfig
 from pcpstack.common.ports import free_port
 from pcpstack.registry.client import NodeSession, PrefillEndpoint, Resolver
-from pcpstack.registry.etcd_store import EtcdStore
-from pcpstack.registry.membership import Settings
+from pcpstack.registry.etcd_store import MAX_TXN_OPS, EtcdStore
+from pcpstack.registry.membership import SNAPSHOT_VERSION, Settings
 from pcpstack.registry.server import RegistryServer, start_registry
 from pcpstack.v1 import registry_pb2, registry_pb2_grpc
 from tests.registry.etcd_cluster import EtcdCluster
@@ -145,6 +145,30 @@ def test_a_second_registry_on_the_same_etcd_state_is_fenced_out_instead_of_formi
             await _close(ours + theirs)
             await first.stop()
             await second.stop()
+
+    _run(scenario())
+
+
+@pytest.mark.slow
+def test_a_change_of_more_sets_than_one_etcd_transaction_may_hold_is_written_and_read_back(etcd):
+    async def scenario():
+        prefix = _prefix()
+        sets = [
+            {"role": "prefill", "model": "", "broken": False, "reason": "", "assignment": {"set_id": f"s{i}"}}
+            for i in range(MAX_TXN_OPS * 2)
+        ]
+        snapshot = {"version": SNAPSHOT_VERSION, "max_generation": len(sets), "sets": sets}
+        writer = await EtcdStore.connect(etcd.endpoints, prefix, SETTINGS.lease_s)
+        reader = await EtcdStore.connect(etcd.endpoints, prefix, SETTINGS.lease_s)
+        try:
+            assert await writer.load() is None
+            await writer.save(snapshot)
+            stored = await reader.load()
+        finally:
+            await writer.close()
+            await reader.close()
+        assert stored is not None and stored["max_generation"] == len(sets)
+        assert sorted(stored["sets"], key=lambda e: int(e["assignment"]["set_id"][1:])) == sets
 
     _run(scenario())
 
