@@ -68,9 +68,15 @@ class Election:
                 self.leader_address = self._address.decode()
                 self._lease_id = lease.id
                 log.info("registry replica elected leader", extra={"address": self.leader_address})
-                await self._on_elected()
+                try:
+                    await self._on_elected()
+                except BaseException:
+                    # could not take over (etcd failed meanwhile): free the key for the next campaign
+                    with contextlib.suppress(aetcd.exceptions.ClientError):
+                        await client.revoke_lease(lease.id)
+                    raise
                 self.leading = True
-                await self._lead(client, lease.id)
+                await self._lead(lease.id)
                 self.leading = False
                 self.leader_address = ""
                 log.error("registry replica stopped leading", extra={"address": self._address.decode()})
@@ -82,21 +88,22 @@ class Election:
     async def _follow(self, client: aetcd.Client, key: bytes) -> None:
         """Returns once the leader key is gone (its lease expired or was revoked)."""
         while (current := await client.get(key)) is not None:
-            self.leader_address = current.value.decode()
+            # this replica's own address there is a key of its earlier life, left to expire: no leader
+            self.leader_address = "" if current.value == self._address else current.value.decode()
             await asyncio.sleep(POLL_S)
         self.leader_address = ""
 
-    async def _lead(self, client: aetcd.Client, lease_id: int) -> None:
+    async def _lead(self, lease_id: int) -> None:
         """Refreshes the lease at a third of its TTL; returns when etcd no longer knows it or this replica
         resigned."""
         while self.leading:
             await asyncio.sleep(LEADER_TTL_S / 3)
             try:
-                reply = await client.refresh_lease(lease_id)
-            except aetcd.exceptions.ClientError as exc:
+                expired = await self._store.keep_alive([lease_id])
+            except ServiceError as exc:
                 log.warning("leader lease refresh failed", extra={"error": str(exc)})
                 continue
-            if reply is not None and reply.TTL <= 0:
+            if expired:
                 return
 
     async def resign(self) -> None:

@@ -210,7 +210,7 @@ class EtcdStore:
         await asyncio.gather(*(self._call(self._client.revoke_lease(lease_id)) for lease_id in gone))
         if now - self._refreshed_at >= self._lease_ttl_s / 3 and self._node_leases:
             self._refreshed_at = now
-            expired = set(await self._keep_alive(list(self._node_leases.values())))
+            expired = set(await self.keep_alive(list(self._node_leases.values())))
             # a lease that ran out (etcd unreachable for a whole TTL) is granted afresh below
             for node_id in [n for n, lease_id in self._node_leases.items() if lease_id in expired]:
                 del self._node_leases[node_id]
@@ -232,7 +232,7 @@ class EtcdStore:
         stored = await self._call(self._client.get_prefix(self.key("nodes", "")))
         return {kv.key[start:].decode(): json.loads(kv.value) for kv in stored}
 
-    async def _keep_alive(self, lease_ids: list[int]) -> list[int]:
+    async def keep_alive(self, lease_ids: list[int]) -> list[int]:
         """Refreshes the leases over one LeaseKeepAlive stream; returns those etcd no longer knows."""
 
         async def requests() -> AsyncIterator[aetcd.rpc.LeaseKeepAliveRequest]:
