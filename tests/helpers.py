@@ -70,7 +70,15 @@ def child_pids(pid: int) -> list[int]:
     return sorted(children)
 
 
-def small_hf_llama(folder: Path, *, heads: int = 4, kv_heads: int = 2, head_dim: int = 8, layers: int = 1):
+def small_hf_llama(
+    folder: Path,
+    *,
+    heads: int = 4,
+    kv_heads: int = 2,
+    head_dim: int = 8,
+    layers: int = 1,
+    context: int = 1024,
+):
     """A random Llama (fixed seed) saved as an HF folder: transformers' own config and weights, at a size that
     loads in a moment. Returns the transformers model (eval mode) for reference logits."""
     import torch
@@ -84,8 +92,25 @@ def small_hf_llama(folder: Path, *, heads: int = 4, kv_heads: int = 2, head_dim:
         num_hidden_layers=layers,
         num_attention_heads=heads,
         num_key_value_heads=kv_heads,
-        max_position_embeddings=1024,
+        max_position_embeddings=context,
     )
     model = transformers.AutoModelForCausalLM.from_config(config).eval()
     model.save_pretrained(folder)
     return model
+
+
+def hf_greedy(model):
+    """greedy(prompt_ids, n) -> the n token ids a transformers model picks greedily (eos ignored)."""
+    import torch
+
+    def greedy(prompt_ids: list[int], n: int) -> list[int]:
+        # A plain loop: generate(min_new_tokens=n) would forbid EOS; ignore_eos only goes on past it.
+        tokens: list[int] = []
+        with torch.inference_mode():
+            out = model(torch.tensor([prompt_ids]), use_cache=True)
+            for _ in range(n):
+                tokens.append(int(out.logits[0, -1].argmax()))
+                out = model(torch.tensor([[tokens[-1]]]), past_key_values=out.past_key_values, use_cache=True)
+        return tokens
+
+    return greedy

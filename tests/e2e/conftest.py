@@ -6,7 +6,7 @@ from collections.abc import Iterator
 
 import pytest
 
-from tests.helpers import RunningStack, start_stack
+from tests.helpers import RunningStack, hf_greedy, start_stack
 
 
 @pytest.fixture(scope="session")
@@ -19,19 +19,7 @@ def hf_reference():
 
     path = default_model_path()
     model = AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name, dtype=torch.float32)
-    model.eval()
-
-    def greedy(prompt_ids: list[int], n: int) -> list[int]:
-        # A plain loop: generate(min_new_tokens=n) would forbid EOS; ignore_eos only goes on past it.
-        tokens: list[int] = []
-        with torch.inference_mode():
-            out = model(torch.tensor([prompt_ids]), use_cache=True)
-            for _ in range(n):
-                tokens.append(int(out.logits[0, -1].argmax()))
-                out = model(torch.tensor([[tokens[-1]]]), past_key_values=out.past_key_values, use_cache=True)
-        return tokens
-
-    return greedy
+    return hf_greedy(model.eval())
 
 
 @pytest.fixture(scope="module")
