@@ -95,6 +95,19 @@ def check_address(key: str, value: str, required: bool = False) -> None:
         raise ConfigError.broken(key, value, "must be HOST:PORT with a port in 1..65535")
 
 
+def check_addresses(key: str, value: str, required: bool = False) -> None:
+    """One peer or several (registry replicas): HOST:PORT[,HOST:PORT...], each checked as check_address."""
+    if not value:
+        check_address(key, value, required)
+        return
+    for address in value.split(","):
+        host, sep, port = address.strip().rpartition(":")
+        if not sep or not host or not port.isdigit() or not 0 < int(port) < 65536:
+            raise ConfigError.broken(
+                key, value, f"address {address.strip()!r} must be HOST:PORT with a port in 1..65535"
+            )
+
+
 def check_model_source(key: str, model: str) -> None:
     """A model a node can load: empty (the embedded default), 'tiny', a .gguf file, a model folder or a
     Hugging Face repo id in the local cache (common/models.py).

@@ -31,7 +31,7 @@ from pcpstack.common.config import (
     ROLE_SECTIONS,
     ConfigError,
     EngineConfig,
-    check_address,
+    check_addresses,
     check_model_source,
     check_port,
     check_positive,
@@ -98,7 +98,11 @@ def config_from_args(cls: type[C], args: argparse.Namespace, **given: Any) -> C:
 def add_node_arguments(parser: argparse.ArgumentParser, role: str) -> None:
     """The flags of a model-serving node (prefill, decode): its registry, where it listens and is reached,
     its identity, its engine config (a seed-style file, --set overrides, --model), and its message limit."""
-    parser.add_argument("--registry", required=True, help="registry address HOST:PORT")
+    parser.add_argument(
+        "--registry",
+        required=True,
+        help="registry HOST:PORT (several, comma-separated: registry replicas, tried in turn)",
+    )
     parser.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1)")
     parser.add_argument("--port", type=int, default=0, help="port to bind (default: any free port)")
     parser.add_argument("--advertise", default="", help="host others reach this node at (default: --host)")
@@ -166,7 +170,7 @@ class NodeConfig(ListenConfig):
 
     def __post_init__(self) -> None:
         super().__post_init__()
-        check_address("--registry", self.registry, required=True)
+        check_addresses("--registry", self.registry, required=True)
         check_model_source("model", self.engine.model)
         if self.device and self.device not in DEVICE_KINDS:
             raise ConfigError.broken("--device", self.device, f"must be one of {', '.join(DEVICE_KINDS)}")

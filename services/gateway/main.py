@@ -20,6 +20,7 @@ from pcpstack.common.config import (
     DEFAULT_MODEL_NAME,
     ConfigError,
     check_address,
+    check_addresses,
     check_model_source,
     check_port,
     check_positive,
@@ -44,7 +45,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         metavar="HOST:PORT",
         help="a decode worker (repeatable, or a comma-separated list)",
     )
-    parser.add_argument("--registry", default="", help="registry HOST:PORT to find decode workers through")
+    parser.add_argument(
+        "--registry",
+        default="",
+        help=(
+            "registry HOST:PORT to find decode workers through (several, comma-separated: "
+            "registry replicas, tried in turn)"
+        ),
+    )
     parser.add_argument(
         "--model-name",
         default=DEFAULT_MODEL_NAME,
@@ -110,7 +118,7 @@ class GatewayConfig:
             )
         for address in self.decode:
             check_address("--decode", address)
-        check_address("--registry", self.registry)
+        check_addresses("--registry", self.registry)
         check_port("--port", self.port)
         if not self.model_name.strip():
             raise ConfigError.broken("--model-name", self.model_name, "must not be empty")

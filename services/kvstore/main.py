@@ -13,7 +13,7 @@ import socket
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from pcpstack.common.config import ConfigError, check_address, check_positive
+from pcpstack.common.config import ConfigError, check_addresses, check_positive
 from pcpstack.common.server import DEFAULT_MAX_MESSAGE_BYTES
 from pcpstack.common.startup import (
     ListenConfig,
@@ -51,7 +51,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--max-message-bytes", type=int, default=DEFAULT_MAX_MESSAGE_BYTES, help="largest gRPC message"
     )
-    parser.add_argument("--registry", default="", help="registry HOST:PORT to register with (optional)")
+    parser.add_argument(
+        "--registry",
+        default="",
+        help=(
+            "registry HOST:PORT to register with (optional; several, comma-separated: "
+            "registry replicas, tried in turn)"
+        ),
+    )
     parser.add_argument(
         "--advertise", default="", help="host other nodes reach this store at (default: --host)"
     )
@@ -87,7 +94,7 @@ class KvStoreConfig(ListenConfig):
                     "default lease <= max lease",
                 )
         check_positive("--reap-interval-s", self.reap_interval_s)
-        check_address("--registry", self.registry)
+        check_addresses("--registry", self.registry)
         if not os.path.isdir(self.shm_dir) or not os.access(self.shm_dir, os.W_OK | os.X_OK):
             raise ConfigError.broken("--shm-dir", self.shm_dir, "must be a writable folder (a tmpfs)")
         self.server_config()

@@ -106,7 +106,7 @@ class RegistryConfig(ListenConfig):
         try:
             from pcpstack.registry.etcd_store import parse_endpoints
         except ImportError as exc:
-            rule = f"needs the aetcd package (pip install aetcd): {exc}"
+            rule = f"needs the aetcd package (pip install 'pcpstack[etcd]'): {exc}"
             raise ConfigError.broken("--etcd", urls, rule) from None
         parse_endpoints(urls)
 

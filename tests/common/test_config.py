@@ -14,6 +14,7 @@ from pcpstack.common.config import (
     ConfigError,
     EngineConfig,
     check_address,
+    check_addresses,
     check_model_source,
     check_port,
     check_positive,
@@ -214,6 +215,8 @@ def test_config_error_is_a_failed_precondition_naming_key_value_and_rule() -> No
         (check_positive, float("nan"), "must be > 0"),
         (check_address, "no-port", "HOST:PORT"),
         (check_address, "host:0", "HOST:PORT"),
+        (check_addresses, "a:7000,host:0", "address 'host:0' must be HOST:PORT"),
+        (check_addresses, "a:7000,,b:7000", "address '' must be HOST:PORT"),
         (check_model_source, "/nowhere/model.gguf", "does not exist"),
         (check_model_source, "/nowhere/model.bin", "a .gguf file, a model folder or a Hugging Face repo id"),
     ],
@@ -229,6 +232,7 @@ def test_shared_rules_accept_valid_values(tmp_path) -> None:
     check_positive("--lease", 0.5)
     check_address("--registry", "10.0.0.1:7000")
     check_address("--kvstore", "")  # optional unless required
+    check_addresses("--registry", "10.0.0.1:7000, 10.0.0.2:7000")  # registry replicas
     check_model_source("--model", "")
     check_model_source("--model", "tiny")
     check_model_source("--model", str(tmp_path))  # a model folder
