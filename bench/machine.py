@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import os
 import platform
+import time
 from pathlib import Path
 
 # The flags that decide which CPU kernels run and how fast (services/engine/cpu_kernels.c).
@@ -39,7 +40,8 @@ def cpu_model() -> str:
 
 
 def machine_facts() -> dict:
-    """CPU model, its vector flags among VECTOR_FLAGS, core count and the 1-minute load average now."""
+    """CPU model, its vector flags among VECTOR_FLAGS, core count, the 1-minute load average now, and when
+    (UTC; a results file's modification time changes with every checkout)."""
     info = _cpuinfo()
     flags = set((info.get("flags") or info.get("Features") or "").split())
     return {
@@ -47,4 +49,5 @@ def machine_facts() -> dict:
         "cpu_flags": [flag for flag in VECTOR_FLAGS if flag in flags],
         "cpu_count": os.cpu_count(),
         "loadavg_1m_at_start": round(os.getloadavg()[0], 2),
+        "measured_at": time.strftime("%Y-%m-%d %H:%M", time.gmtime()),
     }

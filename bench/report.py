@@ -137,13 +137,21 @@ def _e2e_decode_rows(results: dict) -> list[dict]:
     ]
 
 
-def _comparable(results: dict, model: str | None) -> str | None:
-    """Why pcpstack's `model` cannot be compared with the peers' GGUF, or None when it can."""
-    peer_model = results.get("peers", {}).get("model", "")
+def _comparable(results: dict, model: str | None, area: str) -> str | None:
+    """Why pcpstack's `model` (from `area`'s results) cannot be compared with the peers' GGUF, or None when
+    it can: same model, and the same CPU as both results record it (a ratio across machines says nothing)."""
+    peers = results.get("peers", {})
+    peer_model = peers.get("model", "")
     if model is None:
         return "the pcpstack result does not name its model"
     if not peer_model.startswith(Path(model).name):
         return f"models differ (pcpstack {model}, peers {peer_model})"
+    ours, theirs = results.get(area, {}).get("cpu_model"), peers.get("cpu_model")
+    if not ours or not theirs:
+        missing = area if not ours else "peers"
+        return f"the {missing} results do not record their CPU model; rerun both benches on one machine"
+    if ours != theirs:
+        return f"measured on different CPUs ({area}: {ours}; peers: {theirs})"
     return None
 
 
@@ -159,13 +167,14 @@ def _streams_decode(results: dict, streams: int) -> list[dict]:
                 "tokens_per_s": batch["tokens_per_s"],
                 "context": batch["context"],
                 "model": engine.get("model"),
+                "area": "engine",
                 "source": f"engine decode batch {streams}",
             }
         )
     row = next((r for r in _e2e_decode_rows(results) if r["streams"] == streams), None)
     if row:
         source = f"e2e: {streams} clients ÷ median TPOT"
-        found.append({**row, "model": results["e2e"].get("model"), "source": source})
+        found.append({**row, "model": results["e2e"].get("model"), "area": "e2e", "source": source})
     return found
 
 
@@ -180,7 +189,7 @@ def prefill_against_peer(results: dict, pcp: int, tokens: int, peer: str) -> tup
         missing = "bench prefill" if ours is None else f"bench peers ({peer})"
         return None, f"{NOT_MEASURED}: no {missing} result at {tokens} tokens"
     prefill = results["prefill"]
-    reason = _comparable(results, prefill.get("model"))
+    reason = _comparable(results, prefill.get("model"), "prefill")
     if reason:
         return None, f"not comparable: {reason}"
     basis = f"{_num(ours)} ÷ {_num(theirs)} tokens/s"
@@ -196,9 +205,10 @@ def decode_against_peer(results: dict, streams: int, peer: str) -> tuple[float |
     if not candidates or theirs is None:
         missing = "bench engine or bench e2e" if not candidates else f"bench peers ({peer})"
         return None, f"{NOT_MEASURED}: no {missing} result for {streams} stream(s)"
-    ours = next((c for c in candidates if _comparable(results, c["model"]) is None), None)
+    ours = next((c for c in candidates if _comparable(results, c["model"], c["area"]) is None), None)
     if ours is None:
-        return None, f"not comparable: {_comparable(results, candidates[0]['model'])}"
+        first = candidates[0]
+        return None, f"not comparable: {_comparable(results, first['model'], first['area'])}"
     basis = f"{_num(ours['tokens_per_s'])} ({ours['source']}) ÷ {_num(theirs)} tokens/s"
     peer_context = results["peers"]["peers"][peer]["decode"]["context"]
     if ours["context"] != peer_context:
@@ -435,7 +445,10 @@ def _machine(results: dict, folder: Path) -> list[str]:
         path = folder / f"{area}.json"
         if not path.is_file():
             path = folder / "all.json"
-        when = datetime.fromtimestamp(path.stat().st_mtime, UTC).strftime("%Y-%m-%d %H:%M")
+        # The time the bench recorded; older results only have the file's (a checkout resets it).
+        when = result.get("measured_at") or datetime.fromtimestamp(path.stat().st_mtime, UTC).strftime(
+            "%Y-%m-%d %H:%M"
+        )
         cpu = result.get("cpu_model") or result.get("cpu") or ""
         if result.get("cpu_flags"):  # the vector sets the kernels ran with
             cpu = f"{cpu} ({', '.join(result['cpu_flags'])})"
@@ -524,7 +537,7 @@ def _prefill_section(results: dict, plots: dict[str, Path], report: Path) -> lis
                 cells.append(basis.split(":")[0] if ratio is None else f"{ratio:.2f}×")
         table.append(cells)
     lines += _table(header, table)
-    reason = _comparable(results, prefill.get("model"))
+    reason = _comparable(results, prefill.get("model"), "prefill")
     return [*lines, f"Not comparable: {reason}.", ""] if reason else lines
 
 

@@ -123,7 +123,7 @@ def load_engine(config: DecodeConfig) -> Engine | TensorParallelEngine:
     from pcpstack.engine.device import device_for_rank, pick_device
     from pcpstack.engine.engine import Engine
     from pcpstack.engine.kv_cache import blocks_needed
-    from pcpstack.engine.parallel import TensorParallelShard
+    from pcpstack.engine.parallel import TP_SPLIT_RULE, TensorParallelShard
     from pcpstack.engine.tp_engine import TensorParallelEngine
     from pcpstack.engine.weights import describe_model
 
@@ -144,9 +144,7 @@ def load_engine(config: DecodeConfig) -> Engine | TensorParallelEngine:
             args = describe_model(engine_config.model or None).args
             TensorParallelShard(0, tp).check(args)
         except (OSError, ValueError) as exc:
-            raise ConfigError(
-                str(exc), ("tensor_parallel_size",), "the TP size splits the heads and the intermediate size"
-            ) from None
+            raise ConfigError(str(exc), ("tensor_parallel_size",), TP_SPLIT_RULE) from None
         # DCP's GQA rule needs the model's K/V heads: a ConfigError naming the keys and the rule.
         engine_config.with_model_shape(args.n_kv_heads)
     try:
@@ -175,7 +173,7 @@ def load_engine(config: DecodeConfig) -> Engine | TensorParallelEngine:
             f"tensor_parallel_size={tp}: model {engine_config.model!r} cannot be split over {tp} ranks "
             f"({exc})",
             ("tensor_parallel_size", "model"),
-            "the TP size splits the model's heads and intermediate size evenly",
+            TP_SPLIT_RULE,
         ) from None
 
 

@@ -79,6 +79,13 @@ class ParallelLayout:
         return [self.global_rank(p, tp_rank) for p in range(self.pcp_size)]
 
 
+# The rule `TensorParallelShard.check` enforces, as configuration errors name it.
+TP_SPLIT_RULE = (
+    "the TP size divides the query heads, divides or is a multiple of the K/V heads, and is at most the "
+    "intermediate size"
+)
+
+
 @dataclass(frozen=True)
 class TensorParallelShard:
     """Which part of the model one TP rank holds: its query heads, K/V heads and intermediate slice.
@@ -97,7 +104,7 @@ class TensorParallelShard:
             raise ValueError(f"tensor parallel rank={self.rank} must lie in [0, size={self.size})")
 
     def check(self, args: ModelArgs) -> None:
-        """Refuses a model this TP size cannot split evenly, naming the numbers and the rule."""
+        """Refuses a model this TP size cannot split (TP_SPLIT_RULE), naming the numbers and the rule."""
         t = self.size
         if args.n_heads % t:
             raise ValueError(

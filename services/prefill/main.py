@@ -281,7 +281,7 @@ def device_slots(config: PrefillConfig) -> int:
 
 async def start(config: PrefillConfig) -> Serving:
     """Checks the devices, reads the model's shape (the GQA and TP rules need it), then starts the node."""
-    from pcpstack.engine.parallel import TensorParallelShard
+    from pcpstack.engine.parallel import TP_SPLIT_RULE, TensorParallelShard
     from pcpstack.prefill.node import ModelInfo
 
     engine = config.engine
@@ -293,7 +293,7 @@ async def start(config: PrefillConfig) -> Serving:
     try:
         TensorParallelShard(0, engine.tensor_parallel_size).check(info.args)
     except ValueError as exc:
-        rule = "the TP size splits the heads and the intermediate size evenly"
+        rule = TP_SPLIT_RULE
         raise ConfigError(str(exc), ("tensor_parallel_size",), rule) from None
     return await PrefillNode(config, engine.with_model_shape(info.num_kv_heads), info, device_count).start()
 

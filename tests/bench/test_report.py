@@ -10,6 +10,7 @@ import pytest
 from bench.report import write_report
 
 MODEL = "SmolLM2-135M-Instruct"
+CPU = "AMD EPYC 7B13"  # every area of one run records the same CPU
 
 
 def _prefill(model: str = MODEL) -> dict:
@@ -28,7 +29,7 @@ def _prefill(model: str = MODEL) -> dict:
         "model": model,
         "threads_per_rank": 1,
         "repeats": 3,
-        "cpu": "x86_64",
+        "cpu_model": CPU,
         "cpu_count": 2,
         "results": [row(2048, 1, 20.48), row(4096, 1, 50.0), row(2048, 2, 13.6533), row(4096, 2, 25.0)],
         "speedup": {"pcp2_over_pcp1_at_2048": 1.5, "pcp2_over_pcp1_at_4096": 2.0},
@@ -68,7 +69,7 @@ def _peers(llama: dict | None = None) -> dict:
         "threads": 2,
         "repeats": 3,
         "prompt": "random token ids",
-        "cpu": "x86_64",
+        "cpu_model": CPU,
         "cpu_count": 2,
         "loadavg_1m_at_start": 0.1,
         "peers": {"transformers": _peer(50.0, 20.0), "llama.cpp": llama or _peer(100.0, 100.0)},
@@ -81,7 +82,7 @@ def _engine() -> dict:
         "device": "cpu",
         "dtype": "float32",
         "threads": 2,
-        "cpu_model": "AMD EPYC",
+        "cpu_model": CPU,
         "torch": "2.13.0+cpu",
         "prefill": {str(n): {"median_s": n / 200, "min_s": n / 210, "max_s": n / 190} for n in (512, 2048)},
         "decode": {
@@ -100,7 +101,7 @@ def _e2e() -> dict:
         "model": MODEL,
         "pcp": 2,
         "threads_per_rank": 1,
-        "cpu": "x86_64",
+        "cpu_model": CPU,
         "cpu_count": 2,
         "load": [
             {
@@ -225,6 +226,15 @@ def test_results_of_another_model_are_not_compared_with_the_peers(tmp_path) -> N
     assert "**not measured yet**" in line
     assert "not comparable: models differ" in line
     assert "Not comparable: models differ (pcpstack tiny" in text
+
+
+def test_results_from_another_cpu_are_not_compared_with_the_peers(tmp_path) -> None:
+    prefill = {**_prefill(), "cpu_model": "Intel Xeon", "measured_at": "2026-11-30 19:03"}
+    text, _ = _generate(tmp_path, prefill=prefill, peers=_peers())
+    line = _line(text, "| pcpstack PCP=2 prefill tokens/s ÷ llama.cpp's at 2048")
+    assert "**not measured yet**" in line
+    assert f"measured on different CPUs (prefill: Intel Xeon; peers: {CPU})" in line
+    assert "| prefill | prefill.json (2026-11-30 19:03 UTC) | Intel Xeon |" in text
 
 
 def test_notes_are_copied_in_as_the_analysis(tmp_path) -> None:
