@@ -12,6 +12,10 @@ Capabilities: `put` returns the object's capability (in `StoredReplica`); the wr
 reader it means to, who passes it to `get`, `release` and `delete`. Anyone may `stat` the store's counters;
 an object's details need its capability.
 
+Prefix reuse: `put(..., block_keys=...)` offers an object's full blocks by content key; `lookup` answers how
+many leading blocks of a prompt the store holds, in which objects, under a prefix lease whose id and
+capability read them (`get(..., lease_id=...)`) and end it (`release(lease_id, capability, lease=True)`).
+
 Ranged reads: `get(..., ranges=[ByteRange(...)])` returns only the selected bytes (kvstore.ranges); the
 store checksums the selection from its copy and the client verifies what it received against that, chunk
 by chunk on the streaming path, over the bytes it copied on the shared-memory path.
@@ -154,11 +158,19 @@ class KvStoreClient:
         return bool(self._shm_dir)
 
     async def put(
-        self, key: str, fingerprint: str, data, lease_ms: int = 0, metadata: bytes = b""
+        self,
+        key: str,
+        fingerprint: str,
+        data,
+        lease_ms: int = 0,
+        metadata: bytes = b"",
+        block_keys: Sequence[str] = (),
+        block_tokens: int = 0,
     ) -> StoredReplica:
         """Stores data (bytes or any C-contiguous buffer) under key, pinned for lease_ms (0: the store's
         default; more than its cap is refused with InvalidArgument). The result carries the capability
-        its reader must present."""
+        its reader must present. block_keys: the content keys of the object's full blocks of block_tokens
+        tokens each, offered for prefix reuse (kvstore.prefix)."""
         view = _as_bytes_view(data)
         use_shm = await self.uses_shm()
         header = pb.PutHeader(
@@ -169,6 +181,8 @@ class KvStoreClient:
             lease_ms=lease_ms,
             metadata=metadata,
             use_shm=use_shm,
+            block_keys=block_keys,
+            block_tokens=block_tokens,
         )
         call = self._put()
         try:
@@ -212,10 +226,16 @@ class KvStoreClient:
         return message
 
     async def get(
-        self, key: str, fingerprint: str, capability: str, ranges: Sequence[ByteRange] = ()
+        self,
+        key: str,
+        fingerprint: str,
+        capability: str,
+        ranges: Sequence[ByteRange] = (),
+        lease_id: str = "",
     ) -> tuple[memoryview, bytes]:
         """The object's bytes (a writable buffer torch.frombuffer can wrap) and its metadata; with ranges,
-        only the bytes they select, range after range (each range's pieces in row-major order).
+        only the bytes they select, range after range (each range's pieces in row-major order). With
+        lease_id, the object is read through that prefix lease and capability is the lease's.
 
         Raises CapabilityDenied without the object's capability, ChecksumMismatch when the bytes do not
         match their CRC32C, FingerprintMismatch when the object was written with another fingerprint,
@@ -230,6 +250,7 @@ class KvStoreClient:
             accept_shm=use_shm,
             capability=capability,
             ranges=[r.to_wire() for r in ranges],
+            lease_id=lease_id,
         )
         call = self._stub.Get()
         try:
@@ -283,10 +304,19 @@ class KvStoreClient:
         receiver.finish(announced_crc, "the store")
         return data
 
-    async def release(self, key: str, capability: str) -> bool:
-        """Unpins key: True if this call released it, False if it already was (harmless)."""
-        request = pb.ReleaseRequest(key=key, capability=capability)
+    async def release(self, key: str, capability: str, lease: bool = False) -> bool:
+        """Unpins key (with lease, ends the prefix lease named key): True if this call released it, False if
+        it already was (harmless)."""
+        request = pb.ReleaseRequest(key=key, capability=capability, lease=lease)
         return (await self._unary(self._stub.Release, request)).released
+
+    async def lookup(
+        self, block_keys: Sequence[str], fingerprint: str, lease_ms: int = 0
+    ) -> pb.LookupResponse:
+        """How many leading blocks of block_keys the store holds and where; a hit comes with a prefix lease
+        (lease_id, capability) pinning them for lease_ms (0: the store's default) until released."""
+        request = pb.LookupRequest(block_keys=block_keys, fingerprint=fingerprint, lease_ms=lease_ms)
+        return await self._unary(self._stub.Lookup, request)
 
     async def delete(self, key: str, capability: str) -> bool:
         """Removes key now; False if it did not exist."""

@@ -104,7 +104,13 @@ class KvStoreServicer(kvstore_pb2_grpc.KvStoreServiceServicer):
             if not header.use_shm and header.total_bytes and not 0 < header.chunk_size <= self._max_chunk:
                 raise InvalidArgument(f"chunk_size must be in 1..{self._max_chunk}, got {header.chunk_size}")
             pending = self.store.begin_put(
-                header.key, header.fingerprint, header.total_bytes, header.lease_ms, header.metadata
+                header.key,
+                header.fingerprint,
+                header.total_bytes,
+                header.lease_ms,
+                header.metadata,
+                block_keys=header.block_keys,
+                block_tokens=header.block_tokens,
             )
             segment = self._allocate(pending)
             shm_name = segment.name if header.use_shm and segment is not None else ""
@@ -190,7 +196,7 @@ class KvStoreServicer(kvstore_pb2_grpc.KvStoreServiceServicer):
             request = await anext(request_iterator, None)
             if request is None:
                 raise InvalidArgument("a Get stream must start with a GetRequest")
-            obj = self.store.begin_get(request.key, request.fingerprint, request.capability)
+            obj = self.store.begin_get(request.key, request.fingerprint, request.capability, request.lease_id)
             segment: Segment | None = obj.payload
             ranges = [ByteRange.from_wire(r) for r in request.ranges]
             selected = check_ranges(ranges, obj.total_bytes) if ranges else 0
@@ -237,7 +243,31 @@ class KvStoreServicer(kvstore_pb2_grpc.KvStoreServiceServicer):
                 self._trim_pool()
 
     async def Release(self, request: pb.ReleaseRequest, context) -> pb.ReleaseResponse:
-        return pb.ReleaseResponse(released=self.store.release(request.key, request.capability))
+        if request.lease:
+            released = self.store.release_lease(request.key, request.capability)
+        else:
+            released = self.store.release(request.key, request.capability)
+        return pb.ReleaseResponse(released=released)
+
+    async def Lookup(self, request: pb.LookupRequest, context) -> pb.LookupResponse:
+        found = self.store.lookup(request.block_keys, request.fingerprint, request.lease_ms, time.monotonic())
+        lease = found.lease
+        return pb.LookupResponse(
+            blocks=found.blocks,
+            tokens=found.tokens,
+            segments=[
+                pb.PrefixSegment(
+                    key=segment.obj.key,
+                    token_start=segment.token_start,
+                    token_count=segment.token_count,
+                    object_bytes=segment.obj.total_bytes,
+                )
+                for segment in found.segments
+            ],
+            lease_id=lease.lease_id if lease else "",
+            capability=lease.capability if lease else "",  # the lease holder alone learns it, here
+            lease_expires_unix_ms=_unix_ms(lease.expires) if lease else 0,
+        )
 
     async def Delete(self, request: pb.DeleteRequest, context) -> pb.DeleteResponse:
         deleted = self.store.delete(request.key, request.capability)
@@ -268,8 +298,9 @@ class KvStoreServicer(kvstore_pb2_grpc.KvStoreServiceServicer):
         return response
 
     def reap(self) -> int:
-        """Reclaims objects whose lease ended; returns how many."""
+        """Reclaims objects whose lease ended (and ends expired prefix leases); returns how many objects."""
         expired = self.store.expire(time.monotonic())
+        self._trim_pool()  # an ended prefix lease may have freed a deleted object
         if expired:
             self._trim_pool()
             log.info("lease expired", extra={"objects": expired})
@@ -293,6 +324,9 @@ def _register(servicer: KvStoreServicer, server: grpc.aio.Server) -> None:
         "Delete": grpc.unary_unary_rpc_method_handler(
             servicer.Delete, pb.DeleteRequest.FromString, pb.DeleteResponse.SerializeToString
         ),
+        "Lookup": grpc.unary_unary_rpc_method_handler(
+            servicer.Lookup, pb.LookupRequest.FromString, pb.LookupResponse.SerializeToString
+        ),
     }
     server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(SERVICE_NAME, handlers),))
     server.add_registered_method_handlers(SERVICE_NAME, handlers)
@@ -312,6 +346,8 @@ def _register_metrics(store: KvStore, segments: SegmentStore) -> None:
         ("bytes", "By", "bytes held by committed objects"),
         ("pinned_bytes", "By", "bytes held by pinned objects"),
         ("reserved_bytes", "By", "bytes reserved by puts in progress"),
+        ("prefix_blocks", "{block}", "content-addressed KV blocks the store can serve for prefix reuse"),
+        ("prefix_leases", "{lease}", "prefix leases held"),
     ):
         m.create_observable_gauge(f"pcpstack.kvstore.{field}", [gauge(field)], unit, description)
     m.create_observable_gauge(
@@ -334,6 +370,8 @@ def _register_metrics(store: KvStore, segments: SegmentStore) -> None:
         ("aborted_puts", "{put}", "puts abandoned midway by their writer"),
         ("bytes_in", "By", "bytes received by committed puts"),
         ("bytes_out", "By", "bytes sent by gets"),
+        ("prefix_blocks_queried", "{block}", "block keys asked for by prefix lookups"),
+        ("prefix_blocks_hit", "{block}", "leading blocks prefix lookups found"),
     ):
         m.create_observable_counter(f"pcpstack.kvstore.{field}", [gauge(field)], unit, description)
 

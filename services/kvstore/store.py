@@ -13,6 +13,14 @@ Life of an object:
 - A reader (`begin_get` .. `end_get`) keeps its object alive: an object deleted or expired while being read
   leaves the index at once but its memory is freed when the last read ends.
 
+Prefix reuse: a put may name the content-addressed keys of the full blocks it holds (kvstore.prefix); the
+store indexes each key it does not hold yet (block key -> object, block index; a key already held is left
+to its first holder, so a second put of a block is harmless). `lookup` finds how many leading blocks of a
+prompt are held and where, and pins their objects under a `PrefixLease` (a reference each) until the lease
+is released or expires: an object a lease references is never evicted, and one deleted meanwhile stays
+readable through the lease until its last reference ends. Objects, not blocks, are the unit of memory and
+of LRU eviction; an evicted object's blocks leave the index with it.
+
 Times are seconds on a monotonic clock passed in by the caller, so tests control them. Payloads (the
 memory holding the bytes) are opaque here; each one is handed to `on_free` exactly once when nothing can
 use it any more.
@@ -22,7 +30,7 @@ from __future__ import annotations
 
 import secrets
 from collections import OrderedDict
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 from pcpstack.kvstore.errors import (
@@ -35,6 +43,8 @@ from pcpstack.kvstore.errors import (
 )
 
 MAX_KEY_BYTES = 512
+MAX_BLOCK_KEYS = 65_536  # a 1M-token prompt in blocks of 16; bounds the work of one put or lookup
+MAX_BLOCK_KEY_BYTES = 128
 DEFAULT_MAX_LEASE_MS = 600_000  # ten minutes: far above any prefill-to-decode hand-off
 _CAPABILITY_BYTES = 24  # 192 random bits
 
@@ -75,6 +85,8 @@ class PendingPut:
     lease_ms: int
     metadata: bytes
     payload: object = None
+    block_keys: tuple[str, ...] = ()
+    block_tokens: int = 0
 
 
 @dataclass(eq=False)
@@ -91,7 +103,49 @@ class StoredObject:
     lease_expires: float
     capability: str = field(repr=False)  # a bearer secret: kept out of reprs and logs
     readers: int = 0
-    doomed: bool = False  # left the index while being read; freed when the last read ends
+    doomed: bool = False  # left the index while read or leased; freed when the last of those ends
+    block_keys: tuple[str, ...] = ()  # content keys of its full blocks, in order (prefix reuse)
+    block_tokens: int = 0  # tokens per block of block_keys
+    lease_refs: int = 0  # prefix leases referencing it: never evicted while > 0
+
+    @property
+    def in_use(self) -> bool:
+        """Read or leased right now: its memory must stay."""
+        return self.readers > 0 or self.lease_refs > 0
+
+
+@dataclass(eq=False)
+class PrefixLease:
+    """A pin on the objects holding a lookup's leading blocks, held by the prefill and decode that read
+    them; objects are referenced directly, so one deleted meanwhile stays readable through the lease."""
+
+    lease_id: str
+    capability: str = field(repr=False)
+    objects: dict[str, StoredObject]
+    expires: float
+
+
+@dataclass(frozen=True)
+class PrefixSegment:
+    """A run of leading blocks: tokens [token_start, token_start + token_count) of one object."""
+
+    obj: StoredObject
+    token_start: int
+    token_count: int
+
+
+@dataclass(frozen=True)
+class PrefixLookup:
+    """How many leading blocks are held, where, and the lease pinning them (None on a miss)."""
+
+    blocks: int
+    segments: tuple[PrefixSegment, ...] = ()
+    lease: PrefixLease | None = None
+
+    @property
+    def tokens(self) -> int:
+        """Tokens the leading blocks hold."""
+        return sum(segment.token_count for segment in self.segments)
 
 
 @dataclass
@@ -110,6 +164,13 @@ class StoreStats:
     repeated_releases: int = 0
     bytes_in: int = 0
     bytes_out: int = 0
+    prefix_blocks: int = 0
+    prefix_bytes: int = 0
+    prefix_lookups: int = 0
+    prefix_blocks_queried: int = 0
+    prefix_blocks_hit: int = 0
+    prefix_leases: int = 0
+    prefix_lease_expiries: int = 0
 
 
 def check_key(key: str) -> None:
@@ -122,6 +183,17 @@ def check_key(key: str) -> None:
         raise InvalidArgument(f"key {key!r} contains control characters")
 
 
+def check_block_keys(block_keys: Sequence[str], field: str = "block_keys") -> None:
+    """Refuses too many block keys, or an empty or oversized one (InvalidArgument naming the field)."""
+    if len(block_keys) > MAX_BLOCK_KEYS:
+        raise InvalidArgument(f"{field}: {len(block_keys)} keys; at most {MAX_BLOCK_KEYS}")
+    for i, block_key in enumerate(block_keys):
+        if not 0 < len(block_key) <= MAX_BLOCK_KEY_BYTES:
+            raise InvalidArgument(
+                f"{field}[{i}] is {len(block_key)} characters; must be 1..{MAX_BLOCK_KEY_BYTES}"
+            )
+
+
 @dataclass
 class KvStore:
     """Index, pins, leases, LRU and the memory budget of one store."""
@@ -131,28 +203,35 @@ class KvStore:
     _objects: dict[str, StoredObject] = field(default_factory=dict)
     _released: OrderedDict[str, StoredObject] = field(default_factory=OrderedDict)  # LRU order, oldest first
     _pending: dict[str, PendingPut] = field(default_factory=dict)
+    _blocks: dict[str, tuple[StoredObject, int]] = field(default_factory=dict)  # block key -> (holder, index)
+    _leases: dict[str, PrefixLease] = field(default_factory=dict)
     _stats: StoreStats = field(default_factory=StoreStats)
     _used_bytes: int = 0  # committed objects, doomed ones included until freed
 
     # ---- puts -------------------------------------------------------------------------------------------
 
     def begin_put(
-        self, key: str, fingerprint: str, total_bytes: int, lease_ms: int, metadata: bytes
+        self,
+        key: str,
+        fingerprint: str,
+        total_bytes: int,
+        lease_ms: int,
+        metadata: bytes,
+        block_keys: Sequence[str] = (),
+        block_tokens: int = 0,
     ) -> PendingPut:
-        """Checks a put and reserves its bytes up front, evicting released objects (LRU) if needed."""
+        """Checks a put and reserves its bytes up front, evicting released objects (LRU) if needed.
+        block_keys: the content keys of the object's full blocks of block_tokens tokens (prefix reuse)."""
         try:
             check_key(key)
             if not fingerprint:
                 raise InvalidArgument("fingerprint is required")
             if total_bytes < 0:
                 raise InvalidArgument(f"total_bytes must be >= 0, got {total_bytes}")
-            if lease_ms < 0:
-                raise InvalidArgument(f"lease_ms must be >= 0, got {lease_ms}")
-            if lease_ms > self.config.max_lease_ms:
-                raise InvalidArgument(
-                    f"lease_ms={lease_ms} exceeds this store's cap of {self.config.max_lease_ms} ms "
-                    "(its --max-lease-ms); ask for a shorter lease or 0 for the default"
-                )
+            self._check_lease(lease_ms)
+            check_block_keys(block_keys)
+            if block_keys and block_tokens <= 0:
+                raise InvalidArgument(f"block_tokens must be > 0 with block_keys, got {block_tokens}")
             if key in self._objects:
                 raise AlreadyExists(f"key {key!r} is already committed; keys are write-once")
             if key in self._pending:
@@ -162,7 +241,13 @@ class KvStore:
             self._stats.refused_puts += 1
             raise
         pending = PendingPut(
-            key, fingerprint, total_bytes, lease_ms or self.config.default_lease_ms, metadata
+            key,
+            fingerprint,
+            total_bytes,
+            lease_ms or self.config.default_lease_ms,
+            metadata,
+            block_keys=tuple(block_keys),
+            block_tokens=block_tokens if block_keys else 0,
         )
         self._pending[key] = pending
         self._stats.reserved_bytes += total_bytes
@@ -182,7 +267,12 @@ class KvStore:
             pinned=True,
             lease_expires=now + pending.lease_ms / 1000,
             capability=new_capability(),
+            block_keys=pending.block_keys,
+            block_tokens=pending.block_tokens,
         )
+        for index, block_key in enumerate(obj.block_keys):
+            # Blocks are immutable and content-addressed: a block already held stays with its first holder.
+            self._blocks.setdefault(block_key, (obj, index))
         self._objects[obj.key] = obj
         self._used_bytes += obj.total_bytes
         self._stats.pinned_bytes += obj.total_bytes
@@ -202,6 +292,15 @@ class KvStore:
         if pending.payload is not None:
             self.on_free(pending.payload)
 
+    def _check_lease(self, lease_ms: int) -> None:
+        if lease_ms < 0:
+            raise InvalidArgument(f"lease_ms must be >= 0, got {lease_ms}")
+        if lease_ms > self.config.max_lease_ms:
+            raise InvalidArgument(
+                f"lease_ms={lease_ms} exceeds this store's cap of {self.config.max_lease_ms} ms "
+                "(its --max-lease-ms); ask for a shorter lease or 0 for the default"
+            )
+
     def _forget_pending(self, pending: PendingPut) -> None:
         del self._pending[pending.key]
         self._stats.reserved_bytes -= pending.total_bytes
@@ -214,7 +313,7 @@ class KvStore:
         free = self.free_bytes()
         if free >= needed:
             return
-        evictable = [obj for obj in self._released.values() if obj.readers == 0]
+        evictable = [obj for obj in self._released.values() if not obj.in_use]
         evictable_bytes = sum(obj.total_bytes for obj in evictable)
         if free + evictable_bytes < needed:
             raise CapacityExceeded(
@@ -231,26 +330,110 @@ class KvStore:
 
     # ---- reads, releases, deletes -----------------------------------------------------------------------
 
-    def begin_get(self, key: str, fingerprint: str, capability: str) -> StoredObject:
-        """Starts a read: checks the capability and the fingerprint, keeps the object alive and marks it
-        recently used."""
-        obj = self._authorised(key, capability)
+    def begin_get(self, key: str, fingerprint: str, capability: str, lease_id: str = "") -> StoredObject:
+        """Starts a read: checks the capability (the object's, or with lease_id the prefix lease's, which
+        covers only the objects it pins) and the fingerprint, keeps the object alive and marks it recently
+        used."""
+        obj = self._leased(lease_id, capability, key) if lease_id else self._authorised(key, capability)
         if fingerprint != obj.fingerprint:
             raise FingerprintMismatch(
                 f"object {key!r} was written with fingerprint {obj.fingerprint!r} but the reader expects "
                 f"{fingerprint!r}; the model or KV layout differs"
             )
         obj.readers += 1
-        if not obj.pinned:
-            self._released.move_to_end(key)
+        self._touch(obj)
         return obj
+
+    def _touch(self, obj: StoredObject) -> None:
+        """Marks a released object recently used (a doomed one is in no LRU any more)."""
+        if not obj.pinned and not obj.doomed:
+            self._released.move_to_end(obj.key)
 
     def end_get(self, obj: StoredObject, bytes_sent: int) -> None:
         """Ends a read started by begin_get; frees the object if it was removed meanwhile."""
         obj.readers -= 1
         self._stats.bytes_out += bytes_sent
-        if obj.doomed and obj.readers == 0:
+        self._free_if_done(obj)
+
+    def _free_if_done(self, obj: StoredObject) -> None:
+        if obj.doomed and not obj.in_use:
             self._free(obj)
+
+    # ---- prefix reuse -----------------------------------------------------------------------------------
+
+    def lookup(self, block_keys: Sequence[str], fingerprint: str, lease_ms: int, now: float) -> PrefixLookup:
+        """How many leading blocks of block_keys the store holds (written with fingerprint) and where; on a
+        hit their objects are pinned under a new lease of lease_ms (0: the default) starting now."""
+        check_block_keys(block_keys)
+        self._check_lease(lease_ms)
+        self._stats.prefix_lookups += 1
+        self._stats.prefix_blocks_queried += len(block_keys)
+        runs: list[tuple[StoredObject, int, int]] = []  # (object, first block index, blocks)
+        for block_key in block_keys:
+            held = self._blocks.get(block_key)
+            if held is None or held[0].fingerprint != fingerprint:
+                break
+            obj, index = held
+            if runs and runs[-1][0] is obj and runs[-1][1] + runs[-1][2] == index:
+                runs[-1] = (obj, runs[-1][1], runs[-1][2] + 1)
+            else:
+                runs.append((obj, index, 1))
+        blocks = sum(count for _, _, count in runs)
+        self._stats.prefix_blocks_hit += blocks
+        if not blocks:
+            return PrefixLookup(0)
+        objects = {obj.key: obj for obj, _, _ in runs}
+        lease = PrefixLease(
+            lease_id=secrets.token_hex(16),
+            capability=new_capability(),
+            objects=objects,
+            expires=now + (lease_ms or self.config.default_lease_ms) / 1000,
+        )
+        for obj in objects.values():
+            obj.lease_refs += 1
+            self._touch(obj)
+        self._leases[lease.lease_id] = lease
+        segments = tuple(
+            PrefixSegment(obj, first * obj.block_tokens, count * obj.block_tokens)
+            for obj, first, count in runs
+        )
+        return PrefixLookup(blocks, segments, lease)
+
+    def release_lease(self, lease_id: str, capability: str) -> bool:
+        """Ends a prefix lease: its objects lose one reference (and stay cached until evicted). True the
+        first time; False when the lease is unknown (already released or expired: harmless, counted)."""
+        lease = self._leases.get(lease_id)
+        if lease is None:
+            self._stats.repeated_releases += 1
+            return False
+        self._check_lease_secret(lease, capability)
+        self._end_lease(lease)
+        return True
+
+    def _end_lease(self, lease: PrefixLease) -> None:
+        del self._leases[lease.lease_id]
+        for obj in lease.objects.values():
+            obj.lease_refs -= 1
+            self._free_if_done(obj)
+
+    def _leased(self, lease_id: str, capability: str, key: str) -> StoredObject:
+        """The object key as the prefix lease lease_id pins it, when capability is the lease's."""
+        lease = self._leases.get(lease_id)
+        if lease is None:
+            raise NotFound(f"no prefix lease {lease_id!r} (released or expired)")
+        self._check_lease_secret(lease, capability)
+        obj = lease.objects.get(key)
+        if obj is None:
+            raise CapabilityDenied(f"prefix lease {lease_id!r} does not cover object {key!r}")
+        return obj
+
+    @staticmethod
+    def _check_lease_secret(lease: PrefixLease, capability: str) -> None:
+        if not _same_secret(capability, lease.capability):
+            raise CapabilityDenied(
+                f"prefix lease {lease.lease_id!r}: the capability presented is "
+                f"{'wrong' if capability else 'missing'}; only the lookup hands it out"
+            )
 
     def release(self, key: str, capability: str) -> bool:
         """Unpins an object; True the first time, False (counted, harmless) on any repeat."""
@@ -271,11 +454,16 @@ class KvStore:
         return True
 
     def expire(self, now: float) -> int:
-        """Reclaims every pinned object whose lease ended by now; returns how many."""
+        """Reclaims every pinned object whose lease ended by now, and ends every prefix lease that did;
+        returns how many objects."""
         expired = [obj for obj in self._objects.values() if obj.pinned and obj.lease_expires <= now]
         for obj in expired:
             self._remove(obj)
         self._stats.lease_expiries += len(expired)
+        ended = [lease for lease in self._leases.values() if lease.expires <= now]
+        for lease in ended:
+            self._end_lease(lease)
+        self._stats.prefix_lease_expiries += len(ended)
         return len(expired)
 
     def _lookup(self, key: str) -> StoredObject:
@@ -297,12 +485,15 @@ class KvStore:
 
     def _remove(self, obj: StoredObject) -> None:
         del self._objects[obj.key]
+        for block_key in obj.block_keys:
+            if self._blocks.get(block_key, (None,))[0] is obj:
+                del self._blocks[block_key]
         if obj.pinned:
             obj.pinned = False
             self._stats.pinned_bytes -= obj.total_bytes
         else:
             del self._released[obj.key]
-        if obj.readers:
+        if obj.in_use:
             obj.doomed = True
         else:
             self._free(obj)
@@ -321,10 +512,16 @@ class KvStore:
         snapshot.objects = len(self._objects)
         snapshot.bytes = self._used_bytes
         snapshot.capacity_bytes = self.config.capacity_bytes
+        holders = {obj.key: obj.total_bytes for obj, _ in self._blocks.values()}
+        snapshot.prefix_blocks = len(self._blocks)
+        snapshot.prefix_bytes = sum(holders.values())
+        snapshot.prefix_leases = len(self._leases)
         return snapshot
 
     def clear(self) -> None:
-        """Deletes every object (at shutdown); reads in progress still finish first."""
+        """Deletes every object and prefix lease (at shutdown); reads in progress still finish first."""
+        for lease in list(self._leases.values()):
+            self._end_lease(lease)
         for obj in list(self._objects.values()):
             self._remove(obj)
 

@@ -33,6 +33,8 @@ class PutHeader(_message.Message):
     LEASE_MS_FIELD_NUMBER: _builtins.int
     USE_SHM_FIELD_NUMBER: _builtins.int
     METADATA_FIELD_NUMBER: _builtins.int
+    BLOCK_KEYS_FIELD_NUMBER: _builtins.int
+    BLOCK_TOKENS_FIELD_NUMBER: _builtins.int
     key: _builtins.str
     """Key of the object; unique; write-once."""
     fingerprint: _builtins.str
@@ -51,6 +53,16 @@ class PutHeader(_message.Message):
     """
     metadata: _builtins.bytes
     """Opaque description of the payload (e.g. KV layout as JSON) returned to readers."""
+    block_tokens: _builtins.int
+    """Tokens per block of block_keys; required (> 0) when block_keys is given."""
+    @_builtins.property
+    def block_keys(self) -> _containers.RepeatedScalarFieldContainer[_builtins.str]:
+        """Prefix reuse: the content-addressed keys (kvstore.prefix.prefix_block_keys) of the full blocks the
+        object holds, in order: block i is the object's tokens [i * block_tokens, (i + 1) * block_tokens). A
+        block key the store already holds is not an error (the first holder keeps serving it). Empty: the
+        object is not offered for reuse.
+        """
+
     def __init__(
         self,
         *,
@@ -61,10 +73,12 @@ class PutHeader(_message.Message):
         lease_ms: _builtins.int = ...,
         use_shm: _builtins.bool = ...,
         metadata: _builtins.bytes = ...,
+        block_keys: _abc.Iterable[_builtins.str] | None = ...,
+        block_tokens: _builtins.int = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["chunk_size", b"chunk_size", "fingerprint", b"fingerprint", "key", b"key", "lease_ms", b"lease_ms", "metadata", b"metadata", "total_bytes", b"total_bytes", "use_shm", b"use_shm"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["block_keys", b"block_keys", "block_tokens", b"block_tokens", "chunk_size", b"chunk_size", "fingerprint", b"fingerprint", "key", b"key", "lease_ms", b"lease_ms", "metadata", b"metadata", "total_bytes", b"total_bytes", "use_shm", b"use_shm"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -265,6 +279,7 @@ class GetRequest(_message.Message):
     ACCEPT_SHM_FIELD_NUMBER: _builtins.int
     CAPABILITY_FIELD_NUMBER: _builtins.int
     RANGES_FIELD_NUMBER: _builtins.int
+    LEASE_ID_FIELD_NUMBER: _builtins.int
     key: _builtins.str
     """The key."""
     fingerprint: _builtins.str
@@ -276,6 +291,10 @@ class GetRequest(_message.Message):
     capability: _builtins.str
     """The object's capability (PutCommitted.capability); missing or wrong is refused with
     PERMISSION_DENIED.
+    """
+    lease_id: _builtins.str
+    """Reads an object through a prefix lease (LookupResponse.lease_id) instead of the object's own
+    capability: then capability is the lease's, and only objects the lease pins may be read.
     """
     @_builtins.property
     def ranges(self) -> _containers.RepeatedCompositeFieldContainer[Global___ByteRange]:
@@ -295,10 +314,11 @@ class GetRequest(_message.Message):
         accept_shm: _builtins.bool = ...,
         capability: _builtins.str = ...,
         ranges: _abc.Iterable[Global___ByteRange] | None = ...,
+        lease_id: _builtins.str = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["accept_shm", b"accept_shm", "capability", b"capability", "fingerprint", b"fingerprint", "key", b"key", "max_chunk_size", b"max_chunk_size", "ranges", b"ranges"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["accept_shm", b"accept_shm", "capability", b"capability", "fingerprint", b"fingerprint", "key", b"key", "lease_id", b"lease_id", "max_chunk_size", b"max_chunk_size", "ranges", b"ranges"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -465,21 +485,27 @@ class ReleaseRequest(_message.Message):
 
     KEY_FIELD_NUMBER: _builtins.int
     CAPABILITY_FIELD_NUMBER: _builtins.int
+    LEASE_FIELD_NUMBER: _builtins.int
     key: _builtins.str
     """The key."""
     capability: _builtins.str
     """The object's capability (PutCommitted.capability); missing or wrong is refused with
     PERMISSION_DENIED.
     """
+    lease: _builtins.bool
+    """When true, key names a prefix lease (LookupResponse.lease_id) and capability is the lease's: its
+    objects are unpinned for it (they stay cached until evicted).
+    """
     def __init__(
         self,
         *,
         key: _builtins.str = ...,
         capability: _builtins.str = ...,
+        lease: _builtins.bool = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["capability", b"capability", "key", b"key"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["capability", b"capability", "key", b"key", "lease", b"lease"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -599,6 +625,13 @@ class StatResponse(_message.Message):
     POOLED_BYTES_FIELD_NUMBER: _builtins.int
     SHM_DIR_FIELD_NUMBER: _builtins.int
     SHM_PROBE_FIELD_NUMBER: _builtins.int
+    PREFIX_BLOCKS_FIELD_NUMBER: _builtins.int
+    PREFIX_BYTES_FIELD_NUMBER: _builtins.int
+    PREFIX_LOOKUPS_FIELD_NUMBER: _builtins.int
+    PREFIX_BLOCKS_QUERIED_FIELD_NUMBER: _builtins.int
+    PREFIX_BLOCKS_HIT_FIELD_NUMBER: _builtins.int
+    PREFIX_LEASES_FIELD_NUMBER: _builtins.int
+    PREFIX_LEASE_EXPIRIES_FIELD_NUMBER: _builtins.int
     objects: _builtins.int
     """Committed objects held."""
     bytes: _builtins.int
@@ -631,6 +664,20 @@ class StatResponse(_message.Message):
     """Name of a file in shm_dir that only a process sharing the store's shared memory can see; a client
     that finds it may use the shared-memory path.
     """
+    prefix_blocks: _builtins.int
+    """Prefix reuse: distinct block keys the store can serve."""
+    prefix_bytes: _builtins.int
+    """Bytes of the objects holding those blocks."""
+    prefix_lookups: _builtins.int
+    """Lookups since start."""
+    prefix_blocks_queried: _builtins.int
+    """Block keys asked for by lookups since start (the denominator of the hit rate)."""
+    prefix_blocks_hit: _builtins.int
+    """Leading blocks lookups found since start (the numerator of the hit rate)."""
+    prefix_leases: _builtins.int
+    """Prefix leases held now."""
+    prefix_lease_expiries: _builtins.int
+    """Prefix leases reclaimed because they expired before their release, since start."""
     @_builtins.property
     def object(self) -> Global___ObjectStat:
         """The object asked for, if any and if it exists."""
@@ -654,10 +701,17 @@ class StatResponse(_message.Message):
         pooled_bytes: _builtins.int = ...,
         shm_dir: _builtins.str = ...,
         shm_probe: _builtins.str = ...,
+        prefix_blocks: _builtins.int = ...,
+        prefix_bytes: _builtins.int = ...,
+        prefix_lookups: _builtins.int = ...,
+        prefix_blocks_queried: _builtins.int = ...,
+        prefix_blocks_hit: _builtins.int = ...,
+        prefix_leases: _builtins.int = ...,
+        prefix_lease_expiries: _builtins.int = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["object", b"object"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["aborted_puts", b"aborted_puts", "bytes", b"bytes", "bytes_in", b"bytes_in", "bytes_out", b"bytes_out", "capacity_bytes", b"capacity_bytes", "evictions", b"evictions", "lease_expiries", b"lease_expiries", "object", b"object", "objects", b"objects", "pinned_bytes", b"pinned_bytes", "pooled_bytes", b"pooled_bytes", "refused_puts", b"refused_puts", "repeated_releases", b"repeated_releases", "reserved_bytes", b"reserved_bytes", "shm_dir", b"shm_dir", "shm_probe", b"shm_probe"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["aborted_puts", b"aborted_puts", "bytes", b"bytes", "bytes_in", b"bytes_in", "bytes_out", b"bytes_out", "capacity_bytes", b"capacity_bytes", "evictions", b"evictions", "lease_expiries", b"lease_expiries", "object", b"object", "objects", b"objects", "pinned_bytes", b"pinned_bytes", "pooled_bytes", b"pooled_bytes", "prefix_blocks", b"prefix_blocks", "prefix_blocks_hit", b"prefix_blocks_hit", "prefix_blocks_queried", b"prefix_blocks_queried", "prefix_bytes", b"prefix_bytes", "prefix_lease_expiries", b"prefix_lease_expiries", "prefix_leases", b"prefix_leases", "prefix_lookups", b"prefix_lookups", "refused_puts", b"refused_puts", "repeated_releases", b"repeated_releases", "reserved_bytes", b"reserved_bytes", "shm_dir", b"shm_dir", "shm_probe", b"shm_probe"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -712,3 +766,117 @@ class DeleteResponse(_message.Message):
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
 Global___DeleteResponse: _TypeAlias = DeleteResponse  # noqa: Y015
+
+@_typing.final
+class LookupRequest(_message.Message):
+    """Asks which leading blocks of a prompt the store holds."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    BLOCK_KEYS_FIELD_NUMBER: _builtins.int
+    FINGERPRINT_FIELD_NUMBER: _builtins.int
+    LEASE_MS_FIELD_NUMBER: _builtins.int
+    fingerprint: _builtins.str
+    """Fingerprint of the KV layout the reader expects; only objects written with it are hits."""
+    lease_ms: _builtins.int
+    """Lease of the pin on a hit, in milliseconds; 0 means the store's default; above its cap is refused."""
+    @_builtins.property
+    def block_keys(self) -> _containers.RepeatedScalarFieldContainer[_builtins.str]:
+        """The prompt's block keys in order (kvstore.prefix.prefix_block_keys); at most 65536."""
+
+    def __init__(
+        self,
+        *,
+        block_keys: _abc.Iterable[_builtins.str] | None = ...,
+        fingerprint: _builtins.str = ...,
+        lease_ms: _builtins.int = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["block_keys", b"block_keys", "fingerprint", b"fingerprint", "lease_ms", b"lease_ms"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___LookupRequest: _TypeAlias = LookupRequest  # noqa: Y015
+
+@_typing.final
+class PrefixSegment(_message.Message):
+    """Where a run of leading blocks lives: a token range of one object."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    KEY_FIELD_NUMBER: _builtins.int
+    TOKEN_START_FIELD_NUMBER: _builtins.int
+    TOKEN_COUNT_FIELD_NUMBER: _builtins.int
+    OBJECT_BYTES_FIELD_NUMBER: _builtins.int
+    key: _builtins.str
+    """Key of the object holding the run."""
+    token_start: _builtins.int
+    """First token of the run within the object."""
+    token_count: _builtins.int
+    """Tokens in the run (a whole number of blocks)."""
+    object_bytes: _builtins.int
+    """Size of the whole object in bytes: with the KV layout it gives the object's token count, which a
+    ranged read of the run needs.
+    """
+    def __init__(
+        self,
+        *,
+        key: _builtins.str = ...,
+        token_start: _builtins.int = ...,
+        token_count: _builtins.int = ...,
+        object_bytes: _builtins.int = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["key", b"key", "object_bytes", b"object_bytes", "token_count", b"token_count", "token_start", b"token_start"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___PrefixSegment: _TypeAlias = PrefixSegment  # noqa: Y015
+
+@_typing.final
+class LookupResponse(_message.Message):
+    """Result of a Lookup."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    BLOCKS_FIELD_NUMBER: _builtins.int
+    TOKENS_FIELD_NUMBER: _builtins.int
+    SEGMENTS_FIELD_NUMBER: _builtins.int
+    LEASE_ID_FIELD_NUMBER: _builtins.int
+    CAPABILITY_FIELD_NUMBER: _builtins.int
+    LEASE_EXPIRES_UNIX_MS_FIELD_NUMBER: _builtins.int
+    blocks: _builtins.int
+    """Leading blocks held (0: a miss, and then no lease was taken)."""
+    tokens: _builtins.int
+    """Tokens those blocks hold."""
+    lease_id: _builtins.str
+    """Id of the prefix lease pinning the segments' objects; read them with GetRequest.lease_id and end it
+    with Release (lease = true). Empty on a miss.
+    """
+    capability: _builtins.str
+    """The lease's capability: a bearer secret like PutCommitted.capability."""
+    lease_expires_unix_ms: _builtins.int
+    """When the lease ends, milliseconds since the Unix epoch."""
+    @_builtins.property
+    def segments(self) -> _containers.RepeatedCompositeFieldContainer[Global___PrefixSegment]:
+        """The runs, in prompt order; their token counts add up to tokens."""
+
+    def __init__(
+        self,
+        *,
+        blocks: _builtins.int = ...,
+        tokens: _builtins.int = ...,
+        segments: _abc.Iterable[Global___PrefixSegment] | None = ...,
+        lease_id: _builtins.str = ...,
+        capability: _builtins.str = ...,
+        lease_expires_unix_ms: _builtins.int = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["blocks", b"blocks", "capability", b"capability", "lease_expires_unix_ms", b"lease_expires_unix_ms", "lease_id", b"lease_id", "segments", b"segments", "tokens", b"tokens"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___LookupResponse: _TypeAlias = LookupResponse  # noqa: Y015

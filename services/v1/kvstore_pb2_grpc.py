@@ -60,6 +60,11 @@ class KvStoreServiceStub:
                 request_serializer=pcpstack_dot_v1_dot_kvstore__pb2.DeleteRequest.SerializeToString,
                 response_deserializer=pcpstack_dot_v1_dot_kvstore__pb2.DeleteResponse.FromString,
                 _registered_method=True)
+        self.Lookup = channel.unary_unary(
+                '/pcpstack.v1.KvStoreService/Lookup',
+                request_serializer=pcpstack_dot_v1_dot_kvstore__pb2.LookupRequest.SerializeToString,
+                response_deserializer=pcpstack_dot_v1_dot_kvstore__pb2.LookupResponse.FromString,
+                _registered_method=True)
 
 
 class KvStoreServiceServicer:
@@ -108,6 +113,15 @@ class KvStoreServiceServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def Lookup(self, request, context):
+        """Prefix reuse: how many leading blocks of a prompt (given as their content-addressed block keys) the
+        store holds, and where. A hit pins the objects holding them under a prefix lease until the lease is
+        released (Release with lease = true) or expires, so they cannot be evicted before they are read.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_KvStoreServiceServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -135,6 +149,11 @@ def add_KvStoreServiceServicer_to_server(servicer, server):
                     servicer.Delete,
                     request_deserializer=pcpstack_dot_v1_dot_kvstore__pb2.DeleteRequest.FromString,
                     response_serializer=pcpstack_dot_v1_dot_kvstore__pb2.DeleteResponse.SerializeToString,
+            ),
+            'Lookup': grpc.unary_unary_rpc_method_handler(
+                    servicer.Lookup,
+                    request_deserializer=pcpstack_dot_v1_dot_kvstore__pb2.LookupRequest.FromString,
+                    response_serializer=pcpstack_dot_v1_dot_kvstore__pb2.LookupResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -273,6 +292,33 @@ class KvStoreService:
             '/pcpstack.v1.KvStoreService/Delete',
             pcpstack_dot_v1_dot_kvstore__pb2.DeleteRequest.SerializeToString,
             pcpstack_dot_v1_dot_kvstore__pb2.DeleteResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Lookup(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/pcpstack.v1.KvStoreService/Lookup',
+            pcpstack_dot_v1_dot_kvstore__pb2.LookupRequest.SerializeToString,
+            pcpstack_dot_v1_dot_kvstore__pb2.LookupResponse.FromString,
             options,
             channel_credentials,
             insecure,

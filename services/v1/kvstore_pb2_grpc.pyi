@@ -56,6 +56,11 @@ class KvStoreServiceStub:
     """
     Delete: _grpc.UnaryUnaryMultiCallable[_kvstore_pb2.DeleteRequest, _kvstore_pb2.DeleteResponse]
     """Removes an object now, pinned or not; a Get already reading it finishes first."""
+    Lookup: _grpc.UnaryUnaryMultiCallable[_kvstore_pb2.LookupRequest, _kvstore_pb2.LookupResponse]
+    """Prefix reuse: how many leading blocks of a prompt (given as their content-addressed block keys) the
+    store holds, and where. A hit pins the objects holding them under a prefix lease until the lease is
+    released (Release with lease = true) or expires, so they cannot be evicted before they are read.
+    """
 
 @_typing.type_check_only
 class KvStoreServiceAsyncStub(KvStoreServiceStub):
@@ -83,6 +88,11 @@ class KvStoreServiceAsyncStub(KvStoreServiceStub):
     """
     Delete: _aio.UnaryUnaryMultiCallable[_kvstore_pb2.DeleteRequest, _kvstore_pb2.DeleteResponse]  # type: ignore[assignment]
     """Removes an object now, pinned or not; a Get already reading it finishes first."""
+    Lookup: _aio.UnaryUnaryMultiCallable[_kvstore_pb2.LookupRequest, _kvstore_pb2.LookupResponse]  # type: ignore[assignment]
+    """Prefix reuse: how many leading blocks of a prompt (given as their content-addressed block keys) the
+    store holds, and where. A hit pins the objects holding them under a prefix lease until the lease is
+    released (Release with lease = true) or expires, so they cannot be evicted before they are read.
+    """
 
 class KvStoreServiceServicer(metaclass=_abc_1.ABCMeta):
     """Storage of KV replicas."""
@@ -137,5 +147,16 @@ class KvStoreServiceServicer(metaclass=_abc_1.ABCMeta):
         context: _ServicerContext,
     ) -> _typing.Union[_kvstore_pb2.DeleteResponse, _abc.Awaitable[_kvstore_pb2.DeleteResponse]]:
         """Removes an object now, pinned or not; a Get already reading it finishes first."""
+
+    @_abc_1.abstractmethod
+    def Lookup(
+        self,
+        request: _kvstore_pb2.LookupRequest,
+        context: _ServicerContext,
+    ) -> _typing.Union[_kvstore_pb2.LookupResponse, _abc.Awaitable[_kvstore_pb2.LookupResponse]]:
+        """Prefix reuse: how many leading blocks of a prompt (given as their content-addressed block keys) the
+        store holds, and where. A hit pins the objects holding them under a prefix lease until the lease is
+        released (Release with lease = true) or expires, so they cannot be evicted before they are read.
+        """
 
 def add_KvStoreServiceServicer_to_server(servicer: KvStoreServiceServicer, server: _typing.Union[_grpc.Server, _aio.Server]) -> None: ...
