@@ -195,6 +195,10 @@ class KvHandle(_message.Message):
     CAPABILITY_FIELD_NUMBER: _builtins.int
     SHARDS_FIELD_NUMBER: _builtins.int
     SOURCE_TP_SIZE_FIELD_NUMBER: _builtins.int
+    CACHED_TOKENS_FIELD_NUMBER: _builtins.int
+    PREFIX_SEGMENTS_FIELD_NUMBER: _builtins.int
+    PREFIX_LEASE_ID_FIELD_NUMBER: _builtins.int
+    PREFIX_LEASE_CAPABILITY_FIELD_NUMBER: _builtins.int
     key: _builtins.str
     """Store key; names the request and carries the fingerprint."""
     fingerprint: _builtins.str
@@ -214,6 +218,16 @@ class KvHandle(_message.Message):
     """
     source_tp_size: _builtins.int
     """Tensor-parallel degree of the prefill set that produced the replica; 0 means 1."""
+    cached_tokens: _builtins.int
+    """Prefix reuse: leading prompt tokens whose K/V the store already held, read from prefix_segments; the
+    objects above (key, shards) then hold only tokens cached_tokens..num_tokens. 0: no cached prefix.
+    """
+    prefix_lease_id: _builtins.str
+    """The prefix lease pinning those segments (kvstore LookupResponse.lease_id): read them with it, then
+    release it (kvstore Release with lease = true) as the objects above are released.
+    """
+    prefix_lease_capability: _builtins.str
+    """The prefix lease's capability: a bearer secret like capability."""
     @_builtins.property
     def layout(self) -> Global___KvLayout:
         """The layout the fingerprint was computed from."""
@@ -226,6 +240,10 @@ class KvHandle(_message.Message):
         (each shard's own is in KvShard.fingerprint). A handle without shards (an older writer) means the
         single object named by key and capability, holding every head.
         """
+
+    @_builtins.property
+    def prefix_segments(self) -> _containers.RepeatedCompositeFieldContainer[Global___KvPrefixSegment]:
+        """Where the cached prefix lives, in prompt order; their token counts add up to cached_tokens."""
 
     def __init__(
         self,
@@ -240,14 +258,54 @@ class KvHandle(_message.Message):
         capability: _builtins.str = ...,
         shards: _abc.Iterable[Global___KvShard] | None = ...,
         source_tp_size: _builtins.int = ...,
+        cached_tokens: _builtins.int = ...,
+        prefix_segments: _abc.Iterable[Global___KvPrefixSegment] | None = ...,
+        prefix_lease_id: _builtins.str = ...,
+        prefix_lease_capability: _builtins.str = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["layout", b"layout"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["capability", b"capability", "fingerprint", b"fingerprint", "key", b"key", "layout", b"layout", "num_tokens", b"num_tokens", "shards", b"shards", "source_pcp_rank", b"source_pcp_rank", "source_tp_size", b"source_tp_size", "store_address", b"store_address", "total_bytes", b"total_bytes"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["cached_tokens", b"cached_tokens", "capability", b"capability", "fingerprint", b"fingerprint", "key", b"key", "layout", b"layout", "num_tokens", b"num_tokens", "prefix_lease_capability", b"prefix_lease_capability", "prefix_lease_id", b"prefix_lease_id", "prefix_segments", b"prefix_segments", "shards", b"shards", "source_pcp_rank", b"source_pcp_rank", "source_tp_size", b"source_tp_size", "store_address", b"store_address", "total_bytes", b"total_bytes"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
 Global___KvHandle: _TypeAlias = KvHandle  # noqa: Y015
+
+@_typing.final
+class KvPrefixSegment(_message.Message):
+    """A run of cached prefix tokens: tokens [token_start, token_start + token_count) of one store object laid
+    out like a replica ([layers, 2, tokens, every K/V head, head_dim]), written with KvHandle.fingerprint.
+    """
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    KEY_FIELD_NUMBER: _builtins.int
+    TOKEN_START_FIELD_NUMBER: _builtins.int
+    TOKEN_COUNT_FIELD_NUMBER: _builtins.int
+    OBJECT_BYTES_FIELD_NUMBER: _builtins.int
+    key: _builtins.str
+    """Store key of the object."""
+    token_start: _builtins.int
+    """First token of the run within the object."""
+    token_count: _builtins.int
+    """Tokens in the run."""
+    object_bytes: _builtins.int
+    """Size of the whole object in bytes (it gives the object's token count for the ranged read)."""
+    def __init__(
+        self,
+        *,
+        key: _builtins.str = ...,
+        token_start: _builtins.int = ...,
+        token_count: _builtins.int = ...,
+        object_bytes: _builtins.int = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["key", b"key", "object_bytes", b"object_bytes", "token_count", b"token_count", "token_start", b"token_start"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___KvPrefixSegment: _TypeAlias = KvPrefixSegment  # noqa: Y015
 
 @_typing.final
 class KvShard(_message.Message):

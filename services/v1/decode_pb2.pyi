@@ -111,6 +111,7 @@ class GenerateRequest(_message.Message):
     SAMPLING_FIELD_NUMBER: _builtins.int
     MODEL_FIELD_NUMBER: _builtins.int
     LOGPROBS_FIELD_NUMBER: _builtins.int
+    CACHE_SALT_FIELD_NUMBER: _builtins.int
     request_id: _builtins.str
     """Caller's request id; generated when empty. Also selects the KV replica."""
     text: _builtins.str
@@ -120,6 +121,10 @@ class GenerateRequest(_message.Message):
     logprobs: _builtins.bool
     """Return each token's log-probability in TokenDelta.logprobs and TokenDelta.token_logprobs; the
     same as sampling.logprobs = 0 when that is unset (sampling.logprobs also asks for alternatives).
+    """
+    cache_salt: _builtins.str
+    """Cache salt (vLLM's cache_salt): prompt prefixes are reused only between requests with the same salt,
+    so one tenant cannot learn from timing whether another sent a prompt. Empty: the unsalted cache.
     """
     @_builtins.property
     def chat(self) -> Global___ChatMessages:
@@ -143,10 +148,11 @@ class GenerateRequest(_message.Message):
         sampling: _common_pb2.SamplingParams | None = ...,
         model: _builtins.str = ...,
         logprobs: _builtins.bool = ...,
+        cache_salt: _builtins.str = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["chat", b"chat", "prompt", b"prompt", "sampling", b"sampling", "text", b"text", "token_ids", b"token_ids"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["chat", b"chat", "logprobs", b"logprobs", "model", b"model", "prompt", b"prompt", "request_id", b"request_id", "sampling", b"sampling", "text", b"text", "token_ids", b"token_ids"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["cache_salt", b"cache_salt", "chat", b"chat", "logprobs", b"logprobs", "model", b"model", "prompt", b"prompt", "request_id", b"request_id", "sampling", b"sampling", "text", b"text", "token_ids", b"token_ids"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     _WhichOneofReturnType_prompt: _TypeAlias = _typing.Literal["text", "chat", "token_ids"]  # noqa: Y015
     _WhichOneofArgType_prompt: _TypeAlias = _typing.Literal["prompt", b"prompt"]  # noqa: Y015
@@ -211,6 +217,7 @@ class GenerateSummary(_message.Message):
     MATCHED_STOP_FIELD_NUMBER: _builtins.int
     PROMPT_TOKEN_IDS_FIELD_NUMBER: _builtins.int
     TRACE_ID_FIELD_NUMBER: _builtins.int
+    CACHED_PROMPT_TOKENS_FIELD_NUMBER: _builtins.int
     finish_reason: Global___FinishReason.ValueType
     """Why generation ended."""
     prompt_tokens: _builtins.int
@@ -227,6 +234,10 @@ class GenerateSummary(_message.Message):
     """The stop string or token that ended generation, if any."""
     trace_id: _builtins.str
     """The trace id of the request (hex), for finding it in the tracing backend."""
+    cached_prompt_tokens: _builtins.int
+    """Prompt tokens whose K/V came from the store's prefix cache instead of a forward (OpenAI's
+    usage.prompt_tokens_details.cached_tokens).
+    """
     @_builtins.property
     def prompt_token_ids(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]:
         """Prompt token ids after templating."""
@@ -243,10 +254,11 @@ class GenerateSummary(_message.Message):
         matched_stop: _builtins.str = ...,
         prompt_token_ids: _abc.Iterable[_builtins.int] | None = ...,
         trace_id: _builtins.str = ...,
+        cached_prompt_tokens: _builtins.int = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["completion_tokens", b"completion_tokens", "finish_reason", b"finish_reason", "matched_stop", b"matched_stop", "prompt_token_ids", b"prompt_token_ids", "prompt_tokens", b"prompt_tokens", "request_id", b"request_id", "total_seconds", b"total_seconds", "trace_id", b"trace_id", "ttft_seconds", b"ttft_seconds"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["cached_prompt_tokens", b"cached_prompt_tokens", "completion_tokens", b"completion_tokens", "finish_reason", b"finish_reason", "matched_stop", b"matched_stop", "prompt_token_ids", b"prompt_token_ids", "prompt_tokens", b"prompt_tokens", "request_id", b"request_id", "total_seconds", b"total_seconds", "trace_id", b"trace_id", "ttft_seconds", b"ttft_seconds"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

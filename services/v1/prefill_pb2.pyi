@@ -33,6 +33,8 @@ class PrefillRequest(_message.Message):
     KVSTORE_ADDRESS_FIELD_NUMBER: _builtins.int
     KV_LEASE_MS_FIELD_NUMBER: _builtins.int
     EXPECTED_FINGERPRINT_FIELD_NUMBER: _builtins.int
+    NO_PREFIX_CACHE_FIELD_NUMBER: _builtins.int
+    CACHE_SALT_FIELD_NUMBER: _builtins.int
     request_id: _builtins.str
     """Unique id of the request; decides which rank's replica is kept (sha256 selection)."""
     kvstore_address: _builtins.str
@@ -41,6 +43,14 @@ class PrefillRequest(_message.Message):
     """Lease of the stored replica in milliseconds; 0 means the store's default."""
     expected_fingerprint: _builtins.str
     """Fingerprint the caller expects; a mismatch is refused with FAILED_PRECONDITION. Empty skips the check."""
+    no_prefix_cache: _builtins.bool
+    """Do not take the prompt's leading blocks from the store (prefix reuse), e.g. because the caller cannot
+    load KvHandle.prefix_segments; the new replica is still offered for reuse by later requests.
+    """
+    cache_salt: _builtins.str
+    """Cache salt (vLLM's cache_salt): enters the first block's key, so only requests with the same salt
+    share prefix blocks. Empty: the unsalted blocks.
+    """
     @_builtins.property
     def token_ids(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]:
         """Prompt token ids; 1 <= len <= the model's context, each < vocabulary size."""
@@ -58,10 +68,12 @@ class PrefillRequest(_message.Message):
         kvstore_address: _builtins.str = ...,
         kv_lease_ms: _builtins.int = ...,
         expected_fingerprint: _builtins.str = ...,
+        no_prefix_cache: _builtins.bool = ...,
+        cache_salt: _builtins.str = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["sampling", b"sampling"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["expected_fingerprint", b"expected_fingerprint", "kv_lease_ms", b"kv_lease_ms", "kvstore_address", b"kvstore_address", "request_id", b"request_id", "sampling", b"sampling", "token_ids", b"token_ids"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["cache_salt", b"cache_salt", "expected_fingerprint", b"expected_fingerprint", "kv_lease_ms", b"kv_lease_ms", "kvstore_address", b"kvstore_address", "no_prefix_cache", b"no_prefix_cache", "request_id", b"request_id", "sampling", b"sampling", "token_ids", b"token_ids"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -82,6 +94,7 @@ class PrefillResponse(_message.Message):
     FORWARD_SECONDS_FIELD_NUMBER: _builtins.int
     KV_PUSH_SECONDS_FIELD_NUMBER: _builtins.int
     FIRST_TOKEN_LOGPROBS_FIELD_NUMBER: _builtins.int
+    COMPUTED_TOKENS_FIELD_NUMBER: _builtins.int
     request_id: _builtins.str
     """Echo of the request id."""
     first_token_id: _builtins.int
@@ -96,6 +109,8 @@ class PrefillResponse(_message.Message):
     """Seconds spent in the model forward (all layers, all ranks in parallel)."""
     kv_push_seconds: _builtins.float
     """Seconds spent pushing the replica to the store."""
+    computed_tokens: _builtins.int
+    """Prompt tokens this prefill ran through the model: the prompt less the cached prefix (kv.cached_tokens)."""
     @_builtins.property
     def kv(self) -> _common_pb2.KvHandle:
         """Where the selected KV replica is stored."""
@@ -116,10 +131,11 @@ class PrefillResponse(_message.Message):
         forward_seconds: _builtins.float = ...,
         kv_push_seconds: _builtins.float = ...,
         first_token_logprobs: _common_pb2.TokenLogprobs | None = ...,
+        computed_tokens: _builtins.int = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["first_token_logprobs", b"first_token_logprobs", "kv", b"kv"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["first_token_id", b"first_token_id", "first_token_logprobs", b"first_token_logprobs", "forward_seconds", b"forward_seconds", "generation", b"generation", "kv", b"kv", "kv_push_seconds", b"kv_push_seconds", "pcp_size", b"pcp_size", "request_id", b"request_id", "set_id", b"set_id"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["computed_tokens", b"computed_tokens", "first_token_id", b"first_token_id", "first_token_logprobs", b"first_token_logprobs", "forward_seconds", b"forward_seconds", "generation", b"generation", "kv", b"kv", "kv_push_seconds", b"kv_push_seconds", "pcp_size", b"pcp_size", "request_id", b"request_id", "set_id", b"set_id"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
