@@ -77,6 +77,13 @@ def add_stack_arguments(parser: argparse.ArgumentParser) -> None:
         "--threads-per-rank", type=int, default=1, help="torch threads per PCP rank (default 1)"
     )
     parser.add_argument(
+        "--decode-threads",
+        type=int,
+        default=0,
+        help="torch threads per decode rank (default 0: the cores prefill's threads leave, at least 1; "
+        "the stack prints how it divided the cores)",
+    )
+    parser.add_argument(
         "--prefill-kv-cache-tokens",
         type=int,
         default=0,
@@ -118,6 +125,8 @@ def check_stack_arguments(args: argparse.Namespace) -> None:
     ):
         if value < 0:
             raise UsageError(flag, value, "must be >= 0 (0: the prefill service's default)")
+    if args.decode_threads < 0:
+        raise UsageError("--decode-threads", args.decode_threads, "must be >= 0 (0: divide the cores)")
     # Whether the model splits over these TP sizes is the services' check at start-up (it needs the model).
     if args.device and args.device not in DEVICE_KINDS:
         raise UsageError("--device", args.device, f"must be one of {', '.join(DEVICE_KINDS)}")
@@ -139,6 +148,7 @@ def _stack_options(args: argparse.Namespace) -> StackOptions:
         device=args.device,
         model=args.model,
         threads_per_rank=args.threads_per_rank,
+        decode_threads=args.decode_threads,
         prefill_kv_cache_tokens=args.prefill_kv_cache_tokens,
         prefill_chunk_tokens=args.prefill_chunk_tokens,
         log_dir=args.log_dir,

@@ -80,6 +80,7 @@ class StackOptions:
     prefill_kv_cache_tokens: int = 0
     # Longest piece of a prompt one prefill forward runs; 0: the whole prompt in one forward.
     prefill_chunk_tokens: int = 0
+    # torch threads of each decode rank process; 0: what core_plan leaves decode after prefill's threads.
     decode_threads: int = 0
     # Seconds a stopping decode worker lets its running streams finish; the stack's stop waits this long
     # plus STOP_MARGIN_S before it kills anything (the gateway stops first anyway, ending its streams).
@@ -107,6 +108,49 @@ class StackOptions:
     def decode_shape(self) -> str:
         """A decode worker's parallel shape: its TP, and its DCP when it splits sequences."""
         return f"TP={self.decode_tp}" + (f" x DCP={self.dcp}" if self.dcp > 1 else "")
+
+    def core_plan(self, cores: int | None = None) -> CorePlan:
+        """How the stack divides the host's cores between prefill ranks and decode ranks."""
+        if cores is None:
+            cores = len(os.sched_getaffinity(0))
+        prefill = self.prefill_sets * self.pcp * self.tp * self.threads_per_rank
+        decode_ranks = self.decode * self.decode_tp
+        per_rank = self.decode_threads or max(1, (cores - prefill) // decode_ranks)
+        return CorePlan(cores, prefill, decode_ranks, per_rank, chosen=not self.decode_threads)
+
+
+@dataclass(frozen=True)
+class CorePlan:
+    """Threads of a local stack against the cores it may use.
+
+    Prefill ranks run `--threads-per-rank` torch threads each; decode ranks get the cores prefill leaves
+    (at least one thread each) unless `--decode-threads` says otherwise. Without a limit every decode
+    process would take torch's default, one thread per core, and while a prompt is prefilled the two
+    would run more busy threads than there are cores, each slowing the other. When prefill alone needs
+    every core, decode still gets one thread per rank and the plan says the two share cores.
+    """
+
+    cores: int
+    prefill_threads: int
+    decode_ranks: int
+    decode_threads_per_rank: int
+    chosen: bool  # decode's threads were derived here, not given by --decode-threads
+
+    @property
+    def threads(self) -> int:
+        """Busy threads of the stack when prefill and decode both run."""
+        return self.prefill_threads + self.decode_ranks * self.decode_threads_per_rank
+
+    def describe(self) -> str:
+        """One line for the stack's start-up output."""
+        how = "left by prefill" if self.chosen else "from --decode-threads"
+        line = (
+            f"cores: {self.cores}; prefill {self.prefill_threads} thread(s) (--threads-per-rank), decode "
+            f"{self.decode_ranks} rank(s) x {self.decode_threads_per_rank} thread(s) ({how})"
+        )
+        if self.threads > self.cores:
+            line += f"; {self.threads} threads on {self.cores} cores: prefill and decode share cores"
+        return line
 
 
 class ServiceRefused(RuntimeError):
@@ -335,8 +379,7 @@ class LocalStack:
                 str(o.decode_drain_s),
                 *self._device_args(),
             ]
-            if o.decode_threads:
-                args += ["--threads", str(o.decode_threads)]
+            args += ["--threads", str(o.core_plan().decode_threads_per_rank)]
             self._spawn(f"decode-{index}", address, "decode", args)
         if o.gateway:
             port = o.gateway_port or free_port(o.gateway_host)
@@ -362,6 +405,7 @@ class LocalStack:
                 ],
             )
         self._progress(f"starting registry, kvstore, {o.shape()}; logs in {self._log_dir}")
+        self._progress(o.core_plan().describe())
         await self._wait_ready(started)
 
     def _report_service_progress(self) -> None:

@@ -1,4 +1,4 @@
-"""Load: 64 concurrent clients for PCPSTACK_LOAD_SECONDS (60 s by default) on a loopback stack of two PCP=2
+"""Load: 64 concurrent clients for PCPSTACK_LOAD_SECONDS (30 s by default) on a loopback stack of two PCP=2
 sets and one decode worker (tiny model).
 
 Every client loops greedy requests over varied prompts and compares each answer with a single run of the
@@ -31,7 +31,7 @@ from tests.reliability.support import (
 
 pytestmark = pytest.mark.slow
 
-LOAD_SECONDS = float(os.environ.get("PCPSTACK_LOAD_SECONDS", "60"))
+LOAD_SECONDS = float(os.environ.get("PCPSTACK_LOAD_SECONDS", "30"))
 CLIENTS = 64
 MAX_TOKENS = 8
 PROMPTS = [[(17 * i + 5 * k + 1) % 256 for i in range(8 + 6 * k)] for k in range(32)]
