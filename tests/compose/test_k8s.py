@@ -283,20 +283,17 @@ def test_every_pcpstack_command_builds_its_service_config(rendered: Rendered, tm
             assert config.registry == endpoints["registry"]
 
 
-def test_every_container_is_probed_on_its_port_with_bounded_resources(
-    rendered: Rendered,
-) -> None:
+def test_every_container_is_probed_on_its_port_with_bounded_resources(rendered: Rendered) -> None:
     _, objects = rendered
-    for name, template in pod_templates(objects).items():
+    for template in pod_templates(objects).values():
         for container in template["spec"]["containers"]:
-            args = container.get("args", [])
-            port = int(option(args, "--port")) if "--port" in args else None
+            declared = {port["containerPort"] for port in container["ports"]}
             for probe in ("readinessProbe", "livenessProbe"):
-                check = container[probe]
-                if name == "gateway":  # HTTP, not gRPC
-                    assert check["httpGet"]["port"] == port
-                else:
-                    assert check["grpc"]["port"] == (port or 2379)
+                # gRPC health everywhere but the gateway, whose API is HTTP.
+                check = container[probe].get("grpc") or container[probe]["httpGet"]
+                assert check["port"] in declared, f"{container['name']}: {probe} {check}"
+                if container["image"] == IMAGE:
+                    assert check["port"] == int(option(container["args"], "--port"))
             assert {"cpu", "memory"} <= set(container["resources"]["requests"])
             assert {"cpu", "memory"} <= set(container["resources"]["limits"])
             if container["image"] == IMAGE:
@@ -305,16 +302,18 @@ def test_every_container_is_probed_on_its_port_with_bounded_resources(
                 assert by_kind(objects, "ConfigMap")[otlp["name"]]["data"][otlp["key"]].startswith("http")
 
 
-def test_services_select_pods_and_reach_their_named_ports(rendered: Rendered) -> None:
+def test_services_and_disruption_budgets_select_one_workloads_pods(rendered: Rendered) -> None:
     _, objects = rendered
     templates = pod_templates(objects)
-    for service in by_kind(objects, "Service").values():
-        selector = service["spec"]["selector"].items()
-        selected = [t for t in templates.values() if selector <= t["metadata"]["labels"].items()]
-        assert len(selected) == 1, service["metadata"]["name"]
+    for obj in [*by_kind(objects, "Service").values(), *by_kind(objects, "PodDisruptionBudget").values()]:
+        spec = obj["spec"]
+        selector = spec["selector"].get("matchLabels", spec["selector"])
+        selected = [t for t in templates.values() if selector.items() <= t["metadata"]["labels"].items()]
+        assert len(selected) == 1, f"{obj['kind']} {obj['metadata']['name']}: {len(selected)} workloads"
         containers = selected[0]["spec"]["containers"]
         ports = {p.get("name"): p["containerPort"] for c in containers for p in c["ports"]}
-        for port in service["spec"]["ports"]:
+        # A Service reaches a port its pods declare, by name or number.
+        for port in spec.get("ports", []):
             target = port.get("targetPort", port["port"])
             assert target in ports if isinstance(target, str) else target in ports.values()
 
@@ -332,7 +331,7 @@ def test_registry_replicas_are_the_addresses_nodes_are_given_and_use_etcd(
     assert by_kind(objects, "Service")[service]["spec"]["clusterIP"] == "None"
     etcd = by_kind(objects, "StatefulSet").get("etcd")
     if name == "existing-etcd":
-        assert etcd is None and "etcd" not in by_kind(objects, "Service")
+        assert etcd is None and not [obj for obj in objects if obj["metadata"]["name"] == "etcd"]
         assert "example.internal" in config.etcd
     else:
         members = [f"http://etcd-{i}.etcd:2379" for i in range(etcd["spec"]["replicas"])]
