@@ -29,6 +29,7 @@ from pcpstack.cli.launch import child_env, spawn_service
 from pcpstack.common import security
 from pcpstack.common.channel import open_channel
 from pcpstack.common.config import served_model_name
+from pcpstack.common.lifetime import PARENT_PID_ENV
 from pcpstack.common.ports import free_port
 from pcpstack.common.startup import CONFIG_EXIT_STATUS
 from pcpstack.v1 import registry_pb2, registry_pb2_grpc
@@ -241,7 +242,10 @@ class LocalStack:
         return {s.name: s.metrics_url for s in self.services if s.metrics_url}
 
     def _env(self) -> dict[str, str]:
-        return child_env(trace_file=self.options.trace_file or None, extra=self.options.extra_env)
+        env = child_env(trace_file=self.options.trace_file or None, extra=self.options.extra_env)
+        # The stack's services stop when this process is gone, even when it is SIGKILLed (lifetime.py).
+        env[PARENT_PID_ENV] = str(os.getpid())
+        return env
 
     def _spawn(self, name: str, address: str, service_name: str, args: list[str]) -> Service:
         """Starts `pcpstack serve SERVICE_NAME ARGS` as the stack's process `name`, in its own session."""

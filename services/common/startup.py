@@ -39,6 +39,7 @@ from pcpstack.common.config import (
     role_config,
 )
 from pcpstack.common.errors import Unavailable
+from pcpstack.common.lifetime import exit_service_with_parent
 from pcpstack.common.logs import setup_logging
 from pcpstack.common.server import DEFAULT_MAX_MESSAGE_BYTES, RunningServer, ServerOptions
 from pcpstack.common.telemetry import setup_telemetry, shutdown_telemetry
@@ -321,6 +322,7 @@ def run_service(
     """
     if glibc_tunables:
         ensure_glibc_tunables()
+    exit_service_with_parent(service)
     try:
         process = ProcessConfig.from_args(service, args)
         process_security = security.security_from_args(args)

@@ -46,6 +46,7 @@ import torch
 import torch.distributed as dist
 
 from pcpstack.common.errors import Unavailable
+from pcpstack.common.lifetime import exit_with_spawning_process
 from pcpstack.common.logs import setup_logging
 from pcpstack.common.ports import free_port
 from pcpstack.engine.config import ModelArgs
@@ -129,6 +130,7 @@ def follower_main(spec: FollowerSpec, conn: Connection) -> None:
     until the group fails (the leader died or timed out)."""
     torch.set_num_threads(spec.threads)
     setup_logging(f"decode-tp-rank-{spec.tp_rank}", spec.log_level)
+    exit_with_spawning_process(f"decode TP rank {spec.tp_rank}")
     started = False
     try:
         device = _device(spec)
