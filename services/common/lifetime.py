@@ -30,17 +30,29 @@ def _exit_now(what: str) -> None:
     os._exit(1)
 
 
+def _exists(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
 def exit_with_parent(
     parent_pid: int, what: str, *, on_orphan: Callable[[], None] | None = None, poll_s: float = POLL_S
 ) -> bool:
     """Ends this process once `parent_pid` stops being its parent: `on_orphan()` if given (e.g. a graceful
     stop), else at once with exit status 1. Returns False (and watches nothing) when parent_pid is not this
-    process's parent now: a launcher stands between them, and its end would say nothing about the parent."""
-    if os.getppid() != parent_pid:
+    process's parent now: a launcher stands between them, and its end would say nothing about the parent.
+    A parent that died before this process got here counts as gone."""
+    already_gone = os.getppid() != parent_pid
+    if already_gone and _exists(parent_pid):
         return False
 
     def watch() -> None:
-        while os.getppid() == parent_pid:
+        while not already_gone and os.getppid() == parent_pid:
             time.sleep(poll_s)
         (on_orphan or (lambda: _exit_now(what)))()
 
