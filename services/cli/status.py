@@ -64,11 +64,22 @@ class KvStoreUsage:
     capacity_bytes: int = 0
     evictions: int = 0
     error: str = ""
+    # Prefix reuse: content-addressed blocks held, the bytes of the objects holding them, and block hits
+    # over block keys asked for by lookups.
+    prefix_blocks: int = 0
+    prefix_bytes: int = 0
+    prefix_blocks_hit: int = 0
+    prefix_blocks_queried: int = 0
 
     @property
     def used_fraction(self) -> float:
         """Bytes held over the memory budget (0 when the budget is unknown)."""
         return self.bytes / self.capacity_bytes if self.capacity_bytes else 0.0
+
+    @property
+    def prefix_hit_rate(self) -> float:
+        """Leading blocks found over block keys asked for (0 before any lookup)."""
+        return self.prefix_blocks_hit / self.prefix_blocks_queried if self.prefix_blocks_queried else 0.0
 
 
 @dataclass
@@ -107,7 +118,14 @@ class ClusterStatus:
                 "decode": [e.address for e in self.routing.decode],
                 "kvstore": [e.address for e in self.routing.kvstore],
             },
-            "kvstores": [{**asdict(k), "used_fraction": round(k.used_fraction, 6)} for k in self.kvstores],
+            "kvstores": [
+                {
+                    **asdict(k),
+                    "used_fraction": round(k.used_fraction, 6),
+                    "prefix_hit_rate": round(k.prefix_hit_rate, 6),
+                }
+                for k in self.kvstores
+            ],
             "gateway": asdict(self.gateway) if self.gateway is not None else None,
         }
 
@@ -200,7 +218,7 @@ def _mib(n: int) -> str:
 def render_usage(kvstores: list[KvStoreUsage], gateway: GatewayStatus | None) -> str:
     """The KV STORES table and the GATEWAY line."""
     rows = [
-        [k.address, "-", "-", "-", "-", "-", k.error]
+        [k.address, "-", "-", "-", "-", "-", "-", "-", "-", k.error]
         if k.error
         else [
             k.address,
@@ -209,6 +227,9 @@ def render_usage(kvstores: list[KvStoreUsage], gateway: GatewayStatus | None) ->
             _mib(k.capacity_bytes),
             f"{100 * k.used_fraction:.1f}%",
             _mib(k.pinned_bytes),
+            str(k.prefix_blocks),
+            _mib(k.prefix_bytes),
+            f"{100 * k.prefix_hit_rate:.1f}%",
             "",
         ]
         for k in kvstores
@@ -216,7 +237,21 @@ def render_usage(kvstores: list[KvStoreUsage], gateway: GatewayStatus | None) ->
     lines = [
         "",
         f"KV STORES ({len(rows)})",
-        _table(["ADDRESS", "OBJECTS", "USED", "CAPACITY", "USE", "PINNED", "ERROR"], rows),
+        _table(
+            [
+                "ADDRESS",
+                "OBJECTS",
+                "USED",
+                "CAPACITY",
+                "USE",
+                "PINNED",
+                "PREFIX BLOCKS",
+                "PREFIX BYTES",
+                "PREFIX HITS",
+                "ERROR",
+            ],
+            rows,
+        ),
     ]
     if gateway is not None:
         state = "up" if gateway.healthy else f"down ({gateway.error})" if gateway.error else "down"
@@ -236,7 +271,16 @@ async def _kvstore_usage(address: str, timeout: float) -> KvStoreUsage:
     finally:
         await client.close()
     return KvStoreUsage(
-        address, stat.objects, stat.bytes, stat.pinned_bytes, stat.capacity_bytes, stat.evictions
+        address,
+        stat.objects,
+        stat.bytes,
+        stat.pinned_bytes,
+        stat.capacity_bytes,
+        stat.evictions,
+        prefix_blocks=stat.prefix_blocks,
+        prefix_bytes=stat.prefix_bytes,
+        prefix_blocks_hit=stat.prefix_blocks_hit,
+        prefix_blocks_queried=stat.prefix_blocks_queried,
     )
 
 

@@ -13,6 +13,12 @@ heads with ranged Gets (decode.kv_ranges) and hands the batch one part per rank.
 replica is released exactly once on every path: after the fetch (or when no fetch is needed), when the
 request fails or is cancelled mid-fetch, and, when the caller leaves while the set is still prefilling, as
 soon as the set's answer names the replica nobody will load.
+
+Prefix reuse: the set may answer with a handle whose leading `cached_tokens` come from the store's prefix
+blocks (`prefix_segments`, read through the handle's prefix lease, one ranged Get per segment) and whose
+objects hold only the tokens after them; the fetch joins them into one sequence, and the prefix lease is
+released with the objects. A DCP worker reads each rank's token blocks of one replica and cannot join
+segments, so it asks the set for no cached prefix (said once at start).
 """
 
 from __future__ import annotations
@@ -51,6 +57,7 @@ from pcpstack.engine.engine import Engine
 from pcpstack.engine.prompt import PromptLimits, check_logit_bias, check_token_ids
 from pcpstack.engine.sampling import SamplingParams, StopChecker, TokenLogprobs, sampling_to_wire
 from pcpstack.kvstore.client import KvStoreClient
+from pcpstack.kvstore.prefix import segment_range
 from pcpstack.prefill.client import PrefillClient
 from pcpstack.registry.endpoints import PrefillEndpoint
 from pcpstack.v1 import common_pb2, prefill_pb2
@@ -124,6 +131,7 @@ class GenerateInput:
     # Log-probabilities without alternatives when sampling.logprobs is unset (GenerateRequest.logprobs).
     logprobs: bool = False
     timeout_s: float | None = None  # what the caller gives the whole request; None: no deadline
+    cache_salt: str = ""  # prefixes are shared only between requests with the same salt
 
 
 @dataclass(frozen=True)
@@ -148,6 +156,7 @@ class Summary:
     ttft_s: float
     total_s: float
     trace_id: str
+    cached_prompt_tokens: int = 0  # prompt tokens whose K/V came from the store's prefix cache
 
 
 @dataclass(frozen=True)
@@ -176,6 +185,11 @@ class GeneratePipeline:
         self._prefilling = 0
         # Batch ids are unique per attempt: two requests may carry the same caller id.
         self._sequence = itertools.count()
+        if engine.dcp_size > 1:
+            log.info(
+                "prefix cache off for this worker: DCP=%d reads each rank's blocks of one replica",
+                engine.dcp_size,
+            )
         _meter.create_observable_gauge(
             "pcpstack.decode.queue_depth",
             callbacks=[lambda _: [Observation(batcher.queue_depth)]],
@@ -274,7 +288,7 @@ class GeneratePipeline:
                     outcome = "invalid"
                     raise
                 span.set_attribute("pcpstack.prompt_tokens", len(ids))
-                reply = await self._prefill(request_id, ids, request.sampling, deadline)
+                reply = await self._prefill(request_id, ids, request.sampling, deadline, request.cache_salt)
                 _prefill_time.record(time.monotonic() - arrived)
                 _prompt_tokens.add(len(ids))
                 # aclosing here and below: a request closed at a yield cleans up at once, not when collected.
@@ -343,6 +357,7 @@ class GeneratePipeline:
             ttft_s=(first_at or done) - arrived,
             total_s=done - arrived,
             trace_id=current_trace_id(),
+            cached_prompt_tokens=reply.kv.cached_tokens,
         )
 
     async def _join_batch(
@@ -380,7 +395,7 @@ class GeneratePipeline:
                 self.batcher.cancel(seq_id)
 
     async def _prefill(
-        self, request_id: str, ids: list[int], params: SamplingParams, deadline: float
+        self, request_id: str, ids: list[int], params: SamplingParams, deadline: float, cache_salt: str = ""
     ) -> prefill_pb2.PrefillResponse:
         """Prefill on the least loaded ready set; one retry on another set if the first fails as a set.
 
@@ -403,7 +418,7 @@ class GeneratePipeline:
             if remaining <= 0:
                 break
             try:
-                return await self._prefill_on(chosen, request_id, ids, sampling, remaining)
+                return await self._prefill_on(chosen, request_id, ids, sampling, remaining, cache_salt)
             except (grpc.aio.AioRpcError, ServiceError) as exc:
                 error = error_from_rpc(exc) if isinstance(exc, grpc.aio.AioRpcError) else exc
                 last_error = f"set {chosen.set_id} failed: {error.code}: {error}"
@@ -422,6 +437,7 @@ class GeneratePipeline:
         ids: list[int],
         sampling: common_pb2.SamplingParams,
         remaining: float,
+        cache_salt: str = "",
     ) -> prefill_pb2.PrefillResponse:
         """One Prefill call; if the caller leaves first, the call runs on and its replica is released."""
         set_id, address = chosen.set_id, chosen.address
@@ -437,6 +453,8 @@ class GeneratePipeline:
                 sampling,
                 kv_lease_ms=self.settings.kv_lease_ms,
                 expected_fingerprint=self.settings.kv_fingerprint,
+                no_prefix_cache=self.engine.dcp_size > 1,
+                cache_salt=cache_salt,
                 timeout=min(remaining, self.settings.prefill_timeout_s),
             )
         )
@@ -474,22 +492,65 @@ class GeneratePipeline:
         with _tracer.start_as_current_span("decode.kv_fetch") as span:
             span.set_attribute("pcpstack.kv_bytes", handle.total_bytes)
             span.set_attribute("pcpstack.kv_shards", len(shards))
+            span.set_attribute("pcpstack.cached_tokens", handle.cached_tokens)
             if self.engine.dcp_size > 1:
+                if handle.cached_tokens:
+                    raise DataLoss("a DCP worker asked for no cached prefix but the replica holds one")
                 parts = await _all_or_none(self._fetch_parts(handle, shards))
                 _kv_fetch_time.record(time.monotonic() - started)
                 return parts
-            parts = await _all_or_none(self._fetch_shard(handle, shard) for shard in shards)
+            segments = [self._fetch_segment(handle, segment) for segment in handle.prefix_segments]
+            parts = await _all_or_none([*segments, *(self._fetch_shard(handle, shard) for shard in shards)])
         _kv_fetch_time.record(time.monotonic() - started)
+        prefix, parts = parts[: len(segments)], parts[len(segments) :]
         if len(parts) == 1:
-            return parts[0]
+            new = parts[0]
+        else:
+            layout = self.engine.layout
+            new = torch.empty(
+                (
+                    layout.num_layers,
+                    2,
+                    handle.num_tokens - handle.cached_tokens,
+                    layout.num_kv_heads,
+                    layout.head_dim,
+                ),
+                dtype=layout.torch_dtype,
+            )
+            for shard, part in zip(shards, parts, strict=True):
+                new[:, :, :, shard.kv_head_start : shard.kv_head_end] = part
+        if not prefix:
+            return new
+        if sum(part.shape[2] for part in prefix) != handle.cached_tokens:
+            raise DataLoss(f"the prefix segments do not hold the {handle.cached_tokens} cached tokens")
+        return torch.cat([*prefix, new], dim=2)
+
+    async def _fetch_segment(
+        self, handle: common_pb2.KvHandle, segment: common_pb2.KvPrefixSegment
+    ) -> torch.Tensor:
+        """One run of the cached prefix [layers, 2, its tokens, kv_heads, head_dim], read through the
+        handle's prefix lease."""
         layout = self.engine.layout
-        whole = torch.empty(
-            (layout.num_layers, 2, handle.num_tokens, layout.num_kv_heads, layout.head_dim),
-            dtype=layout.torch_dtype,
-        )
-        for shard, part in zip(shards, parts, strict=True):
-            whole[:, :, :, shard.kv_head_start : shard.kv_head_end] = part
-        return whole
+        itemsize = torch.empty(0, dtype=layout.torch_dtype).element_size()
+        row = layout.num_kv_heads * layout.head_dim * itemsize
+        try:
+            byte_range = segment_range(
+                segment.object_bytes, layout.num_layers * 2, row, segment.token_start, segment.token_count
+            )
+            data, _ = await self._kv_client(handle.store_address).get(
+                segment.key,
+                handle.fingerprint,
+                handle.prefix_lease_capability,
+                ranges=[byte_range],
+                lease_id=handle.prefix_lease_id,
+            )
+        except ValueError as exc:
+            raise DataLoss(f"cached prefix segment {segment.key}: {exc}") from exc
+        except Exception as exc:
+            raise Unavailable(f"could not fetch the cached prefix segment {segment.key}: {exc}") from exc
+        _kv_bytes.add(len(data))
+        shape = (layout.num_layers, 2, segment.token_count, layout.num_kv_heads, layout.head_dim)
+        return torch.frombuffer(data, dtype=torch.uint8).view(layout.torch_dtype).view(shape)
 
     def _fetch_parts(
         self, handle: common_pb2.KvHandle, shards: list[common_pb2.KvShard]
@@ -549,7 +610,7 @@ class GeneratePipeline:
         shape = (
             layout.num_layers,
             2,
-            handle.num_tokens,
+            handle.num_tokens - handle.cached_tokens,  # the tokens after a cached prefix
             shard.kv_head_end - shard.kv_head_start,
             layout.head_dim,
         )
@@ -559,24 +620,30 @@ class GeneratePipeline:
         if raw.numel() != itemsize * torch.Size(shape).numel():
             raise DataLoss(
                 f"KV shard {shard.key} holds {raw.numel()} bytes; K/V heads "
-                f"{shard.kv_head_start}-{shard.kv_head_end} of {handle.num_tokens} tokens are "
+                f"{shard.kv_head_start}-{shard.kv_head_end} of {shape[2]} tokens are "
                 f"{itemsize * torch.Size(shape).numel()} bytes in {layout.dtype}"
             )
         return raw.view(layout.torch_dtype).view(shape)
 
     async def _release(self, handle: common_pb2.KvHandle) -> None:
-        """Releases every store object of the replica (each once); a failure is logged, not raised."""
+        """Releases every store object of the replica (each once) and its prefix lease; a failure is logged,
+        not raised."""
         # Unchecked: whatever the handle names is pinned and released, even shards that do not fit together;
         # by key, so an object named twice is released once.
         named = replica_shards(handle, self.engine.layout.num_kv_heads, check=False)
         shards = list({shard.key: shard for shard in named}.values())
         client = self._kv_client(handle.store_address)
-        outcomes = await asyncio.gather(
-            *(client.release(shard.key, shard.capability) for shard in shards), return_exceptions=True
-        )
-        for shard, outcome in zip(shards, outcomes, strict=True):
+        releases = [client.release(shard.key, shard.capability) for shard in shards]
+        names = [shard.key for shard in shards]
+        if handle.prefix_lease_id:
+            releases.append(
+                client.release(handle.prefix_lease_id, handle.prefix_lease_capability, lease=True)
+            )
+            names.append(f"prefix lease {handle.prefix_lease_id}")
+        outcomes = await asyncio.gather(*releases, return_exceptions=True)
+        for name, outcome in zip(names, outcomes, strict=True):
             if isinstance(outcome, BaseException):  # the store's lease reclaims it anyway
-                log.warning("release of %s failed: %s", shard.key, outcome)
+                log.warning("release of %s failed: %s", name, outcome)
 
 
 async def _all_or_none(awaitables: Iterable[Awaitable[T]]) -> list[T]:

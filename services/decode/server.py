@@ -76,6 +76,7 @@ class DecodeServicer(decode_pb2_grpc.DecodeServiceServicer):
             model=request.model,
             logprobs=request.logprobs,
             timeout_s=context.time_remaining(),
+            cache_salt=request.cache_salt,
         )
         # aclosing: a cancelled call closes the pipeline's request at once, in this task.
         async with aclosing(self.pipeline.generate(call)) as events:
@@ -104,5 +105,6 @@ class DecodeServicer(decode_pb2_grpc.DecodeServiceServicer):
                             request_id=event.request_id,
                             prompt_token_ids=event.prompt_token_ids,
                             trace_id=event.trace_id,
+                            cached_prompt_tokens=event.cached_prompt_tokens,
                         )
                     )

@@ -108,6 +108,8 @@ class _Sampling(StrictModel):
     stream_options: StreamOptions | None = None
     # An end-user identifier for abuse monitoring at OpenAI; it changes no output, so it is accepted.
     user: str | None = None
+    # vLLM's cache salt: prompt prefixes are reused only between requests with the same salt.
+    cache_salt: str | None = Field(None, min_length=1, max_length=256)
 
     @model_validator(mode="before")
     @classmethod
@@ -242,6 +244,7 @@ class ParsedRequest:
     logprobs: bool = False
     # Alternatives per token besides the sampled one.
     top_logprobs: int = 0
+    cache_salt: str = ""
 
     def seed_of(self, sample: int) -> int | None:
         """Sample i's seed: seed + i, so the n samples differ and each is reproducible."""
@@ -272,6 +275,7 @@ class ParsedRequest:
         sampling.logit_bias.update(self.logit_bias)
         if self.logprobs:
             sampling.logprobs = self.top_logprobs
+        request.cache_salt = self.cache_salt
         return request
 
 
@@ -444,4 +448,5 @@ def _common(request: _Sampling, served_model: str) -> dict[str, Any]:
         "skip_special_tokens": skip_special_tokens,
         "stream": _or(request.stream, False),
         "include_usage": bool(request.stream_options and request.stream_options.include_usage),
+        "cache_salt": request.cache_salt or "",
     }

@@ -39,12 +39,19 @@ class _Shape(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
 
+class PromptTokensDetails(_Shape):
+    """OpenAI's breakdown of the prompt tokens."""
+
+    cached_tokens: int  # whose K/V came from the prefix cache instead of a forward
+
+
 class Usage(_Shape):
     """Token counts of a whole request."""
 
     prompt_tokens: int
     completion_tokens: int
     total_tokens: int
+    prompt_tokens_details: PromptTokensDetails
 
 
 class CompletionLogprobs(_Shape):
@@ -190,7 +197,14 @@ def usage(summaries: Sequence[decode_pb2.GenerateSummary]) -> Usage:
     """OpenAI usage counts: the prompt once, the completions of every choice."""
     prompt = summaries[0].prompt_tokens if summaries else 0
     completion = sum(s.completion_tokens for s in summaries)
-    return Usage(prompt_tokens=prompt, completion_tokens=completion, total_tokens=prompt + completion)
+    # The first sample's prefill is the prompt's; the others (n > 1) may hit the cache it filled.
+    cached = summaries[0].cached_prompt_tokens if summaries else 0
+    return Usage(
+        prompt_tokens=prompt,
+        completion_tokens=completion,
+        total_tokens=prompt + completion,
+        prompt_tokens_details=PromptTokensDetails(cached_tokens=cached),
+    )
 
 
 def sse(payload: dict) -> bytes:

@@ -23,9 +23,12 @@ class PrefillClient:
         kvstore_address: str = "",
         kv_lease_ms: int = 0,
         expected_fingerprint: str = "",
+        no_prefix_cache: bool = False,
+        cache_salt: str = "",
         timeout: float | None = None,
     ) -> prefill_pb2.PrefillResponse:
-        """Prefills one prompt; raises grpc.aio.AioRpcError with the service's status on failure."""
+        """Prefills one prompt; raises grpc.aio.AioRpcError with the service's status on failure.
+        no_prefix_cache: the caller cannot load a cached prefix; cache_salt: the request's cache salt."""
         request = prefill_pb2.PrefillRequest(
             request_id=request_id,
             token_ids=token_ids,
@@ -33,6 +36,8 @@ class PrefillClient:
             kvstore_address=kvstore_address,
             kv_lease_ms=kv_lease_ms,
             expected_fingerprint=expected_fingerprint,
+            no_prefix_cache=no_prefix_cache,
+            cache_salt=cache_salt,
         )
         return await self._stub.Prefill(request, timeout=timeout)
 

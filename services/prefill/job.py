@@ -8,6 +8,12 @@ the `PrefillOutcome` its node answers with. Nothing on this path is a dict or JS
 With tensor parallelism the replica of the owning PCP rank is spread over its TP group by K/V head, and it
 is stored as one object per `ReplicaShard` (`replica_shards`, computed once by the servicer and carried in
 the job): each shard's TP rank pushes its own heads under the shard's key and fingerprint.
+
+Prefix reuse: a job may carry a `CachedPrefix` (the servicer's store lookup: where the prompt's leading
+blocks are and the lease to read them) and the prompt's block keys. Every rank loads the prefix, prefills
+only the tokens after it and the owner pushes only those, offering their full blocks under their keys; the
+shares report how many tokens each rank took from the cache (all or none of the prefix, the same on every
+rank).
 """
 
 from __future__ import annotations
@@ -29,6 +35,8 @@ _LENGTH = struct.Struct("<I")
 # lease_ms, number of tokens, of trace-context entries and of replica shards
 _JOB_FIXED = struct.Struct("<qIII")
 _SHARD_FIXED = struct.Struct("<III")  # tp_rank, kv_head_start, kv_head_end
+_PREFIX_FIXED = struct.Struct("<III")  # cached tokens, number of segments, number of prompt block keys
+_SEGMENT_FIXED = struct.Struct("<IIQ")  # token_start, token_count, object_bytes
 
 
 def _pack_str(text: str) -> bytes:
@@ -86,6 +94,28 @@ def replica_shards(kv_key: str, fingerprint: str, args: ModelArgs, tp_size: int)
 
 
 @dataclass(frozen=True)
+class PrefixRun:
+    """Cached prefix tokens [token_start, token_start + token_count) of one store object (kvstore
+    LookupResponse's PrefixSegment)."""
+
+    key: str
+    token_start: int
+    token_count: int
+    object_bytes: int
+
+
+@dataclass(frozen=True)
+class CachedPrefix:
+    """The prompt's leading tokens the store holds: the runs holding them, in order, and the prefix lease
+    (id and capability) that pins and reads them."""
+
+    tokens: int
+    runs: tuple[PrefixRun, ...]
+    lease_id: str
+    capability: str = field(repr=False)  # a bearer secret
+
+
+@dataclass(frozen=True)
 class PrefillJob:
     """One prompt for the set: what every rank needs to run it and push its replica."""
 
@@ -101,6 +131,11 @@ class PrefillJob:
     # The store objects of the replica (replica_shards). Empty: one object under kv_key, pushed by TP
     # rank 0 under the rank's own (whole-model) fingerprint.
     shards: tuple[ReplicaShard, ...] = ()
+    # Prefix reuse: the leading tokens to load from the store instead of computing (None: none), and the
+    # keys of the prompt's full blocks (kvstore.prefix.prefix_block_keys), of which the pushed replica
+    # offers those after the prefix. Empty keys: nothing is offered for reuse.
+    prefix: CachedPrefix | None = None
+    block_keys: tuple[str, ...] = ()
 
     def stored_shards(self, fingerprint: str = "") -> tuple[ReplicaShard, ...]:
         """The shards to push: `shards`, or the whole replica under kv_key when the job names none."""
@@ -118,6 +153,19 @@ class PrefillJob:
         for key, value in self.trace_context.items():
             parts += [_pack_str(key), _pack_str(value)]
         parts += [shard.to_bytes() for shard in self.shards]
+        prefix = self.prefix
+        runs = prefix.runs if prefix else ()
+        parts += [
+            _PREFIX_FIXED.pack(prefix.tokens if prefix else 0, len(runs), len(self.block_keys)),
+            _pack_str(prefix.lease_id if prefix else ""),
+            _pack_str(prefix.capability if prefix else ""),
+        ]
+        for run in runs:
+            parts += [
+                _SEGMENT_FIXED.pack(run.token_start, run.token_count, run.object_bytes),
+                _pack_str(run.key),
+            ]
+        parts += [_pack_str(key) for key in self.block_keys]
         # Token ids are below the vocabulary size, far from 2**32.
         parts.append(struct.pack(f"<{len(self.token_ids)}I", *self.token_ids))
         return b"".join(parts)
@@ -140,9 +188,31 @@ class PrefillJob:
         for _ in range(num_shards):
             shard, offset = ReplicaShard.read_from(view, offset)
             shards.append(shard)
+        cached, num_runs, num_keys = _PREFIX_FIXED.unpack_from(view, offset)
+        lease_id, offset = _unpack_str(view, offset + _PREFIX_FIXED.size)
+        lease_capability, offset = _unpack_str(view, offset)
+        runs = []
+        for _ in range(num_runs):
+            token_start, token_count, object_bytes = _SEGMENT_FIXED.unpack_from(view, offset)
+            key, offset = _unpack_str(view, offset + _SEGMENT_FIXED.size)
+            runs.append(PrefixRun(key, token_start, token_count, object_bytes))
+        block_keys = []
+        for _ in range(num_keys):
+            key, offset = _unpack_str(view, offset)
+            block_keys.append(key)
+        prefix = CachedPrefix(cached, tuple(runs), lease_id, lease_capability) if cached else None
         token_ids = list(struct.unpack_from(f"<{num_tokens}I", view, offset))
         return cls(
-            request_id, kv_key, token_ids, sampling, kvstore_address, lease_ms, trace_context, tuple(shards)
+            request_id,
+            kv_key,
+            token_ids,
+            sampling,
+            kvstore_address,
+            lease_ms,
+            trace_context,
+            tuple(shards),
+            prefix,
+            tuple(block_keys),
         )
 
     def to_tensor(self) -> torch.Tensor:
@@ -155,9 +225,9 @@ class PrefillJob:
         return cls.from_bytes(tensor.numpy().tobytes())
 
 
-# first token id (-1: not sampled here), replica bytes, forward us, push us, then the byte lengths of the
-# error code, the capability and the error message, which follow in that order.
-_SHARE_FIXED = struct.Struct("<qqqqHHH")
+# first token id (-1: not sampled here), replica bytes, forward us, push us, cached prefix tokens used, then
+# the byte lengths of the error code, the capability and the error message, which follow in that order.
+_SHARE_FIXED = struct.Struct("<qqqqqHHH")
 # The first token's log-probability and the number of its alternatives (_NO_LOGPROBS: none asked), then
 # MAX_LOGPROBS slots of (token id, log-probability); they sit right after _SHARE_FIXED.
 _SHARE_LOGPROBS = struct.Struct("<dH")
@@ -181,6 +251,8 @@ class RankShare:
     error: str = ""
     # The first token's log-probabilities, when the request asked (set with first_token_id).
     first_token_logprobs: TokenLogprobs | None = None
+    # Leading prompt tokens this rank loaded from the store instead of computing (the same on every rank).
+    cached_tokens: int = 0
 
     def to_tensor(self) -> torch.Tensor:
         """SIZE bytes as a uint8 tensor; an error message too long for the rest is cut."""
@@ -191,7 +263,7 @@ class RankShare:
         # Cut on a character boundary so the message still decodes.
         message = self.error.encode()[:room].decode(errors="ignore").encode()
         data = bytearray(self.SIZE)
-        fixed = (self.first_token_id, self.total_bytes, self.forward_us, self.push_us)
+        fixed = (self.first_token_id, self.total_bytes, self.forward_us, self.push_us, self.cached_tokens)
         _SHARE_FIXED.pack_into(data, 0, *fixed, len(code), len(capability), len(message))
         logprobs = self.first_token_logprobs
         if logprobs is None:
@@ -211,7 +283,7 @@ class RankShare:
     def from_tensor(cls, tensor: torch.Tensor) -> RankShare:
         """The share one rank contributed."""
         data = tensor.numpy().tobytes()
-        token, total, forward_us, push_us, n_code, n_cap, n_msg = _SHARE_FIXED.unpack_from(data, 0)
+        token, total, forward_us, push_us, cached, n_code, n_cap, n_msg = _SHARE_FIXED.unpack_from(data, 0)
         logprob, n_top = _SHARE_LOGPROBS.unpack_from(data, _SHARE_FIXED.size)
         logprobs = None
         if n_top != _NO_LOGPROBS:
@@ -223,7 +295,7 @@ class RankShare:
         code = data[offset : offset + n_code].decode()
         capability = data[offset + n_code : offset + n_code + n_cap].decode()
         message = data[offset + n_code + n_cap : offset + n_code + n_cap + n_msg].decode()
-        return cls(token, total, forward_us, push_us, capability, code, message, logprobs)
+        return cls(token, total, forward_us, push_us, capability, code, message, logprobs, cached)
 
 
 @dataclass(frozen=True)
@@ -256,6 +328,8 @@ class PrefillOutcome:
     first_token_logprobs: TokenLogprobs | None = None
     # The shards of the replica that are in the store (all of them when the job succeeded), in head order.
     shards: tuple[StoredShard, ...] = ()
+    # Leading prompt tokens the set took from the store's prefix cache (the stored replica holds the rest).
+    cached_tokens: int = 0
 
     @classmethod
     def combine(
@@ -290,6 +364,7 @@ class PrefillOutcome:
             replica_stored=bool(stored),
             first_token_logprobs=None if sampler is None else sampler.first_token_logprobs,
             shards=stored,
+            cached_tokens=shares[0].cached_tokens,
         )
 
     def first_token_logprobs_wire(self) -> common_pb2.TokenLogprobs | None:

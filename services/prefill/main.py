@@ -74,6 +74,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="longest piece of a prompt one forward runs: a longer prompt is prefilled in chunks, each "
         "attending to those before it (bounds the activations of long prompts; exact); 0: one forward",
     )
+    parser.add_argument(
+        "--no-prefix-cache",
+        action="store_true",
+        help="neither reuse prompt prefixes the KV store holds nor offer new blocks for reuse (prefix "
+        "reuse is off anyway with TP > 1)",
+    )
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -92,6 +98,7 @@ class PrefillConfig(NodeConfig):
     kv_cache_tokens: int = DEFAULT_KV_CACHE_TOKENS
     # 0: the whole prompt in one forward.
     prefill_chunk_tokens: int = 0
+    no_prefix_cache: bool = False
 
     def __post_init__(self) -> None:
         super().__post_init__()
@@ -221,6 +228,7 @@ class PrefillNode:
             config.kv_lease_ms,
             self.engine.tensor_parallel_size,
             kv_cache_tokens=config.kv_cache_tokens,
+            prefix_cache=not config.no_prefix_cache,
         )
         self.running = await start_server(
             lambda server: prefill_pb2_grpc.add_PrefillServiceServicer_to_server(servicer, server),
@@ -252,6 +260,7 @@ class PrefillNode:
             await self.supervisor.stop("node shutting down")
             await self.registry.close()
             await self.resolver.close()
+            await servicer.close()
 
         return Serving.grpc(self.running, before_stop)
 

@@ -20,6 +20,12 @@ the all-gather, so the group stays in step and the set serves the next job.
 
 A rank's cache holds `kv_cache_tokens` (the servicer refuses a longer prompt before the job reaches the
 set); a prompt above `prefill_chunk_tokens` runs in chunks (context_parallel.prefill_chunked).
+
+Prefix reuse: when the job carries a cached prefix, every rank reads it from the store (ranged reads through
+the job's prefix lease) and adopts it, and one all-reduce over the control group makes the ranks agree: all
+of them loaded it, or none uses it and the whole prompt is computed (a cache is never worth a wrong or
+stuck set). Then only the tokens after the prefix are split and computed, and the owner pushes only those,
+with the block keys of their full blocks.
 """
 
 from __future__ import annotations
@@ -39,6 +45,7 @@ import torch.distributed as dist
 from opentelemetry.propagate import extract
 
 from pcpstack.common.errors import Internal, ServiceError, Unavailable
+from pcpstack.common.lifetime import exit_with_spawning_process
 from pcpstack.common.logs import setup_logging
 from pcpstack.common.telemetry import setup_telemetry, shutdown_telemetry, tracer
 from pcpstack.engine.device import device_for_rank
@@ -56,13 +63,15 @@ from pcpstack.engine.sampling import (
 )
 from pcpstack.engine.weights import load_model
 from pcpstack.kvstore.client import KvStoreClient
+from pcpstack.kvstore.prefix import segment_range
+from pcpstack.kvstore.ranges import ByteRange
 from pcpstack.prefill.context_parallel import (
     KvAllGather,
     chunk_bounds,
     configure_gloo_interface,
     prefill_chunked,
 )
-from pcpstack.prefill.job import PrefillJob, PrefillOutcome, RankShare, ReplicaShard
+from pcpstack.prefill.job import CachedPrefix, PrefillJob, PrefillOutcome, RankShare, ReplicaShard
 from pcpstack.prefill.replica import replica_owner
 from pcpstack.prefill.split import DualChunkSplit
 
@@ -141,7 +150,7 @@ class RankReady:
 
 
 class ReplicaPusher:
-    """Pushes KV replicas to a KV store from this (synchronous) rank process.
+    """Pushes KV replicas to a KV store from this (synchronous) rank process, and reads cached prefixes.
 
     The pusher's event loop runs only while a push does, so whatever a push leaves behind in it (a gRPC
     task of a call the store ended early) is finished before the push returns: left pending in a loop that
@@ -153,10 +162,20 @@ class ReplicaPusher:
         self._loop = asyncio.new_event_loop()
         self._clients: dict[str, KvStoreClient] = {}
 
-    def push(self, address: str, key: str, fingerprint: str, data: memoryview, lease_ms: int) -> str:
-        """Stores one replica and returns its read capability; raises the store's error."""
+    def push(
+        self,
+        address: str,
+        key: str,
+        fingerprint: str,
+        data: memoryview,
+        lease_ms: int,
+        block_keys: tuple[str, ...] = (),
+        block_tokens: int = 0,
+    ) -> str:
+        """Stores one replica (offering the full blocks block_keys name) and returns its read capability;
+        raises the store's error."""
         try:
-            return self._run(self._push(address, key, fingerprint, data, lease_ms))
+            return self._run(self._push(address, key, fingerprint, data, lease_ms, block_keys, block_tokens))
         except Exception as exc:
             if getattr(exc, "code", "") in _REFUSALS:
                 raise
@@ -165,7 +184,26 @@ class ReplicaPusher:
             stale = self._clients.pop(address, None)
             if stale is not None:
                 self._run(stale.close())
-            return self._run(self._push(address, key, fingerprint, data, lease_ms))
+            return self._run(self._push(address, key, fingerprint, data, lease_ms, block_keys, block_tokens))
+
+    def fetch(
+        self, address: str, key: str, fingerprint: str, lease: CachedPrefix, ranges: list[ByteRange]
+    ) -> memoryview:
+        """The selected bytes of one object a prefix lease pins; raises the store's error."""
+        return self._run(self._fetch(address, key, fingerprint, lease, ranges))
+
+    async def _fetch(
+        self, address: str, key: str, fingerprint: str, lease: CachedPrefix, ranges: list[ByteRange]
+    ) -> memoryview:
+        data, _ = await self._client(address).get(
+            key, fingerprint, lease.capability, ranges=ranges, lease_id=lease.lease_id
+        )
+        return data
+
+    def _client(self, address: str) -> KvStoreClient:
+        if address not in self._clients:  # created inside the loop its channel belongs to
+            self._clients[address] = KvStoreClient(address)
+        return self._clients[address]
 
     def _run(self, coroutine: Coroutine[Any, Any, T]) -> T:
         try:
@@ -180,10 +218,19 @@ class ReplicaPusher:
         if leftovers:
             self._loop.run_until_complete(asyncio.gather(*leftovers, return_exceptions=True))
 
-    async def _push(self, address: str, key: str, fingerprint: str, data: memoryview, lease_ms: int) -> str:
-        if address not in self._clients:  # created inside the loop its channel belongs to
-            self._clients[address] = KvStoreClient(address)
-        committed = await self._clients[address].put(key, fingerprint, data, lease_ms=lease_ms)
+    async def _push(
+        self,
+        address: str,
+        key: str,
+        fingerprint: str,
+        data: memoryview,
+        lease_ms: int,
+        block_keys: tuple[str, ...],
+        block_tokens: int,
+    ) -> str:
+        committed = await self._client(address).put(
+            key, fingerprint, data, lease_ms=lease_ms, block_keys=block_keys, block_tokens=block_tokens
+        )
         return committed.capability
 
 
@@ -252,10 +299,18 @@ class RankWorker:
             return KvAllGather(split, group=self.groups.pcp_group, on_progress=self.on_progress)
 
         try:
-            state = engine.reserve(seq_id, len(tokens))
             started = time.perf_counter()
+            cached = self._adopt_prefix(job, seq_id)
+            state = engine.reserve(seq_id, len(tokens))
             logits = prefill_chunked(
-                engine, state, tokens, spec.pcp_rank, spec.pcp_size, spec.prefill_chunk_tokens, exchange_for
+                engine,
+                state,
+                tokens[cached:],
+                spec.pcp_rank,
+                spec.pcp_size,
+                spec.prefill_chunk_tokens,
+                exchange_for,
+                start=cached,
             )
             forward_us = int((time.perf_counter() - started) * 1e6)
             first_token = -1
@@ -276,12 +331,53 @@ class RankWorker:
             mine = [s for s in job.stored_shards(self.fingerprint) if s.tp_rank == spec.tp_rank]
             if spec.pcp_rank != owner or not mine:
                 return RankShare(
-                    first_token_id=first_token, forward_us=forward_us, first_token_logprobs=first_logprobs
+                    first_token_id=first_token,
+                    forward_us=forward_us,
+                    first_token_logprobs=first_logprobs,
+                    cached_tokens=cached,
                 )
-            return self._push(job, mine[0], first_token, forward_us, first_logprobs)
+            return self._push(job, mine[0], first_token, forward_us, first_logprobs, cached)
         finally:
             # Only the selected replica lives on (in the store); every rank frees its copy at once.
             engine.free(seq_id)
+
+    def _adopt_prefix(self, job: PrefillJob, seq_id: str) -> int:
+        """Starts seq_id from the job's cached prefix when every rank could read it; returns the tokens
+        adopted (0: none, the whole prompt is computed). Every rank takes part in the agreement."""
+        prefix = job.prefix
+        if prefix is None:
+            return 0
+        kv = None
+        try:
+            kv = self._read_prefix(job, prefix)
+        except Exception as exc:  # the store lost it, or a run does not fit: compute instead
+            log.warning(
+                "rank %d could not load the cached prefix of %s: %s", self.spec.global_rank, job.kv_key, exc
+            )
+        loaded = torch.tensor([0 if kv is None else 1], dtype=torch.long)
+        dist.all_reduce(loaded, op=dist.ReduceOp.MIN, group=self.groups.control)
+        if not loaded.item():
+            return 0
+        self.engine.adopt_sequence(seq_id, kv.to(self.engine.device), prefix.tokens)
+        return prefix.tokens
+
+    def _read_prefix(self, job: PrefillJob, prefix: CachedPrefix) -> torch.Tensor:
+        """The prefix's K/V [layers, 2, tokens, kv_heads, head_dim], one ranged read per run."""
+        layout = self.engine.layout
+        itemsize = torch.empty(0, dtype=layout.torch_dtype).element_size()
+        row = layout.num_kv_heads * layout.head_dim * itemsize
+        planes = layout.num_layers * 2
+        pieces = []
+        for run in prefix.runs:
+            ranges = [segment_range(run.object_bytes, planes, row, run.token_start, run.token_count)]
+            data = self.pusher.fetch(job.kvstore_address, run.key, self.fingerprint, prefix, ranges)
+            raw = torch.frombuffer(data, dtype=torch.uint8).view(layout.torch_dtype)
+            shape = (layout.num_layers, 2, run.token_count, layout.num_kv_heads, layout.head_dim)
+            pieces.append(raw.view(shape))
+        kv = torch.cat(pieces, dim=2)
+        if kv.shape[2] != prefix.tokens:
+            raise ValueError(f"the prefix's runs hold {kv.shape[2]} tokens, not {prefix.tokens}")
+        return kv
 
     def _push(
         self,
@@ -290,12 +386,15 @@ class RankWorker:
         first_token: int,
         forward_us: int,
         first_logprobs: TokenLogprobs | None = None,
+        cached: int = 0,
     ) -> RankShare:
         started = time.perf_counter()
         try:
             # [layers, 2, tokens, this rank's K/V heads, head_dim]: exactly the shard's heads (a rank holding
-            # a replicated head pushes it only when the shard names this rank).
-            local = self.engine.export_sequence(job.kv_key)
+            # a replicated head pushes it only when the shard names this rank); only the tokens after a
+            # cached prefix, which the store holds already.
+            local = self.engine.export_sequence(job.kv_key)[:, :, cached:]
+            block_size = self.spec.block_size
             if shard.kv_head_end and local.shape[3] != shard.kv_head_end - shard.kv_head_start:
                 raise Internal(
                     f"rank {self.spec.global_rank} holds {local.shape[3]} K/V heads but its shard is heads "
@@ -303,12 +402,16 @@ class RankWorker:
                 )
             # One staging copy off the device in the cache's own dtype; uint8 bytes, since numpy has no bf16.
             staged = local.contiguous().cpu().reshape(-1)
+            # The cached prefix is whole blocks, so the replica's blocks are the prompt's from cached on.
+            offered = job.block_keys[cached // block_size :] if cached % block_size == 0 else ()
             capability = self.pusher.push(
                 job.kvstore_address,
                 shard.key,
                 shard.fingerprint or self.fingerprint,
                 memoryview(staged.view(torch.uint8).numpy()),
                 job.lease_ms,
+                block_keys=offered,
+                block_tokens=block_size if offered else 0,
             )
         except Exception as exc:  # the store's error travels to rank 0, which answers the caller with it
             code = exc.code if isinstance(exc, ServiceError) else Unavailable.code
@@ -317,7 +420,9 @@ class RankWorker:
                 f"{shard.kv_head_start}-{shard.kv_head_end}) to {job.kvstore_address}: {exc}"
             )
             log.warning(message)
-            return RankShare(first_token, forward_us=forward_us, error_code=code, error=message)
+            return RankShare(
+                first_token, forward_us=forward_us, error_code=code, error=message, cached_tokens=cached
+            )
         return RankShare(
             first_token_id=first_token,
             first_token_logprobs=first_logprobs,
@@ -325,6 +430,7 @@ class RankWorker:
             forward_us=forward_us,
             push_us=int((time.perf_counter() - started) * 1e6),
             capability=capability,
+            cached_tokens=cached,
         )
 
 
@@ -338,6 +444,7 @@ def rank_main(spec: RankSpec, conn: Connection, progress: Synchronized) -> None:
     """Entry point of a rank process (a multiprocessing target); exits on stop or when the group fails."""
     torch.set_num_threads(spec.threads)
     setup_logging(f"prefill-rank-{spec.global_rank}", spec.log_level)
+    exit_with_spawning_process(f"prefill rank {spec.global_rank}")
     setup_telemetry("prefill-rank")
     try:
         device = device_for_rank(spec.local_index, spec.device or None)

@@ -5,6 +5,13 @@ pcpstack.engine.prompt, the request-id rule, the set's KV capacity, the fingerpr
 failure is raised as its kind of pcpstack.common.errors for the common interceptor to answer. The KV key
 of the attempt is computed here, once, with the keys of its shards when a TP group stores the replica as
 several objects; the ranks push under them and the reply's handle names them.
+
+Prefix reuse (on unless --no-prefix-cache; off with TP > 1, whose replicas are stored per head range): the
+servicer derives the prompt's block keys once (kvstore.prefix, salted by the request's cache salt), asks
+the store which leading blocks it holds (leaving the last token to compute) and hands the job the cached
+prefix and the keys; the reply's handle names the prefix's segments and lease beside the new replica. The
+lease is the reader's to release, or this servicer's when nobody will read it (the set did not use the
+prefix, the request failed, its caller left).
 """
 
 from __future__ import annotations
@@ -23,8 +30,9 @@ from pcpstack.common.logs import request_id_var
 from pcpstack.common.telemetry import latency_histogram, meter, tracer
 from pcpstack.engine.prompt import check_prompt
 from pcpstack.kvstore.client import KvStoreClient
+from pcpstack.kvstore.prefix import prefix_block_keys, reusable_blocks
 from pcpstack.prefill.errors import PromptOverCapacity, StoreNotListed
-from pcpstack.prefill.job import PrefillJob, PrefillOutcome, replica_shards
+from pcpstack.prefill.job import CachedPrefix, PrefillJob, PrefillOutcome, PrefixRun, replica_shards
 from pcpstack.prefill.node import ModelInfo, RankSupervisor
 from pcpstack.prefill.replica import replica_key
 from pcpstack.v1 import common_pb2, prefill_pb2, prefill_pb2_grpc
@@ -51,12 +59,18 @@ class PrefillServicer(prefill_pb2_grpc.PrefillServiceServicer):
         lease_ms: int = 0,
         tp_size: int = 1,
         kv_cache_tokens: int = 0,
+        prefix_cache: bool = True,
     ) -> None:
         """kv_stores: the addresses ranks may push to (the configured store, then those the registry
         lists); the first is the default. tp_size: the TP size of the sets this node runs.
         kv_cache_tokens: the K/V each rank's cache holds, the longest prompt a set takes (0: no limit
-        beyond the model's context)."""
+        beyond the model's context). prefix_cache: reuse prompt prefixes the store holds and offer new
+        blocks (--no-prefix-cache turns it off)."""
         self.supervisor = supervisor
+        self.prefix_cache = prefix_cache and tp_size == 1
+        if prefix_cache and not self.prefix_cache:
+            log.info("prefix cache off: TP=%d stores each replica as one object per K/V head range", tp_size)
+        self._kv_clients: dict[str, KvStoreClient] = {}
         self._kv_cache_tokens = kv_cache_tokens
         self.info = info
         self._tp_size = tp_size
@@ -81,12 +95,56 @@ class PrefillServicer(prefill_pb2_grpc.PrefillServiceServicer):
             raise Unavailable("no KV store is known to push the replica to")
         return requested or stores[0]
 
-    def _delete_later(self, address: str, outcome: PrefillOutcome) -> None:
-        """Deletes every stored shard of a replica nobody will read (its caller left, or its request
-        failed)."""
-        task = asyncio.ensure_future(self._delete(address, outcome))
+    def _kv_client(self, address: str) -> KvStoreClient:
+        client = self._kv_clients.get(address)
+        if client is None:
+            client = self._kv_clients[address] = KvStoreClient(address)
+        return client
+
+    async def close(self) -> None:
+        """Closes the store clients (after the background clean-ups)."""
+        if self._background:
+            await asyncio.gather(*self._background, return_exceptions=True)
+        for client in self._kv_clients.values():
+            await client.close()
+
+    async def _cached_prefix(
+        self, address: str, block_keys: list[str], num_tokens: int, lease_ms: int
+    ) -> CachedPrefix | None:
+        """The prompt's leading blocks the store holds, under a prefix lease (None: a miss, or the store
+        could not say: then the whole prompt is computed)."""
+        wanted = block_keys[: reusable_blocks(num_tokens, self.info.layout.block_size)]
+        if not wanted:
+            return None
+        try:
+            found = await self._kv_client(address).lookup(wanted, self.info.fingerprint, lease_ms)
+        except Exception as exc:  # a cache that cannot answer is a miss
+            log.warning("prefix lookup on %s failed: %s", address, exc)
+            return None
+        if not found.blocks:
+            return None
+        runs = tuple(PrefixRun(s.key, s.token_start, s.token_count, s.object_bytes) for s in found.segments)
+        return CachedPrefix(found.tokens, runs, found.lease_id, found.capability)
+
+    def _later(self, coroutine) -> None:
+        """Runs a clean-up in the background, kept until done."""
+        task = asyncio.ensure_future(coroutine)
         self._background.add(task)
         task.add_done_callback(self._background.discard)
+
+    async def _release_prefix(self, address: str, prefix: CachedPrefix) -> None:
+        try:
+            await self._kv_client(address).release(prefix.lease_id, prefix.capability, lease=True)
+        except Exception as exc:  # the lease expires anyway
+            log.warning("could not release prefix lease %s: %s", prefix.lease_id, exc)
+
+    def _abandon(self, address: str, job: PrefillJob, outcome: PrefillOutcome) -> None:
+        """Deletes every stored shard of a replica nobody will read (its caller left, or its request
+        failed), and releases its prefix lease."""
+        if outcome.replica_stored:
+            self._later(self._delete(address, outcome))
+        if job.prefix is not None:
+            self._later(self._release_prefix(address, job.prefix))
 
     async def _delete(self, address: str, outcome: PrefillOutcome) -> None:
         # Each shard on its own: one that cannot be deleted must not keep the others in the store.
@@ -97,11 +155,12 @@ class PrefillServicer(prefill_pb2_grpc.PrefillServiceServicer):
             except Exception as exc:  # the store's lease reclaims it anyway
                 log.warning("could not delete abandoned replica shard %s: %s", stored.shard.key, exc)
 
-    def _discard_when_done(self, done: asyncio.Future, address: str) -> None:
+    def _discard_when_done(self, done: asyncio.Future, address: str, job: PrefillJob) -> None:
         if not done.cancelled() and done.exception() is None:
             _, outcome = done.result()
-            if outcome.replica_stored:
-                self._delete_later(address, outcome)
+            self._abandon(address, job, outcome)
+        elif job.prefix is not None:
+            self._later(self._release_prefix(address, job.prefix))
 
     async def Prefill(
         self, request: prefill_pb2.PrefillRequest, context: grpc.aio.ServicerContext
@@ -125,9 +184,18 @@ class PrefillServicer(prefill_pb2_grpc.PrefillServiceServicer):
             )
         self.supervisor.ready_set()  # fail fast, before resolving a store
         store = await self._store_for(request.kvstore_address)
+        lease_ms = request.kv_lease_ms or self._lease_ms
         with _tracer.start_as_current_span("prefill.set") as span:
             carrier: dict[str, str] = {}
             inject(carrier)
+            block_keys: list[str] = []
+            prefix = None
+            if self.prefix_cache:
+                block_keys = prefix_block_keys(
+                    ids, info.layout.block_size, info.fingerprint, request.cache_salt
+                )
+                if not request.no_prefix_cache:
+                    prefix = await self._cached_prefix(store, block_keys, len(ids), lease_ms)
             kv_key = replica_key(request.request_id, info.fingerprint)
             job = PrefillJob(
                 request_id=request.request_id,
@@ -136,8 +204,10 @@ class PrefillServicer(prefill_pb2_grpc.PrefillServiceServicer):
                 token_ids=ids,
                 sampling=sampling,
                 kvstore_address=store,
-                lease_ms=request.kv_lease_ms or self._lease_ms,
+                lease_ms=lease_ms,
                 trace_context=carrier,
+                prefix=prefix,
+                block_keys=tuple(block_keys),
             )
             span.set_attribute("pcpstack.request_id", request.request_id)
             span.set_attribute("pcpstack.prompt_tokens", len(ids))
@@ -146,17 +216,19 @@ class PrefillServicer(prefill_pb2_grpc.PrefillServiceServicer):
             try:
                 running, outcome = await asyncio.wait_for(asyncio.shield(task), context.time_remaining())
             except (TimeoutError, asyncio.CancelledError) as exc:
-                task.add_done_callback(lambda done: self._discard_when_done(done, store))
+                task.add_done_callback(lambda done: self._discard_when_done(done, store, job))
                 if isinstance(exc, asyncio.CancelledError):
                     raise
                 raise DeadlineExceeded("prefill did not finish within the deadline") from None
             span.set_attribute("pcpstack.replica_rank", outcome.replica_rank)
+            span.set_attribute("pcpstack.cached_tokens", outcome.cached_tokens)
         error = outcome.error_kind()
         if error is not None:
             _requests.add(1, {"outcome": "error"})
-            if outcome.replica_stored:
-                self._delete_later(store, outcome)
+            self._abandon(store, job, outcome)
             raise error
+        if job.prefix is not None and not outcome.cached_tokens:
+            self._later(self._release_prefix(store, job.prefix))  # the set computed the whole prompt
         _requests.add(1, {"outcome": "ok"})
         _forward.record(outcome.forward_seconds)
         _push.record(outcome.push_seconds)
@@ -164,6 +236,7 @@ class PrefillServicer(prefill_pb2_grpc.PrefillServiceServicer):
 
     def _reply(self, job: PrefillJob, assignment, outcome: PrefillOutcome) -> prefill_pb2.PrefillResponse:
         layout = self.info.layout
+        prefix = job.prefix if outcome.cached_tokens else None
         shards = [
             common_pb2.KvShard(
                 key=stored.shard.key,
@@ -198,10 +271,23 @@ class PrefillServicer(prefill_pb2_grpc.PrefillServiceServicer):
                 capability=outcome.capability,
                 shards=shards,
                 source_tp_size=self._tp_size,
+                cached_tokens=outcome.cached_tokens,
+                prefix_segments=[
+                    common_pb2.KvPrefixSegment(
+                        key=run.key,
+                        token_start=run.token_start,
+                        token_count=run.token_count,
+                        object_bytes=run.object_bytes,
+                    )
+                    for run in (prefix.runs if prefix else ())
+                ],
+                prefix_lease_id=prefix.lease_id if prefix else "",
+                prefix_lease_capability=prefix.capability if prefix else "",
             ),
             set_id=assignment.set_id,
             generation=assignment.generation,
             pcp_size=assignment.pcp_size,
             forward_seconds=outcome.forward_seconds,
             kv_push_seconds=outcome.push_seconds,
+            computed_tokens=len(job.token_ids) - outcome.cached_tokens,
         )

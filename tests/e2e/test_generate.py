@@ -2,8 +2,9 @@
 
 Greedy answers equal HF transformers' at PCP=2 (with TP in test_tp_path.py); concurrent requests equal the
 same requests run alone; seeded sampling repeats; a cancelled request leaves nothing pinned in the store; a
-request id can be sent again; bad input (a request id that breaks the id rule included) gets INVALID_ARGUMENT
-naming the field.
+request id can be sent again; a second chat turn takes the first turn's prompt blocks from the store and
+answers as a cold run of another cache salt does; bad input (a request id that breaks the id rule
+included) gets INVALID_ARGUMENT naming the field.
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ import grpc
 import pytest
 
 from pcpstack.decode.client import DecodeClient, build_request
+from pcpstack.kvstore.client import KvStoreClient
 from tests.helpers import pinned_bytes
 
 PROMPTS = [
@@ -23,10 +25,12 @@ PROMPTS = [
 ]
 
 
-async def _answer(address: str, prompt, **sampling):
+async def _answer(address: str, prompt, cache_salt: str = "", **sampling):
+    request = build_request(prompt, **sampling)
+    request.cache_salt = cache_salt
     client = DecodeClient(address)
     try:
-        return await client.generate(build_request(prompt, **sampling), timeout=300)
+        return await client.generate(request, timeout=300)
     finally:
         await client.close()
 
@@ -155,3 +159,34 @@ def test_bad_requests_are_refused_naming_the_field(smollm_stack_pcp2, prompt, sa
         smollm_stack_pcp2.run(_answer(smollm_stack_pcp2.decode, prompt, **sampling))
     assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT
     assert field in info.value.details()
+
+
+@pytest.mark.slow
+def test_second_chat_turn_reuses_the_first_turns_prefix_blocks_and_answers_as_a_cold_run(
+    smollm_stack_pcp2, hf_reference
+) -> None:
+    stack = smollm_stack_pcp2
+    system = {"role": "system", "content": PROMPTS[2]}  # about 400 tokens: three full blocks of 128
+    turn_1 = [system, {"role": "user", "content": "Which animal jumps?"}]
+    first = stack.run(_answer(stack.decode, turn_1, max_tokens=8, ignore_eos=True))
+    hits_before = stack.run(_store_stat(stack)).prefix_blocks_hit
+    turn_2 = [
+        *turn_1,
+        {"role": "assistant", "content": first.text},
+        {"role": "user", "content": "And which one is lazy?"},
+    ]
+    warm = stack.run(_answer(stack.decode, turn_2, max_tokens=16, ignore_eos=True))
+    cold = stack.run(_answer(stack.decode, turn_2, max_tokens=16, ignore_eos=True, cache_salt="tenant-b"))
+    ids_1, ids_2 = list(first.summary.prompt_token_ids), list(warm.summary.prompt_token_ids)
+    common = next((i for i, (a, b) in enumerate(zip(ids_1, ids_2, strict=False)) if a != b), len(ids_1))
+    # The second turn's prefill computed only what follows the first turn's full blocks.
+    assert warm.summary.cached_prompt_tokens == common // 128 * 128 >= 256
+    assert stack.run(_store_stat(stack)).prefix_blocks_hit > hits_before
+    # Another salt shares no block: computed cold, and the answers are equal (and equal HF's).
+    assert cold.summary.cached_prompt_tokens == 0
+    assert warm.token_ids == cold.token_ids == hf_reference(ids_2, 16)
+
+
+async def _store_stat(stack):
+    async with KvStoreClient(stack.stack.kvstore_address) as store:
+        return await store.stat()

@@ -38,7 +38,12 @@ def test_completion_response_has_text_finish_reason_and_usage() -> None:
     body = shaper.response([SUMMARY])
     assert body["object"] == "text_completion" and body["id"] == "cmpl-1" and body["model"] == MODEL
     assert body["choices"] == [{"index": 0, "text": "Hello", "logprobs": None, "finish_reason": "length"}]
-    assert body["usage"] == {"prompt_tokens": 5, "completion_tokens": 2, "total_tokens": 7}
+    assert body["usage"] == {
+        "prompt_tokens": 5,
+        "completion_tokens": 2,
+        "total_tokens": 7,
+        "prompt_tokens_details": {"cached_tokens": 0},
+    }
 
 
 def test_completion_logprobs_carry_tokens_and_text_offsets() -> None:
