@@ -8,10 +8,10 @@ This is a store under the membership core, not a second registry: `Membership` s
   meantime) cannot commit: its sets are refused before any node hears of them, and two registries can never
   hand out overlapping sets.
 - A restart reads the snapshot back, so the same set ids and generations are awaited from their members.
-- Every live node has a record under an etcd lease of its own (TTL: the registry lease rounded up to whole
-  seconds). The registry keeps the lease alive while the node's heartbeats keep it alive in the core; a node
-  the core declares dead has its lease revoked, and a registry that dies stops refreshing, so the records
-  expire with the leases.
+- Every live node has a record under the registry's node lease (TTL: the registry lease rounded up to whole
+  seconds; one lease for all records, so refreshing it costs one request whatever the number of nodes). A
+  node the core declares dead has its record deleted, and a registry that dies stops refreshing, so its
+  records expire with the lease.
 
 Client: `aetcd` (PyPI, 1.0.0, 2026), the maintained asyncio fork of python-etcd3. It depends only on grpcio
 and protobuf with ranges that accept the versions pinned here (grpcio 1.85, protobuf 7) and installs without
@@ -100,8 +100,10 @@ class EtcdStore:
         self._generation_revision = 0
         self._saved_sets: dict[str, bytes] = {}
         self._saved_generation = -1
-        self._node_leases: dict[str, int] = {}
-        self._node_records: dict[str, bytes] = {}
+        # the one etcd lease every node record of this registry is written under (None: none granted)
+        self._nodes_lease: int | None = None
+        # what etcd holds for each live node: (role, address, model)
+        self._node_records: dict[str, tuple[str, str, str]] = {}
         self._refreshed_at = 0.0
         self._lock = asyncio.Lock()
 
@@ -195,36 +197,37 @@ class EtcdStore:
         self._generation_revision = responses[0].response_put.header.revision
 
     async def sync_nodes(self, nodes: Iterable[NodeView], now: float) -> None:
-        """Makes etcd's node records those of the core's live nodes: new nodes get a lease and a record,
-        gone (dead or removed) ones have their lease revoked, and the leases of the others are refreshed
-        once a third of their TTL has passed. One caller at a time (the registry's clock); it does not take
-        the lock of `save`, so that node records never hold up a change of sets."""
-        encoded = {
-            v.node_id: json.dumps({"role": v.role, "address": v.address, "model": v.model}).encode()
-            for v in nodes
-            if v.state is not NodeState.DEAD
-        }
-        gone = [self._node_leases.pop(node_id) for node_id in self._node_leases.keys() - encoded.keys()]
-        for node_id in self._node_records.keys() - encoded.keys():
-            del self._node_records[node_id]
-        await asyncio.gather(*(self._call(self._client.revoke_lease(lease_id)) for lease_id in gone))
-        if now - self._refreshed_at >= self._lease_ttl_s / 3 and self._node_leases:
+        """Makes etcd's node records those of the core's live nodes: new or changed nodes get a record,
+        gone (dead or removed) ones lose theirs, and the records' lease is refreshed once a third of its TTL
+        has passed. Every record of this registry lives under one lease: refreshing it is one request
+        whatever the number of nodes (a lease per node cost the registry a keep-alive message per node and
+        second, as much again as the nodes' own heartbeats). One caller at a time (the registry's clock);
+        it does not take the lock of `save`, so that node records never hold up a change of sets."""
+        # compared as tuples and encoded only when written: this runs at every tick of the registry's clock
+        live = {v.node_id: (v.role, v.address, v.model) for v in nodes if v.state is not NodeState.DEAD}
+        if self._nodes_lease is not None and now - self._refreshed_at >= self._lease_ttl_s / 3:
             self._refreshed_at = now
-            expired = set(await self.keep_alive(list(self._node_leases.values())))
-            # a lease that ran out (etcd unreachable for a whole TTL) is granted afresh below
-            for node_id in [n for n, lease_id in self._node_leases.items() if lease_id in expired]:
-                del self._node_leases[node_id]
-                self._node_records.pop(node_id, None)
-        changed = [(n, value) for n, value in encoded.items() if self._node_records.get(n) != value]
-        await asyncio.gather(*(self._write_node(node_id, value) for node_id, value in changed))
-
-    async def _write_node(self, node_id: str, value: bytes) -> None:
-        if node_id not in self._node_leases:
-            self._node_leases[node_id] = (await self._call(self._client.lease(self._lease_ttl_s))).id
-        await self._call(
-            self._client.put(self.key("nodes", node_id), value, lease=self._node_leases[node_id])
+            if await self.keep_alive([self._nodes_lease]):
+                # the lease ran out (etcd unreachable for a whole TTL): its records are gone, write them anew
+                self._nodes_lease = None
+                self._node_records.clear()
+        if self._nodes_lease is None and live:
+            self._nodes_lease = (await self._call(self._client.lease(self._lease_ttl_s))).id
+            self._refreshed_at = now
+        gone = self._node_records.keys() - live.keys()
+        changed = [(n, value) for n, value in live.items() if self._node_records.get(n) != value]
+        await asyncio.gather(
+            *(self._call(self._client.delete(self.key("nodes", node_id))) for node_id in gone),
+            *(self._write_node(node_id, value) for node_id, value in changed),
         )
-        self._node_records[node_id] = value
+        for node_id in gone:
+            del self._node_records[node_id]
+
+    async def _write_node(self, node_id: str, record: tuple[str, str, str]) -> None:
+        role, address, model = record
+        value = json.dumps({"role": role, "address": address, "model": model}).encode()
+        await self._call(self._client.put(self.key("nodes", node_id), value, lease=self._nodes_lease))
+        self._node_records[node_id] = record
 
     async def node_records(self) -> dict[str, dict]:
         """The node records etcd holds now (those whose leases are alive)."""

@@ -231,6 +231,8 @@ class _Group:
     live: dict[str, None] = field(default_factory=dict)
     pooled: dict[str, int] = field(default_factory=dict)
     slots: dict[int, str] = field(default_factory=dict)
+    # dp ranks of slots whose set is broken (kept so that finding free slots never walks every slot)
+    broken: set[int] = field(default_factory=set)
     assembled: bool = False
     waiting_since: float | None = None
 
@@ -284,6 +286,8 @@ class Membership:
         self._nodes: dict[str, _Node] = {}
         self._groups: dict[GroupKey, _Group] = {}
         self._sets: dict[str, _Set] = {}
+        # sets being restored after a (re)start, by set id: a registering node looks only among these
+        self._restoring: dict[str, _Set] = {}
         self._seq = 0
         self._max_generation = 0
         self._started = now
@@ -391,6 +395,14 @@ class Membership:
 
     # --- time --------------------------------------------------------------------------------------
 
+    def excuse(self, stalled_s: float, now: float) -> None:
+        """The registry could not read heartbeats for stalled_s seconds (its event loop was held up: CPU
+        starvation, a long change): every live node's lease is extended by that much, so that no node is
+        declared dead for a silence that was the registry's own."""
+        for node in self._nodes.values():
+            if node.alive:
+                node.last_seen = min(now, node.last_seen + stalled_s)
+
     def tick(self, now: float) -> Outgoing:
         """Applies everything time does: expired leases, restores that did not complete, the end of the
         restore grace, assembly timeouts, and forgetting long-dead nodes."""
@@ -398,7 +410,7 @@ class Membership:
         lease = self.settings.lease_s
         for node in [n for n in self._nodes.values() if n.alive and now - n.last_seen > lease]:
             out += self._kill(node, f"member {node.registration.node_id} missed its lease", now)
-        for pcp_set in list(self._sets.values()):
+        for pcp_set in list(self._restoring.values()):
             if pcp_set.restore_deadline is not None and now >= pcp_set.restore_deadline:
                 missing = sorted(set(pcp_set.members) - pcp_set.present)
                 out += self._break(pcp_set, f"members {missing} did not come back after the restart")
@@ -539,9 +551,12 @@ class Membership:
             pcp_set = _Set((group.role, group.model), _all_ranks(head), reason=entry.get("reason", ""))
             if entry.get("broken"):
                 pcp_set.state = SetState.BROKEN
+                group.broken.add(head.dp_rank)
             else:
                 pcp_set.restore_deadline = now + self.settings.restore_grace_s
+                self._restoring[head.set_id] = pcp_set
                 group.assembled = True
+                group.broken.discard(head.dp_rank)
             self._sets[head.set_id] = pcp_set
             group.slots[head.dp_rank] = head.set_id
             self._max_generation = max(self._max_generation, head.generation)
@@ -570,10 +585,11 @@ class Membership:
                 )
 
     def _check_peers(self, group: _Group, reg: Registration) -> None:
-        peers = [nid for nid in group.live if nid != reg.node_id]
-        if not peers or reg.role == "kvstore":
+        # one peer is enough: every live peer agreed with the group's config when it registered
+        peer_id = next((nid for nid in group.live if nid != reg.node_id), None)
+        if peer_id is None or reg.role == "kvstore":
             return
-        peer = self._nodes[peers[0]].registration
+        peer = self._nodes[peer_id].registration
         assert group.config is not None and reg.engine_config is not None
         differences = config_differences(reg.engine_config, group.config)
         if reg.kv_fingerprint != group.kv_fingerprint:
@@ -631,9 +647,7 @@ class Membership:
         node_id = node.registration.node_id
         out: Outgoing = []
         # a set being restored that expects this node, whatever the node carries
-        expected = next(
-            (s for s in self._sets.values() if s.restore_deadline is not None and node_id in s.members), None
-        )
+        expected = next((s for s in self._restoring.values() if node_id in s.members), None)
         if carried is not None:
             self._max_generation = max(self._max_generation, carried.generation)
         if expected is not None and (carried is None or carried == expected.assignments[carried.node_rank]):
@@ -666,7 +680,9 @@ class Membership:
             restore_deadline=now + self.settings.restore_grace_s,
         )
         self._sets[carried.set_id] = restored
+        self._restoring[carried.set_id] = restored
         group.slots[carried.dp_rank] = carried.set_id
+        group.broken.discard(carried.dp_rank)
         group.assembled = True
         self._join(node, group, restored)
         return out
@@ -677,8 +693,13 @@ class Membership:
         group.pooled.pop(node_id, None)
         pcp_set.present.add(node_id)
         if pcp_set.present >= set(pcp_set.members):
-            pcp_set.restore_deadline = None
+            self._end_restore(pcp_set)
         self._update_readiness(pcp_set)
+
+    def _end_restore(self, pcp_set: _Set) -> None:
+        pcp_set.restore_deadline = None
+        if self._restoring.get(pcp_set.head.set_id) is pcp_set:
+            del self._restoring[pcp_set.head.set_id]
 
     def _update_readiness(self, pcp_set: _Set) -> None:
         complete = pcp_set.restore_deadline is None and pcp_set.ready >= set(pcp_set.members)
@@ -687,8 +708,7 @@ class Membership:
     def _end_grace_if_due(self, now: float) -> Outgoing:
         if self._grace_over:
             return []
-        restoring = any(s.restore_deadline is not None for s in self._sets.values())
-        if now < self._grace_until and not (self._snapshot_restored and not restoring):
+        if now < self._grace_until and not (self._snapshot_restored and not self._restoring):
             return []
         self._grace_over = True
         out: Outgoing = []
@@ -701,14 +721,14 @@ class Membership:
         if not self._grace_over or group.role != "prefill" or group.config is None:
             return []
         shape = SetShape.of(group.config)
-        free = [
-            dp
-            for dp in range(shape.data_parallel_size)
-            if dp not in group.slots or self._sets[group.slots[dp]].state is SetState.BROKEN
-        ]
+        # counted, not listed: this runs at every registration and departure, and a walk over every slot
+        # made a storm of them quadratic in the number of sets
+        unfilled = shape.data_parallel_size - len(group.slots) + len(group.broken)
         needed = shape.nnodes if group.assembled else shape.nodes_required
         planned = []
-        if free and len(group.pooled) >= needed:
+        if unfilled > 0 and len(group.pooled) >= needed:
+            empty = set(range(shape.data_parallel_size)) - group.slots.keys()
+            free = sorted(dp for dp in group.broken | empty if dp < shape.data_parallel_size)
             pooled = sorted(group.pooled, key=group.pooled.__getitem__)[: len(free) * shape.nnodes]
             candidates = [self._candidate(node_id) for node_id in pooled]
             planned = plan_sets(
@@ -719,13 +739,14 @@ class Membership:
             pcp_set = _Set((group.role, group.model), plan.assignments)
             self._sets[plan.set_id] = pcp_set
             group.slots[plan.dp_rank] = plan.set_id
+            group.broken.discard(plan.dp_rank)
             self._max_generation = max(self._max_generation, plan.generation)
             for assignment in plan.assignments:
                 node_id = assignment.member_node_ids[assignment.node_rank]
                 self._join(self._nodes[node_id], group, pcp_set)
                 out.append((node_id, Assign(assignment)))
         group.assembled = group.assembled or bool(planned)
-        if len(free) > len(planned) and group.pooled:
+        if unfilled > len(planned) and group.pooled:
             group.waiting_since = group.waiting_since if group.waiting_since is not None else now
         else:
             group.waiting_since = None
@@ -756,10 +777,12 @@ class Membership:
             return []
         pcp_set.state = SetState.BROKEN
         pcp_set.reason = reason
-        pcp_set.restore_deadline = None
+        self._end_restore(pcp_set)
         group = self._groups[pcp_set.group]
         out: Outgoing = []
         head = pcp_set.head
+        if group.slots.get(head.dp_rank) == head.set_id:
+            group.broken.add(head.dp_rank)
         for node_id in pcp_set.members:
             node = self._nodes.get(node_id)
             if node is None or node.assignment is None or node.assignment.set_id != head.set_id:

@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import math
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, replace
@@ -211,6 +212,7 @@ class RegistryServicer(registry_pb2_grpc.RegistryServiceServicer):
             settings = replace(settings, restore_grace_s=0.0)
         self._membership = Membership(settings, self._clock(), snapshot)
         self._held = []
+        self._dirty = True
 
     def deposed(self) -> None:
         """This replica stopped leading: commands not yet written are dropped (their nodes re-register with
@@ -292,9 +294,21 @@ class RegistryServicer(registry_pb2_grpc.RegistryServiceServicer):
             raise failure.refused
 
     async def _read(self, requests, node_id: str, session: str, queue: Queue, failure: _Failure) -> None:
+        # A heartbeat's ack only tells the node that the registry hears it, so one every half lease is
+        # enough (a node gives up after two leases of silence); acking every heartbeat (a third of the
+        # lease) cost the registry half as much again per heartbeat. Refusals and replies to other
+        # messages always go out.
+        ack_every = self._membership.settings.lease_s / 2
+        acked = -math.inf
         try:
             async for request in requests:
-                queue.put_nowait(await self._on_session_message(node_id, session, request))
+                reply = await self._on_session_message(node_id, session, request)
+                now = self._clock()
+                if request.WhichOneof("body") == "heartbeat" and reply.WhichOneof("body") == "ack":
+                    if now - acked < ack_every:
+                        continue
+                    acked = now
+                queue.put_nowait(reply)
         except ServiceError as exc:
             failure.refused = exc
         except (asyncio.CancelledError, grpc.aio.AioRpcError):
@@ -370,12 +384,21 @@ class RegistryServicer(registry_pb2_grpc.RegistryServiceServicer):
         return registry_pb2.DeregisterResponse(removed=removed)
 
     async def run_clock(self, interval: float) -> None:
-        """Ticks the core every interval seconds and keeps the snapshot file fresh; runs until cancelled."""
+        """Ticks the core every interval seconds and keeps the snapshot file fresh; runs until cancelled.
+        A tick that comes late means the event loop was held up and heartbeats waited unread meanwhile:
+        that time is excused from every node's lease (`Membership.excuse`), so an overloaded registry does
+        not declare its nodes dead, break their sets and make itself busier still re-forming them."""
         while True:
+            asleep = self._clock()
             await asyncio.sleep(interval)
+            now = self._clock()
+            # measured over the sleep alone: the tick's own awaits on etcd are no stall of the loop
+            late = now - asleep - interval
+            if late > interval:
+                self._membership.excuse(late, now)
+                log.warning("event loop held up; leases extended", extra={"stalled_s": round(late, 2)})
             if self._superseded is not None or self._following:
                 continue
-            now = self._clock()
             try:
                 await self.commit(self._membership.tick(now))
                 if self._etcd is not None:
@@ -383,10 +406,12 @@ class RegistryServicer(registry_pb2_grpc.RegistryServiceServicer):
             except ServiceError as exc:
                 # etcd unreachable or this registry superseded: held commands wait for the next good write
                 log.warning("membership not written to etcd", extra={"error": str(exc)})
-            self._count_sets()
-            if self._dirty and self._snapshot_path is not None:
+            if self._dirty:
+                # counting walks every set: only after a change
                 self._dirty = False
-                write_snapshot(self._snapshot_path, self._membership.snapshot())
+                self._count_sets()
+                if self._snapshot_path is not None:
+                    write_snapshot(self._snapshot_path, self._membership.snapshot())
 
 
 class RegistryServer:

@@ -284,11 +284,15 @@ class NodeSession:
             )
             if self._status is not None and self._status_is_current():
                 await self._write(call, registry_pb2.SessionRequest(status=self._status))
+            # the registry acks every heartbeat (a third of the lease); two leases of silence mean it is
+            # gone. One lease was too little: a registry held up for a lease (it excuses that time from
+            # the nodes' leases) had every node drop its Session and register again at once
+            patience = 2 * self._lease_s
             while True:
                 try:
-                    response = await asyncio.wait_for(call.read(), self._lease_s)
+                    response = await asyncio.wait_for(call.read(), patience)
                 except TimeoutError:
-                    raise _SessionLost(f"no word from the registry for {self._lease_s:g} s") from None
+                    raise _SessionLost(f"no word from the registry for {patience:g} s") from None
                 if response is grpc.aio.EOF:
                     raise _SessionLost("the registry ended the session")
                 self._on_response(response)

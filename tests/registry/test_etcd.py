@@ -19,11 +19,11 @@ from pcpstack.common.channel import open_channel
 from pcpstack.common.config import EngineConfig
 from pcpstack.common.ports import free_port
 from pcpstack.registry.client import NodeSession, PrefillEndpoint, Resolver
+from pcpstack.registry.etcd_local import EtcdCluster
 from pcpstack.registry.etcd_store import MAX_TXN_OPS, EtcdStore
 from pcpstack.registry.membership import SNAPSHOT_VERSION, Settings
 from pcpstack.registry.server import RegistryServer, start_registry
 from pcpstack.v1 import registry_pb2, registry_pb2_grpc
-from tests.registry.etcd_cluster import EtcdCluster
 from tests.registry.support import until, wait_serving
 
 pytestmark = pytest.mark.timeout(90)

@@ -157,6 +157,19 @@ def test_a_missed_lease_breaks_the_whole_set_and_stops_survivors_then_it_reforms
     assert _assigns(out)["node-0"].assignment.node_rank == 0
 
 
+def test_time_the_registry_could_not_listen_is_excused_from_leases_but_later_silence_is_not():
+    m = Membership(SETTINGS, 0.0)
+    _full_cluster(m)
+    _ready_all(m, 0.0)
+    # the registry's loop was held up from 0.5 s to 3.0 s: heartbeats sent meanwhile were not read
+    m.excuse(2.5, 3.0)
+    assert m.tick(3.0) == []
+    assert {v.state for v in m.nodes(3.0)} == {NodeState.READY}
+    # silence after the excused time counts as before
+    stops = [c for _, c in m.tick(3.6) if isinstance(c, Stop)]
+    assert len(stops) == 4 and all("missed its lease" in stop.reason for stop in stops)
+
+
 def test_stale_generations_are_refused_but_renew_the_lease():
     m = Membership(SETTINGS, 0.0)
     held = _full_cluster(m)

