@@ -3,8 +3,9 @@
 A forward step carries `AttentionMetadata`: the query positions, the cache slots to write, and for reading the
 block tables and context lengths of the B sequences in the step. The queries are B equal groups of tokens, one
 group per sequence: B = 1 with any number of tokens for (chunked) prefill, or one token per sequence for
-batched decode. The causal mask always comes from true positions (query at position p sees keys at <= p), so
-queries need not be contiguous; that is what context-parallel prefill relies on.
+batched decode; batched prefill gives unequal groups (`query_lens`). The causal mask always comes from true
+positions (query at position p sees keys at <= p), so queries need not be contiguous; that is what
+context-parallel prefill relies on.
 """
 
 from collections.abc import Callable
@@ -36,6 +37,9 @@ class AttentionMetadata:
     dcp: set on a decode context-parallel rank's decode step (engine.dcp): the cache holds only the rank's
         token blocks, `block_tables` and `context_lens` are local, `slot_mapping` addresses only the rows
         `dcp.write_rows` this rank owns.
+    query_lens: set by batched prefill (prefill.batch), whose B sequences bring unequal numbers of queries:
+        the queries are grouped by sequence in this order (a group may be empty), and each attends to its own
+        sequence's context in the cache, causally by position.
     """
 
     positions: torch.Tensor
@@ -46,6 +50,7 @@ class AttentionMetadata:
     kv_exchange: KvExchange | None = None
     fresh_context: bool = False
     dcp: DcpStep | None = None
+    query_lens: list[int] | None = None
     _mask: torch.Tensor | None = field(default=None, repr=False)
     _runs: list[tuple[int, int]] | None = field(default=None, repr=False)
 
@@ -60,13 +65,7 @@ class AttentionMetadata:
         A context-parallel rank's DualChunkSwap share is two runs.
         """
         if self._runs is None:
-            positions = self.positions.tolist()
-            breaks = [i for i in range(1, len(positions)) if positions[i] != positions[i - 1] + 1]
-            starts = [0, *breaks]
-            ends = [*breaks, len(positions)]
-            self._runs = [
-                (positions[s], positions[e - 1] + 1) for s, e in zip(starts, ends, strict=True) if e > s
-            ]
+            self._runs = position_runs(self.positions.tolist())
         return self._runs
 
     def key_mask(self, q_per_kv: int) -> torch.Tensor:
@@ -82,6 +81,14 @@ class AttentionMetadata:
                 visible[:, None, None].expand(batch, 1, q_per_kv, tokens, self.max_context_len)
             ).reshape(batch, 1, q_per_kv * tokens, self.max_context_len)
         return self._mask
+
+
+def position_runs(positions: list[int]) -> list[tuple[int, int]]:
+    """Positions as maximal runs [start, end) of consecutive values, in order."""
+    breaks = [i for i in range(1, len(positions)) if positions[i] != positions[i - 1] + 1]
+    starts = [0, *breaks]
+    ends = [*breaks, len(positions)]
+    return [(positions[s], positions[e - 1] + 1) for s, e in zip(starts, ends, strict=True) if e > s]
 
 
 def exchange_kv(
@@ -116,6 +123,8 @@ def paged_attention(
     n_kv_heads, head_dim = k_cache.shape[2:]
     k_cache.view(-1, n_kv_heads, head_dim).index_copy_(0, meta.slot_mapping, k)
     v_cache.view(-1, n_kv_heads, head_dim).index_copy_(0, meta.slot_mapping, v)
+    if meta.query_lens is not None:
+        return attend_sequences(q, k_cache, v_cache, meta)
 
     batch = meta.num_seqs
     n, n_heads, _ = q.shape
@@ -167,6 +176,45 @@ def paged_attention(
     # [B, kv_heads, q_per_kv * tokens, D] -> [n, H * D]
     out = out.view(batch, n_kv_heads, q_per_kv, tokens, head_dim).permute(0, 3, 1, 2, 4)
     return out.reshape(n, n_heads * head_dim)
+
+
+def attend_sequences(
+    q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttentionMetadata
+) -> torch.Tensor:
+    """Queries of several sequences in unequal groups (`meta.query_lens`), each group attending causally to
+    its own sequence's context read back from the cache: a block-diagonal mask without building it.
+
+    q: [n, H, D]; caches [num_blocks, block_size, kv_heads, D], already holding this step's K/V. On CPU each
+    group takes the run-wise kernel of a single prompt (the same arithmetic as prefilling it alone);
+    elsewhere a masked kernel on its true positions. Returns [n, H * D].
+    """
+    assert meta.query_lens is not None
+    n, n_heads, head_dim = q.shape
+    block_size = k_cache.shape[1]
+    q_per_kv = n_heads // k_cache.shape[2]
+    outputs, offset = [], 0
+    for seq, count in enumerate(meta.query_lens):
+        if count == 0:  # this rank holds none of the sequence's new tokens
+            continue
+        group, positions = q[offset : offset + count], meta.positions[offset : offset + count]
+        offset += count
+        context = int(meta.context_lens[seq])
+        blocks = meta.block_tables[seq, : -(-context // block_size)]
+        keys = k_cache.index_select(0, blocks).flatten(0, 1)[:context]  # [context, kv_heads, D]
+        values = v_cache.index_select(0, blocks).flatten(0, 1)[:context]
+        if q.device.type == "cpu":
+            outputs.append(attend_runs(group, keys, values, position_runs(positions.tolist()), q_per_kv))
+            continue
+        visible = torch.arange(context, device=q.device)[None] <= positions[:, None]  # [count, context]
+        out = F.scaled_dot_product_attention(
+            group.transpose(0, 1)[None],
+            keys.transpose(0, 1)[None],
+            values.transpose(0, 1)[None],
+            attn_mask=visible,
+            enable_gqa=True,
+        )  # [1, H, count, D]
+        outputs.append(out[0].transpose(0, 1).reshape(count, n_heads * head_dim))
+    return torch.cat(outputs) if outputs else q.new_empty(n, n_heads * head_dim)
 
 
 _flash_cpu = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu.default

@@ -17,6 +17,7 @@ from __future__ import annotations
 import datetime
 import os
 from collections.abc import Callable
+from typing import Protocol
 
 import torch
 import torch.distributed as dist
@@ -75,12 +76,25 @@ def configure_gloo_interface(address: str) -> None:
         os.environ["GLOO_SOCKET_IFNAME"] = name
 
 
+class GatherPlan(Protocol):
+    """What the K/V all-gather needs of a split: one prompt's (DualChunkSplit) or a batch's (BatchSplit)."""
+
+    @property
+    def pcp_size(self) -> int: ...
+
+    @property
+    def max_local_tokens(self) -> int: ...
+
+    @property
+    def gather_index(self) -> torch.Tensor: ...
+
+
 class KvAllGather:
     """The K/V exchange of one prefill: local K/V in, the whole prompt's K/V in position order out."""
 
     def __init__(
         self,
-        split: DualChunkSplit,
+        split: GatherPlan,
         group: dist.ProcessGroup | None = None,
         on_progress: Callable[[], None] | None = None,
     ) -> None:

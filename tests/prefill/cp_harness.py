@@ -4,10 +4,12 @@
 joins the group over tcp:// on loopback, prefills every prompt length with its DualChunkSwap share (in chunks
 of chunk_tokens when > 0; after a prefix of held[n] tokens that every rank first loads as a cached replica,
 as prefix reuse will) and returns its logits (on the rank owning the last position) and its complete KV
-replica for every length.
+replica for every length. `run_group(pcp_size, work, *args)` runs any such per-rank work in the same way.
 """
 
 from __future__ import annotations
+
+from collections.abc import Callable
 
 import torch
 import torch.distributed as dist
@@ -69,23 +71,49 @@ def prefill_all(
     return results
 
 
-def _child(
+Work = Callable[..., list[tuple[torch.Tensor | None, torch.Tensor]]]
+
+
+def _prefill_in_group(
     pcp_rank: int,
     pcp_size: int,
-    port: int,
     model_name: str | None,
     lengths: list[int],
     chunk_tokens: int,
     held: dict[int, int] | None,
-    queue,
-) -> None:
+):
+    return prefill_all(model_name, pcp_rank, pcp_size, lengths, True, chunk_tokens, held)
+
+
+def _child(pcp_rank: int, pcp_size: int, port: int, work: Work, args: tuple, queue) -> None:
     init_pcp_group("127.0.0.1", port, pcp_rank, pcp_size, torch.device("cpu"), timeout_seconds=120)
     try:
-        results = prefill_all(model_name, pcp_rank, pcp_size, lengths, True, chunk_tokens, held)
+        results = work(pcp_rank, pcp_size, *args)
         # numpy pickles by value; a tensor would travel as a shared-memory handle that dies with this process.
         queue.put((pcp_rank, [(None if lg is None else lg.numpy(), kv.numpy()) for lg, kv in results]))
     finally:
         dist.destroy_process_group()
+
+
+def assert_equal_to_single_rank(
+    reference: list, ranks: dict[int, list], lengths: list[int], pcp_size: int, tol: float
+) -> None:
+    """Every length's first-token logits (on the one rank that returned them) and every rank's replica
+    within tol of the single-rank reference, and the ranks' replicas identical bit for bit."""
+    for i, n in enumerate(lengths):
+        ref_logits, ref_kv = reference[i]
+        with_logits = [rank for rank in range(pcp_size) if ranks[rank][i][0] is not None]
+        assert len(with_logits) == 1, f"n={n}: ranks {with_logits} returned logits"
+        logits = ranks[with_logits[0]][i][0]
+        err = (logits - ref_logits).abs().max().item()
+        assert err <= tol, f"n={n}: first-token logits differ by {err}"
+        assert logits.argmax() == ref_logits.argmax()
+        for rank in range(pcp_size):
+            kv = ranks[rank][i][1]
+            assert kv.shape == ref_kv.shape
+            kv_err = (kv - ref_kv).abs().max().item()
+            assert kv_err <= tol, f"n={n} rank={rank}: K/V differ by {kv_err}"
+            assert torch.equal(kv, ranks[0][i][1]), f"n={n}: the replica of rank {rank} differs from rank 0's"
 
 
 def run_pcp(
@@ -95,14 +123,17 @@ def run_pcp(
     chunk_tokens: int = 0,
     held: dict[int, int] | None = None,
 ) -> dict[int, list]:
-    """Results of every rank of a real pcp_size-process gloo group, by rank."""
+    """Results of prefill_all on every rank of a real pcp_size-process gloo group, by rank."""
+    return run_group(pcp_size, _prefill_in_group, model_name, lengths, chunk_tokens, held)
+
+
+def run_group(pcp_size: int, work: Work, *args) -> dict[int, list]:
+    """Results of work(pcp_rank, pcp_size, *args) ([(logits or None, replica)], a module-level function) on
+    every rank of a real pcp_size-process gloo group, by rank."""
     ctx = mp.get_context("spawn")
     queue = ctx.Queue()
     port = free_port()
-    procs = [
-        ctx.Process(target=_child, args=(r, pcp_size, port, model_name, lengths, chunk_tokens, held, queue))
-        for r in range(pcp_size)
-    ]
+    procs = [ctx.Process(target=_child, args=(r, pcp_size, port, work, args, queue)) for r in range(pcp_size)]
     for proc in procs:
         proc.start()
     try:

@@ -11,10 +11,9 @@ first, as prefix reuse will load cached blocks: the same step, with a held start
 from __future__ import annotations
 
 import pytest
-import torch
 
 from pcpstack.prefill.context_parallel import chunk_bounds
-from tests.prefill.cp_harness import prefill_all, run_pcp
+from tests.prefill.cp_harness import assert_equal_to_single_rank, prefill_all, run_pcp
 
 TOL = 1e-4
 PCP = 2
@@ -37,17 +36,4 @@ def test_chunk_bounds_cover_the_prompt_in_order() -> None:
 def test_chunked_pcp_prefill_after_a_held_prefix_equals_one_shot_single_rank() -> None:
     reference = prefill_all("tiny", 0, 1, LENGTHS, group=False)
     ranks = run_pcp("tiny", PCP, LENGTHS, chunk_tokens=CHUNK_TOKENS, held=HELD)
-    for i, n in enumerate(LENGTHS):
-        ref_logits, ref_kv = reference[i]
-        with_logits = [rank for rank in range(PCP) if ranks[rank][i][0] is not None]
-        assert len(with_logits) == 1, f"n={n}: ranks {with_logits} returned logits"
-        logits = ranks[with_logits[0]][i][0]
-        err = (logits - ref_logits).abs().max().item()
-        assert err <= TOL, f"n={n}: first-token logits differ by {err}"
-        assert logits.argmax() == ref_logits.argmax()
-        for rank in range(PCP):
-            kv = ranks[rank][i][1]
-            assert kv.shape == ref_kv.shape
-            kv_err = (kv - ref_kv).abs().max().item()
-            assert kv_err <= TOL, f"n={n} rank={rank}: K/V differ by {kv_err}"
-        assert torch.equal(ranks[0][i][1], ranks[1][i][1]), f"n={n}: the ranks' replicas differ"
+    assert_equal_to_single_rank(reference, ranks, LENGTHS, PCP, TOL)
