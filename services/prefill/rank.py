@@ -280,6 +280,9 @@ class RankWorker:
             chunks = chunk_bounds(len(job.token_ids), spec.prefill_chunk_tokens)
             span.set_attribute("pcpstack.prefill_chunks", len(chunks))
             share = self._run(job, owner)
+            # The phases of the rank's span, so a trace splits TTFT into forward and KV push (bench e2e).
+            span.set_attribute("pcpstack.forward_us", share.forward_us)
+            span.set_attribute("pcpstack.push_us", share.push_us)
         shares = [torch.empty(RankShare.SIZE, dtype=torch.uint8) for _ in range(spec.layout.world_size)]
         dist.all_gather(shares, share.to_tensor(), group=self.groups.control)
         if spec.global_rank != 0:
