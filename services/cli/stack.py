@@ -116,7 +116,8 @@ class StackOptions:
             cores = len(os.sched_getaffinity(0))
         prefill = self.prefill_sets * self.pcp * self.tp * self.threads_per_rank
         decode_ranks = self.decode * self.decode_tp
-        per_rank = self.decode_threads or max(1, (cores - prefill) // decode_ranks)
+        # A stack without decode workers (decode=0) has no ranks to divide the rest among.
+        per_rank = self.decode_threads or max(1, (cores - prefill) // max(decode_ranks, 1))
         return CorePlan(cores, prefill, decode_ranks, per_rank, chosen=not self.decode_threads)
 
 
