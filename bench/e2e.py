@@ -1,10 +1,17 @@
-"""`pcpstack bench e2e`: the whole request path under load, and its overhead over in-process prefill.
+"""`pcpstack bench e2e`: the whole request path under load, and what the services cost over bare prefill.
 
 A local stack (registry, KV store, one PCP set, one decode worker: real processes on loopback) serves
 concurrent clients. For 1, 4 and 16 clients it reports time to first token and time per output token
 (medians and spread over all requests). It then compares the whole path's TTFT for one prompt of
 --overhead-tokens with the engine's in-process prefill of the same prompt (one process, the same total
-threads), which is the cost of the services: routing, the gRPC hops, the KV push and fetch.
+threads).
+
+Served PCP: for each size in --served-pcp (1 and 2) a stack of that PCP serves prompts of --served-tokens
+(2048 and 4096), one request at a time, each prompt new (a repeated one would come from the prefix cache);
+the same rank processes then run without the services as `bench prefill` runs them (same threads per rank,
+same model). The result holds the client-measured TTFT, the ranks' raw prefill time, the whole-path overhead
+over it in %, PCP=2 over PCP=1 for both, and the breakdown of one request's TTFT at each size and length
+from its trace spans (see ttft_breakdown).
 """
 
 from __future__ import annotations
@@ -12,15 +19,33 @@ from __future__ import annotations
 import argparse
 import asyncio
 import statistics
+import tempfile
 import time
+from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 
 from bench.machine import machine_facts
+from bench.prefill import _measure as raw_prefill_times
 from pcpstack.cli.stack import LocalStack, StackOptions
 from pcpstack.common.config import served_model_name
+from pcpstack.common.telemetry import read_span_file
 from pcpstack.decode.client import DecodeClient, build_request
 from pcpstack.engine.engine import Engine
+from pcpstack.engine.parallel import ParallelLayout
+
+# The phases of one request's TTFT in path order; they add up to the client's TTFT (ttft_breakdown).
+TTFT_PHASES = (
+    "to_decode",  # client call to the route lookup: the Generate hop and decode's request checks
+    "routing",  # decode.route: the registry lookup (or its cached answer)
+    "to_prefill",  # route to prefill.set: the Prefill hop into the set's node
+    "queueing",  # prefill.set to the critical rank's prefill.rank: prefix lookup, job lock, hand-off
+    "forward",  # that rank's forward (pcpstack.forward_us): the prefill proper
+    "kv_push",  # that rank's push of its replica to the store (pcpstack.push_us; 0 on a rank that owns none)
+    "gather",  # the rank's first-token sampling, the ranks' outcome all-gather and rank 0's reply to the node
+    "first_token",  # the Prefill reply to decode, decode's hand-on and the stream to the client
+)
 
 
 def _int_list(text: str) -> list[int]:
@@ -37,8 +62,17 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--overhead-tokens", type=int, default=2048, help="prompt length of the overhead test"
     )
-    parser.add_argument("--repeats", type=int, default=3, help="runs of the overhead test")
-    parser.add_argument("--pcp", type=int, default=2, help="PCP size of the set")
+    parser.add_argument("--repeats", type=int, default=3, help="timed runs of the overhead and served tests")
+    parser.add_argument("--pcp", type=int, default=2, help="PCP size of the set under load")
+    parser.add_argument(
+        "--served-pcp", type=_int_list, default=[1, 2], help="PCP sizes of the served-PCP test, e.g. 1,2"
+    )
+    parser.add_argument(
+        "--served-tokens",
+        type=_int_list,
+        default=[2048, 4096],
+        help="prompt lengths of the served-PCP test, e.g. 2048,4096 ('' skips the test)",
+    )
     parser.add_argument("--threads-per-rank", type=int, default=1)
     parser.add_argument("--model", default=None, help="model (default SmolLM2); 'tiny' for a smoke run")
 
@@ -47,22 +81,39 @@ def _prompt(vocab: int, n: int, seed: int) -> list[int]:
     return torch.randint(0, vocab, (n,), generator=torch.Generator().manual_seed(seed)).tolist()
 
 
-async def _one(address: str, ids: list[int], max_tokens: int) -> tuple[float, float]:
-    """(ttft, time per output token) of one request."""
+@dataclass(frozen=True)
+class Timing:
+    """One request as its client saw it; the wall-clock stamps (time.time_ns) share the spans' clock."""
+
+    ttft_s: float
+    tpot_s: float
+    trace_id: str
+    sent_ns: int
+    first_token_ns: int
+
+
+async def _one(address: str, ids: list[int], max_tokens: int) -> Timing:
+    """Sends one request and times its first token and the tokens after it."""
     client = DecodeClient(address)
+    sent_ns = time.time_ns()
     started = time.perf_counter()
     first = last = None
+    first_ns = 0
     count = 0
+    trace_id = ""
     try:
         async for message in client.stream(build_request(ids, max_tokens=max_tokens, ignore_eos=True)):
             if message.HasField("delta") and message.delta.token_ids:
                 last = time.perf_counter()
-                first = first or last
+                if first is None:
+                    first, first_ns = last, time.time_ns()
                 count += len(message.delta.token_ids)
+            elif message.HasField("summary"):
+                trace_id = message.summary.trace_id
     finally:
         await client.close()
     assert first is not None and last is not None
-    return first - started, (last - first) / max(count - 1, 1)
+    return Timing(first - started, (last - first) / max(count - 1, 1), trace_id, sent_ns, first_ns)
 
 
 def _summary(values: list[float]) -> dict[str, float]:
@@ -70,6 +121,61 @@ def _summary(values: list[float]) -> dict[str, float]:
         "median": round(statistics.median(values), 4),
         "min": round(min(values), 4),
         "max": round(max(values), 4),
+    }
+
+
+def ttft_breakdown(spans: list[dict], timing: Timing) -> dict:
+    """Seconds of each TTFT_PHASES phase of one request, from its trace's spans and its client stamps.
+
+    The critical rank is the one that finished its forward and push last; the phases are consecutive
+    intervals between the client's send, decode.route, prefill.set, that rank's prefill.rank (start,
+    forward, push) and the client's first token, so they add up to the client's TTFT. The KV fetch
+    (decode.kv_fetch) runs while the first token is streamed, off the TTFT path: it is reported apart.
+    Raises ValueError when the trace lacks a span the phases need.
+    """
+    own = [s for s in spans if s["trace_id"] == timing.trace_id]
+
+    def single(name: str) -> dict:
+        found = [s for s in own if s["name"] == name]
+        if len(found) != 1:
+            raise ValueError(f"trace {timing.trace_id} has {len(found)} {name} spans, not 1")
+        return found[0]
+
+    route, prefill_set = single("decode.route"), single("prefill.set")
+    ranks = [s for s in own if s["name"] == "prefill.rank"]
+    if not ranks:
+        raise ValueError(f"trace {timing.trace_id} has no prefill.rank span")
+
+    def work_ns(rank: dict) -> int:
+        attributes = rank["attributes"]
+        return 1000 * (attributes.get("pcpstack.forward_us", 0) + attributes.get("pcpstack.push_us", 0))
+
+    critical = max(ranks, key=lambda r: r["start_ns"] + work_ns(r))
+    forward_ns = 1000 * critical["attributes"].get("pcpstack.forward_us", 0)
+    work_end = critical["start_ns"] + work_ns(critical)
+    stamps = [
+        timing.sent_ns,
+        route["start_ns"],
+        route["end_ns"],
+        prefill_set["start_ns"],
+        critical["start_ns"],
+        critical["start_ns"] + forward_ns,
+        work_end,
+        prefill_set["end_ns"],
+        timing.first_token_ns,
+    ]
+    phases = {
+        phase: round((end - start) / 1e9, 4)
+        for phase, start, end in zip(TTFT_PHASES, stamps[:-1], stamps[1:], strict=True)
+    }
+    fetch = [s for s in own if s["name"] == "decode.kv_fetch"]
+    return {
+        "trace_id": timing.trace_id,
+        "ttft_s": round((timing.first_token_ns - timing.sent_ns) / 1e9, 4),
+        "phases_s": phases,
+        "critical_pcp_rank": critical["attributes"].get("pcpstack.pcp_rank"),
+        "kv_fetch_s": round((fetch[0]["end_ns"] - fetch[0]["start_ns"]) / 1e9, 4) if fetch else None,
+        "kv_bytes": fetch[0]["attributes"].get("pcpstack.kv_bytes") if fetch else None,
     }
 
 
@@ -85,46 +191,124 @@ async def _load(address: str, vocab: int, args: argparse.Namespace) -> list[dict
                 "clients": clients,
                 "prompt_tokens": args.prompt_tokens,
                 "max_tokens": args.max_tokens,
-                "ttft_s": _summary([r[0] for r in results]),
-                "tpot_s": _summary([r[1] for r in results]),
+                "ttft_s": _summary([r.ttft_s for r in results]),
+                "tpot_s": _summary([r.tpot_s for r in results]),
                 "output_tokens_per_s": round(clients * args.max_tokens / wall, 1),
             }
         )
     return rows
 
 
-def run(args: argparse.Namespace) -> dict:
-    """Starts a stack, measures load and overhead, stops the stack."""
-    total_threads = args.pcp * args.threads_per_rank
-    facts = machine_facts()
+async def _served(address: str, vocab: int, tokens: int, repeats: int, seed: int) -> list[Timing]:
+    """One warm-up and `repeats` timed requests of `tokens` tokens, one at a time, every prompt new."""
+    timings = []
+    for repeat in range(repeats + 1):
+        # Two tokens: the second waits for the KV fetch, so the trace holds decode.kv_fetch too.
+        timing = await _one(address, _prompt(vocab, tokens, seed + repeat), 2)
+        if repeat:  # the first pays for first-touch allocations of this length, as bench prefill's warm-up
+            timings.append(timing)
+    return timings
 
-    async def main() -> dict:
-        options = StackOptions(pcp=args.pcp, model=args.model, threads_per_rank=args.threads_per_rank)
+
+async def _stacks(args: argparse.Namespace, vocab: int, trace_dir: Path) -> dict:
+    """Runs the stack under load (PCP=args.pcp) and one stack per served PCP size, one after another."""
+    measured: dict = {"served": {}}
+    for pcp in sorted({args.pcp, *args.served_pcp} if args.served_tokens else {args.pcp}):
+        spans_file = trace_dir / f"spans-pcp{pcp}.jsonl"
+        options = StackOptions(
+            pcp=pcp, model=args.model, threads_per_rank=args.threads_per_rank, trace_file=str(spans_file)
+        )
         async with LocalStack(options, progress=lambda m: None) as stack:
             address = stack.decode_addresses[0]
-            vocab = 49152 if args.model is None else 256
             await _one(address, _prompt(vocab, 16, 0), 2)  # warm-up
-            load = await _load(address, vocab, args)
-            overhead_ids = _prompt(vocab, args.overhead_tokens, 7)
-            path_ttft = [(await _one(address, overhead_ids, 1))[0] for _ in range(args.repeats)]
-        return {"load": load, "path_ttft": path_ttft, "overhead_ids": overhead_ids}
+            if pcp == args.pcp:
+                measured["load"] = await _load(address, vocab, args)
+                # New prompts each time: a repeated one would be served from the prefix cache.
+                overhead = [_prompt(vocab, args.overhead_tokens, 7 + r) for r in range(args.repeats)]
+                measured["overhead_ids"] = overhead[0]
+                measured["path_ttft"] = [(await _one(address, ids, 1)).ttft_s for ids in overhead]
+            if pcp in args.served_pcp:
+                for tokens in args.served_tokens:
+                    timings = await _served(address, vocab, tokens, args.repeats, 100 * tokens + pcp)
+                    measured["served"][(pcp, tokens)] = timings
+        spans = read_span_file(spans_file)  # complete once the stack has stopped
+        for (size, tokens), timings in measured["served"].items():
+            if size == pcp:
+                measured.setdefault("breakdown", []).append(
+                    {"pcp": pcp, "tokens": tokens, **ttft_breakdown(spans, timings[-1])}
+                )
+    return measured
 
-    measured = asyncio.run(main())
-    # In-process reference after the stack is gone, so it has the machine to itself.
+
+def _in_process(args: argparse.Namespace, ids: list[int]) -> list[float]:
+    """The engine's prefill of ids in this process with the stack's total prefill threads."""
     previous = torch.get_num_threads()
-    torch.set_num_threads(total_threads)
+    torch.set_num_threads(args.pcp * args.threads_per_rank)
     engine = Engine.load(args.model, block_size=128)
     local = []
     for _ in range(args.repeats + 1):
         started = time.perf_counter()
-        engine.prefill("bench", measured["overhead_ids"])
+        engine.prefill("bench", ids)
         local.append(time.perf_counter() - started)
         engine.free("bench")
     torch.set_num_threads(previous)
-    local = local[1:]
+    return local[1:]
+
+
+def _served_result(args: argparse.Namespace, measured: dict) -> dict:
+    """Served TTFT against the same ranks' raw prefill (bench prefill's _measure), and the PCP speedups."""
+    settings = {
+        "model": args.model,
+        "tokens": args.served_tokens,
+        "threads": args.threads_per_rank,
+        "repeats": args.repeats,
+        "block_size": 128,
+    }
+    rows = []
+    for pcp in args.served_pcp:
+        raw = raw_prefill_times(ParallelLayout(tp_size=1, pcp_size=pcp), settings)
+        for tokens in args.served_tokens:
+            served = [t.ttft_s for t in measured["served"][(pcp, tokens)]]
+            served_median, raw_median = statistics.median(served), statistics.median(raw[tokens])
+            rows.append(
+                {
+                    "pcp": pcp,
+                    "tokens": tokens,
+                    "served_ttft_s": _summary(served),
+                    "raw_prefill_s": _summary(raw[tokens]),
+                    "overhead_pct": round(100 * (served_median - raw_median) / raw_median, 1),
+                }
+            )
+
+    def speedups(key: str) -> dict[str, float]:
+        base = {r["tokens"]: r[key]["median"] for r in rows if r["pcp"] == 1}
+        return {
+            f"pcp{r['pcp']}_over_pcp1_at_{r['tokens']}": round(base[r["tokens"]] / r[key]["median"], 3)
+            for r in rows
+            if r["pcp"] > 1 and r["tokens"] in base
+        }
+
+    return {
+        "threads_per_rank": args.threads_per_rank,
+        "repeats": args.repeats,
+        "rows": rows,
+        "speedup": speedups("served_ttft_s"),
+        "raw_speedup": speedups("raw_prefill_s"),
+        "breakdown": measured.get("breakdown", []),
+    }
+
+
+def run(args: argparse.Namespace) -> dict:
+    """Starts the stacks, measures load, overhead and served PCP, stops them, then times the references."""
+    facts = machine_facts()
+    vocab = 49152 if args.model is None else 256
+    with tempfile.TemporaryDirectory(prefix="pcpstack-bench-e2e-") as trace_dir:
+        measured = asyncio.run(_stacks(args, vocab, Path(trace_dir)))
+    # The references run after the stacks are gone, so they have the machine to themselves.
+    local = _in_process(args, measured["overhead_ids"])
     path = statistics.median(measured["path_ttft"])
     inproc = statistics.median(local)
-    return {
+    result = {
         "benchmark": "e2e",
         "model": served_model_name(args.model),
         "pcp": args.pcp,
@@ -135,7 +319,10 @@ def run(args: argparse.Namespace) -> dict:
             "prompt_tokens": args.overhead_tokens,
             "path_ttft_s": _summary(measured["path_ttft"]),
             "in_process_prefill_s": _summary(local),
-            "in_process_threads": total_threads,
+            "in_process_threads": args.pcp * args.threads_per_rank,
             "overhead_pct": round(100 * (path - inproc) / inproc, 1),
         },
     }
+    if args.served_tokens:
+        result["served"] = _served_result(args, measured)
+    return result
