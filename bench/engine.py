@@ -9,6 +9,7 @@ import time
 import torch
 
 from bench.machine import machine_facts
+from bench.roofline import add_roofline
 from pcpstack.common.config import served_model_name
 from pcpstack.engine.engine import Engine
 
@@ -83,7 +84,7 @@ def run(args: argparse.Namespace) -> dict:
     dtype = getattr(torch, args.dtype) if args.dtype else None
     decode_tokens = args.decode_steps * args.repeats + 1
     engine = Engine.load(args.model, dtype=dtype, block_size=16, num_blocks=blocks_for_bench(decode_tokens))
-    return {
+    result = {
         "model": served_model_name(args.model),
         "model_id": engine.loaded.model_id,
         "device": str(engine.device),
@@ -102,6 +103,8 @@ def run(args: argparse.Namespace) -> dict:
             for b in DECODE_BATCHES
         },
     }
+    # The roofline (bench/roofline.py): bytes per step, the bandwidth-bound ceiling and the fraction reached.
+    return add_roofline(engine, result, timed_steps=args.decode_steps * args.repeats)
 
 
 def blocks_for_bench(decode_tokens: int) -> int:
