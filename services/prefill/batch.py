@@ -11,10 +11,14 @@ token computes that sequence's logits.
 
 With one sequence this is `prefill_share`; the arithmetic per sequence is the same, so the result equals
 prefilling the sequences one by one.
+
+The serving side: `jobs_in_batch` decides how many waiting jobs a set takes at once (the node), and
+`pack_jobs`/`unpack_jobs` carry them in one broadcast to every rank.
 """
 
 from __future__ import annotations
 
+import struct
 from collections.abc import Sequence
 from dataclasses import dataclass
 from functools import cached_property
@@ -23,9 +27,52 @@ import torch
 
 from pcpstack.engine.attention import AttentionMetadata
 from pcpstack.engine.engine import Engine, SequenceState
-from pcpstack.engine.kv_cache import slots_for
+from pcpstack.engine.kv_cache import blocks_needed, slots_for
 from pcpstack.prefill.context_parallel import KvAllGather
+from pcpstack.prefill.job import PrefillJob
 from pcpstack.prefill.split import DualChunkSplit
+
+# Prompt tokens past which one forward gains nothing from batching, so a batch stops there (a longer prompt
+# runs alone). Measured on SmolLM2-135M, one thread per rank, single rank: 16 prompts of 32 tokens in one
+# forward took 1.6 s against 4.8 s one by one, 8 of 128 tokens 5.7 s against 9.5 s, and 4 of 512 tokens
+# 11.1 s against 10.7 s. Past it a batch only delays its first jobs' first tokens.
+BATCH_TOKENS = 512
+_COUNT = struct.Struct("<q")
+
+
+def jobs_in_batch(
+    prompt_lengths: Sequence[int], max_jobs: int, max_tokens: int, capacity_blocks: int, block_size: int
+) -> int:
+    """How many of the waiting jobs (prompt_lengths, oldest first) to run in one forward: the oldest always
+    (alone it runs as today, in chunks if need be), then the next ones in order while there are at most
+    max_jobs, their prompts hold at most max_tokens together, and their blocks fit in the rank's cache
+    (every rank holds every sequence of the batch at once). In order only, so no job is overtaken."""
+    count, tokens, blocks = 1, prompt_lengths[0], blocks_needed(prompt_lengths[0], block_size)
+    for length in prompt_lengths[1:max_jobs]:
+        tokens, blocks = tokens + length, blocks + blocks_needed(length, block_size)
+        if tokens > max_tokens or blocks > capacity_blocks:
+            break
+        count += 1
+    return count
+
+
+def pack_jobs(jobs: Sequence[PrefillJob]) -> torch.Tensor:
+    """Several jobs as one uint8 tensor for the rank broadcast: their count, each one's size, their bytes."""
+    encoded = [job.to_bytes() for job in jobs]
+    head = b"".join(_COUNT.pack(n) for n in (len(encoded), *(len(e) for e in encoded)))
+    return torch.frombuffer(bytearray(head + b"".join(encoded)), dtype=torch.uint8)
+
+
+def unpack_jobs(tensor: torch.Tensor) -> list[PrefillJob]:
+    """The jobs a pack_jobs broadcast delivered, in order."""
+    view = memoryview(tensor.numpy().tobytes())
+    (count,) = _COUNT.unpack_from(view, 0)
+    sizes = [_COUNT.unpack_from(view, _COUNT.size * (1 + i))[0] for i in range(count)]
+    offset, jobs = _COUNT.size * (1 + count), []
+    for size in sizes:
+        jobs.append(PrefillJob.from_bytes(view[offset : offset + size]))
+        offset += size
+    return jobs
 
 
 @dataclass(frozen=True)

@@ -1,9 +1,10 @@
 """The typed work of a PCP set: one job in, one outcome out, and how each crosses the process group.
 
 The servicer builds a `PrefillJob` (the prompt, its checked sampling parameters and the KV key it computed
-once); the node hands it to global rank 0, which broadcasts `job.to_tensor()` to every rank. After the
-forward each rank contributes a fixed-size `RankShare` to one all-gather, and rank 0 folds the shares into
-the `PrefillOutcome` its node answers with. Nothing on this path is a dict or JSON.
+once); the node hands it to global rank 0, which broadcasts it to every rank with the other jobs of the
+same forward (prefill.batch.pack_jobs). After the forward each rank contributes a fixed-size `RankShare` per
+job to one all-gather, and rank 0 folds each job's shares into the `PrefillOutcome` its node answers with.
+Nothing on this path is a dict or JSON.
 
 With tensor parallelism the replica of the owning PCP rank is spread over its TP group by K/V head, and it
 is stored as one object per `ReplicaShard` (`replica_shards`, computed once by the servicer and carried in

@@ -40,6 +40,9 @@ log = logging.getLogger(__name__)
 # engine.engine.DEFAULT_CACHE_TOKENS (this module must not import torch): twice SmolLM2's 8,192-token
 # context, 720 MiB a rank at SmolLM2-135M's 46,080 bytes a token in fp32 (23,040 in bf16).
 DEFAULT_KV_CACHE_TOKENS = 16384
+# Sixteen 32-token prompts fill one batched forward's token budget (prefill.batch.BATCH_TOKENS, 512), which is
+# where batching gained most when measured (3x over one forward each on SmolLM2-135M).
+DEFAULT_PREFILL_BATCH_MAX = 16
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -75,6 +78,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "attending to those before it (bounds the activations of long prompts; exact); 0: one forward",
     )
     parser.add_argument(
+        "--prefill-batch-max",
+        type=int,
+        default=DEFAULT_PREFILL_BATCH_MAX,
+        help="most waiting prompts the set prefills in one forward (batched prefill, exact), as long as they "
+        "hold at most 512 tokens together (and one chunk) and fit the ranks' KV cache; 1: one a forward",
+    )
+    parser.add_argument(
         "--no-prefix-cache",
         action="store_true",
         help="neither reuse prompt prefixes the KV store holds nor offer new blocks for reuse (prefix "
@@ -98,6 +108,7 @@ class PrefillConfig(NodeConfig):
     kv_cache_tokens: int = DEFAULT_KV_CACHE_TOKENS
     # 0: the whole prompt in one forward.
     prefill_chunk_tokens: int = 0
+    prefill_batch_max: int = DEFAULT_PREFILL_BATCH_MAX
     no_prefix_cache: bool = False
 
     def __post_init__(self) -> None:
@@ -117,6 +128,7 @@ class PrefillConfig(NodeConfig):
         check_positive("--collective-timeout", self.collective_timeout)
         check_positive("--kv-cache-tokens", self.kv_cache_tokens)
         check_non_negative("--prefill-chunk-tokens", self.prefill_chunk_tokens, "0: one forward")
+        check_positive("--prefill-batch-max", self.prefill_batch_max)
 
 
 class PrefillNode:
@@ -142,6 +154,7 @@ class PrefillNode:
             collective_timeout_s=config.collective_timeout,
             kv_cache_tokens=config.kv_cache_tokens,
             prefill_chunk_tokens=config.prefill_chunk_tokens,
+            prefill_batch_max=config.prefill_batch_max,
         )
         self.supervisor = RankSupervisor(self.options, info, self._on_set_failure)
         self.registry = None

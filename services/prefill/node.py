@@ -4,7 +4,9 @@ The node registers with the registry, waits for its assignment on the Session st
 process per global rank the assignment names (the TP ranks of its PCP ranks; an assignment without global
 ranks is tp 1: its PCP ranks) and reports the set ready once every local rank has loaded its model shard
 and joined the process groups. A rank process's position on this node (its local index) picks its device.
-On the master node (the one running global rank 0) it serves Prefill by handing jobs to global rank 0.
+On the master node (the one running global rank 0) it serves Prefill by handing jobs to global rank 0:
+jobs queue, and the set takes the waiting ones that fit into one forward (batched prefill, up to
+`prefill_batch_max`; each job still gets its own outcome).
 When a rank dies, or the group stops making progress, the node fails the requests in flight with
 UNAVAILABLE (SetUnavailable), tells the registry, stops its ranks and waits to be re-assigned.
 """
@@ -26,9 +28,10 @@ import torch
 from pcpstack.engine.config import ModelArgs
 from pcpstack.engine.device import default_dtype, pick_device
 from pcpstack.engine.engine import DEFAULT_CACHE_TOKENS
-from pcpstack.engine.kv_cache import KvLayout
+from pcpstack.engine.kv_cache import KvLayout, blocks_needed
 from pcpstack.engine.prompt import PromptLimits
 from pcpstack.engine.weights import describe_model
+from pcpstack.prefill.batch import BATCH_TOKENS, jobs_in_batch
 from pcpstack.prefill.errors import NotMaster, SetUnavailable
 from pcpstack.prefill.job import PrefillJob, PrefillOutcome
 from pcpstack.prefill.rank import RankReady, RankSpec, rank_main
@@ -97,6 +100,8 @@ class NodeOptions:
     kv_cache_tokens: int = DEFAULT_CACHE_TOKENS
     # Longest chunk of a prompt one forward runs; 0: the whole prompt in one forward.
     prefill_chunk_tokens: int = 0
+    # Most waiting jobs the set prefills in one forward (--prefill-batch-max); 1: one job at a time.
+    prefill_batch_max: int = 1
 
 
 @dataclass
@@ -106,6 +111,14 @@ class _RankProcess:
     progress: object
     global_rank: int
     ready: bool = False
+
+
+@dataclass(eq=False)
+class _Waiting:
+    """A job in the node's queue and the future of (the set that ran it, its outcome)."""
+
+    job: PrefillJob
+    result: asyncio.Future
 
 
 @dataclass
@@ -137,6 +150,8 @@ class RankSupervisor:
         self._ctx = mp.get_context("spawn")
         self._job_lock = asyncio.Lock()
         self.waiting = 0
+        # Jobs not yet handed to the set, oldest first.
+        self._queue: list[_Waiting] = []
 
     @property
     def load(self) -> int:
@@ -215,7 +230,7 @@ class RankSupervisor:
             rank.ready = True
             if all(r.ready for r in running.ranks):
                 running.ready.set()
-        elif isinstance(message, PrefillOutcome):
+        elif isinstance(message, list):  # the outcomes of one forward's jobs
             if running.pending is not None and not running.pending.done():
                 running.pending.set_result(message)
         elif isinstance(message, str):
@@ -263,18 +278,54 @@ class RankSupervisor:
         return running
 
     async def run_job(self, job: PrefillJob) -> tuple[RunningSet, PrefillOutcome]:
-        """Runs one job (jobs queue one at a time) and returns the set that ran it with its outcome; raises
-        SetUnavailable when the set cannot run it. A failure of the job alone is in the outcome."""
+        """Runs one job and returns the set that ran it with its outcome; raises SetUnavailable when the set
+        cannot run it. A failure of the job alone is in the outcome. Jobs queue; the oldest takes the
+        waiting jobs that fit after it into the same forward (`_run_batch`)."""
+        waiting = _Waiting(job, asyncio.get_running_loop().create_future())
+        self._queue.append(waiting)
         self.waiting += 1
         try:
             async with self._job_lock:
-                running = self.ready_set()
-                running.pending = asyncio.get_running_loop().create_future()
-                master = next(r for r in running.ranks if r.global_rank == 0)
-                master.conn.send(job)
-                return running, await running.pending
+                if not waiting.result.done():  # else it ran in the batch of a job queued before it
+                    await self._run_batch(waiting)
+            return await waiting.result
         finally:
             self.waiting -= 1
+            if waiting in self._queue:
+                self._queue.remove(waiting)
+
+    async def _run_batch(self, head: _Waiting) -> None:
+        """Runs `head` with the jobs queued after it that fit (jobs_in_batch: at most prefill_batch_max,
+        BATCH_TOKENS or one chunk of tokens, the rank's cache) in one forward, and answers each."""
+        options = self.options
+        queued = [head, *(w for w in self._queue if w is not head)]
+        count = jobs_in_batch(
+            [len(w.job.token_ids) for w in queued],
+            options.prefill_batch_max,
+            min(BATCH_TOKENS, options.prefill_chunk_tokens or BATCH_TOKENS),
+            blocks_needed(options.kv_cache_tokens, options.block_size),
+            options.block_size,
+        )
+        batch = queued[:count]
+        for waiting in batch:
+            if waiting in self._queue:
+                self._queue.remove(waiting)
+        try:
+            running = self.ready_set()
+            running.pending = asyncio.get_running_loop().create_future()
+            master = next(r for r in running.ranks if r.global_rank == 0)
+            master.conn.send([w.job for w in batch])
+            outcomes = await running.pending
+        except Exception as exc:
+            for waiting in batch:
+                waiting.result.set_exception(exc)
+            return
+        except BaseException:  # head's caller went away: the others still need an answer
+            for waiting in batch[1:]:
+                waiting.result.set_exception(SetUnavailable("the job's batch was cancelled"))
+            raise
+        for waiting, outcome in zip(batch, outcomes, strict=True):
+            waiting.result.set_result((running, outcome))
 
     async def stop(self, reason: str) -> None:
         """Stops the local ranks (politely through rank 0 if possible, then by force)."""

@@ -26,6 +26,11 @@ the job's prefix lease) and adopts it, and one all-reduce over the control group
 of them loaded it, or none uses it and the whole prompt is computed (a cache is never worth a wrong or
 stuck set). Then only the tokens after the prefix are split and computed, and the owner pushes only those,
 with the block keys of their full blocks.
+
+Batched prefill: rank 0 may hand the set several jobs at once (the node takes the waiting jobs that fit,
+prefill.batch.jobs_in_batch). They travel in one broadcast, every rank prefills them in one forward
+(prefill.batch.prefill_batch: each split by DualChunkSwap, each attending only to itself), then samples,
+pushes and reports per job, so each job gets its own outcome; one job alone runs exactly as before.
 """
 
 from __future__ import annotations
@@ -42,6 +47,7 @@ from typing import Any, TypeVar
 
 import torch
 import torch.distributed as dist
+from opentelemetry import trace
 from opentelemetry.propagate import extract
 
 from pcpstack.common.errors import Internal, ServiceError, Unavailable
@@ -49,7 +55,7 @@ from pcpstack.common.lifetime import exit_with_spawning_process
 from pcpstack.common.logs import setup_logging
 from pcpstack.common.telemetry import setup_telemetry, shutdown_telemetry, tracer
 from pcpstack.engine.device import device_for_rank
-from pcpstack.engine.engine import DEFAULT_CACHE_TOKENS, Engine
+from pcpstack.engine.engine import DEFAULT_CACHE_TOKENS, Engine, SequenceState
 from pcpstack.engine.kv_cache import KvLayout, blocks_needed
 from pcpstack.engine.parallel import ParallelGroups, ParallelLayout, init_parallel_groups
 from pcpstack.engine.sampling import (
@@ -65,6 +71,7 @@ from pcpstack.engine.weights import load_model
 from pcpstack.kvstore.client import KvStoreClient
 from pcpstack.kvstore.prefix import segment_range
 from pcpstack.kvstore.ranges import ByteRange
+from pcpstack.prefill.batch import BatchSplit, pack_jobs, prefill_batch, unpack_jobs
 from pcpstack.prefill.context_parallel import (
     KvAllGather,
     chunk_bounds,
@@ -253,13 +260,14 @@ class RankWorker:
         self.fingerprint = fingerprint
         self.pusher = ReplicaPusher()
 
-    def step(self, job: PrefillJob | None) -> tuple[int, PrefillOutcome | None]:
-        """One round of the set: rank 0 passes its job (None: idle tick). Returns (op, rank 0's outcome)."""
+    def step(self, jobs: list[PrefillJob] | None) -> tuple[int, list[PrefillOutcome] | None]:
+        """One round of the set: rank 0 passes its jobs, run in one forward (None: idle tick). Returns (op,
+        rank 0's outcomes, one per job in order)."""
         control = self.groups.control
         payload = None
         header = _header(OP_IDLE)
-        if self.spec.global_rank == 0 and job is not None:
-            payload = job.to_tensor()
+        if self.spec.global_rank == 0 and jobs:
+            payload = pack_jobs(jobs)
             header = _header(OP_PREFILL, payload.numel())
         dist.broadcast(header, src=0, group=control)
         op, payload_bytes = header.tolist()
@@ -268,81 +276,131 @@ class RankWorker:
         if payload is None:
             payload = torch.empty(payload_bytes, dtype=torch.uint8)
         dist.broadcast(payload, src=0, group=control)
-        return op, self._prefill(job if job is not None else PrefillJob.from_tensor(payload))
+        return op, self._prefill(jobs if jobs else unpack_jobs(payload))
 
-    def _prefill(self, job: PrefillJob) -> PrefillOutcome | None:
+    def _prefill(self, jobs: list[PrefillJob]) -> list[PrefillOutcome] | None:
         spec = self.spec
-        owner = replica_owner(job.request_id, spec.pcp_size)
-        with _tracer.start_as_current_span("prefill.rank", context=extract(job.trace_context)) as span:
-            span.set_attribute("pcpstack.pcp_rank", spec.pcp_rank)
-            span.set_attribute("pcpstack.tp_rank", spec.tp_rank)
-            span.set_attribute("pcpstack.replica_owner", owner == spec.pcp_rank)
-            chunks = chunk_bounds(len(job.token_ids), spec.prefill_chunk_tokens)
-            span.set_attribute("pcpstack.prefill_chunks", len(chunks))
-            share = self._run(job, owner)
-            # The phases of the rank's span, so a trace splits TTFT into forward and KV push (bench e2e).
-            span.set_attribute("pcpstack.forward_us", share.forward_us)
-            span.set_attribute("pcpstack.push_us", share.push_us)
-        shares = [torch.empty(RankShare.SIZE, dtype=torch.uint8) for _ in range(spec.layout.world_size)]
-        dist.all_gather(shares, share.to_tensor(), group=self.groups.control)
+        owners = [replica_owner(job.request_id, spec.pcp_size) for job in jobs]
+        # One span per job, in its own request's trace, around the forward the jobs share.
+        spans = [_tracer.start_span("prefill.rank", context=extract(job.trace_context)) for job in jobs]
+        try:
+            for span, job, owner in zip(spans, jobs, owners, strict=True):
+                span.set_attribute("pcpstack.pcp_rank", spec.pcp_rank)
+                span.set_attribute("pcpstack.tp_rank", spec.tp_rank)
+                span.set_attribute("pcpstack.replica_owner", owner == spec.pcp_rank)
+                chunks = chunk_bounds(len(job.token_ids), spec.prefill_chunk_tokens)
+                span.set_attribute("pcpstack.prefill_chunks", len(chunks))
+                span.set_attribute("pcpstack.prefill_batch", len(jobs))
+            shares = self._run(jobs, owners, spans)
+            for span, share in zip(spans, shares, strict=True):
+                # The phases of the rank's span, so a trace splits TTFT into forward and KV push (bench e2e).
+                span.set_attribute("pcpstack.forward_us", share.forward_us)
+                span.set_attribute("pcpstack.push_us", share.push_us)
+        finally:
+            for span in spans:
+                span.end()
+        size = RankShare.SIZE
+        gathered = [torch.empty(size * len(jobs), dtype=torch.uint8) for _ in range(spec.layout.world_size)]
+        dist.all_gather(gathered, torch.cat([s.to_tensor() for s in shares]), group=self.groups.control)
         if spec.global_rank != 0:
             return None
-        return PrefillOutcome.combine(job, owner, [RankShare.from_tensor(s) for s in shares], spec.tp_size)
+        return [
+            PrefillOutcome.combine(
+                job,
+                owner,
+                [RankShare.from_tensor(g[i * size : (i + 1) * size]) for g in gathered],
+                spec.tp_size,
+            )
+            for i, (job, owner) in enumerate(zip(jobs, owners, strict=True))
+        ]
 
-    def _run(self, job: PrefillJob, owner: int) -> RankShare:
-        """This rank's part of a job: its forward share, the first token (on TP rank 0 of the PCP rank
-        holding the last position) and its shard's push (on the owner's TP ranks the job's shards name). A
-        failure of sampling or of the push is returned, not raised, so this rank still joins the
-        all-gather; a failure inside the forward's collectives is the set's and propagates."""
-        spec, engine = self.spec, self.engine
-        seq_id = job.kv_key  # unique per attempt, whatever the request id
-        tokens = torch.tensor(job.token_ids, dtype=torch.long)
-
-        def exchange_for(split: DualChunkSplit) -> KvAllGather:
-            return KvAllGather(split, group=self.groups.pcp_group, on_progress=self.on_progress)
-
+    def _run(self, jobs: list[PrefillJob], owners: list[int], spans: list[trace.Span]) -> list[RankShare]:
+        """This rank's part of its jobs: their forward shares in one forward, then per job the first token
+        and its shard's push (`_finish`). A failure inside the forward's collectives is the set's and
+        propagates."""
+        engine = self.engine
         try:
             started = time.perf_counter()
-            cached = self._adopt_prefix(job, seq_id)
-            state = engine.reserve(seq_id, len(tokens))
-            logits = prefill_chunked(
-                engine,
-                state,
-                tokens[cached:],
-                spec.pcp_rank,
-                spec.pcp_size,
-                spec.prefill_chunk_tokens,
-                exchange_for,
-                start=cached,
-            )
+            cached = []
+            for job, span in zip(jobs, spans, strict=True):
+                with trace.use_span(span):
+                    # The sequence is the job's kv_key: unique per attempt, whatever the request id.
+                    cached.append(self._adopt_prefix(job, job.kv_key))
+            states = [engine.reserve(job.kv_key, len(job.token_ids)) for job in jobs]
+            logits = self._forward(jobs, states, cached)
             forward_us = int((time.perf_counter() - started) * 1e6)
-            first_token = -1
-            first_logprobs = None
-            if logits is not None and spec.tp_rank == 0:
-                try:
-                    params = job.sampling
-                    # The first token sees the whole prompt (repetition penalty) and no output yet.
-                    stops = stop_token_set(params, engine.args.eos_token_ids)
-                    history = TokenHistory(job.token_ids, (), stops)
-                    first_token = sample(logits, params, make_generator(params.seed), history)
-                    if params.logprobs is not None:
-                        first_logprobs = token_logprobs(raw_logprobs(logits), first_token, params.logprobs)
-                except Exception as exc:  # a bug in one request's sampling must not break the group
-                    log.exception("rank %d could not sample request %s", spec.global_rank, job.request_id)
-                    error = f"sampling the first token failed: {type(exc).__name__}: {exc}"
-                    return RankShare(forward_us=forward_us, error_code=Internal.code, error=error)
-            mine = [s for s in job.stored_shards(self.fingerprint) if s.tp_rank == spec.tp_rank]
-            if spec.pcp_rank != owner or not mine:
-                return RankShare(
-                    first_token_id=first_token,
-                    forward_us=forward_us,
-                    first_token_logprobs=first_logprobs,
-                    cached_tokens=cached,
-                )
-            return self._push(job, mine[0], first_token, forward_us, first_logprobs, cached)
+            shares = []
+            for job, owner, span, job_logits, held in zip(jobs, owners, spans, logits, cached, strict=True):
+                with trace.use_span(span):
+                    shares.append(self._finish(job, owner, job_logits, forward_us, held))
+            return shares
         finally:
-            # Only the selected replica lives on (in the store); every rank frees its copy at once.
-            engine.free(seq_id)
+            # Only the selected replicas live on (in the store); every rank frees its copies at once.
+            for job in jobs:
+                engine.free(job.kv_key)
+
+    def _forward(
+        self, jobs: list[PrefillJob], states: list[SequenceState], cached: list[int]
+    ) -> list[torch.Tensor | None]:
+        """Each job's logits after its prompt on the rank computing its last token (None elsewhere): one job
+        alone in chunks as configured, several in one batched forward."""
+        spec, engine = self.spec, self.engine
+        tokens = [
+            torch.tensor(job.token_ids[held:], dtype=torch.long)
+            for job, held in zip(jobs, cached, strict=True)
+        ]
+        if len(jobs) == 1:
+
+            def exchange_for(split: DualChunkSplit) -> KvAllGather:
+                return KvAllGather(split, group=self.groups.pcp_group, on_progress=self.on_progress)
+
+            return [
+                prefill_chunked(
+                    engine,
+                    states[0],
+                    tokens[0],
+                    spec.pcp_rank,
+                    spec.pcp_size,
+                    spec.prefill_chunk_tokens,
+                    exchange_for,
+                    start=cached[0],
+                )
+            ]
+        split = BatchSplit(tuple(len(t) for t in tokens), spec.pcp_size)
+        exchange = KvAllGather(split, group=self.groups.pcp_group, on_progress=self.on_progress)
+        return prefill_batch(engine, states, tokens, split, spec.pcp_rank, exchange, cached)
+
+    def _finish(
+        self, job: PrefillJob, owner: int, logits: torch.Tensor | None, forward_us: int, cached: int
+    ) -> RankShare:
+        """One job after the forward: the first token (on TP rank 0 of the PCP rank holding the last
+        position) and its shard's push (on the owner's TP ranks the job's shards name). A failure of
+        sampling or of the push is returned, not raised, so this rank still joins the all-gather."""
+        spec, engine = self.spec, self.engine
+        first_token = -1
+        first_logprobs = None
+        if logits is not None and spec.tp_rank == 0:
+            try:
+                params = job.sampling
+                # The first token sees the whole prompt (repetition penalty) and no output yet.
+                stops = stop_token_set(params, engine.args.eos_token_ids)
+                history = TokenHistory(job.token_ids, (), stops)
+                first_token = sample(logits, params, make_generator(params.seed), history)
+                if params.logprobs is not None:
+                    first_logprobs = token_logprobs(raw_logprobs(logits), first_token, params.logprobs)
+            except Exception as exc:  # a bug in one request's sampling must not break the group
+                log.exception("rank %d could not sample request %s", spec.global_rank, job.request_id)
+                error = f"sampling the first token failed: {type(exc).__name__}: {exc}"
+                return RankShare(forward_us=forward_us, error_code=Internal.code, error=error)
+        mine = [s for s in job.stored_shards(self.fingerprint) if s.tp_rank == spec.tp_rank]
+        if spec.pcp_rank != owner or not mine:
+            return RankShare(
+                first_token_id=first_token,
+                forward_us=forward_us,
+                first_token_logprobs=first_logprobs,
+                cached_tokens=cached,
+            )
+        return self._push(job, mine[0], first_token, forward_us, first_logprobs, cached)
 
     def _adopt_prefix(self, job: PrefillJob, seq_id: str) -> int:
         """Starts seq_id from the job's cached prefix when every rank could read it; returns the tokens
@@ -474,16 +532,16 @@ def rank_main(spec: RankSpec, conn: Connection, progress: Synchronized) -> None:
         conn.send(RankReady(spec.global_rank, fingerprint, args.vocab_size, args.max_seq_len))
         progress.value = time.time()
         while True:
-            job = None
+            jobs = None
             if spec.global_rank == 0 and conn.poll(spec.idle_tick_s):
-                job = conn.recv()
-                if job is None:  # the node asks the set to stop
+                jobs = conn.recv()  # the jobs of one forward
+                if jobs is None:  # the node asks the set to stop
                     dist.broadcast(_header(OP_STOP), src=0, group=groups.control)
                     break
-            op, outcome = worker.step(job)
+            op, outcomes = worker.step(jobs)
             progress.value = time.time()
-            if outcome is not None:
-                conn.send(outcome)
+            if outcomes is not None:
+                conn.send(outcomes)
             if op == OP_STOP:
                 break
     except Exception as exc:

@@ -4,7 +4,8 @@ Two real processes in a real gloo group (PCP=2) run four prompts of different le
 (prefill.batch): one shorter than 2P chunks, ones that end inside a 16-token KV block, and one appended after
 a held 32-token prefix that every rank first loads as an adopted replica (as prefix reuse loads cached
 blocks). Each prompt's first-token logits and every row of its complete replica, on every rank, must equal
-single-rank prefill of that prompt alone within 1e-5.
+single-rank prefill of that prompt alone within 1e-5. The node's choice of the jobs one forward takes, and
+their trip to every rank in one broadcast, are checked directly.
 """
 
 from __future__ import annotations
@@ -14,8 +15,10 @@ import torch
 
 from pcpstack.engine.engine import Engine
 from pcpstack.engine.kv_cache import blocks_needed
-from pcpstack.prefill.batch import BatchSplit, prefill_batch
+from pcpstack.engine.sampling import SamplingParams
+from pcpstack.prefill.batch import BatchSplit, jobs_in_batch, pack_jobs, prefill_batch, unpack_jobs
 from pcpstack.prefill.context_parallel import KvAllGather
+from pcpstack.prefill.job import PrefillJob
 from tests.prefill.cp_harness import (
     BLOCK_SIZE,
     assert_equal_to_single_rank,
@@ -66,6 +69,28 @@ def test_batch_split_gathers_every_sequence_in_position_order() -> None:
         shares.append(torch.tensor(mine + padding))
     assert split.local_counts(1) == [3, 0, 4]
     assert torch.equal(torch.cat(shares)[split.gather_index], ids)
+
+
+def test_a_batch_takes_waiting_jobs_in_order_while_they_fit() -> None:
+    def taken(lengths: list[int], max_jobs: int = 8, capacity_blocks: int = 100) -> int:
+        return jobs_in_batch(lengths, max_jobs, 512, capacity_blocks, block_size=16)
+
+    # Oldest first, always, even above every limit: it runs alone as it would without batching.
+    assert taken([900, 10]) == 1
+    # Stops at the first job that does not fit, so no job is overtaken by a later, smaller one.
+    assert taken([100, 300, 200, 5]) == 2
+    assert taken([10] * 20) == 8
+    assert taken([10, 10], max_jobs=1) == 1
+    # Each sequence takes whole blocks: three 17-token prompts need 6 blocks of 16.
+    assert taken([17, 17, 17], capacity_blocks=5) == 2
+
+
+def test_jobs_packed_for_the_broadcast_come_back_equal_and_in_order() -> None:
+    jobs = [
+        PrefillJob(f"req-{n}", f"key-{n}", list(range(n)), SamplingParams(), "127.0.0.1:1", 1000 + n)
+        for n in (3, 1, 40)
+    ]
+    assert unpack_jobs(pack_jobs(jobs).clone()) == jobs
 
 
 @pytest.mark.slow
