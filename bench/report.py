@@ -241,7 +241,7 @@ def compute_ratios(results: dict) -> list[Ratio]:
 
 
 def compute_targets(results: dict) -> list[Target]:
-    """The four targets of the performance work (issue 8), each from the results that measure it."""
+    """The targets of the performance work (issues 8 and 21), each from the results that measure it."""
     prefill = results.get("prefill", {})
     speedup = prefill.get("speedup", {}).get("pcp2_over_pcp1_at_4096")
     overhead = results.get("e2e", {}).get("overhead")
@@ -279,6 +279,39 @@ def compute_targets(results: dict) -> list[Target]:
             f"bench e2e, {overhead['prompt_tokens']}-token prompt, model {results['e2e'].get('model')}"
             if overhead
             else f"{NOT_MEASURED}: no bench e2e result",
+        ),
+        *_served_targets(results),
+    ]
+
+
+def _served_targets(results: dict) -> list[Target]:
+    """Served PCP (issue 21, bench e2e's served test): PCP=2 over PCP=1 as a client measures TTFT at 4096
+    tokens, and the whole path's TTFT over the same ranks' raw prefill at 2048 and 4096 tokens (the worst
+    row of any PCP size)."""
+    e2e = results.get("e2e", {})
+    served = e2e.get("served", {})
+    speedup = served.get("speedup", {}).get("pcp2_over_pcp1_at_4096")
+    how = f"bench e2e served, {served.get('threads_per_rank')} thread(s) per rank, {e2e.get('model')}"
+    rows = [r for r in served.get("rows", []) if r["tokens"] in (2048, 4096)]
+    worst = max(rows, key=lambda r: r["overhead_pct"]) if rows else None
+    return [
+        Target(
+            "served PCP=2 TTFT speedup over PCP=1 at 4096 tokens, client-measured through a local stack",
+            1.9,
+            False,
+            "×",
+            speedup,
+            how if speedup is not None else f"{NOT_MEASURED}: no bench e2e served PCP=1 and 2 at 4096 tokens",
+        ),
+        Target(
+            "whole-path TTFT over the same ranks' raw prefill at 2048 and 4096 tokens (worst row)",
+            5.0,
+            True,
+            " %",
+            worst["overhead_pct"] if worst else None,
+            f"{how}; worst: PCP={worst['pcp']} at {worst['tokens']} tokens of {len(rows)} row(s)"
+            if worst
+            else f"{NOT_MEASURED}: no bench e2e served rows at 2048 or 4096 tokens",
         ),
     ]
 
@@ -620,7 +653,42 @@ def _decode_section(results: dict, plots: dict[str, Path], report: Path) -> list
     if not rows:
         return [*lines, f"Decode: {NOT_MEASURED} (`pcpstack bench engine`, `bench e2e`, `bench peers`).", ""]
     lines += _table(["stack", "model", "streams", "context", "tokens/s (all streams)", "how"], rows)
-    return lines + _image("decode", plots, report)
+    return lines + _image("decode", plots, report) + _roofline_table(results)
+
+
+def _roofline_table(results: dict) -> list[str]:
+    """bench engine's roofline: the bytes each decode batch's step reads against the copy bandwidth."""
+    lines = ["### Decode step roofline", ""]
+    engine = results.get("engine", {})
+    roofline = engine.get("roofline")
+    if not roofline:
+        return [*lines, f"Roofline: {NOT_MEASURED} (`pcpstack bench engine`).", ""]
+    copy = roofline["copy"]
+    lines += [
+        f"Copy bandwidth {_spread(copy['gb_s'], copy['gb_s_min'], copy['gb_s_max'], ' GB/s')} (torch copy of "
+        f"{_num(copy['bytes'] / 2**20)} MiB, read plus written, {engine.get('threads')} thread(s)). A step "
+        "reads the weights it streams (quantized blocks where the C kernels run) once, and each sequence's "
+        "K/V; the ceiling is batch × bandwidth ÷ bytes per step.",
+        "",
+    ]
+    rows = []
+    batches = sorted(roofline["batches"].items(), key=lambda kv: int(kv[0].removeprefix("batch_")))
+    for key, row in batches:
+        measured = engine.get("decode", {}).get(key, {}).get("tokens_per_s")
+        rows.append(
+            [
+                key.removeprefix("batch_"),
+                _num(row["mean_context"]),
+                f"{_num(row['weight_bytes'] / 1e6)} MB",
+                f"{_num(row['kv_bytes'] / 1e6)} MB",
+                f"{_num(row['bytes_per_step'] / 1e6)} MB",
+                _num(row["ceiling_tokens_per_s"]),
+                "" if measured is None else _num(measured),
+                f"{100 * row['fraction_of_ceiling']:.0f} %",
+            ]
+        )
+    header = ["batch", "context", "weights", "K/V", "bytes per step", "ceiling tokens/s", "tokens/s"]
+    return lines + _table([*header, "of ceiling"], rows)
 
 
 def _kv_section(results: dict, plots: dict[str, Path], report: Path) -> list[str]:
@@ -678,7 +746,62 @@ def _e2e_section(results: dict, plots: dict[str, Path], report: Path) -> list[st
             f"({overhead['in_process_threads']} threads): **{_num(overhead['overhead_pct'])} %**.",
             "",
         ]
-    return lines
+    return lines + _served_section(e2e)
+
+
+def _served_section(e2e: dict) -> list[str]:
+    """Served PCP: client TTFT against the same ranks' raw prefill, and one request's TTFT by phase."""
+    lines = ["### Served PCP: the whole path against the same ranks' raw prefill", ""]
+    served = e2e.get("served")
+    if not served:
+        return [*lines, f"Served PCP: {NOT_MEASURED} (`pcpstack bench e2e --served-pcp 1,2`).", ""]
+    lines += [
+        f"Each PCP size's stack serves one request at a time ({served.get('threads_per_rank')} thread(s) per "
+        f"rank, {served.get('repeats')} repeat(s) after a warm-up, every prompt new); raw prefill is the "
+        "same ranks run as `bench prefill` runs them. Medians (min–max).",
+        "",
+    ]
+    served_base = {r["tokens"]: r["served_ttft_s"]["median"] for r in served["rows"] if r["pcp"] == 1}
+    raw_base = {r["tokens"]: r["raw_prefill_s"]["median"] for r in served["rows"] if r["pcp"] == 1}
+
+    def speedup(base: dict[int, float], row: dict, key: str) -> str:
+        return f"{base[row['tokens']] / row[key]['median']:.2f}×" if row["tokens"] in base else ""
+
+    rows = [
+        [
+            str(r["tokens"]),
+            str(r["pcp"]),
+            _spread(r["served_ttft_s"]["median"], r["served_ttft_s"]["min"], r["served_ttft_s"]["max"], " s"),
+            _spread(r["raw_prefill_s"]["median"], r["raw_prefill_s"]["min"], r["raw_prefill_s"]["max"], " s"),
+            f"{_num(r['overhead_pct'])} %",
+            speedup(served_base, r, "served_ttft_s"),
+            speedup(raw_base, r, "raw_prefill_s"),
+        ]
+        for r in sorted(served["rows"], key=lambda r: (r["tokens"], r["pcp"]))
+    ]
+    header = ["tokens", "PCP", "served TTFT", "raw prefill", "overhead", "served ÷ PCP=1", "raw ÷ PCP=1"]
+    lines += _table(header, rows)
+    breakdown = sorted(served.get("breakdown", []), key=lambda b: (b["tokens"], b["pcp"]))
+    if not breakdown:
+        return lines
+    phases = list(breakdown[0]["phases_s"])
+    lines += [
+        "One request's TTFT by phase, from its trace (the last timed request of each row; seconds). The "
+        "phases follow one another and add up to the TTFT; the KV fetch overlaps the first token's trip "
+        "to the client and is not part of it.",
+        "",
+    ]
+    rows = [
+        [
+            str(b["tokens"]),
+            str(b["pcp"]),
+            _num(b["ttft_s"]),
+            *(_num(b["phases_s"][p]) for p in phases),
+            "" if b.get("kv_fetch_s") is None else _num(b["kv_fetch_s"]),
+        ]
+        for b in breakdown
+    ]
+    return lines + _table(["tokens", "PCP", "TTFT", *(p.replace("_", " ") for p in phases), "KV fetch"], rows)
 
 
 def _dcp_section(results: dict) -> list[str]:

@@ -7,10 +7,12 @@ from pathlib import Path
 
 import pytest
 
+from bench.e2e import TTFT_PHASES
 from bench.report import write_report
 
 MODEL = "SmolLM2-135M-Instruct"
 CPU = "AMD EPYC 7B13"  # every area of one run records the same CPU
+PHASE_SECONDS = (0.01, 0.0, 0.02, 0.07, 24.0, 0.4, 3.3, 0.2)  # one request's TTFT of 28 s by phase
 
 
 def _prefill(model: str = MODEL) -> dict:
@@ -89,6 +91,25 @@ def _engine() -> dict:
             "batch_1": {"context": 512, "tokens_per_s": 80.0, "step_ms": 12.5},
             "batch_8": {"context": 512, "tokens_per_s": 400.0, "step_ms": 20.0},
         },
+        "roofline": {
+            "copy": {"bytes": 256 * 2**20, "gb_s": 10.0, "gb_s_min": 9.0, "gb_s_max": 11.0},
+            "batches": {
+                # 100 MB a step at 10 GB/s: 100 steps/s; 80 tokens/s is 80 % of the ceiling.
+                "batch_1": _roofline_row(80_000_000, 20_000_000, 100.0, 0.8),
+                "batch_8": _roofline_row(80_000_000, 160_000_000, 333.3, 1.2),
+            },
+        },
+    }
+
+
+def _roofline_row(weights: int, kv: int, ceiling: float, fraction: float) -> dict:
+    return {
+        "mean_context": 560.5,
+        "weight_bytes": weights,
+        "kv_bytes": kv,
+        "bytes_per_step": weights + kv,
+        "ceiling_tokens_per_s": ceiling,
+        "fraction_of_ceiling": fraction,
     }
 
 
@@ -121,6 +142,40 @@ def _e2e() -> dict:
             "in_process_threads": 2,
             "overhead_pct": 12.5,
         },
+        "served": {
+            "threads_per_rank": 1,
+            "repeats": 3,
+            "rows": [
+                _served_row(1, 2048, 20.0, 19.0),
+                _served_row(2, 2048, 10.5, 10.0),
+                _served_row(1, 4096, 50.0, 48.0),
+                _served_row(2, 4096, 28.0, 24.0),
+            ],
+            "speedup": {"pcp2_over_pcp1_at_2048": 1.905, "pcp2_over_pcp1_at_4096": 1.786},
+            "raw_speedup": {"pcp2_over_pcp1_at_2048": 1.9, "pcp2_over_pcp1_at_4096": 2.0},
+            "breakdown": [
+                {
+                    "pcp": 2,
+                    "tokens": 4096,
+                    "trace_id": "ab" * 16,
+                    "ttft_s": 28.0,
+                    "phases_s": dict(zip(TTFT_PHASES, PHASE_SECONDS, strict=True)),
+                    "critical_pcp_rank": 1,
+                    "kv_fetch_s": 0.5,
+                    "kv_bytes": 188743680,
+                }
+            ],
+        },
+    }
+
+
+def _served_row(pcp: int, tokens: int, served: float, raw: float) -> dict:
+    return {
+        "pcp": pcp,
+        "tokens": tokens,
+        "served_ttft_s": {"median": served, "min": served, "max": served * 1.1},
+        "raw_prefill_s": {"median": raw, "min": raw, "max": raw},
+        "overhead_pct": round(100 * (served - raw) / raw, 1),
     }
 
 
@@ -195,6 +250,15 @@ def test_full_results_give_tables_ratios_targets_and_plots(tmp_path) -> None:
     assert "| 2048 | 2 | 13.7 s (12.3–16.4) | 150 | 1.50× |" in text
     assert "| shm | 3,000 (1,500–3,300) | 2,000 (1,000–2,200) |" in text
     assert "| 16 | 512 | 32 | 8.00 s (6.40–12.0) | 0.05 s (0.04–0.075) | 160 |" in text
+    # 28 s served against 24 s raw at PCP=2 and 4096 tokens: the worst row, 16.7 %.
+    assert "1.79× | **missed**" in _line(text, "| served PCP=2 TTFT speedup over PCP=1 at 4096")
+    worst = _line(text, "| whole-path TTFT over the same ranks' raw prefill")
+    assert "| 16.7 % | **missed** |" in worst and "worst: PCP=2 at 4096 tokens of 4 row(s)" in worst
+    assert "| 4096 | 2 | 28.0 s (28.0–30.8) | 24.0 s (24.0–24.0) | 16.7 % | 1.79× | 2.00× |" in text
+    assert "| 4096 | 2 | 28.0 | 0.01 | 0 | 0.02 | 0.07 | 24.0 | 0.4 | 3.30 | 0.2 | 0.5 |" in text
+    roofline = text.split("### Decode step roofline", 1)[1]
+    assert "Copy bandwidth 10.0 GB/s (9.00–11.0)" in roofline
+    assert "| 1 | 560 | 80.0 MB | 20.0 MB | 100 MB | 100 | 80.0 | 80 % |" in roofline
     for name in ("prefill_ttft", "decode_concurrency", "kv_throughput", "e2e_load"):
         assert (plots / f"{name}.png").read_bytes().startswith(b"\x89PNG")
         assert f"(plots/{name}.png)" in text
@@ -205,7 +269,7 @@ def test_missing_results_say_not_measured_yet_and_drop_stale_plots(tmp_path) -> 
     (tmp_path / "plots" / "prefill_ttft.png").write_bytes(b"stale")
     text, plots = _generate(tmp_path, kv=_kv())
     targets = text.split("## Targets")[1].split("## Ratios")[0]
-    assert targets.count("| not measured yet | **not measured yet** |") == 4
+    assert targets.count("| not measured yet | **not measured yet** |") == 6
     assert "pcpstack prefill: not measured yet" in text
     assert "Whole path: not measured yet" in text
     assert not (plots / "prefill_ttft.png").exists()
