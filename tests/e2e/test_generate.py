@@ -166,17 +166,18 @@ def test_second_chat_turn_reuses_the_first_turns_prefix_blocks_and_answers_as_a_
     smollm_stack_pcp2, hf_reference
 ) -> None:
     stack = smollm_stack_pcp2
-    system = {"role": "system", "content": PROMPTS[2]}  # about 400 tokens: three full blocks of 128
+    lines = " ".join(f"Line {i}: the quick brown fox jumps over the lazy dog." for i in range(20))
+    system = {"role": "system", "content": lines}  # about 270 tokens: two full blocks of 128
     turn_1 = [system, {"role": "user", "content": "Which animal jumps?"}]
-    first = stack.run(_answer(stack.decode, turn_1, max_tokens=8, ignore_eos=True))
+    first = stack.run(_answer(stack.decode, turn_1, max_tokens=4, ignore_eos=True))
     hits_before = stack.run(_store_stat(stack)).prefix_blocks_hit
     turn_2 = [
         *turn_1,
         {"role": "assistant", "content": first.text},
         {"role": "user", "content": "And which one is lazy?"},
     ]
-    warm = stack.run(_answer(stack.decode, turn_2, max_tokens=16, ignore_eos=True))
-    cold = stack.run(_answer(stack.decode, turn_2, max_tokens=16, ignore_eos=True, cache_salt="tenant-b"))
+    warm = stack.run(_answer(stack.decode, turn_2, max_tokens=8, ignore_eos=True))
+    cold = stack.run(_answer(stack.decode, turn_2, max_tokens=8, ignore_eos=True, cache_salt="tenant-b"))
     ids_1, ids_2 = list(first.summary.prompt_token_ids), list(warm.summary.prompt_token_ids)
     common = next((i for i, (a, b) in enumerate(zip(ids_1, ids_2, strict=False)) if a != b), len(ids_1))
     # The second turn's prefill computed only what follows the first turn's full blocks.
@@ -184,7 +185,7 @@ def test_second_chat_turn_reuses_the_first_turns_prefix_blocks_and_answers_as_a_
     assert stack.run(_store_stat(stack)).prefix_blocks_hit > hits_before
     # Another salt shares no block: computed cold, and the answers are equal (and equal HF's).
     assert cold.summary.cached_prompt_tokens == 0
-    assert warm.token_ids == cold.token_ids == hf_reference(ids_2, 16)
+    assert warm.token_ids == cold.token_ids == hf_reference(ids_2, 8)
 
 
 async def _store_stat(stack):

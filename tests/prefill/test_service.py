@@ -2,7 +2,8 @@
 
 The replica the set pushes equals single-rank prefill, also when the set runs a prompt in chunks; concurrent
 requests queue without deadlock; bad requests, and a prompt above the set's KV capacity, are refused before
-any rank works; one request's failure (a refused push) fails that request alone
+any rank works; a prompt extending a stored one computes only its new tokens and its KV (cached prefix plus
+new object) equals single-rank prefill; one request's failure (a refused push) fails that request alone
 and the set serves the next; a dead rank makes requests fail fast with UNAVAILABLE, takes the set out of
 routing, and the set re-forms with a newer generation.
 """
@@ -21,6 +22,7 @@ import torch
 from pcpstack.common.channel import open_channel
 from pcpstack.engine.engine import Engine
 from pcpstack.kvstore.client import KvStoreClient
+from pcpstack.kvstore.prefix import segment_range
 from pcpstack.prefill.client import PrefillClient
 from pcpstack.prefill.replica import replica_owner
 from pcpstack.v1 import common_pb2, registry_pb2, registry_pb2_grpc
@@ -267,3 +269,65 @@ def test_dead_rank_fails_requests_fast_and_the_set_reforms(stack) -> None:
         pytest.fail(f"the set did not re-form: {sets}")
     reply, _ = stack.run(prefill_and_fetch(stack, "healed", prompt(10)))
     assert reply.generation == sets[0].generation
+
+
+@pytest.mark.slow
+def test_a_prompt_extending_a_stored_one_computes_only_its_new_tokens_and_its_kv_stays_exact(
+    stack, reference
+) -> None:
+    ids = torch.randint(0, 256, (300,), generator=torch.Generator().manual_seed(18)).tolist()
+
+    async def turns():
+        client = PrefillClient(prefill_address(stack))
+        try:
+            first = await client.prefill("turn-1", ids[:260], GREEDY, timeout=60)  # offers blocks 0 and 1
+            second = await client.prefill("turn-2", ids, GREEDY, timeout=60)
+            salted = await client.prefill("turn-2-salted", ids, GREEDY, cache_salt="other", timeout=60)
+        finally:
+            await client.close()
+        async with KvStoreClient(second.kv.store_address) as store:
+            for reply in (first, salted):
+                await store.release(reply.kv.key, reply.kv.capability)
+            kv = second.kv
+            # Decode's read of a handle with a cached prefix: the prefix segments through the lease, then the
+            # object holding the rest.
+            rows = kv.layout.num_kv_heads * kv.layout.head_dim * 4
+            parts = []
+            for segment in kv.prefix_segments:
+                selection = segment_range(
+                    segment.object_bytes,
+                    kv.layout.num_layers * 2,
+                    rows,
+                    segment.token_start,
+                    segment.token_count,
+                )
+                data, _ = await store.get(
+                    segment.key,
+                    kv.fingerprint,
+                    kv.prefix_lease_capability,
+                    ranges=[selection],
+                    lease_id=kv.prefix_lease_id,
+                )
+                parts.append((segment.token_count, data))
+            data, _ = await store.get(kv.key, kv.fingerprint, kv.capability)
+            parts.append((kv.num_tokens - kv.cached_tokens, data))
+            await store.release(kv.key, kv.capability)
+            assert await store.release(kv.prefix_lease_id, kv.prefix_lease_capability, lease=True)
+        layout = kv.layout
+        whole = torch.cat(
+            [
+                torch.frombuffer(bytearray(data), dtype=torch.float32).view(
+                    layout.num_layers, 2, tokens, layout.num_kv_heads, layout.head_dim
+                )
+                for tokens, data in parts
+            ],
+            dim=2,
+        )
+        return second, salted, whole
+
+    second, salted, whole = stack.run(turns())
+    first_token, expected = single_rank(reference, ids)
+    assert (second.kv.cached_tokens, second.computed_tokens) == (256, 44)
+    assert (salted.kv.cached_tokens, salted.computed_tokens) == (0, 300)  # another salt shares no block
+    assert second.first_token_id == salted.first_token_id == first_token
+    assert (whole - expected).abs().max().item() <= 1e-4
