@@ -19,7 +19,8 @@ from bench.report import NOTES_PATH, PLOTS_DIR, REPORT_PATH, RESULTS_DIR, load_r
 AREAS = ("registry", "kv", "engine", "prefill", "decode", "peers", "e2e")
 SMOKE_ARGS: dict[str, list[str]] = {
     "engine": ["--model", "tiny", "--threads", "1", "--repeats", "1", "--decode-steps", "2"],
-    "registry": ["--nodes", "20", "--duration", "1", "--lease", "3"],
+    # etcd only (the memory backend runs the same measurement): a 3-member etcd and one leader failover
+    "registry": ["--nodes", "20", "--duration", "1", "--lease", "3", "--backend", "etcd", "--failovers", "1"],
     "kv": ["--bytes", "1MiB", "--repeats", "1"],
     "prefill": ["--tokens", "64", "--pcp", "1,2", "--model", "tiny", "--repeats", "1"],
     # One TP group only (DCP=2 of TP=4): each size starts four rank processes.

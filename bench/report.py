@@ -843,14 +843,49 @@ def _registry_section(results: dict) -> list[str]:
     registry = results.get("registry")
     if not registry:
         return [*lines, f"Registry: {NOT_MEASURED} (`pcpstack bench registry`).", ""]
-    goals = registry.get("targets", {})
-    rows = [
-        [key.replace("_", " "), _num(registry[key]), goals.get(key, "")]
-        for key in ("assembly_s", "registry_cpu_pct_of_one_core", "clients_cpu_pct_of_one_core")
-        if key in registry
+    if "backends" not in registry:  # results of the bench before it measured backends apart
+        goals = registry.get("targets", {})
+        rows = [
+            [key.replace("_", " "), _num(registry[key]), goals.get(key, "")]
+            for key in ("assembly_s", "registry_cpu_pct_of_one_core", "clients_cpu_pct_of_one_core")
+            if key in registry
+        ]
+        lines += [f"{registry.get('nodes')} prefill nodes in {registry.get('sets')} sets.", ""]
+        return lines + _table(["measure", "value", "target"], rows)
+    lines += [
+        f"{registry.get('nodes')} prefill nodes in {registry.get('sets')} sets, lease "
+        f"{registry.get('lease_s', 3.0):g} s (heartbeats every third of it); every node a NodeSession in "
+        "the bench's process. CPU is % of one core over the heartbeat window.",
+        "",
     ]
-    lines += [f"{registry.get('nodes')} prefill nodes in {registry.get('sets')} sets.", ""]
-    return lines + _table(["measure", "value", "target"], rows)
+    goals = registry.get("targets", {})
+
+    def cpu(measured: dict, name: str) -> str:
+        key = f"{name}_cpu_pct_of_one_core"
+        return f"{_num(measured[key])} %" if key in measured else "–"
+
+    rows = [
+        [
+            backend,
+            f"{_num(measured['assembly_s'])} s",
+            goals.get(backend, {}).get("assembly_s", ""),
+            cpu(measured, "registry"),
+            cpu(measured, "etcd"),
+            cpu(measured, "clients"),
+        ]
+        for backend, measured in registry["backends"].items()
+    ]
+    header = ["backend", "all assigned after the last registered", "target", "registry CPU", "etcd CPU"]
+    lines += _table([*header, "clients CPU"], rows)
+    if "failover_s_median" in registry:
+        runs = ", ".join(f"{t:g}" for t in registry.get("failover_s", []))
+        lines += [
+            f"Leader failover (2 replicas on a 3-member etcd; SIGKILL of the leader until the other answers "
+            f"as leader): median {_num(registry['failover_s_median'])} s of {runs} s; target "
+            f"{goals.get('failover_s_median', '< 3 s')}.",
+            "",
+        ]
+    return lines
 
 
 def _peers_section(results: dict) -> list[str]:

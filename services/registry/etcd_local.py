@@ -42,6 +42,11 @@ class EtcdCluster:
         """Every member's client URL, comma-separated."""
         return ",".join(f"http://127.0.0.1:{port}" for port in self._client_ports)
 
+    @property
+    def pids(self) -> list[int]:
+        """The process ids of the running members."""
+        return [process.pid for process in self._processes.values()]
+
     def start(self) -> EtcdCluster:
         """Starts every member and returns once the cluster answers a linearizable read."""
         peers = zip(self._names, self._peer_ports, strict=True)

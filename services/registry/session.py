@@ -133,11 +133,15 @@ class NodeSession:
     async def close(self, deregister: bool = False) -> None:
         """Stops the Session; with deregister, tells the registry the node is gone for good (its set is
         dissolved at once instead of after a lease)."""
-        if self._task is not None:
-            self._task.cancel()
+        task, self._task = self._task, None
+        if task is not None:
+            # asyncio.wait_for (Python 3.11) can swallow a cancellation that races the completion of the
+            # call it awaits, and the session then carries on: cancel until the task has ended
+            while not task.done():
+                task.cancel()
+                await asyncio.wait({task}, timeout=0.1)
             with contextlib.suppress(asyncio.CancelledError):
-                await self._task
-            self._task = None
+                await task
         if deregister and self._stub is not None:
             try:
                 await self._stub.Deregister(
@@ -157,6 +161,11 @@ class NodeSession:
     def assignment(self) -> registry_pb2.Assignment | None:
         """The assignment the node should be running (None while pooled)."""
         return self._assignment
+
+    @property
+    def registered(self) -> bool:
+        """True once the registry answered a registration (accepted it, or refused it for good)."""
+        return self._registered.is_set()
 
     @property
     def connected(self) -> bool:
