@@ -2,9 +2,11 @@
 
 A local stack (registry, KV store, one PCP set, one decode worker: real processes on loopback) serves
 concurrent clients. For 1, 4 and 16 clients it reports time to first token and time per output token
-(medians and spread over all requests). It then compares the whole path's TTFT for one prompt of
---overhead-tokens with the engine's in-process prefill of the same prompt (one process, the same total
-threads).
+(medians, 90th percentiles and spread over all requests); with --compare-batching the same load runs again
+on a stack whose prefill set takes one prompt a forward (--prefill-batch-max 1), so the result holds TTFT
+p50 and p90 with and without batched prefill, measured in the same run. It then compares the whole path's
+TTFT for one prompt of --overhead-tokens with the engine's in-process prefill of the same prompt (one
+process, the same total threads).
 
 Served PCP: for each size in --served-pcp (1 and 2) a stack of that PCP serves prompts of --served-tokens
 (2048 and 4096), one request at a time, each prompt new (a repeated one would come from the prefix cache);
@@ -74,6 +76,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="prompt lengths of the served-PCP test, e.g. 2048,4096 ('' skips the test)",
     )
     parser.add_argument("--threads-per-rank", type=int, default=1)
+    parser.add_argument(
+        "--compare-batching",
+        action="store_true",
+        help="also run the load test on a stack without batched prefill (--prefill-batch-max 1)",
+    )
     parser.add_argument("--model", default=None, help="model (default SmolLM2); 'tiny' for a smoke run")
 
 
@@ -116,9 +123,15 @@ async def _one(address: str, ids: list[int], max_tokens: int) -> Timing:
     return Timing(first - started, (last - first) / max(count - 1, 1), trace_id, sent_ns, first_ns)
 
 
+def _p90(values: list[float]) -> float:
+    """The 90th percentile (interpolated between the values, as numpy's default)."""
+    return statistics.quantiles(values, n=10, method="inclusive")[-1] if len(values) > 1 else values[0]
+
+
 def _summary(values: list[float]) -> dict[str, float]:
     return {
         "median": round(statistics.median(values), 4),
+        "p90": round(_p90(values), 4),
         "min": round(min(values), 4),
         "max": round(max(values), 4),
     }
@@ -200,14 +213,10 @@ async def _load(address: str, vocab: int, args: argparse.Namespace) -> list[dict
 
 
 async def _served(address: str, vocab: int, tokens: int, repeats: int, seed: int) -> list[Timing]:
-    """One warm-up and `repeats` timed requests of `tokens` tokens, one at a time, every prompt new."""
-    timings = []
-    for repeat in range(repeats + 1):
-        # Two tokens: the second waits for the KV fetch, so the trace holds decode.kv_fetch too.
-        timing = await _one(address, _prompt(vocab, tokens, seed + repeat), 2)
-        if repeat:  # the first pays for first-touch allocations of this length, as bench prefill's warm-up
-            timings.append(timing)
-    return timings
+    """A warm-up and `repeats` timed requests of `tokens` tokens, one at a time, every prompt new; the
+    warm-up first (it pays for first-touch allocations of this length, as bench prefill's warm-up does)."""
+    # Two tokens: the second waits for the KV fetch, so the trace holds decode.kv_fetch too.
+    return [await _one(address, _prompt(vocab, tokens, seed + r), 2) for r in range(repeats + 1)]
 
 
 async def _stacks(args: argparse.Namespace, vocab: int, trace_dir: Path) -> dict:
@@ -233,11 +242,35 @@ async def _stacks(args: argparse.Namespace, vocab: int, trace_dir: Path) -> dict
                     measured["served"][(pcp, tokens)] = timings
         spans = read_span_file(spans_file)  # complete once the stack has stopped
         for (size, tokens), timings in measured["served"].items():
-            if size == pcp:
-                measured.setdefault("breakdown", []).append(
-                    {"pcp": pcp, "tokens": tokens, **ttft_breakdown(spans, timings[-1])}
+            if size == pcp:  # the first request of the length (the warm-up) and the last timed one
+                measured.setdefault("breakdown", []).extend(
+                    {"pcp": pcp, "tokens": tokens, "request": which, **ttft_breakdown(spans, timing)}
+                    for which, timing in (("first", timings[0]), ("last", timings[-1]))
                 )
+    if args.compare_batching:
+        options = StackOptions(
+            pcp=args.pcp, model=args.model, threads_per_rank=args.threads_per_rank, prefill_batch_max=1
+        )
+        async with LocalStack(options, progress=lambda m: None) as stack:
+            address = stack.decode_addresses[0]
+            await _one(address, _prompt(vocab, 16, 0), 2)  # warm-up
+            measured["load_unbatched"] = await _load(address, vocab, args)
     return measured
+
+
+def _batching(batched: list[dict], unbatched: list[dict]) -> list[dict]:
+    """TTFT p50 and p90 per client count with batched prefill (the default) and without (one a forward)."""
+    rows = []
+    for on, off in zip(batched, unbatched, strict=True):
+        rows.append(
+            {
+                "clients": on["clients"],
+                "ttft_p50_s": {"batched": on["ttft_s"]["median"], "unbatched": off["ttft_s"]["median"]},
+                "ttft_p90_s": {"batched": on["ttft_s"]["p90"], "unbatched": off["ttft_s"]["p90"]},
+                "p50_speedup": round(off["ttft_s"]["median"] / on["ttft_s"]["median"], 3),
+            }
+        )
+    return rows
 
 
 def _in_process(args: argparse.Namespace, ids: list[int]) -> list[float]:
@@ -268,7 +301,8 @@ def _served_result(args: argparse.Namespace, measured: dict) -> dict:
     for pcp in args.served_pcp:
         raw = raw_prefill_times(ParallelLayout(tp_size=1, pcp_size=pcp), settings)
         for tokens in args.served_tokens:
-            served = [t.ttft_s for t in measured["served"][(pcp, tokens)]]
+            warm_up, *timed = measured["served"][(pcp, tokens)]
+            served = [t.ttft_s for t in timed]
             served_median, raw_median = statistics.median(served), statistics.median(raw[tokens])
             rows.append(
                 {
@@ -277,6 +311,8 @@ def _served_result(args: argparse.Namespace, measured: dict) -> dict:
                     "served_ttft_s": _summary(served),
                     "raw_prefill_s": _summary(raw[tokens]),
                     "overhead_pct": round(100 * (served_median - raw_median) / raw_median, 1),
+                    # The first request of this length on the stack, as a one-off `generate --local` sees it.
+                    "first_request_ttft_s": round(warm_up.ttft_s, 4),
                 }
             )
 
@@ -325,4 +361,6 @@ def run(args: argparse.Namespace) -> dict:
     }
     if args.served_tokens:
         result["served"] = _served_result(args, measured)
+    if args.compare_batching:
+        result["batching"] = _batching(measured["load"], measured["load_unbatched"])
     return result
