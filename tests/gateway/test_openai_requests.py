@@ -14,6 +14,8 @@ from pcpstack.gateway.openai_requests import (
     parse_chat,
     parse_completion,
 )
+from pcpstack.gateway.openai_responses import usage
+from pcpstack.v1 import decode_pb2
 
 MODEL = "SmolLM2-135M-Instruct"
 USER = [{"role": "user", "content": "x"}]
@@ -241,3 +243,11 @@ def test_a_refused_parameter_is_named_in_the_message() -> None:
     assert "frobnicate" in error.message
     error = _refused(parse_completion, {"prompt": "x", "stop_token_ids": [1, -2]})
     assert error.param == "stop_token_ids" and "stop_token_ids[1]=-2" in error.message
+
+
+def test_cache_salt_reaches_the_request_and_cached_tokens_come_back_in_the_usage() -> None:
+    body = {"messages": [{"role": "user", "content": "Hi"}], "cache_salt": "tenant-a"}
+    assert parse_chat(body, MODEL).to_generate_request("r").cache_salt == "tenant-a"
+    assert parse_chat({**body, "cache_salt": None}, MODEL).to_generate_request("r").cache_salt == ""
+    summary = decode_pb2.GenerateSummary(prompt_tokens=300, completion_tokens=2, cached_prompt_tokens=256)
+    assert usage([summary]).prompt_tokens_details.cached_tokens == 256
