@@ -220,6 +220,10 @@ class PrefillServicer(prefill_pb2_grpc.PrefillServiceServicer):
                 if isinstance(exc, asyncio.CancelledError):
                     raise
                 raise DeadlineExceeded("prefill did not finish within the deadline") from None
+            except Exception:  # the set failed: nobody will read the prefix
+                if job.prefix is not None:
+                    self._later(self._release_prefix(store, job.prefix))
+                raise
             span.set_attribute("pcpstack.replica_rank", outcome.replica_rank)
             span.set_attribute("pcpstack.cached_tokens", outcome.cached_tokens)
         error = outcome.error_kind()
