@@ -57,6 +57,10 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 SERVICE_NAME = registry_pb2.DESCRIPTOR.services_by_name["RegistryService"].full_name
+# A follower refreshes its copy of the leader's answers this often, and serves a copy at most this old
+# while no leader answers (a failover takes the leader key's TTL, 2 s, plus a poll).
+SHADOW_EVERY_S = 0.5
+SHADOW_MAX_AGE_S = 10.0
 
 
 def peer_identity(context: grpc.aio.ServicerContext) -> str:
@@ -71,6 +75,18 @@ def peer_identity(context: grpc.aio.ServicerContext) -> str:
 @dataclass
 class _Failure:
     refused: ServiceError | None = None
+
+
+def _marked_stale(reply):
+    """A copy of the leader's earlier answer, marked as one: a Resolve answer is `warming` (routers keep
+    what they knew), a ListSets answer names no leader."""
+    copy = type(reply)()
+    copy.CopyFrom(reply)
+    if isinstance(copy, registry_pb2.ResolveResponse):
+        copy.warming = True
+    elif isinstance(copy, registry_pb2.ListSetsResponse):
+        copy.leader_address = ""
+    return copy
 
 
 class RegistryServicer(registry_pb2_grpc.RegistryServiceServicer):
@@ -95,6 +111,9 @@ class RegistryServicer(registry_pb2_grpc.RegistryServiceServicer):
         # leader that reads are forwarded to while following
         self.election: Election | None = None
         self._leader_channel: tuple[str, grpc.aio.Channel] | None = None
+        # the leader's last answers to reads, by (method, request bytes): (when, reply)
+        self._shadow: dict[tuple[str, bytes], tuple[float, object]] = {}
+        self._shadowed_at = -math.inf
         self._verify_peer_address = verify_peer_address
         self._clock = clock
         self._mailboxes = Mailboxes()
@@ -187,7 +206,22 @@ class RegistryServicer(registry_pb2_grpc.RegistryServiceServicer):
             raise Unavailable(f"this registry replica does not lead; the leader is {leader}")
 
     async def _from_leader(self, method: str, request, context):
-        """The leader's answer to a read, for a follower (reads are served by every replica)."""
+        """The leader's answer to a read, for a follower (reads are served by every replica). While no
+        leader answers (it died and its lease has not run out, or an election is under way) the leader's
+        last answer to the same question is served instead, marked as such (Resolve: `warming`; ListSets:
+        no leader named), if it is at most SHADOW_MAX_AGE_S old."""
+        key = (method, request.SerializeToString(deterministic=True))
+        try:
+            reply = await self._ask_leader(method, request, context.time_remaining() or 2.0)
+        except Unavailable:
+            kept = self._shadow.get(key)
+            if kept is None or self._clock() - kept[0] > SHADOW_MAX_AGE_S:
+                raise
+            return _marked_stale(kept[1])
+        self._shadow[key] = (self._clock(), reply)
+        return reply
+
+    async def _ask_leader(self, method: str, request, timeout: float):
         assert self.election is not None
         leader = self.election.leader_address
         if not leader:
@@ -198,9 +232,20 @@ class RegistryServicer(registry_pb2_grpc.RegistryServiceServicer):
             self._leader_channel = (leader, open_channel(leader, default_deadline=2.0))
         stub = registry_pb2_grpc.RegistryServiceStub(self._leader_channel[1])
         try:
-            return await getattr(stub, method)(request, timeout=context.time_remaining() or 2.0)
+            return await getattr(stub, method)(request, timeout=timeout)
         except grpc.aio.AioRpcError as exc:
             raise Unavailable(f"the leader {leader} did not answer {method}: {exc.details()}") from None
+
+    async def _shadow_leader(self) -> None:
+        """Keeps the leader's answers to the routers' usual questions (all sets; endpoints of every
+        model), so that this follower can answer them while the leader is gone."""
+        for method, request in (
+            ("ListSets", registry_pb2.ListSetsRequest()),
+            ("Resolve", registry_pb2.ResolveRequest()),
+        ):
+            with contextlib.suppress(ServiceError):
+                reply = await self._ask_leader(method, request, 1.0)
+                self._shadow[(method, request.SerializeToString(deterministic=True))] = (self._clock(), reply)
 
     async def lead(self) -> None:
         """Takes over as leader: the state etcd holds becomes this replica's core, whose sets are awaited
@@ -213,6 +258,7 @@ class RegistryServicer(registry_pb2_grpc.RegistryServiceServicer):
         self._membership = Membership(settings, self._clock(), snapshot)
         self._held = []
         self._dirty = True
+        self._shadow.clear()  # a leader answers from its own core
 
     def deposed(self) -> None:
         """This replica stopped leading: commands not yet written are dropped (their nodes re-register with
@@ -397,6 +443,9 @@ class RegistryServicer(registry_pb2_grpc.RegistryServiceServicer):
             if late > interval:
                 self._membership.excuse(late, now)
                 log.warning("event loop held up; leases extended", extra={"stalled_s": round(late, 2)})
+            if self._following and now - self._shadowed_at >= SHADOW_EVERY_S:
+                self._shadowed_at = now
+                await self._shadow_leader()
             if self._superseded is not None or self._following:
                 continue
             try:

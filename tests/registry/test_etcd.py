@@ -249,10 +249,17 @@ def test_of_two_registry_replicas_one_leads_and_after_a_kill_9_the_other_leads_w
             assignments = [(c.assignment.set_id, c.assignment.generation) for c in clients]
             (survivor,) = (address for address in replicas if address != leader)
             resolver = Resolver(f"{leader},{survivor}", ttl_s=0.0)
+            answers: list = []
+            failures: list[str] = []
+            stop = asyncio.Event()
+            stream = asyncio.create_task(_router_stream([leader, survivor], answers, failures, stop))
+            while len(answers) < 4:  # the stream is under way
+                await asyncio.sleep(0.05)
 
             etcd.kill_member(0)
             replicas[leader].kill()
             replicas[leader].wait()
+            answered_before_kill = len(answers)
 
             async def survivor_leads_with_every_node_back():
                 try:
@@ -265,6 +272,17 @@ def test_of_two_registry_replicas_one_leads_and_after_a_kill_9_the_other_leads_w
                 return reply.leader_address == survivor and back
 
             await until(survivor_leads_with_every_node_back, timeout=20)
+            stop.set()
+            await stream
+            # the stream of reads from a router-like client went on through the failover, none failed,
+            # and every answer named the same sets with the same generations
+            assert failures == [] and len(answers) > answered_before_kill
+            pairs = sorted((s, g) for s, g, _ in formed)
+            for answer in answers:
+                if isinstance(answer, registry_pb2.ListSetsResponse):
+                    assert sorted((s.set_id, s.generation) for s in answer.sets) == pairs
+                else:  # Resolve: ready sets only (none while the new leader awaits the members' readiness)
+                    assert {(e.set_id, e.generation) for e in answer.prefill_sets} <= set(pairs)
             assert await _sets(survivor) == formed
             assert [(c.assignment.set_id, c.assignment.generation) for c in clients] == assignments
             # the nodes re-sent their readiness: the router, its first address dead, routes to the same sets
@@ -278,6 +296,34 @@ def test_of_two_registry_replicas_one_leads_and_after_a_kill_9_the_other_leads_w
                 process.wait()
 
     _run(scenario())
+
+
+async def _router_stream(
+    addresses: list[str], answers: list, failures: list[str], stop: asyncio.Event
+) -> None:
+    """A router-like client: ListSets and Resolve in turn until stop, each asked of the replicas in order
+    until one answers; a call that none answers is a failure."""
+    channels = [open_channel(address, default_deadline=1.0) for address in addresses]
+    stubs = [registry_pb2_grpc.RegistryServiceStub(channel) for channel in channels]
+    try:
+        while not stop.is_set():
+            for method, request in (
+                ("ListSets", registry_pb2.ListSetsRequest()),
+                ("Resolve", registry_pb2.ResolveRequest()),
+            ):
+                errors = []
+                for stub in stubs:
+                    try:
+                        answers.append(await getattr(stub, method)(request))
+                        break
+                    except grpc.aio.AioRpcError as exc:
+                        errors.append(f"{exc.code().name}: {exc.details()}")
+                else:
+                    failures.append(f"{method}: {errors}")
+            await asyncio.sleep(0.05)
+    finally:
+        for channel in channels:
+            await channel.close()
 
 
 async def _ready(clients: list[NodeSession]) -> None:
