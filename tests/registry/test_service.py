@@ -14,8 +14,8 @@ from pcpstack.common.channel import open_channel
 from pcpstack.common.config import EngineConfig
 from pcpstack.common.errors import FailedPrecondition
 from pcpstack.registry.client import NodeSession, Resolver
-from pcpstack.registry.membership import Settings
-from pcpstack.registry.server import start_registry
+from pcpstack.registry.membership import Membership, NodeState, Registration, Settings
+from pcpstack.registry.server import RegistryServicer, start_registry
 from pcpstack.v1 import common_pb2, registry_pb2, registry_pb2_grpc
 from tests.registry.support import RegistryProcess, until
 
@@ -300,3 +300,27 @@ def test_a_killed_and_restarted_registry_gets_the_same_sets_back_without_relaunc
 
     with RegistryProcess(child_env) as registry:
         _run(scenario(registry))
+
+
+def test_a_clock_tick_that_comes_late_extends_the_leases_instead_of_declaring_nodes_dead():
+    """The servicer's clock, driven by a clock that jumps 10 s during one sleep (the event loop held up):
+    the node, silent only while the registry could not listen, stays alive."""
+    membership = Membership(FAST, 0.0)
+    membership.register(
+        Registration(node_id="kv-0", role="kvstore", address="127.0.0.1:9600", session="s"), 0.0
+    )
+    readings = iter([0.0, 10.0])
+
+    def clock() -> float:
+        return next(readings, 10.0)
+
+    async def scenario():
+        ticking = asyncio.create_task(RegistryServicer(membership, clock).run_clock(0.01))
+        await asyncio.sleep(0.1)
+        ticking.cancel()
+
+    _run(scenario())
+    assert [v.state for v in membership.nodes(10.0)] == [NodeState.READY]
+    # silence after the stall counts as before
+    membership.tick(10.0 + FAST.lease_s + 0.1)
+    assert [v.state for v in membership.nodes(11.0)] == [NodeState.DEAD]
