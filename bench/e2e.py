@@ -75,6 +75,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         default=[2048, 4096],
         help="prompt lengths of the served-PCP test, e.g. 2048,4096 ('' skips the test)",
     )
+    parser.add_argument(
+        "--no-raw-prefill",
+        dest="raw_prefill",
+        action="store_false",
+        help="skip the served test's raw prefill reference (served TTFT and its breakdown only)",
+    )
     parser.add_argument("--threads-per-rank", type=int, default=1)
     parser.add_argument(
         "--compare-batching",
@@ -299,25 +305,26 @@ def _served_result(args: argparse.Namespace, measured: dict) -> dict:
     }
     rows = []
     for pcp in args.served_pcp:
-        raw = raw_prefill_times(ParallelLayout(tp_size=1, pcp_size=pcp), settings)
+        layout = ParallelLayout(tp_size=1, pcp_size=pcp)
+        raw = raw_prefill_times(layout, settings) if args.raw_prefill else {}
         for tokens in args.served_tokens:
             warm_up, *timed = measured["served"][(pcp, tokens)]
             served = [t.ttft_s for t in timed]
-            served_median, raw_median = statistics.median(served), statistics.median(raw[tokens])
-            rows.append(
-                {
-                    "pcp": pcp,
-                    "tokens": tokens,
-                    "served_ttft_s": _summary(served),
-                    "raw_prefill_s": _summary(raw[tokens]),
-                    "overhead_pct": round(100 * (served_median - raw_median) / raw_median, 1),
-                    # The first request of this length on the stack, as a one-off `generate --local` sees it.
-                    "first_request_ttft_s": round(warm_up.ttft_s, 4),
-                }
-            )
+            row = {
+                "pcp": pcp,
+                "tokens": tokens,
+                "served_ttft_s": _summary(served),
+                # The first request of this length on the stack, as a one-off `generate --local` sees it.
+                "first_request_ttft_s": round(warm_up.ttft_s, 4),
+            }
+            if raw:
+                served_median, raw_median = statistics.median(served), statistics.median(raw[tokens])
+                row["raw_prefill_s"] = _summary(raw[tokens])
+                row["overhead_pct"] = round(100 * (served_median - raw_median) / raw_median, 1)
+            rows.append(row)
 
     def speedups(key: str) -> dict[str, float]:
-        base = {r["tokens"]: r[key]["median"] for r in rows if r["pcp"] == 1}
+        base = {r["tokens"]: r[key]["median"] for r in rows if r["pcp"] == 1 and key in r}
         return {
             f"pcp{r['pcp']}_over_pcp1_at_{r['tokens']}": round(base[r["tokens"]] / r[key]["median"], 3)
             for r in rows

@@ -292,7 +292,7 @@ def _served_targets(results: dict) -> list[Target]:
     served = e2e.get("served", {})
     speedup = served.get("speedup", {}).get("pcp2_over_pcp1_at_4096")
     how = f"bench e2e served, {served.get('threads_per_rank')} thread(s) per rank, {e2e.get('model')}"
-    rows = [r for r in served.get("rows", []) if r["tokens"] in (2048, 4096)]
+    rows = [r for r in served.get("rows", []) if r["tokens"] in (2048, 4096) and "overhead_pct" in r]
     worst = max(rows, key=lambda r: r["overhead_pct"]) if rows else None
     return [
         Target(
@@ -761,19 +761,27 @@ def _served_section(e2e: dict) -> list[str]:
         "same ranks run as `bench prefill` runs them. Medians (min–max).",
         "",
     ]
-    served_base = {r["tokens"]: r["served_ttft_s"]["median"] for r in served["rows"] if r["pcp"] == 1}
-    raw_base = {r["tokens"]: r["raw_prefill_s"]["median"] for r in served["rows"] if r["pcp"] == 1}
+
+    def base(key: str) -> dict[int, float]:
+        return {r["tokens"]: r[key]["median"] for r in served["rows"] if r["pcp"] == 1 and key in r}
+
+    served_base, raw_base = base("served_ttft_s"), base("raw_prefill_s")
 
     def speedup(base: dict[int, float], row: dict, key: str) -> str:
-        return f"{base[row['tokens']] / row[key]['median']:.2f}×" if row["tokens"] in base else ""
+        if row["tokens"] not in base or key not in row:
+            return ""
+        return f"{base[row['tokens']] / row[key]['median']:.2f}×"
+
+    def seconds(summary: dict | None) -> str:
+        return _spread(summary["median"], summary["min"], summary["max"], " s") if summary else NOT_MEASURED
 
     rows = [
         [
             str(r["tokens"]),
             str(r["pcp"]),
-            _spread(r["served_ttft_s"]["median"], r["served_ttft_s"]["min"], r["served_ttft_s"]["max"], " s"),
-            _spread(r["raw_prefill_s"]["median"], r["raw_prefill_s"]["min"], r["raw_prefill_s"]["max"], " s"),
-            f"{_num(r['overhead_pct'])} %",
+            seconds(r["served_ttft_s"]),
+            seconds(r.get("raw_prefill_s")),
+            f"{_num(r['overhead_pct'])} %" if "overhead_pct" in r else "",
             speedup(served_base, r, "served_ttft_s"),
             speedup(raw_base, r, "raw_prefill_s"),
             f"{_num(r['first_request_ttft_s'])} s" if "first_request_ttft_s" in r else "",

@@ -337,3 +337,13 @@ def test_dcp_rows_report_each_ranks_kv_against_dcp1_and_the_cpu_flags(tmp_path) 
     assert "| 1 | 0.2 MiB | 256 | 1.00 | 9.00 (8.00–10.0) |" in section
     assert "| 3 | 0.1 MiB | 86 | 0.34 | 6.00 (5.50–6.50) |" in section
     assert _line(text, "| decode |").split("|")[3].strip() == "Some CPU (avx2, fma)"
+
+
+def test_served_rows_without_raw_prefill_leave_the_overhead_target_not_measured(tmp_path) -> None:
+    e2e = _e2e()
+    for row in e2e["served"]["rows"]:  # as `bench e2e --no-raw-prefill` writes them
+        del row["raw_prefill_s"], row["overhead_pct"]
+    text, _ = _generate(tmp_path, e2e=e2e)
+    assert "**not measured yet**" in _line(text, "| whole-path TTFT over the same ranks' raw prefill")
+    assert "1.79× | **missed**" in _line(text, "| served PCP=2 TTFT speedup over PCP=1 at 4096")
+    assert "| 4096 | 2 | 28.0 s (28.0–30.8) | not measured yet |  | 1.79× |  | 35.0 s |" in text
