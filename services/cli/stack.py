@@ -417,8 +417,12 @@ class LocalStack:
         """One registry; or, with registry_replicas > 1, a one-member etcd (its members are services of the
         stack, stopped with it) and that many registries keeping their state in it."""
         o = self.options
-        flags = ["--lease", str(o.lease_s), "--restore-grace", "0"]
-        if o.registry_replicas > 1:
+        flags = ["--lease", str(o.lease_s)]
+        if o.registry_replicas == 1:
+            flags += ["--restore-grace", "0"]  # a fresh registry: nothing to restore
+        else:
+            # a newly elected replica restores the sets from etcd: their members need the default grace
+            # (two leases) to come back with them, or the sets would be re-formed with new generations
             from pcpstack.common.config import ConfigError
             from pcpstack.registry.etcd_local import EtcdCluster
 
