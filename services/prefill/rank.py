@@ -291,11 +291,15 @@ class RankWorker:
                 chunks = chunk_bounds(len(job.token_ids), spec.prefill_chunk_tokens)
                 span.set_attribute("pcpstack.prefill_chunks", len(chunks))
                 span.set_attribute("pcpstack.prefill_batch", len(jobs))
+            cpu_started = time.process_time()
             shares = self._run(jobs, owners, spans)
+            # This process's CPU time over the same work: below forward + push, the rank waited for a core.
+            cpu_us = int((time.process_time() - cpu_started) * 1e6)
             for span, share in zip(spans, shares, strict=True):
                 # The phases of the rank's span, so a trace splits TTFT into forward and KV push (bench e2e).
                 span.set_attribute("pcpstack.forward_us", share.forward_us)
                 span.set_attribute("pcpstack.push_us", share.push_us)
+                span.set_attribute("pcpstack.cpu_us", cpu_us)
         finally:
             for span in spans:
                 span.end()
