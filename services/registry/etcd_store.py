@@ -26,7 +26,7 @@ import json
 import logging
 import math
 import socket
-from collections.abc import AsyncIterator, Awaitable, Iterable, Mapping
+from collections.abc import AsyncIterator, Awaitable, Mapping
 from dataclasses import dataclass
 from typing import TypeVar
 from urllib.parse import urlsplit
@@ -37,7 +37,7 @@ import grpc
 
 from pcpstack.common.config import ConfigError
 from pcpstack.common.errors import Unavailable
-from pcpstack.registry.membership import SNAPSHOT_VERSION, NodeState, NodeView
+from pcpstack.registry.membership import SNAPSHOT_VERSION
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -196,15 +196,14 @@ class EtcdStore:
             )
         self._generation_revision = responses[0].response_put.header.revision
 
-    async def sync_nodes(self, nodes: Iterable[NodeView], now: float) -> None:
-        """Makes etcd's node records those of the core's live nodes: new or changed nodes get a record,
+    async def sync_nodes(self, live: Mapping[str, tuple[str, str, str]], now: float) -> None:
+        """Makes etcd's node records those of the core's live nodes (`Membership.live_records`, compared as
+        they are and encoded only when written: this runs at every tick): new or changed nodes get a record,
         gone (dead or removed) ones lose theirs, and the records' lease is refreshed once a third of its TTL
         has passed. Every record of this registry lives under one lease: refreshing it is one request
         whatever the number of nodes (a lease per node cost the registry a keep-alive message per node and
         second, as much again as the nodes' own heartbeats). One caller at a time (the registry's clock);
         it does not take the lock of `save`, so that node records never hold up a change of sets."""
-        # compared as tuples and encoded only when written: this runs at every tick of the registry's clock
-        live = {v.node_id: (v.role, v.address, v.model) for v in nodes if v.state is not NodeState.DEAD}
         if self._nodes_lease is not None and now - self._refreshed_at >= self._lease_ttl_s / 3:
             self._refreshed_at = now
             if await self.keep_alive([self._nodes_lease]):

@@ -18,6 +18,7 @@ pairs. Rules kept here:
 from __future__ import annotations
 
 import enum
+import functools
 from dataclasses import asdict, dataclass, field
 
 from pcpstack.common.config import EngineConfig
@@ -252,6 +253,11 @@ class _Set:
     def head(self) -> Assignment:
         return self.assignments[0]
 
+    @functools.cached_property
+    def head_record(self) -> dict:
+        """The head assignment as a dict, for snapshots (asdict is slow, and the assignment never changes)."""
+        return asdict(self.head)
+
     @property
     def members(self) -> tuple[str, ...]:
         return self.head.member_node_ids
@@ -290,6 +296,8 @@ class Membership:
         self._restoring: dict[str, _Set] = {}
         self._seq = 0
         self._max_generation = 0
+        # counts changes of what `snapshot()` holds (sets, their breaking, the generation counter)
+        self._revision = 0
         self._started = now
         self._grace_until = now + settings.restore_grace_s
         self._grace_over = settings.restore_grace_s <= 0
@@ -514,6 +522,20 @@ class Membership:
         return self._max_generation
 
     @property
+    def revision(self) -> int:
+        """A number that changes whenever what `snapshot()` returns does (and only then grows): a caller
+        that saved the snapshot at one revision need not save it again until this moves."""
+        return self._revision
+
+    def live_records(self) -> dict[str, tuple[str, str, str]]:
+        """(role, address, model) of every live node, by node id: what the etcd store keeps of them."""
+        return {
+            node_id: (node.registration.role, node.registration.address, node.registration.model)
+            for node_id, node in self._nodes.items()
+            if node.alive
+        }
+
+    @property
     def restoring(self) -> bool:
         """True during the restore grace after a start, when no new sets are formed."""
         return not self._grace_over
@@ -531,7 +553,7 @@ class Membership:
                     "model": s.group[1],
                     "broken": s.state is SetState.BROKEN,
                     "reason": s.reason,
-                    "assignment": asdict(s.head),
+                    "assignment": s.head_record,
                 }
                 for s in self._sets.values()
             ],
@@ -648,8 +670,9 @@ class Membership:
         out: Outgoing = []
         # a set being restored that expects this node, whatever the node carries
         expected = next((s for s in self._restoring.values() if node_id in s.members), None)
-        if carried is not None:
-            self._max_generation = max(self._max_generation, carried.generation)
+        if carried is not None and carried.generation > self._max_generation:
+            self._max_generation = carried.generation
+            self._revision += 1
         if expected is not None and (carried is None or carried == expected.assignments[carried.node_rank]):
             self._join(node, group, expected)
             return out
@@ -680,6 +703,7 @@ class Membership:
             restore_deadline=now + self.settings.restore_grace_s,
         )
         self._sets[carried.set_id] = restored
+        self._revision += 1
         self._restoring[carried.set_id] = restored
         group.slots[carried.dp_rank] = carried.set_id
         group.broken.discard(carried.dp_rank)
@@ -738,6 +762,7 @@ class Membership:
         for plan in planned:
             pcp_set = _Set((group.role, group.model), plan.assignments)
             self._sets[plan.set_id] = pcp_set
+            self._revision += 1
             group.slots[plan.dp_rank] = plan.set_id
             group.broken.discard(plan.dp_rank)
             self._max_generation = max(self._max_generation, plan.generation)
@@ -777,6 +802,7 @@ class Membership:
             return []
         pcp_set.state = SetState.BROKEN
         pcp_set.reason = reason
+        self._revision += 1
         self._end_restore(pcp_set)
         group = self._groups[pcp_set.group]
         out: Outgoing = []

@@ -104,6 +104,8 @@ class RegistryServicer(registry_pb2_grpc.RegistryServiceServicer):
         self._etcd = etcd
         # commands whose state etcd has not confirmed yet, in order (delivered after the next good save)
         self._held: Outgoing = []
+        # the core's revision that etcd holds (None: not known to be saved)
+        self._saved_revision: int | None = None
         self._commit_lock = asyncio.Lock()
         # set once etcd refused a write because another registry wrote: this registry's view is stale
         self._superseded: ServiceError | None = None
@@ -174,8 +176,13 @@ class RegistryServicer(registry_pb2_grpc.RegistryServiceServicer):
         async with self._commit_lock:
             # the snapshot taken now holds every change whose commands are held so far; later ones wait
             covered = len(self._held)
+            revision = self._membership.revision
             try:
-                await self._etcd.save(self._membership.snapshot())
+                # most changes (heartbeats, readiness reports, re-registrations) leave the sets as they
+                # are: building and comparing a snapshot of every set for each was the leader's main cost
+                if revision != self._saved_revision:
+                    await self._etcd.save(self._membership.snapshot())
+                    self._saved_revision = revision
             except Superseded as exc:
                 log.error("registry superseded in etcd", extra={"error": str(exc)})
                 if self.election is not None:
@@ -256,6 +263,7 @@ class RegistryServicer(registry_pb2_grpc.RegistryServiceServicer):
         if snapshot is None:
             settings = replace(settings, restore_grace_s=0.0)
         self._membership = Membership(settings, self._clock(), snapshot)
+        self._saved_revision = None
         self._held = []
         self._dirty = True
         self._shadow.clear()  # a leader answers from its own core
@@ -451,7 +459,7 @@ class RegistryServicer(registry_pb2_grpc.RegistryServiceServicer):
             try:
                 await self.commit(self._membership.tick(now))
                 if self._etcd is not None:
-                    await self._etcd.sync_nodes(self._membership.nodes(now), now)
+                    await self._etcd.sync_nodes(self._membership.live_records(), now)
             except ServiceError as exc:
                 # etcd unreachable or this registry superseded: held commands wait for the next good write
                 log.warning("membership not written to etcd", extra={"error": str(exc)})
