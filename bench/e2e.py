@@ -193,6 +193,9 @@ def ttft_breakdown(spans: list[dict], timing: Timing) -> dict:
         "ttft_s": round((timing.first_token_ns - timing.sent_ns) / 1e9, 4),
         "phases_s": phases,
         "critical_pcp_rank": critical["attributes"].get("pcpstack.pcp_rank"),
+        # CPU seconds of the critical rank's process over its forward and push: their sum when it had a
+        # core throughout, less when it waited for one (other processes of the stack or of the machine).
+        "critical_rank_cpu_s": round(critical["attributes"].get("pcpstack.cpu_us", 0) / 1e6, 4),
         "kv_fetch_s": round((fetch[0]["end_ns"] - fetch[0]["start_ns"]) / 1e9, 4) if fetch else None,
         "kv_bytes": fetch[0]["attributes"].get("pcpstack.kv_bytes") if fetch else None,
     }

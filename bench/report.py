@@ -799,7 +799,8 @@ def _served_section(e2e: dict) -> list[str]:
         "Requests' TTFT by phase, from their traces (seconds): the first request of each length (the "
         "warm-up, which pays for first-touch allocations as a one-off `generate --local` does) and the "
         "last timed one. The phases follow one another and add up to the TTFT; the KV fetch overlaps the "
-        "first token's trip to the client and is not part of it.",
+        "first token's trip to the client and is not part of it. The last column is the critical rank's CPU "
+        "time over its forward and push: under 100 % the rank waited for a core.",
         "",
     ]
     rows = [
@@ -810,11 +811,20 @@ def _served_section(e2e: dict) -> list[str]:
             _num(b["ttft_s"]),
             *(_num(b["phases_s"][p]) for p in phases),
             "" if b.get("kv_fetch_s") is None else _num(b["kv_fetch_s"]),
+            _busy(b),
         ]
         for b in breakdown
     ]
     header = ["tokens", "PCP", "request", "TTFT", *(p.replace("_", " ") for p in phases), "KV fetch"]
+    header.append("rank CPU ÷ forward + push")
     return lines + _table(header, rows)
+
+
+def _busy(breakdown: dict) -> str:
+    """The critical rank's CPU time over its forward and push wall time: under 100 % it waited for a core."""
+    wall = breakdown["phases_s"].get("forward", 0) + breakdown["phases_s"].get("kv_push", 0)
+    cpu = breakdown.get("critical_rank_cpu_s")
+    return f"{100 * cpu / wall:.0f} %" if cpu and wall > 0 else ""
 
 
 def _dcp_section(results: dict) -> list[str]:
@@ -882,14 +892,15 @@ def _registry_section(results: dict) -> list[str]:
             backend,
             f"{_num(measured['assembly_s'])} s",
             goals.get(backend, {}).get("assembly_s", ""),
+            f"{_num(measured['ready_s'])} s" if "ready_s" in measured else "–",
             cpu(measured, "registry"),
             cpu(measured, "etcd"),
             cpu(measured, "clients"),
         ]
         for backend, measured in registry["backends"].items()
     ]
-    header = ["backend", "all assigned after the last registered", "target", "registry CPU", "etcd CPU"]
-    lines += _table([*header, "clients CPU"], rows)
+    header = ["backend", "all assigned after the last registered", "target", "all routable after ready"]
+    lines += _table([*header, "registry CPU", "etcd CPU", "clients CPU"], rows)
     if "failover_s_median" in registry:
         runs = ", ".join(f"{t:g}" for t in registry.get("failover_s", []))
         lines += [

@@ -26,7 +26,7 @@ def _spans() -> list[dict]:
         _span("prefill.set", 6, 1_400),
         # Rank 0 starts first but rank 1 ends its forward and push later: rank 1 is the critical rank.
         _span("prefill.rank", 10, 1_300, pcp_rank=0, forward_us=1_000_000, push_us=0),
-        _span("prefill.rank", 12, 1_390, pcp_rank=1, forward_us=1_100_000, push_us=200_000),
+        _span("prefill.rank", 12, 1_390, pcp_rank=1, forward_us=1_100_000, push_us=200_000, cpu_us=650_000),
         _span("decode.kv_fetch", 1_410, 1_700, kv_bytes=4096),
         _span("decode.route", 0, 1_000, trace_id="aa" * 16),  # another request's trace
     ]
@@ -36,6 +36,7 @@ def test_ttft_phases_follow_the_critical_rank_and_add_up_to_the_client_ttft() ->
     timing = Timing(ttft_s=1.42, tpot_s=0.0, trace_id=TRACE, sent_ns=0, first_token_ns=1_420 * MS)
     breakdown = ttft_breakdown(_spans(), timing)
     assert breakdown["critical_pcp_rank"] == 1
+    assert breakdown["critical_rank_cpu_s"] == pytest.approx(0.65)
     expected = (0.003, 0.001, 0.002, 0.006, 1.1, 0.2, 0.088, 0.02)
     assert breakdown["phases_s"] == pytest.approx(dict(zip(TTFT_PHASES, expected, strict=True)))
     assert sum(breakdown["phases_s"].values()) == pytest.approx(breakdown["ttft_s"]) == pytest.approx(1.42)

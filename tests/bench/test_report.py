@@ -162,6 +162,7 @@ def _e2e() -> dict:
                     "ttft_s": 28.0,
                     "phases_s": dict(zip(TTFT_PHASES, PHASE_SECONDS, strict=True)),
                     "critical_pcp_rank": 1,
+                    "critical_rank_cpu_s": 21.84,  # 90 % of its 24.4 s of forward and push
                     "kv_fetch_s": 0.5,
                     "kv_bytes": 188743680,
                 }
@@ -257,7 +258,8 @@ def test_full_results_give_tables_ratios_targets_and_plots(tmp_path) -> None:
     worst = _line(text, "| whole-path TTFT over the same ranks' raw prefill")
     assert "| 16.7 % | **missed** |" in worst and "worst: PCP=2 at 4096 tokens of 4 row(s)" in worst
     assert "| 4096 | 2 | 28.0 s (28.0–30.8) | 24.0 s (24.0–24.0) | 16.7 % | 1.79× | 2.00× | 35.0 s |" in text
-    assert "| 4096 | 2 | last | 28.0 | 0.01 | 0 | 0.02 | 0.07 | 24.0 | 0.4 | 3.30 | 0.2 | 0.5 |" in text
+    phases = "| 28.0 | 0.01 | 0 | 0.02 | 0.07 | 24.0 | 0.4 | 3.30 | 0.2 | 0.5 | 90 % |"
+    assert f"| 4096 | 2 | last {phases}" in text
     roofline = text.split("### Decode step roofline", 1)[1]
     assert "Copy bandwidth 10.0 GB/s (9.00–11.0)" in roofline
     assert "| 1 | 560 | 80.0 MB | 20.0 MB | 100 MB | 100 | 80.0 | 80 % |" in roofline
