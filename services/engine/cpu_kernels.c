@@ -157,37 +157,59 @@ static inline __attribute__((always_inline)) void q8_0_tile(const int8_t *qs, co
     if ((weight_rows) == WEIGHT_ROWS) FOR_TILE_HEIGHT(WEIGHT_ROWS, rows, CALL) \
     else FOR_TILE_HEIGHT(1, rows, CALL)
 
-/* y[m, n] = x[m, k] @ W^T for W [n, k] in Q4_1 blocks (qs [n, k / 32, 16], scale and min [n, k / 32]). */
-void q4_1_matmul(const float *x, int64_t m, int64_t k, const uint8_t *qs, const float *scale, const float *min,
-                 int64_t n, float *y, int threads) {
-    const int64_t blocks = k / BLOCK;
-#pragma omp parallel for schedule(static) num_threads(threads)
+/* A projection's weight in blocks, as the fused decode layer receives it (mirrored by BlockWeightC in
+ * cpu_kernels.py): kind 0 is Q4_1 (qs [n, k / 32, 16], scale and min [n, k / 32]), 1 is Q8_0 (qs
+ * [n, k / 32, 32], scale [n, k / 32], min NULL); bias [n] or NULL. */
+typedef struct {
+    int64_t kind, n, k;
+    const void *qs;
+    const float *scale, *min, *bias;
+} block_weight;
+
+enum { KIND_Q4_1 = 0, KIND_Q8_0 = 1 };
+
+/* y[m, n] = x[m, k] @ W^T (+ bias). An orphaned `omp for`: the calling threads of a parallel region share
+ * the weight rows, and wait for each other at its end. */
+static void matmul_rows(const block_weight *w, const float *x, int64_t m, float *y) {
+    const int64_t n = w->n, k = w->k, blocks = k / BLOCK;
+#pragma omp for schedule(static)
     for (int64_t row = 0; row < n; row += WEIGHT_ROWS) {
         const int weight_rows = n - row < WEIGHT_ROWS ? (int)(n - row) : WEIGHT_ROWS;
         for (int64_t r0 = 0; r0 < m; r0 += ROW_TILE) {
-#define Q4_CALL(W, R)                                                                                      \
-    q4_1_tile(qs + row * blocks * 16, scale + row * blocks, min + row * blocks, blocks, x + r0 * k, k, W, R, \
-              y + r0 * n + row, n)
-            FOR_TILE(weight_rows, m - r0, Q4_CALL)
+            if (w->kind == KIND_Q4_1) {
+#define Q4_CALL(W, R)                                                                                          \
+    q4_1_tile((const uint8_t *)w->qs + row * blocks * 16, w->scale + row * blocks, w->min + row * blocks, blocks, \
+              x + r0 * k, k, W, R, y + r0 * n + row, n)
+                FOR_TILE(weight_rows, m - r0, Q4_CALL)
 #undef Q4_CALL
+            } else {
+#define Q8_CALL(W, R)                                                                                          \
+    q8_0_tile((const int8_t *)w->qs + row * blocks * BLOCK, w->scale + row * blocks, blocks, x + r0 * k, k, W, R, \
+              y + r0 * n + row, n)
+                FOR_TILE(weight_rows, m - r0, Q8_CALL)
+#undef Q8_CALL
+            }
+            if (w->bias)
+                for (int64_t r = r0; r < m && r < r0 + ROW_TILE; r++)
+                    for (int64_t j = row; j < row + weight_rows; j++) y[r * n + j] += w->bias[j];
         }
     }
+}
+
+/* y[m, n] = x[m, k] @ W^T for W [n, k] in Q4_1 blocks (qs [n, k / 32, 16], scale and min [n, k / 32]). */
+void q4_1_matmul(const float *x, int64_t m, int64_t k, const uint8_t *qs, const float *scale, const float *min,
+                 int64_t n, float *y, int threads) {
+    const block_weight w = {KIND_Q4_1, n, k, qs, scale, min, NULL};
+#pragma omp parallel num_threads(threads)
+    matmul_rows(&w, x, m, y);
 }
 
 /* y[m, n] = x[m, k] @ W^T for W [n, k] in Q8_0 blocks (qs [n, k / 32, 32], scale [n, k / 32]). */
 void q8_0_matmul(const float *x, int64_t m, int64_t k, const int8_t *qs, const float *scale, int64_t n,
                  float *y, int threads) {
-    const int64_t blocks = k / BLOCK;
-#pragma omp parallel for schedule(static) num_threads(threads)
-    for (int64_t row = 0; row < n; row += WEIGHT_ROWS) {
-        const int weight_rows = n - row < WEIGHT_ROWS ? (int)(n - row) : WEIGHT_ROWS;
-        for (int64_t r0 = 0; r0 < m; r0 += ROW_TILE) {
-#define Q8_CALL(W, R) \
-    q8_0_tile(qs + row * blocks * BLOCK, scale + row * blocks, blocks, x + r0 * k, k, W, R, y + r0 * n + row, n)
-            FOR_TILE(weight_rows, m - r0, Q8_CALL)
-#undef Q8_CALL
-        }
-    }
+    const block_weight w = {KIND_Q8_0, n, k, qs, scale, NULL, NULL};
+#pragma omp parallel num_threads(threads)
+    matmul_rows(&w, x, m, y);
 }
 
 /* Heads [first, last) of one sequence's query against its paged context. Every K/V row the heads need is
@@ -231,34 +253,136 @@ static void attend_heads(const float *q, int64_t first, int64_t last, int64_t gr
     free(scores);
 }
 
-/* One query token per sequence attending to its paged context, grouped-query heads reading shared K/V.
- *
- * q [seqs, heads, dim]; k_cache, v_cache [blocks, block_size, kv_heads, dim]; block_tables [seqs, width];
- * context_lens [seqs]; out [seqs, heads, dim]. With enough sequences to share out, a task is a whole
- * sequence (its K/V rows stream contiguously); with few, a task is a range of a sequence's query heads, so
- * every thread gets a similar share.
- */
-int paged_decode_attention(const float *q, int64_t seqs, int64_t heads, int64_t kv_heads, int64_t dim,
-                           const float *k_cache, const float *v_cache, int64_t num_blocks, int64_t block_size,
-                           const int64_t *block_tables, int64_t width, const int64_t *context_lens, float scale,
-                           float *out, int threads) {
-    /* Refuse, rather than read outside the cache: every block a context uses must be in the table and cache. */
+/* 0 when every block each context uses lies in its table and in the cache, else -1. */
+static int check_tables(int64_t seqs, int64_t num_blocks, int64_t block_size, const int64_t *block_tables,
+                        int64_t width, const int64_t *context_lens) {
     for (int64_t s = 0; s < seqs; s++) {
         const int64_t ctx = context_lens[s], used = (ctx + block_size - 1) / block_size;
         if (ctx < 1 || used > width) return -1;
         for (int64_t i = 0; i < used; i++)
             if (block_tables[s * width + i] < 0 || block_tables[s * width + i] >= num_blocks) return -1;
     }
+    return 0;
+}
+
+/* The attention of paged_decode_attention as an orphaned `omp for` over its tasks. With enough sequences to
+ * share out, a task is a whole sequence (its K/V rows stream contiguously); with few, a task is a range of
+ * a sequence's query heads, so every thread gets a similar share. */
+static void attend_tasks(const float *q, int64_t q_stride, int64_t seqs, int64_t heads, int64_t kv_heads,
+                         int64_t dim, const float *k_cache, const float *v_cache, int64_t block_size,
+                         const int64_t *block_tables, int64_t width, const int64_t *context_lens, float scale,
+                         float *out, int threads) {
     const int64_t group = heads / kv_heads;
     const int64_t wanted = (2 * threads + seqs - 1) / seqs;
     const int64_t splits = seqs >= 2 * threads ? 1 : wanted < heads ? wanted : heads;
-#pragma omp parallel for schedule(static) num_threads(threads)
+#pragma omp for schedule(static)
     for (int64_t task = 0; task < seqs * splits; task++) {
         const int64_t s = task / splits, part = task % splits;
         const int64_t first = part * heads / splits, last = (part + 1) * heads / splits;
-        attend_heads(q + s * heads * dim, first, last, group, dim, k_cache, v_cache,
-                     block_size, kv_heads * dim, block_tables + s * width, context_lens[s], scale,
-                     out + s * heads * dim);
+        attend_heads(q + s * q_stride, first, last, group, dim, k_cache, v_cache, block_size, kv_heads * dim,
+                     block_tables + s * width, context_lens[s], scale, out + s * heads * dim);
     }
+}
+
+/* One query token per sequence attending to its paged context, grouped-query heads reading shared K/V.
+ *
+ * q [seqs, heads, dim]; k_cache, v_cache [blocks, block_size, kv_heads, dim]; block_tables [seqs, width];
+ * context_lens [seqs]; out [seqs, heads, dim]. Returns -1, having read nothing, for a table or length
+ * outside the cache.
+ */
+int paged_decode_attention(const float *q, int64_t seqs, int64_t heads, int64_t kv_heads, int64_t dim,
+                           const float *k_cache, const float *v_cache, int64_t num_blocks, int64_t block_size,
+                           const int64_t *block_tables, int64_t width, const int64_t *context_lens, float scale,
+                           float *out, int threads) {
+    if (check_tables(seqs, num_blocks, block_size, block_tables, width, context_lens) != 0) return -1;
+#pragma omp parallel num_threads(threads)
+    attend_tasks(q, heads * dim, seqs, heads, kv_heads, dim, k_cache, v_cache, block_size, block_tables, width, context_lens,
+                 scale, out, threads);
+    return 0;
+}
+
+/* One decoder layer's weights for decode_layer (mirrored by DecodeLayerWeightsC in cpu_kernels.py). */
+typedef struct {
+    block_weight qkv, wo, w13, w2;
+    const float *attn_norm, *ffn_norm;
+    double eps;
+    int64_t dim, heads, kv_heads, head_dim, hidden;
+} decode_layer_weights;
+
+/* y = weight * (x * rsqrt(mean(x^2) + eps)) for the rows this thread gets, as model.RMSNorm computes it. */
+static void rms_norm_rows(const float *x, int64_t m, int64_t dim, const float *weight, float eps, float *y) {
+#pragma omp for schedule(static)
+    for (int64_t r = 0; r < m; r++) {
+        const float *xr = x + r * dim;
+        float squares = 0.0f;
+#pragma omp simd reduction(+ : squares)
+        for (int64_t i = 0; i < dim; i++) squares += xr[i] * xr[i];
+        const float inv = 1.0f / sqrtf(squares / (float)dim + eps);
+        for (int64_t i = 0; i < dim; i++) y[r * dim + i] = weight[i] * (xr[i] * inv);
+    }
+}
+
+/* Rotate-half RoPE of one head in place: pairs (i, i + dim / 2), cos and sin [dim] of its position. */
+static inline void rope_head(float *h, const float *cos, const float *sin, int64_t dim) {
+    const int64_t half = dim / 2;
+    for (int64_t i = 0; i < half; i++) {
+        const float a = h[i], b = h[i + half];
+        h[i] = a * cos[i] + -b * sin[i];
+        h[i + half] = b * cos[i + half] + a * sin[i + half];
+    }
+}
+
+/* One decoder layer for m decode rows (one new token per sequence), in one parallel region: RMSNorm, the qkv
+ * projection, RoPE, the K/V rows written to the cache at `slots`, paged attention, the output projection and
+ * residual, RMSNorm, gate/up, SiLU(gate) * up, the down projection and residual. The same arithmetic as
+ * model.Block with the block matmuls and paged_decode_attention, in one call instead of some fifty PyTorch
+ * operations and five kernel calls. x, out [m, dim]; cos, sin [m, head_dim]; caches as in
+ * paged_decode_attention; slots [m]. Returns -1, having changed nothing, for a slot, table or length outside
+ * the cache, -2 when out of memory. */
+int decode_layer(const decode_layer_weights *lw, const float *x, int64_t m, float *out, const float *cos,
+                 const float *sin, float *k_cache, float *v_cache, int64_t num_blocks, int64_t block_size,
+                 const int64_t *slots, const int64_t *block_tables, int64_t width, const int64_t *context_lens,
+                 int threads) {
+    const int64_t dim = lw->dim, heads = lw->heads, kv_heads = lw->kv_heads, hd = lw->head_dim;
+    const int64_t q_dim = heads * hd, kv_dim = kv_heads * hd, qkv_dim = q_dim + 2 * kv_dim, hidden = lw->hidden;
+    const float eps = (float)lw->eps, scale = 1.0f / sqrtf((float)hd);
+    if (check_tables(m, num_blocks, block_size, block_tables, width, context_lens) != 0) return -1;
+    for (int64_t r = 0; r < m; r++)
+        if (slots[r] < 0 || slots[r] >= num_blocks * block_size) return -1;
+    /* Scratch: normed input, qkv, attention output, a projection's output, gate/up, SiLU(gate) * up. */
+    float *scratch = malloc(sizeof(float) * (size_t)(m * (2 * dim + qkv_dim + q_dim + 3 * hidden)));
+    if (!scratch) return -2;
+    float *normed = scratch, *qkv = normed + m * dim, *att = qkv + m * qkv_dim, *proj = att + m * q_dim;
+    float *gate_up = proj + m * dim, *act = gate_up + m * 2 * hidden;
+#pragma omp parallel num_threads(threads)
+    {
+        rms_norm_rows(x, m, dim, lw->attn_norm, eps, normed);
+        matmul_rows(&lw->qkv, normed, m, qkv);
+#pragma omp for schedule(static)
+        for (int64_t r = 0; r < m; r++) {
+            float *row = qkv + r * qkv_dim;
+            for (int64_t h = 0; h < heads + kv_heads; h++) rope_head(row + h * hd, cos + r * hd, sin + r * hd, hd);
+            memcpy(k_cache + slots[r] * kv_dim, row + q_dim, sizeof(float) * (size_t)kv_dim);
+            memcpy(v_cache + slots[r] * kv_dim, row + q_dim + kv_dim, sizeof(float) * (size_t)kv_dim);
+        }
+        attend_tasks(qkv, qkv_dim, m, heads, kv_heads, hd, k_cache, v_cache, block_size, block_tables, width,
+                     context_lens, scale, att, threads);
+        matmul_rows(&lw->wo, att, m, proj);
+#pragma omp for schedule(static)
+        for (int64_t i = 0; i < m * dim; i++) out[i] = x[i] + proj[i];
+        rms_norm_rows(out, m, dim, lw->ffn_norm, eps, normed);
+        matmul_rows(&lw->w13, normed, m, gate_up);
+#pragma omp for schedule(static)
+        for (int64_t r = 0; r < m; r++) {
+            const float *gate = gate_up + r * 2 * hidden, *up = gate + hidden;
+            float *a = act + r * hidden;
+#pragma omp simd
+            for (int64_t i = 0; i < hidden; i++) a[i] = gate[i] / (1.0f + expf(-gate[i])) * up[i];
+        }
+        matmul_rows(&lw->w2, act, m, proj);
+#pragma omp for schedule(static)
+        for (int64_t i = 0; i < m * dim; i++) out[i] += proj[i];
+    }
+    free(scratch);
     return 0;
 }

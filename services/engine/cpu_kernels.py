@@ -48,8 +48,46 @@ _SIGNATURES = {
     # q, seqs, heads, kv_heads, dim, k_cache, v_cache, num_blocks, block_size, tables, width, lens, scale,
     # out, threads; returns 0, or -1 for a table or length that lies outside the cache.
     "paged_decode_attention": (_ptr, *[_i64] * 4, _ptr, _ptr, _i64, _i64, _ptr, _i64, _ptr, _f32, _ptr, _int),
+    # weights, x, m, out, cos, sin, k_cache, v_cache, num_blocks, block_size, slots, tables, width, lens,
+    # threads; returns 0, -1 for a slot, table or length outside the cache, -2 when out of memory.
+    "decode_layer": (_ptr, _ptr, _i64, *[_ptr] * 5, _i64, _i64, _ptr, _ptr, _i64, _ptr, _int),
 }
-_RESTYPES = {"paged_decode_attention": ctypes.c_int}
+_RESTYPES = {"paged_decode_attention": ctypes.c_int, "decode_layer": ctypes.c_int}
+# Block kinds as cpu_kernels.c numbers them.
+KIND_CODES = {"q4_1": 0, "q8_0": 1}
+
+
+class BlockWeightC(ctypes.Structure):
+    """cpu_kernels.c's block_weight: one projection in blocks (pointers into tensors its owner keeps)."""
+
+    _fields_ = [
+        ("kind", _i64),
+        ("n", _i64),
+        ("k", _i64),
+        ("qs", _ptr),
+        ("scale", _ptr),
+        ("min", _ptr),
+        ("bias", _ptr),
+    ]
+
+
+class DecodeLayerWeightsC(ctypes.Structure):
+    """cpu_kernels.c's decode_layer_weights: one decoder layer as `decode_layer` reads it."""
+
+    _fields_ = [
+        ("qkv", BlockWeightC),
+        ("wo", BlockWeightC),
+        ("w13", BlockWeightC),
+        ("w2", BlockWeightC),
+        ("attn_norm", _ptr),
+        ("ffn_norm", _ptr),
+        ("eps", ctypes.c_double),
+        ("dim", _i64),
+        ("heads", _i64),
+        ("kv_heads", _i64),
+        ("head_dim", _i64),
+        ("hidden", _i64),
+    ]
 
 
 def _cpu_flags() -> str:
@@ -281,4 +319,47 @@ def paged_decode_attention(
     )
     if status != 0:
         raise ValueError("paged_decode_attention: block tables or context lengths lie outside the cache")
+    return out
+
+
+def decode_layer(
+    lib: ctypes.CDLL,
+    weights: DecodeLayerWeightsC,
+    x: torch.Tensor,
+    cos: torch.Tensor,
+    sin: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    slots: torch.Tensor,
+    block_tables: torch.Tensor,
+    context_lens: torch.Tensor,
+) -> torch.Tensor:
+    """One decoder layer's step for x [m, dim] fp32, one new token per sequence (cos, sin [m, head_dim]),
+    its K/V rows written to the fp32 caches at `slots` [m] -> the layer's output [m, dim]."""
+    if not (k_cache.is_contiguous() and v_cache.is_contiguous()):
+        raise ValueError("decode_layer needs contiguous K/V cache layers")
+    x, cos, sin = x.contiguous(), cos.contiguous(), sin.contiguous()
+    slots, tables, lens = (t.to(torch.int64).contiguous() for t in (slots, block_tables, context_lens))
+    out = torch.empty_like(x)
+    status = lib.decode_layer(
+        ctypes.byref(weights),
+        x.data_ptr(),
+        x.shape[0],
+        out.data_ptr(),
+        cos.data_ptr(),
+        sin.data_ptr(),
+        k_cache.data_ptr(),
+        v_cache.data_ptr(),
+        k_cache.shape[0],
+        k_cache.shape[1],
+        slots.data_ptr(),
+        tables.data_ptr(),
+        tables.shape[1],
+        lens.data_ptr(),
+        torch.get_num_threads(),
+    )
+    if status == -1:
+        raise ValueError("decode_layer: slots, block tables or context lengths lie outside the cache")
+    if status != 0:
+        raise MemoryError("decode_layer: no memory for its scratch buffers")
     return out

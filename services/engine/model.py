@@ -19,7 +19,7 @@ from pcpstack.engine.attention import AttentionMetadata, paged_attention
 from pcpstack.engine.config import ModelArgs
 from pcpstack.engine.kv_cache import PagedKVCache
 from pcpstack.engine.parallel import tensor_parallel_sum
-from pcpstack.engine.quant import BlockWeight, project
+from pcpstack.engine.quant import MAX_ROWS, BlockWeight, DecodeLayerKernel, project
 from pcpstack.engine.rope import NO_SCALING, rotation
 
 
@@ -99,7 +99,8 @@ class FeedForward(nn.Module):
 
 
 class Block(nn.Module):
-    """One pre-norm decoder layer."""
+    """One pre-norm decoder layer. With its projections in blocks, a decode step (a few fp32 rows on the CPU,
+    one new token per sequence) runs as one fused C call instead (`fuse_decode`)."""
 
     def __init__(self, args: ModelArgs, layer_index: int, tp_group: dist.ProcessGroup | None = None) -> None:
         super().__init__()
@@ -107,6 +108,26 @@ class Block(nn.Module):
         self.attention = Attention(args, layer_index, tp_group)
         self.ffn_norm = RMSNorm(args.dim, args.norm_eps)
         self.feed_forward = FeedForward(args, tp_group)
+        self.decode_kernel: DecodeLayerKernel | None = None
+
+    def fuse_decode(self) -> bool:
+        """Run decode steps through the fused C layer, where it applies: every projection in blocks, no TP
+        group. Returns whether it does."""
+        attention, ffn = self.attention, self.feed_forward
+        projections = {"qkv": attention.wqkv, "wo": attention.wo, "w13": ffn.w13, "w2": ffn.w2}
+        blocks = {name: linear.blocks for name, linear in projections.items() if linear.blocks is not None}
+        if attention.tp_group is not None or len(blocks) < len(projections):
+            return False
+        self.decode_kernel = DecodeLayerKernel.build(
+            blocks,
+            attention.wqkv.bias,
+            (self.attention_norm.weight, self.ffn_norm.weight),
+            self.attention_norm.eps,
+            attention.n_heads,
+            attention.n_kv_heads,
+            attention.head_dim,
+        )
+        return True
 
     def forward(
         self,
@@ -116,8 +137,26 @@ class Block(nn.Module):
         kv_cache: PagedKVCache,
         meta: AttentionMetadata,
     ) -> torch.Tensor:
+        if self.decode_kernel is not None and _plain_decode(x, meta):
+            caches = kv_cache.layer(self.attention.layer_index)
+            tables = (meta.slot_mapping, meta.block_tables, meta.context_lens)
+            return self.decode_kernel(x, cos, sin, caches, *tables)
         h = x + self.attention(self.attention_norm(x), cos, sin, kv_cache, meta)
         return h + self.feed_forward(self.ffn_norm(h))
+
+
+def _plain_decode(x: torch.Tensor, meta: AttentionMetadata) -> bool:
+    """Whether this step is what the fused decode layer computes: a few fp32 rows on the CPU, one new token
+    per sequence attending to its own paged cache (no context-parallel exchange, no DCP split)."""
+    return (
+        x.shape[0] == meta.num_seqs
+        and x.shape[0] <= MAX_ROWS
+        and x.dtype == torch.float32
+        and x.device.type == "cpu"
+        and not meta.fresh_context
+        and meta.kv_exchange is None
+        and meta.dcp is None
+    )
 
 
 class Transformer(nn.Module):

@@ -63,6 +63,77 @@ class BlockWeight:
         return cpu_kernels.block_matmul(lib, self.kind, x, self.qs, self.scale, self.minimum)
 
 
+@dataclass(frozen=True)
+class DecodeLayerKernel:
+    """A decoder layer's decode step as one call of cpu_kernels.c's `decode_layer`: norms, projections on
+    their blocks, RoPE, the K/V cache write, paged attention, SwiGLU and both residuals in one parallel region
+    (what model.Block computes, up to summation order). At batch 1 the fifty-odd PyTorch operations and five
+    kernel calls of a layer cost more than its weights take to read."""
+
+    weights: cpu_kernels.DecodeLayerWeightsC
+    # The tensors `weights` points into, kept alive with it.
+    tensors: tuple[torch.Tensor, ...]
+
+    @staticmethod
+    def build(
+        projections: "dict[str, BlockWeight]",
+        qkv_bias: torch.Tensor | None,
+        norms: tuple[torch.Tensor, torch.Tensor],
+        eps: float,
+        heads: int,
+        kv_heads: int,
+        head_dim: int,
+    ) -> "DecodeLayerKernel":
+        """From the layer's projections in blocks (keys qkv, wo, w13, w2), its qkv bias, its attention and FFN
+        norm weights (fp32) and its head layout."""
+        tensors: list[torch.Tensor] = [*norms, *([] if qkv_bias is None else [qkv_bias])]
+
+        def part(name: str, bias: torch.Tensor | None = None) -> cpu_kernels.BlockWeightC:
+            w = projections[name]
+            tensors.extend(t for t in (w.qs, w.scale, w.minimum) if t is not None)
+            return cpu_kernels.BlockWeightC(
+                cpu_kernels.KIND_CODES[w.kind],
+                *w.shape,
+                *(None if t is None else t.data_ptr() for t in (w.qs, w.scale, w.minimum, bias)),
+            )
+
+        if any(t.dtype != torch.float32 or not t.is_contiguous() for t in tensors):
+            raise ValueError("the fused decode layer needs contiguous fp32 norm weights and bias")
+        hidden = projections["w2"].shape[1]
+        weights = cpu_kernels.DecodeLayerWeightsC(
+            part("qkv", qkv_bias),
+            part("wo"),
+            part("w13"),
+            part("w2"),
+            norms[0].data_ptr(),
+            norms[1].data_ptr(),
+            eps,
+            projections["wo"].shape[0],
+            heads,
+            kv_heads,
+            head_dim,
+            hidden,
+        )
+        return DecodeLayerKernel(weights, tuple(tensors))
+
+    def __call__(
+        self,
+        x: torch.Tensor,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        caches: tuple[torch.Tensor, torch.Tensor],
+        slots: torch.Tensor,
+        block_tables: torch.Tensor,
+        context_lens: torch.Tensor,
+    ) -> torch.Tensor:
+        """The layer's output [m, dim] for x [m, dim], one new token per sequence (see decode_layer)."""
+        lib = cpu_kernels.build_library()
+        if lib is None:
+            raise RuntimeError("the CPU block kernels are not available")
+        tables = (slots, block_tables, context_lens)
+        return cpu_kernels.decode_layer(lib, self.weights, x, cos, sin, *caches, *tables)
+
+
 def _fp16_field(raw: np.ndarray, offset: int) -> torch.Tensor:
     return torch.from_numpy(raw[..., offset : offset + 2].copy().view(np.float16)[..., 0].astype(np.float32))
 

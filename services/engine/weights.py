@@ -220,6 +220,8 @@ def _build(
                 model.output_blocks = weight
             else:
                 model.get_submodule(name).blocks = weight
+        for layer in model.layers:
+            layer.fuse_decode()
     return model.requires_grad_(False).eval()
 
 

@@ -151,6 +151,47 @@ def test_paged_decode_attention_refuses_a_table_outside_the_cache():
         cpu_kernels.paged_decode_attention(lib, q, k_cache, v_cache, tables, lens + 10_000)
 
 
+def test_fused_decode_layers_equal_the_layer_modules(smollm, smollm_engine):
+    """Batched decode through the fused C layers gives the logits of the same steps through the PyTorch
+    modules (which call the block matmuls and the attention kernel one by one), for sequences of different
+    lengths; later steps read the K/V rows the fused layers wrote."""
+    generator = torch.Generator().manual_seed(2)
+    vocab = smollm.args.vocab_size
+    prompts = [torch.randint(0, vocab, (n,), generator=generator).tolist() for n in (1, 17, 40)]
+    kernels = [layer.decode_kernel for layer in smollm.model.layers]
+    assert all(k is not None for k in kernels)
+
+    def decode(fused: bool) -> torch.Tensor:
+        for layer, kernel in zip(smollm.model.layers, kernels, strict=True):
+            layer.decode_kernel = kernel if fused else None
+        seqs = [("fused", fused, i) for i in range(len(prompts))]
+        try:
+            tokens = [int(smollm_engine.prefill(s, p).argmax()) for s, p in zip(seqs, prompts, strict=True)]
+            steps = []
+            for _ in range(2):
+                steps.append(smollm_engine.decode_step(seqs, tokens))
+                tokens = steps[-1].argmax(-1).tolist()
+            return torch.stack(steps)
+        finally:
+            for s in seqs:
+                smollm_engine.free(s)
+            for layer, kernel in zip(smollm.model.layers, kernels, strict=True):
+                layer.decode_kernel = kernel
+
+    torch.testing.assert_close(decode(True), decode(False), atol=1e-4, rtol=0)
+
+
+def test_fused_decode_layer_refuses_a_slot_outside_the_cache(smollm):
+    layer = smollm.model.layers[0]
+    kv_heads, head_dim = smollm.args.n_kv_heads, smollm.args.head_dim
+    caches = (torch.zeros(2, 16, kv_heads, head_dim), torch.zeros(2, 16, kv_heads, head_dim))
+    x, cos, sin = torch.zeros(1, smollm.args.dim), torch.ones(1, head_dim), torch.zeros(1, head_dim)
+    tables, lens = torch.tensor([[0]]), torch.tensor([1])
+    with pytest.raises(ValueError, match="outside the cache"):
+        layer.decode_kernel(x, cos, sin, caches, torch.tensor([32]), tables, lens)
+    assert not caches[0].any() and not caches[1].any()  # refused before writing anything
+
+
 @pytest.mark.slow
 def test_decode_steps_on_the_kernels_match_hf_logits(smollm, smollm_engine, hf_model):
     ids = smollm.tokenizer.encode(
