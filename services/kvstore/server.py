@@ -245,6 +245,7 @@ class KvStoreServicer(kvstore_pb2_grpc.KvStoreServiceServicer):
     async def Release(self, request: pb.ReleaseRequest, context) -> pb.ReleaseResponse:
         if request.lease:
             released = self.store.release_lease(request.key, request.capability)
+            self._trim_pool()  # the lease may have held the last reference to a deleted object
         else:
             released = self.store.release(request.key, request.capability)
         return pb.ReleaseResponse(released=released)
