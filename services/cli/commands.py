@@ -96,6 +96,13 @@ def add_stack_arguments(parser: argparse.ArgumentParser) -> None:
         default=0,
         help="prefill a longer prompt in chunks of this many tokens (default 0: one forward)",
     )
+    parser.add_argument(
+        "--prefill-batch-max",
+        type=int,
+        default=0,
+        help="most waiting prompts a prefill set runs in one forward (default 0: the service's, 16; 1: one "
+        "prompt a forward)",
+    )
     parser.add_argument("--log-dir", default=None, help="where service logs go (default: a temp folder)")
 
 
@@ -122,6 +129,7 @@ def check_stack_arguments(args: argparse.Namespace) -> None:
     for flag, value in (
         ("--prefill-kv-cache-tokens", args.prefill_kv_cache_tokens),
         ("--prefill-chunk-tokens", args.prefill_chunk_tokens),
+        ("--prefill-batch-max", args.prefill_batch_max),
     ):
         if value < 0:
             raise UsageError(flag, value, "must be >= 0 (0: the prefill service's default)")
@@ -153,6 +161,7 @@ def _stack_options(args: argparse.Namespace) -> StackOptions:
         decode_threads=args.decode_threads,
         prefill_kv_cache_tokens=args.prefill_kv_cache_tokens,
         prefill_chunk_tokens=args.prefill_chunk_tokens,
+        prefill_batch_max=args.prefill_batch_max,
         log_dir=args.log_dir,
         metrics=getattr(args, "metrics", False),
         registry_replicas=getattr(args, "registry_replicas", 1),
