@@ -14,6 +14,11 @@ the same rank processes then run without the services as `bench prefill` runs th
 same model). The result holds the client-measured TTFT, the ranks' raw prefill time, the whole-path overhead
 over it in %, PCP=2 over PCP=1 for both, and the breakdown of one request's TTFT at each size and length
 from its trace spans (see ttft_breakdown).
+
+Multi-turn (--multi-turn, issue 18's prefix reuse): on the stack under load, conversations whose every turn
+sends the whole history again (the last prompt, its answer, a few new user tokens). Each turn runs warm, with
+the earlier turns' prompt blocks in the store, and cold, under a cache salt of its own so that nothing is
+shared: the result holds both TTFTs per turn, their ratio, and the prompt tokens the store supplied.
 """
 
 from __future__ import annotations
@@ -87,6 +92,18 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         action="store_true",
         help="also run the load test on a stack without batched prefill (--prefill-batch-max 1)",
     )
+    parser.add_argument(
+        "--multi-turn",
+        type=int,
+        default=4,
+        help="turns of the prefix-reuse conversation on the load stack (0 skips it) (default 4)",
+    )
+    parser.add_argument(
+        "--history-tokens", type=int, default=1350, help="the conversation's first prompt (default 1350)"
+    )
+    parser.add_argument(
+        "--turn-tokens", type=int, default=48, help="new user tokens each later turn adds (default 48)"
+    )
     parser.add_argument("--model", default=None, help="model (default SmolLM2); 'tiny' for a smoke run")
 
 
@@ -127,6 +144,86 @@ async def _one(address: str, ids: list[int], max_tokens: int) -> Timing:
         await client.close()
     assert first is not None and last is not None
     return Timing(first - started, (last - first) / max(count - 1, 1), trace_id, sent_ns, first_ns)
+
+
+@dataclass(frozen=True)
+class Turn:
+    """One conversation turn as its client saw it."""
+
+    prompt_tokens: int
+    cached_tokens: int
+    ttft_s: float
+    answer: list[int]
+
+
+async def _turn(address: str, ids: list[int], max_tokens: int, cache_salt: str) -> Turn:
+    """Sends one turn and returns its TTFT, the prompt tokens the store already held, and its answer."""
+    request = build_request(ids, max_tokens=max_tokens, ignore_eos=True)
+    request.cache_salt = cache_salt
+    client = DecodeClient(address)
+    started = time.perf_counter()
+    ttft, answer, cached = None, [], 0
+    try:
+        async for message in client.stream(request):
+            if message.HasField("delta") and message.delta.token_ids:
+                ttft = ttft if ttft is not None else time.perf_counter() - started
+                answer += list(message.delta.token_ids)
+            elif message.HasField("summary"):
+                cached = message.summary.cached_prompt_tokens
+    finally:
+        await client.close()
+    assert ttft is not None
+    return Turn(len(ids), cached, ttft, answer)
+
+
+async def _conversations(address: str, vocab: int, args: argparse.Namespace) -> list[list[dict]]:
+    """`repeats` conversations of `multi_turn` turns: each turn's prompt is the last prompt, its answer and
+    `turn_tokens` new user tokens. Every turn runs warm (the default cache salt: the earlier turns' blocks are
+    in the store) and then cold (a salt of its own, so no block is shared): the same prompt both ways."""
+    runs = []
+    for repeat in range(args.repeats):
+        history = _prompt(vocab, args.history_tokens, 500 + repeat)
+        rows = []
+        for turn in range(1, args.multi_turn + 1):
+            if turn > 1:
+                history = history + _prompt(vocab, args.turn_tokens, 600 + 10 * repeat + turn)
+            warm = await _turn(address, history, args.max_tokens, "")
+            cold = await _turn(address, history, args.max_tokens, f"cold-{repeat}-{turn}-{time.time_ns()}")
+            rows.append(
+                {
+                    "turn": turn,
+                    "prompt_tokens": warm.prompt_tokens,
+                    "cached_tokens": warm.cached_tokens,
+                    "cold_cached_tokens": cold.cached_tokens,
+                    "warm_ttft_s": warm.ttft_s,
+                    "cold_ttft_s": cold.ttft_s,
+                    "same_answer": warm.answer == cold.answer,
+                }
+            )
+            history = history + warm.answer
+        runs.append(rows)
+    return runs
+
+
+def _multi_turn(runs: list[list[dict]]) -> list[dict]:
+    """Per turn: the median warm and cold TTFT over the conversations, and warm over cold."""
+    rows = []
+    for turn_rows in zip(*runs, strict=True):
+        warm = [r["warm_ttft_s"] for r in turn_rows]
+        cold = [r["cold_ttft_s"] for r in turn_rows]
+        rows.append(
+            {
+                "turn": turn_rows[0]["turn"],
+                "prompt_tokens": turn_rows[-1]["prompt_tokens"],
+                "cached_tokens": turn_rows[-1]["cached_tokens"],
+                "cold_cached_tokens": max(r["cold_cached_tokens"] for r in turn_rows),
+                "warm_ttft_s": _summary(warm),
+                "cold_ttft_s": _summary(cold),
+                "warm_over_cold": round(statistics.median(warm) / statistics.median(cold), 3),
+                "same_answers": all(r["same_answer"] for r in turn_rows),
+            }
+        )
+    return rows
 
 
 def _p90(values: list[float]) -> float:
@@ -245,6 +342,8 @@ async def _stacks(args: argparse.Namespace, vocab: int, trace_dir: Path) -> dict
                 overhead = [_prompt(vocab, args.overhead_tokens, 7 + r) for r in range(args.repeats)]
                 measured["overhead_ids"] = overhead[0]
                 measured["path_ttft"] = [(await _one(address, ids, 1)).ttft_s for ids in overhead]
+                if args.multi_turn:
+                    measured["multi_turn"] = await _conversations(address, vocab, args)
             if pcp in args.served_pcp:
                 for tokens in args.served_tokens:
                     timings = await _served(address, vocab, tokens, args.repeats, 100 * tokens + pcp)
@@ -373,4 +472,12 @@ def run(args: argparse.Namespace) -> dict:
         result["served"] = _served_result(args, measured)
     if args.compare_batching:
         result["batching"] = _batching(measured["load"], measured["load_unbatched"])
+    if args.multi_turn:
+        result["multi_turn"] = {
+            "history_tokens": args.history_tokens,
+            "turn_tokens": args.turn_tokens,
+            "max_tokens": args.max_tokens,
+            "conversations": args.repeats,
+            "turns": _multi_turn(measured["multi_turn"]),
+        }
     return result

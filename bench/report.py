@@ -281,6 +281,39 @@ def compute_targets(results: dict) -> list[Target]:
             else f"{NOT_MEASURED}: no bench e2e result",
         ),
         *_served_targets(results),
+        *_reuse_targets(results),
+    ]
+
+
+def _reuse_targets(results: dict) -> list[Target]:
+    """Issue 18: later turns' TTFT against a cold prefill of the same prompt (the worst later turn), and
+    TTFT p50 at the most clients with batched prefill against one prompt a forward, in the same run."""
+    e2e = results.get("e2e", {})
+    later = [t for t in e2e.get("multi_turn", {}).get("turns", []) if t["turn"] > 1]
+    worst = max(later, key=lambda t: t["warm_over_cold"]) if later else None
+    batching = max(e2e.get("batching", []), key=lambda r: r["clients"], default=None)
+    return [
+        Target(
+            "a conversation's later turn: TTFT with its earlier turns in the store ÷ a cold prefill (worst)",
+            25.0,
+            True,
+            " %",
+            round(100 * worst["warm_over_cold"], 1) if worst else None,
+            f"bench e2e --multi-turn, turn {worst['turn']} of {worst['prompt_tokens']} tokens, "
+            f"{e2e.get('model')}"
+            if worst
+            else f"{NOT_MEASURED}: no bench e2e multi-turn result",
+        ),
+        Target(
+            "TTFT p50 under load with batched prefill ÷ one prompt a forward, same run",
+            0.5,
+            True,
+            "×",
+            round(1 / batching["p50_speedup"], 3) if batching else None,
+            f"bench e2e --compare-batching, {batching['clients']} clients, {e2e.get('model')}"
+            if batching
+            else f"{NOT_MEASURED}: no bench e2e --compare-batching result",
+        ),
     ]
 
 
@@ -746,7 +779,64 @@ def _e2e_section(results: dict, plots: dict[str, Path], report: Path) -> list[st
             f"({overhead['in_process_threads']} threads): **{_num(overhead['overhead_pct'])} %**.",
             "",
         ]
-    return lines + _served_section(e2e)
+    return lines + _served_section(e2e) + _multi_turn_section(e2e) + _batching_section(e2e)
+
+
+def _multi_turn_section(e2e: dict) -> list[str]:
+    """Prefix reuse: each turn of a conversation warm (earlier turns' blocks in the store) and cold."""
+    lines = ["### Prefix reuse: a conversation's later turns against cold prefills of the same prompts", ""]
+    multi = e2e.get("multi_turn")
+    if not multi:
+        return [*lines, f"Multi-turn: {NOT_MEASURED} (`pcpstack bench e2e --multi-turn 4`).", ""]
+    lines += [
+        f"{multi['conversations']} conversation(s): a first prompt of {multi['history_tokens']} tokens, then "
+        f"each turn the last prompt, its {multi['max_tokens']}-token answer and {multi['turn_tokens']} new "
+        "tokens. Warm: the default cache salt (the store holds the earlier prompts' full blocks); cold: a "
+        "salt of its own, so the whole prompt is computed. Medians (min–max) over the conversations.",
+        "",
+    ]
+
+    def seconds(summary: dict) -> str:
+        return _spread(summary["median"], summary["min"], summary["max"], " s")
+
+    rows = [
+        [
+            str(t["turn"]),
+            str(t["prompt_tokens"]),
+            str(t["cached_tokens"]),
+            seconds(t["warm_ttft_s"]),
+            seconds(t["cold_ttft_s"]),
+            f"{100 * t['warm_over_cold']:.0f} %",
+            "yes" if t["same_answers"] else "**no**",
+        ]
+        for t in multi["turns"]
+    ]
+    header = ["turn", "prompt", "from the store", "warm TTFT", "cold TTFT", "warm ÷ cold", "same answer"]
+    return lines + _table(header, rows)
+
+
+def _batching_section(e2e: dict) -> list[str]:
+    """TTFT under load with batched prefill (the default) and without, from the same run."""
+    rows = e2e.get("batching")
+    if not rows:
+        return []
+    lines = [
+        "### Batched prefill under load",
+        "",
+        "The load test again on a stack whose set takes one prompt a forward (`--prefill-batch-max 1`), "
+        "in the same run. TTFT p50 / p90:",
+        "",
+    ]
+    table = [
+        [
+            str(r["clients"]),
+            f"{_num(r['ttft_p50_s']['batched'])} / {_num(r['ttft_p90_s']['batched'])} s",
+            f"{_num(r['ttft_p50_s']['unbatched'])} / {_num(r['ttft_p90_s']['unbatched'])} s",
+            f"{r['p50_speedup']:.2f}×",
+        ]
+        for r in rows
+    ]
+    return lines + _table(["clients", "batched", "one a forward", "p50 speedup"], table)
 
 
 def _served_section(e2e: dict) -> list[str]:

@@ -273,11 +273,50 @@ def test_missing_results_say_not_measured_yet_and_drop_stale_plots(tmp_path) -> 
     (tmp_path / "plots" / "prefill_ttft.png").write_bytes(b"stale")
     text, plots = _generate(tmp_path, kv=_kv())
     targets = text.split("## Targets")[1].split("## Ratios")[0]
-    assert targets.count("| not measured yet | **not measured yet** |") == 6
+    assert targets.count("| not measured yet | **not measured yet** |") == 8
     assert "pcpstack prefill: not measured yet" in text
     assert "Whole path: not measured yet" in text
     assert not (plots / "prefill_ttft.png").exists()
     assert "prefill_ttft.png" not in text
+
+
+def test_prefix_reuse_and_batching_rows_give_their_tables_and_issue_18_targets(tmp_path) -> None:
+    def turn(number: int, warm: float, cold: float, cached: int) -> dict:
+        return {
+            "turn": number,
+            "prompt_tokens": 1350 + 80 * (number - 1),
+            "cached_tokens": cached,
+            "cold_cached_tokens": 0,
+            "warm_ttft_s": {"median": warm, "min": warm, "max": warm},
+            "cold_ttft_s": {"median": cold, "min": cold, "max": cold},
+            "warm_over_cold": round(warm / cold, 3),
+            "same_answers": True,
+        }
+
+    e2e = {
+        **_e2e(),
+        "multi_turn": {
+            "history_tokens": 1350,
+            "turn_tokens": 48,
+            "max_tokens": 32,
+            "conversations": 3,
+            "turns": [turn(1, 4.0, 4.0, 0), turn(2, 0.6, 4.2, 1280), turn(3, 1.3, 4.3, 1408)],
+        },
+        "batching": [
+            {
+                "clients": 16,
+                "ttft_p50_s": {"batched": 4.0, "unbatched": 6.0},
+                "ttft_p90_s": {"batched": 6.0, "unbatched": 9.0},
+                "p50_speedup": 1.5,
+            }
+        ],
+    }
+    text, _ = _generate(tmp_path, e2e=e2e)
+    assert "| 2 | 1430 | 1280 |" in text and "| 14 % | yes |" in text
+    # The worst later turn (3: 1.3 s of 4.3 s) sets the target's value: 30.2 % misses 25 %.
+    assert "| 30.2 % | **missed** |" in _line(text, "| a conversation's later turn")
+    assert "| 0.667× | **missed** |" in _line(text, "| TTFT p50 under load with batched prefill")
+    assert "| 16 | 4.00 / 6.00 s | 6.00 / 9.00 s | 1.50× |" in text
 
 
 def test_unavailable_peer_is_reported_with_its_reason(tmp_path) -> None:
