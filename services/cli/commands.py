@@ -103,6 +103,12 @@ def add_stack_arguments(parser: argparse.ArgumentParser) -> None:
         help="most waiting prompts a prefill set runs in one forward (default 0: the service's, 16; 1: one "
         "prompt a forward)",
     )
+    parser.add_argument(
+        "--no-prefix-cache",
+        dest="prefix_cache",
+        action="store_false",
+        help="compute every prompt whole: prefill sets take no cached prefix blocks from the KV store",
+    )
     parser.add_argument("--log-dir", default=None, help="where service logs go (default: a temp folder)")
 
 
@@ -159,6 +165,7 @@ def _stack_options(args: argparse.Namespace) -> StackOptions:
         model=args.model,
         threads_per_rank=args.threads_per_rank,
         decode_threads=args.decode_threads,
+        prefix_cache=args.prefix_cache,
         prefill_kv_cache_tokens=args.prefill_kv_cache_tokens,
         prefill_chunk_tokens=args.prefill_chunk_tokens,
         prefill_batch_max=args.prefill_batch_max,

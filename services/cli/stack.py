@@ -83,6 +83,8 @@ class StackOptions:
     prefill_chunk_tokens: int = 0
     # Most waiting prompts a prefill set runs in one forward (batched prefill); 0: the service's default.
     prefill_batch_max: int = 0
+    # Prefix reuse across requests (the store's content-addressed blocks); False: --no-prefix-cache.
+    prefix_cache: bool = True
     # torch threads of each decode rank process; 0: what core_plan leaves decode after prefill's threads.
     decode_threads: int = 0
     # Seconds a stopping decode worker lets its running streams finish; the stack's stop waits this long
@@ -280,7 +282,8 @@ class LocalStack:
             ("--prefill-chunk-tokens", o.prefill_chunk_tokens),
             ("--prefill-batch-max", o.prefill_batch_max),
         )
-        return [arg for flag, value in flags if value for arg in (flag, str(value))]
+        args = [arg for flag, value in flags if value for arg in (flag, str(value))]
+        return args if o.prefix_cache else [*args, "--no-prefix-cache"]
 
     def _config_file(self, role: str) -> str:
         o = self.options

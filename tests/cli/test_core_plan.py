@@ -1,9 +1,13 @@
-"""How a local stack divides the host's cores between its prefill ranks and its decode ranks."""
+"""How a local stack divides the host's cores between its prefill ranks and its decode ranks, and passes its
+prefill flags on."""
 
 from __future__ import annotations
 
-from pcpstack.cli.main import main
-from pcpstack.cli.stack import StackOptions
+import pytest
+
+from pcpstack.cli.commands import _stack_options
+from pcpstack.cli.main import build_parser, main
+from pcpstack.cli.stack import LocalStack, StackOptions
 
 
 def test_decode_gets_the_cores_prefill_leaves() -> None:
@@ -28,3 +32,10 @@ def test_decode_threads_flag_overrides_the_division() -> None:
 def test_negative_decode_threads_is_refused_naming_the_flag(capsys) -> None:
     assert main(["generate", "--local", "--decode-threads", "-1", "hi"]) == 2
     assert "--decode-threads" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize(("flags", "expected"), [([], False), (["--no-prefix-cache"], True)])
+def test_no_prefix_cache_reaches_the_stacks_prefill_sets(tmp_path, flags, expected) -> None:
+    args = build_parser([]).parse_args(["up", "--log-dir", str(tmp_path), *flags])
+    stack = LocalStack(_stack_options(args), progress=lambda line: None)
+    assert ("--no-prefix-cache" in stack._prefill_cache_args()) is expected
