@@ -128,6 +128,7 @@ class ComposeStack(LocalStack):
         started = time.monotonic()
         by_name = {c.name: c for c in self.commands}
         self.registry_address = by_name["registry"].address
+        self.registry_addresses = [self.registry_address]
         self.kvstore_address = by_name["kvstore"].address
         self.decode_addresses = [by_name["decode"].address]
         for c in self.commands:
