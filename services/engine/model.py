@@ -147,9 +147,11 @@ class Block(nn.Module):
 
 def _plain_decode(x: torch.Tensor, meta: AttentionMetadata) -> bool:
     """Whether this step is what the fused decode layer computes: a few fp32 rows on the CPU, one new token
-    per sequence attending to its own paged cache (no context-parallel exchange, no DCP split)."""
+    per sequence attending to its own paged cache (no context-parallel exchange, no DCP split, not a batched
+    prefill, whose groups may be empty)."""
     return (
         x.shape[0] == meta.num_seqs
+        and meta.query_lens is None
         and x.shape[0] <= MAX_ROWS
         and x.dtype == torch.float32
         and x.device.type == "cpu"
