@@ -132,6 +132,22 @@ class PrefillServicer(prefill_pb2_grpc.PrefillServiceServicer):
         self._background.add(task)
         task.add_done_callback(self._background.discard)
 
+    async def _looked_up(
+        self, address: str, block_keys: list[str], num_tokens: int, lease_ms: int
+    ) -> CachedPrefix | None:
+        """_cached_prefix, except that a caller who leaves during the lookup does not leave its lease pinning
+        the blocks until it expires: the lookup finishes and its lease is released."""
+        lookup = asyncio.ensure_future(self._cached_prefix(address, block_keys, num_tokens, lease_ms))
+        try:
+            return await asyncio.shield(lookup)
+        except asyncio.CancelledError:
+            lookup.add_done_callback(lambda done: self._release_looked_up(done, address))
+            raise
+
+    def _release_looked_up(self, done: asyncio.Future, address: str) -> None:
+        if not done.cancelled() and done.exception() is None and done.result() is not None:
+            self._later(self._release_prefix(address, done.result()))
+
     async def _release_prefix(self, address: str, prefix: CachedPrefix) -> None:
         try:
             await self._kv_client(address).release(prefix.lease_id, prefix.capability, lease=True)
@@ -195,7 +211,7 @@ class PrefillServicer(prefill_pb2_grpc.PrefillServiceServicer):
                     ids, info.layout.block_size, info.fingerprint, request.cache_salt
                 )
                 if not request.no_prefix_cache:
-                    prefix = await self._cached_prefix(store, block_keys, len(ids), lease_ms)
+                    prefix = await self._looked_up(store, block_keys, len(ids), lease_ms)
             kv_key = replica_key(request.request_id, info.fingerprint)
             job = PrefillJob(
                 request_id=request.request_id,
