@@ -56,6 +56,19 @@ async def pinned_bytes(store_address: str) -> int:
         return stat.pinned_bytes
 
 
+async def prefix_leases(store_address: str) -> int:
+    """The KV store's prefix leases held once releases in flight have landed (waits for 0 a bounded while)."""
+    from pcpstack.kvstore.client import KvStoreClient
+
+    async with KvStoreClient(store_address) as store:
+        for _ in range(100):
+            stat = await store.stat()
+            if stat.prefix_leases == 0:
+                return 0
+            await asyncio.sleep(0.1)
+        return stat.prefix_leases
+
+
 def child_pids(pid: int) -> list[int]:
     """Direct children of a process, oldest first (by pid)."""
     children = []

@@ -17,7 +17,7 @@ from pcpstack.decode.pipeline import GeneratePipeline
 from pcpstack.decode.server import SERVICE_NAME, DecodeServicer
 from pcpstack.v1 import decode_pb2, decode_pb2_grpc
 from tests.decode.support import close_pipeline, greedy, make_pipeline, prefills_answered, prompt
-from tests.helpers import RunningStack, pinned_bytes
+from tests.helpers import RunningStack, pinned_bytes, prefix_leases
 
 
 @contextmanager
@@ -124,6 +124,11 @@ def test_calls_cancelled_at_every_point_leave_nothing_pinned(stack) -> None:
                     if received > index // 4:
                         break
             call.cancel()
+        except grpc.aio.AioRpcError as exc:
+            # Sixteen prompts of 200-800 tokens outgrow the 1 MiB store while the others' replicas and cached
+            # prefixes are in use: a refusal for room is the answer any client would get.
+            if exc.code() != grpc.StatusCode.RESOURCE_EXHAUSTED:
+                raise
         finally:
             await client.close()
 
@@ -144,10 +149,13 @@ def test_calls_cancelled_at_every_point_leave_nothing_pinned(stack) -> None:
                 await asyncio.sleep(0.5)
         else:
             follow_up = await generate(address, request)
-        return answered, follow_up.summary.completion_tokens, await pinned_bytes(stack.stack.kvstore_address)
+        store = stack.stack.kvstore_address
+        left = (await pinned_bytes(store), await prefix_leases(store))
+        return answered, follow_up.summary.completion_tokens, *left
 
     with serving_pipeline(stack) as (address, pipeline):
-        answered, completed, pinned = stack.run(load(address, pipeline))
+        answered, completed, pinned, leases = stack.run(load(address, pipeline))
         assert pipeline.batcher.queue_depth == 0
     assert answered and completed == 3
     assert pinned == 0
+    assert leases == 0, f"{leases} prefix leases still held after every call ended"

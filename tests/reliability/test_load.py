@@ -6,7 +6,7 @@ same prompt made before the load. At the end: no errors, every answer correct, n
 and the resident memory of the decode, prefill (nodes with their ranks) and KV store process trees flat
 after warm-up: the mean of the last third of the samples is within 10 % + 8 MiB of the mean of the first.
 The store keeps released replicas as a cache until it needs room, so it runs with a 32 MiB capacity that
-warm-up fills: after that its memory must stay flat too.
+the test fills before the load: after that its memory must stay flat too.
 """
 
 from __future__ import annotations
@@ -20,6 +20,7 @@ from collections.abc import Iterator
 import pytest
 
 from pcpstack.decode.client import DecodeClient, build_request
+from pcpstack.kvstore.client import KvStoreClient
 from tests.helpers import RunningStack
 from tests.reliability.support import (
     generate,
@@ -38,7 +39,7 @@ PROMPTS = [[(17 * i + 5 * k + 1) % 256 for i in range(8 + 6 * k)] for k in range
 WATCHED = ("decode-0", "prefill-0", "prefill-1", "kvstore")
 MIB = 1024 * 1024
 # The store keeps released replicas until it needs the room (LRU), so its memory grows to its capacity by
-# design: a small capacity is reached during warm-up, and after it any growth is a leak.
+# design: the test fills it before the load, and after that any growth is a leak.
 STORE_CAPACITY = 32 * MIB
 
 
@@ -87,8 +88,18 @@ async def client_loop(address: str, index: int, until: float, expected: list[lis
     return answers, errors
 
 
+async def fill_store(address: str, capacity: int) -> None:
+    """Fills the store to its capacity with released objects, as a long-running store is: with prefix reuse
+    most requests add only a few blocks, and 30 s of load would not reach the capacity on their own."""
+    async with KvStoreClient(address) as store:
+        for i in range(capacity // MIB):
+            stored = await store.put(f"load-test-filler-{i}", "filler", bytes(MIB))
+            await store.release(stored.key, stored.capability)
+
+
 def test_64_clients_get_correct_answers_with_nothing_pinned_and_flat_memory(stack) -> None:
     expected = [stack.run(generate(stack.decode, p, max_tokens=MAX_TOKENS)).token_ids for p in PROMPTS]
+    stack.run(fill_store(stack.stack.kvstore_address, STORE_CAPACITY))
     sampler = RssSampler({name: service(stack, name).process.pid for name in WATCHED})
     started = time.monotonic()
     sampler.start()
