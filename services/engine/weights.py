@@ -24,6 +24,7 @@ from pcpstack.engine import cpu_kernels
 from pcpstack.engine.config import ModelArgs
 from pcpstack.engine.device import default_dtype, pick_device
 from pcpstack.engine.families import family_of_config, family_of_gguf
+from pcpstack.engine.gguf_file import GgufFile, read_gguf
 from pcpstack.engine.model import Transformer
 from pcpstack.engine.parallel import SINGLE_RANK, TensorParallelShard
 from pcpstack.engine.quant import BlockWeight, from_gguf
@@ -130,12 +131,7 @@ def describe_model(path: str | Path | None = None) -> ModelDescription:
         args = ModelArgs.tiny()
     else:
         assert isinstance(path, Path)
-        if path.is_dir():
-            args = _hf_args(_hf_config(path))
-        else:
-            import gguf
-
-            args = _gguf_args(path, gguf.GGUFReader(str(path)))[0]
+        args = _hf_args(_hf_config(path)) if path.is_dir() else _gguf_args(path, read_gguf(path))[0]
     return ModelDescription(args, _model_id(path, args))
 
 
@@ -275,11 +271,11 @@ def _fuse_layer(
     state[f"layers.{i}.feed_forward.w13.weight"] = torch.cat((gate, up))
 
 
-def _gguf_args(path: Path, reader: Any) -> tuple[ModelArgs, dict[str, Any], Tokenizer]:
+def _gguf_args(path: Path, reader: GgufFile) -> tuple[ModelArgs, dict[str, Any], Tokenizer]:
     """A GGUF's architecture, metadata and tokenizer, from its header alone (no weight is dequantized)."""
     import gguf
 
-    meta: dict[str, Any] = {name: field.contents() for name, field in reader.fields.items()}
+    meta = reader.meta
     arch = meta["general.architecture"]
     family_of_gguf(arch)  # refuses an architecture no family serves
     by_name = {t.name: t for t in reader.tensors}
@@ -321,7 +317,7 @@ def _read_gguf(
 ) -> tuple[ModelArgs, dict[str, torch.Tensor], Tokenizer, dict[str, BlockWeight]]:
     import gguf
 
-    reader = gguf.GGUFReader(str(path))
+    reader = read_gguf(path)
     args, meta, tokenizer = _gguf_args(path, reader)
     arch = meta["general.architecture"]
     n_heads, n_kv_heads = args.n_heads, args.n_kv_heads

@@ -84,6 +84,7 @@ def load_tokenizer(source: str) -> LoadedTokenizer:
     """The tokenizer of `source`: "tiny", "" (the embedded default model), a .gguf file (metadata only), or a
     Hugging Face folder; FileNotFoundError when the embedded model is not installed."""
     from pcpstack.engine.config import ModelArgs
+    from pcpstack.engine.gguf_file import read_gguf
     from pcpstack.engine.tokenizer import Tokenizer
     from pcpstack.engine.weights import default_model_path
 
@@ -101,18 +102,10 @@ def load_tokenizer(source: str) -> LoadedTokenizer:
         eos_ids = eos if isinstance(eos, list) else [] if eos is None else [eos]
         tokenizer = Tokenizer.from_hf_folder(path, eos_ids)
         return LoadedTokenizer(tokenizer, int(config.get("max_position_embeddings", ModelArgs.max_seq_len)))
-    import gguf
-
-    reader = gguf.GGUFReader(str(path))
-    meta = {
-        name: field.contents()
-        for name, field in reader.fields.items()
-        if name.startswith(("general.", "tokenizer."))
-    }
-    arch = meta["general.architecture"]
-    context = reader.fields.get(f"{arch}.context_length")
+    meta = read_gguf(path).meta
+    context = meta.get(f"{meta['general.architecture']}.context_length")
     return LoadedTokenizer(
-        Tokenizer.from_gguf_metadata(meta), int(context.contents()) if context else ModelArgs.max_seq_len
+        Tokenizer.from_gguf_metadata(meta), int(context) if context else ModelArgs.max_seq_len
     )
 
 
