@@ -21,6 +21,7 @@ from typing import TYPE_CHECKING
 import torch
 import torch.distributed as dist
 
+from pcpstack.engine.host_group import HostGroup
 from pcpstack.engine.kv_cache import blocks_needed
 
 if TYPE_CHECKING:
@@ -31,14 +32,15 @@ if TYPE_CHECKING:
 class DcpShard:
     """Which token blocks of every sequence one DCP rank stores: block b when b % size == rank.
 
-    `group` is the DCP process group the queries and partial attentions are gathered over; the arithmetic
-    does not need it, so any process can compute another rank's share (to slice a replica for it).
+    `group` is the DCP process group (or the shared-memory HostGroup of a CPU decode worker) the queries and
+    partial attentions are gathered over; the arithmetic does not need it, so any process can compute another
+    rank's share (to slice a replica for it).
     """
 
     rank: int
     size: int
     block_size: int
-    group: dist.ProcessGroup | None = None
+    group: dist.ProcessGroup | HostGroup | None = None
 
     def __post_init__(self) -> None:
         if not 0 <= self.rank < self.size:
@@ -144,8 +146,10 @@ def attention_with_lse(
     return out, lse
 
 
-def _all_gather(tensor: torch.Tensor, group: dist.ProcessGroup, size: int) -> torch.Tensor:
+def _all_gather(tensor: torch.Tensor, group: dist.ProcessGroup | HostGroup, size: int) -> torch.Tensor:
     """[size, *tensor.shape]: every rank's tensor in DCP rank order."""
+    if isinstance(group, HostGroup):
+        return group.all_gather(tensor)
     gathered = [torch.empty_like(tensor) for _ in range(size)]
     dist.all_gather(gathered, tensor.contiguous(), group=group)
     return torch.stack(gathered)

@@ -174,14 +174,19 @@ class Engine:
         return self.model(self._tensor(token_ids), positions, self.cache, meta, rows)
 
     @torch.inference_mode()
-    def decode_step(self, seq_ids: Sequence[Hashable], token_ids: Sequence[int]) -> torch.Tensor:
-        """Append one token to each sequence (each at its own length); return logits [len(seq_ids), vocab]."""
+    def decode_step(
+        self, seq_ids: Sequence[Hashable], token_ids: Sequence[int], *, logits: bool = True
+    ) -> torch.Tensor:
+        """Append one token to each sequence (each at its own length); return logits [len(seq_ids), vocab].
+        With logits=False the step only extends the caches and returns [0, vocab]: a TP follower's logits
+        would be thrown away, and the replicated LM head is the largest matrix of a small model."""
         if len(seq_ids) != len(token_ids):
             raise ValueError(f"decode_step got {len(seq_ids)} sequences but {len(token_ids)} tokens")
         states = [self.reserve(s, self.sequences[s].num_tokens + 1) for s in self._known(seq_ids)]
         positions = [s.num_tokens for s in states]
+        logits_rows = None if logits else self._tensor([])
         if self.dcp.size > 1:
-            return self._dcp_decode_step(states, positions, token_ids)
+            return self._dcp_decode_step(states, positions, token_ids, logits_rows)
         slots = [
             s.block_table[p // self.block_size] * self.block_size + p % self.block_size
             for s, p in zip(states, positions, strict=True)
@@ -196,13 +201,17 @@ class Engine:
             context_lens=self._tensor([p + 1 for p in positions]),
             max_context_len=max(positions) + 1,
         )
-        logits = self.model(self._tensor(token_ids), meta.positions, self.cache, meta)
+        result = self.model(self._tensor(token_ids), meta.positions, self.cache, meta, logits_rows)
         for state in states:
             state.num_tokens += 1
-        return logits
+        return result
 
     def _dcp_decode_step(
-        self, states: list[SequenceState], positions: list[int], token_ids: Sequence[int]
+        self,
+        states: list[SequenceState],
+        positions: list[int],
+        token_ids: Sequence[int],
+        logits_rows: torch.Tensor | None,
     ) -> torch.Tensor:
         """decode_step on a DCP rank: local block tables and key counts; it writes only the new tokens whose
         block it owns."""
@@ -224,10 +233,10 @@ class Engine:
             max_context_len=max(counts),
             dcp=DcpStep(dcp, self._tensor(rows)),
         )
-        logits = self.model(self._tensor(token_ids), meta.positions, self.cache, meta)
+        result = self.model(self._tensor(token_ids), meta.positions, self.cache, meta, logits_rows)
         for state in states:
             state.num_tokens += 1
-        return logits
+        return result
 
     def _known(self, seq_ids: Sequence[Hashable]) -> Sequence[Hashable]:
         unknown = [s for s in seq_ids if s not in self.sequences]

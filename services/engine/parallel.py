@@ -32,6 +32,7 @@ import torch
 import torch.distributed as dist
 
 from pcpstack.engine.config import ModelArgs
+from pcpstack.engine.host_group import HostGroup
 
 
 def distributed_backend(device: torch.device | str) -> str:
@@ -90,14 +91,15 @@ TP_SPLIT_RULE = (
 class TensorParallelShard:
     """Which part of the model one TP rank holds: its query heads, K/V heads and intermediate slice.
 
-    `group` is the TP process group the partial sums are added over. A model needs it when `size > 1`; the
-    head ranges do not, so any process can compute another TP size's split (to reshard K/V by head range).
+    `group` is the TP process group the partial sums are added over (a HostGroup on a CPU decode worker). A
+    model needs it when `size > 1`; the head ranges do not, so any process can compute another TP size's
+    split (to reshard K/V by head range).
     The single-rank model (`size == 1`) has no group and no collective at all.
     """
 
     rank: int
     size: int
-    group: dist.ProcessGroup | None = None
+    group: dist.ProcessGroup | HostGroup | None = None
 
     def __post_init__(self) -> None:
         if not 0 <= self.rank < self.size:
@@ -185,14 +187,17 @@ def kv_fetch_plan(args: ModelArgs, source_tp_size: int, dest: TensorParallelShar
     return plan
 
 
-def tensor_parallel_sum(partial: torch.Tensor, group: dist.ProcessGroup | None) -> torch.Tensor:
+def tensor_parallel_sum(partial: torch.Tensor, group: dist.ProcessGroup | HostGroup | None) -> torch.Tensor:
     """The tensor-parallel step: the sum over the TP group of each rank's partial projection.
 
     Called after the attention output projection and after the MLP down projection. With no group (a
-    single-rank model) it returns its input untouched: no collective, no copy.
+    single-rank model) it returns its input untouched: no collective, no copy. A HostGroup (the CPU decode
+    TP group, engine.host_group) sums through shared memory.
     """
     if group is None:
         return partial
+    if isinstance(group, HostGroup):
+        return group.all_reduce_sum(partial)
     dist.all_reduce(partial, op=dist.ReduceOp.SUM, group=group)
     return partial
 
