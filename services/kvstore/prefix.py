@@ -21,6 +21,11 @@ from collections.abc import Sequence
 from pcpstack.kvstore.ranges import ByteRange, ByteRepeat
 
 _DOMAIN = b"pcpstack.prefix-block.v1"
+# Tokens per content-addressed block, whatever the engines' paged block size: a cached prefix then stops at
+# most 15 tokens short of where a prompt diverges, so a conversation's next turn recomputes its new tokens
+# and under 16 more (with the local stack's 128-token paged blocks as the unit, up to 127 more: turn 2 of
+# bench e2e --multi-turn computed 150 tokens instead of 86). Every prefill of a store must use the same.
+PREFIX_BLOCK_TOKENS = 16
 
 
 def prefix_block_keys(

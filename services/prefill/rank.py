@@ -69,7 +69,7 @@ from pcpstack.engine.sampling import (
 )
 from pcpstack.engine.weights import load_model
 from pcpstack.kvstore.client import KvStoreClient
-from pcpstack.kvstore.prefix import segment_range
+from pcpstack.kvstore.prefix import PREFIX_BLOCK_TOKENS, segment_range
 from pcpstack.kvstore.ranges import ByteRange
 from pcpstack.prefill.batch import BatchSplit, pack_jobs, prefill_batch, unpack_jobs
 from pcpstack.prefill.context_parallel import (
@@ -459,7 +459,7 @@ class RankWorker:
             # a replicated head pushes it only when the shard names this rank); only the tokens after a
             # cached prefix, which the store holds already.
             local = self.engine.export_sequence(job.kv_key)[:, :, cached:]
-            block_size = self.spec.block_size
+            block_size = PREFIX_BLOCK_TOKENS
             if shard.kv_head_end and local.shape[3] != shard.kv_head_end - shard.kv_head_start:
                 raise Internal(
                     f"rank {self.spec.global_rank} holds {local.shape[3]} K/V heads but its shard is heads "
@@ -467,7 +467,7 @@ class RankWorker:
                 )
             # One staging copy off the device in the cache's own dtype; uint8 bytes, since numpy has no bf16.
             staged = local.contiguous().cpu().reshape(-1)
-            # The cached prefix is whole blocks, so the replica's blocks are the prompt's from cached on.
+            # The cached prefix is whole prefix blocks: the replica's blocks are the prompt's from cached on.
             offered = job.block_keys[cached // block_size :] if cached % block_size == 0 else ()
             capability = self.pusher.push(
                 job.kvstore_address,

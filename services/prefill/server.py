@@ -30,7 +30,7 @@ from pcpstack.common.logs import request_id_var
 from pcpstack.common.telemetry import latency_histogram, meter, tracer
 from pcpstack.engine.prompt import check_prompt
 from pcpstack.kvstore.client import KvStoreClient
-from pcpstack.kvstore.prefix import prefix_block_keys, reusable_blocks
+from pcpstack.kvstore.prefix import PREFIX_BLOCK_TOKENS, prefix_block_keys, reusable_blocks
 from pcpstack.prefill.errors import PromptOverCapacity, StoreNotListed
 from pcpstack.prefill.job import CachedPrefix, PrefillJob, PrefillOutcome, PrefixRun, replica_shards
 from pcpstack.prefill.node import ModelInfo, RankSupervisor
@@ -113,7 +113,7 @@ class PrefillServicer(prefill_pb2_grpc.PrefillServiceServicer):
     ) -> CachedPrefix | None:
         """The prompt's leading blocks the store holds, under a prefix lease (None: a miss, or the store
         could not say: then the whole prompt is computed)."""
-        wanted = block_keys[: reusable_blocks(num_tokens, self.info.layout.block_size)]
+        wanted = block_keys[: reusable_blocks(num_tokens, PREFIX_BLOCK_TOKENS)]
         if not wanted:
             return None
         try:
@@ -207,9 +207,7 @@ class PrefillServicer(prefill_pb2_grpc.PrefillServiceServicer):
             block_keys: list[str] = []
             prefix = None
             if self.prefix_cache:
-                block_keys = prefix_block_keys(
-                    ids, info.layout.block_size, info.fingerprint, request.cache_salt
-                )
+                block_keys = prefix_block_keys(ids, PREFIX_BLOCK_TOKENS, info.fingerprint, request.cache_salt)
                 if not request.no_prefix_cache:
                     prefix = await self._looked_up(store, block_keys, len(ids), lease_ms)
             kv_key = replica_key(request.request_id, info.fingerprint)

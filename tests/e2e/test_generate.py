@@ -16,6 +16,7 @@ import pytest
 
 from pcpstack.decode.client import DecodeClient, build_request
 from pcpstack.kvstore.client import KvStoreClient
+from pcpstack.kvstore.prefix import PREFIX_BLOCK_TOKENS
 from tests.helpers import pinned_bytes
 
 PROMPTS = [
@@ -167,7 +168,7 @@ def test_second_chat_turn_reuses_the_first_turns_prefix_blocks_and_answers_as_a_
 ) -> None:
     stack = smollm_stack_pcp2
     lines = " ".join(f"Line {i}: the quick brown fox jumps over the lazy dog." for i in range(20))
-    system = {"role": "system", "content": lines}  # about 270 tokens: two full blocks of 128
+    system = {"role": "system", "content": lines}  # about 270 tokens: 16 full prefix blocks of 16
     turn_1 = [system, {"role": "user", "content": "Which animal jumps?"}]
     first = stack.run(_answer(stack.decode, turn_1, max_tokens=4, ignore_eos=True))
     hits_before = stack.run(_store_stat(stack)).prefix_blocks_hit
@@ -181,7 +182,7 @@ def test_second_chat_turn_reuses_the_first_turns_prefix_blocks_and_answers_as_a_
     ids_1, ids_2 = list(first.summary.prompt_token_ids), list(warm.summary.prompt_token_ids)
     common = next((i for i, (a, b) in enumerate(zip(ids_1, ids_2, strict=False)) if a != b), len(ids_1))
     # The second turn's prefill computed only what follows the first turn's full blocks.
-    assert warm.summary.cached_prompt_tokens == common // 128 * 128 >= 256
+    assert warm.summary.cached_prompt_tokens == common // PREFIX_BLOCK_TOKENS * PREFIX_BLOCK_TOKENS >= 256
     assert stack.run(_store_stat(stack)).prefix_blocks_hit > hits_before
     # Another salt shares no block: computed cold, and the answers are equal (and equal HF's).
     assert cold.summary.cached_prompt_tokens == 0

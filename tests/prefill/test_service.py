@@ -280,7 +280,8 @@ def test_a_prompt_extending_a_stored_one_computes_only_its_new_tokens_and_its_kv
     async def turns():
         client = PrefillClient(prefill_address(stack))
         try:
-            first = await client.prefill("turn-1", ids[:260], GREEDY, timeout=60)  # offers blocks 0 and 1
+            # Offers its 17 full prefix blocks of 16 tokens (272 tokens; the paged blocks are 128).
+            first = await client.prefill("turn-1", ids[:280], GREEDY, timeout=60)
             second = await client.prefill("turn-2", ids, GREEDY, timeout=60)
             salted = await client.prefill("turn-2-salted", ids, GREEDY, cache_salt="other", timeout=60)
         finally:
@@ -327,7 +328,7 @@ def test_a_prompt_extending_a_stored_one_computes_only_its_new_tokens_and_its_kv
 
     second, salted, whole = stack.run(turns())
     first_token, expected = single_rank(reference, ids)
-    assert (second.kv.cached_tokens, second.computed_tokens) == (256, 44)
+    assert (second.kv.cached_tokens, second.computed_tokens) == (272, 28)
     assert (salted.kv.cached_tokens, salted.computed_tokens) == (0, 300)  # another salt shares no block
     assert second.first_token_id == salted.first_token_id == first_token
     assert (whole - expected).abs().max().item() <= 1e-4
