@@ -35,7 +35,7 @@ SMOKE_ARGS: dict[str, list[str]] = {
         # Served PCP on the stack under load only (no PCP=1 stack), without the raw prefill reference
         # (bench prefill's own code, smoke-run there): served TTFT and its breakdown from real spans.
         *("--served-pcp", "2", "--served-tokens", "64", "--no-raw-prefill"),
-        # Two turns: the second reads the first's two full blocks of 128 from the store.
+        # Two turns: the second reads the first's 18 full prefix blocks of 16 (288 tokens) from the store.
         *("--multi-turn", "2", "--history-tokens", "300", "--turn-tokens", "8"),
     ],
 }
