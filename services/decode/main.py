@@ -198,7 +198,7 @@ async def start(config: DecodeConfig) -> Serving:
     batcher = Batcher(engine, max_batch=config.max_batch)
     fingerprint = engine.layout.fingerprint()
     resolver = Resolver(config.registry)
-    router = SetRouter(resolver.resolve, fingerprint)
+    router = SetRouter(resolver.resolve, fingerprint, host=config.advertised_host)
     settings = DecodeSettings(
         model_name=served_model_name(engine_config.model),
         kv_fingerprint=fingerprint,

@@ -177,7 +177,8 @@ class GeneratePipeline:
         self.batcher = batcher
         self.router = router
         self.settings = settings
-        self._limits = PromptLimits(engine.args.vocab_size, engine.args.max_seq_len)
+        args = engine.args
+        self._limits = PromptLimits(args.vocab_size, args.max_seq_len, args.sliding_window)
         self._prefill_clients: dict[str, PrefillClient] = {}
         self._kv_clients: dict[str, KvStoreClient] = {}
         # Releases of replicas whose caller left during prefill; kept so they are not garbage collected.
@@ -397,12 +398,14 @@ class GeneratePipeline:
     async def _prefill(
         self, request_id: str, ids: list[int], params: SamplingParams, deadline: float, cache_salt: str = ""
     ) -> prefill_pb2.PrefillResponse:
-        """Prefill on the least loaded ready set; one retry on another set if the first fails as a set.
+        """Prefill on the least loaded ready set, its replica pushed to the store the router picks (on this
+        worker's host if one is live); one retry on another set and store if the first fails as a set.
 
-        Only a failure of the set itself (UNAVAILABLE: a rank died, the set is unreachable) takes the set out
-        of routing; an error that belongs to this request fails it alone, with its own kind.
+        Only an UNAVAILABLE failure (a rank died, the set or its store is unreachable) takes the set and the
+        store out of routing; an error that belongs to this request fails it alone, with its own kind.
         """
         tried: set[str] = set()
+        tried_stores: set[str] = set()
         last_error = ""
         sampling = _sampling_wire(params)
         for _ in range(2):
@@ -410,21 +413,25 @@ class GeneratePipeline:
                 # The registry lookup: Resolve, or its cached answer while fresh or the registry is away.
                 with _tracer.start_as_current_span("decode.route") as span:
                     chosen = await self.router.choose(exclude=tried)
+                    store = await self.router.choose_store(exclude=tried_stores)
                     span.set_attribute("pcpstack.set_id", chosen.set_id)
+                    span.set_attribute("pcpstack.kvstore_address", store)
             except NoReadySet as exc:
                 raise Unavailable(f"{exc}{'; ' + last_error if last_error else ''}") from None
             tried.add(chosen.set_id)
+            tried_stores.add(store)
             remaining = deadline - time.monotonic()
             if remaining <= 0:
                 break
             try:
-                return await self._prefill_on(chosen, request_id, ids, sampling, remaining, cache_salt)
+                return await self._prefill_on(chosen, store, request_id, ids, sampling, remaining, cache_salt)
             except (grpc.aio.AioRpcError, ServiceError) as exc:
                 error = error_from_rpc(exc) if isinstance(exc, grpc.aio.AioRpcError) else exc
                 last_error = f"set {chosen.set_id} failed: {error.code}: {error}"
                 if not isinstance(error, Unavailable):
                     raise error_of_code(error.code, f"prefill on set {chosen.set_id}: {error}") from exc
-                self.router.forget(chosen.set_id)
+                # Which of the two failed is not told apart here; each comes back with a fresh answer.
+                self.router.forget(chosen.set_id, store)
         if last_error:
             raise Unavailable(last_error)
         # Out of time, not out of peers: a retry elsewhere with the same deadline would fail the same way.
@@ -433,24 +440,27 @@ class GeneratePipeline:
     async def _prefill_on(
         self,
         chosen: PrefillEndpoint,
+        store: str,
         request_id: str,
         ids: list[int],
         sampling: common_pb2.SamplingParams,
         remaining: float,
         cache_salt: str = "",
     ) -> prefill_pb2.PrefillResponse:
-        """One Prefill call; if the caller leaves first, the call runs on and its replica is released."""
+        """One Prefill call pushing to `store` ("": the set's default); if the caller leaves first, the call
+        runs on and its replica is released."""
         set_id, address = chosen.set_id, chosen.address
         client = self._prefill_clients.get(address)
         if client is None:
             client = self._prefill_clients[address] = PrefillClient(address)
-        self.router.started(set_id)
+        self.router.started(set_id, store)
         self._prefilling += 1
         call = asyncio.ensure_future(
             client.prefill(
                 request_id,
                 ids,
                 sampling,
+                kvstore_address=store,
                 kv_lease_ms=self.settings.kv_lease_ms,
                 expected_fingerprint=self.settings.kv_fingerprint,
                 no_prefix_cache=self.engine.dcp_size > 1,
@@ -458,7 +468,7 @@ class GeneratePipeline:
                 timeout=min(remaining, self.settings.prefill_timeout_s),
             )
         )
-        call.add_done_callback(lambda _: self._prefill_done(set_id))
+        call.add_done_callback(lambda _: self._prefill_done(set_id, store))
         try:
             return await asyncio.shield(call)
         except asyncio.CancelledError:
@@ -466,9 +476,9 @@ class GeneratePipeline:
             call.add_done_callback(self._release_abandoned)
             raise
 
-    def _prefill_done(self, set_id: str) -> None:
+    def _prefill_done(self, set_id: str, store: str) -> None:
         self._prefilling -= 1
-        self.router.finished(set_id)
+        self.router.finished(set_id, store)
 
     def _release_abandoned(self, call: asyncio.Future) -> None:
         if call.cancelled() or call.exception() is not None:

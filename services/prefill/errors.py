@@ -23,6 +23,11 @@ class StoreNotListed(PermissionDenied):
     """A request named a KV store the registry does not list; ranks push only to listed stores."""
 
 
+class StoreGone(Unavailable):
+    """A request named a KV store the registry listed before but no longer does (it died or left): the
+    caller should pick another store."""
+
+
 class PromptOverCapacity(ResourceExhausted):
     """A prompt longer than the K/V a rank's cache holds (--kv-cache-tokens): every PCP rank keeps the
     whole prompt's K/V, so no set of this configuration can take it."""

@@ -161,9 +161,10 @@ class PrefillNode:
         self.resolver = None
         self.running = None
 
-    async def kv_stores(self) -> list[str]:
-        """The stores ranks may push to: --kvstore, then those the registry lists (cached when it is down)."""
-        resolved = await self.resolver.resolve()
+    async def kv_stores(self, fresh: bool = False) -> list[str]:
+        """The stores ranks may push to: --kvstore, then those the registry lists (cached when it is down;
+        fresh: asked now rather than the answer cached for the resolver's ttl)."""
+        resolved = await self.resolver.resolve(fresh=fresh)
         listed = [store.address for store in resolved.kvstore]
         return [self.config.kvstore, *listed] if self.config.kvstore else listed
 

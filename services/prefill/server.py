@@ -31,7 +31,7 @@ from pcpstack.common.telemetry import latency_histogram, meter, tracer
 from pcpstack.engine.prompt import check_prompt
 from pcpstack.kvstore.client import KvStoreClient
 from pcpstack.kvstore.prefix import PREFIX_BLOCK_TOKENS, prefix_block_keys, reusable_blocks
-from pcpstack.prefill.errors import PromptOverCapacity, StoreNotListed
+from pcpstack.prefill.errors import PromptOverCapacity, StoreGone, StoreNotListed
 from pcpstack.prefill.job import CachedPrefix, PrefillJob, PrefillOutcome, PrefixRun, replica_shards
 from pcpstack.prefill.node import ModelInfo, RankSupervisor
 from pcpstack.prefill.replica import replica_key
@@ -55,14 +55,15 @@ class PrefillServicer(prefill_pb2_grpc.PrefillServiceServicer):
         self,
         supervisor: RankSupervisor,
         info: ModelInfo,
-        kv_stores: Callable[[], Awaitable[list[str]]],
+        kv_stores: Callable[[bool], Awaitable[list[str]]],
         lease_ms: int = 0,
         tp_size: int = 1,
         kv_cache_tokens: int = 0,
         prefix_cache: bool = True,
     ) -> None:
-        """kv_stores: the addresses ranks may push to (the configured store, then those the registry
-        lists); the first is the default. tp_size: the TP size of the sets this node runs.
+        """kv_stores(fresh): the addresses ranks may push to (the configured store, then those the registry
+        lists; fresh: asked of the registry now, not its cached answer); the first is the default.
+        tp_size: the TP size of the sets this node runs.
         kv_cache_tokens: the K/V each rank's cache holds, the longest prompt a set takes (0: no limit
         beyond the model's context). prefix_cache: reuse prompt prefixes the store holds and offer new
         blocks (--no-prefix-cache turns it off)."""
@@ -81,12 +82,22 @@ class PrefillServicer(prefill_pb2_grpc.PrefillServiceServicer):
             description="prefill jobs queued or running on this set",
         )
         self._kv_stores = kv_stores
+        self._stores_seen: set[str] = set()  # every store ever listed, to tell a gone store from a stranger
         self._lease_ms = lease_ms
 
     async def _store_for(self, requested: str) -> str:
-        """The store to push to: the requested one if it is listed, else the default."""
-        stores = await self._kv_stores()
+        """The store to push to: the requested one if it is listed, else the default. A requested store that
+        was listed before is UNAVAILABLE (gone), one never listed PERMISSION_DENIED."""
+        stores = await self._kv_stores(False)
         if requested and requested not in stores:
+            stores = await self._kv_stores(True)  # the caller's answer may be newer: a store that just joined
+        self._stores_seen.update(stores)
+        if requested and requested not in stores:
+            if requested in self._stores_seen:
+                raise StoreGone(
+                    f"kvstore_address={requested!r} is no longer listed by the registry (it died or left); "
+                    "pick another store"
+                )
             raise StoreNotListed(
                 f"kvstore_address={requested!r} is not a KV store the registry lists ({', '.join(stores)}); "
                 "ranks push only to listed stores"

@@ -129,12 +129,12 @@ def command_to_proto(command: Command) -> registry_pb2.SessionResponse:
 
 def _service_to_proto(e: ServiceEndpoint) -> registry_pb2.ServiceEndpoint:
     return registry_pb2.ServiceEndpoint(
-        node_id=e.node_id, address=e.address, load=e.load, kv_fingerprint=e.kv_fingerprint
+        node_id=e.node_id, address=e.address, load=e.load, kv_fingerprint=e.kv_fingerprint, host=e.host
     )
 
 
 def _service_from_proto(e: registry_pb2.ServiceEndpoint) -> ServiceEndpoint:
-    return ServiceEndpoint(e.node_id, e.address, e.load, e.kv_fingerprint)
+    return ServiceEndpoint(e.node_id, e.address, e.load, e.kv_fingerprint, e.host)
 
 
 def resolution_to_proto(found: Resolution, warming: bool) -> registry_pb2.ResolveResponse:

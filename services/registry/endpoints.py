@@ -21,12 +21,17 @@ class PrefillEndpoint:
 
 @dataclass(frozen=True)
 class ServiceEndpoint:
-    """A routable decode worker or KV store."""
+    """A routable decode worker or KV store.
+
+    host is the host part of the node's advertised address: a decode worker and a KV store with the same
+    host are taken to share memory (the store's same-host path), so decode sends a request's replica there.
+    """
 
     node_id: str
     address: str
     load: int
     kv_fingerprint: str
+    host: str = ""
 
 
 @dataclass(frozen=True)

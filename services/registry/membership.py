@@ -95,6 +95,15 @@ class Registration:
         return self.engine_config.model if self.engine_config else ""
 
     @property
+    def host(self) -> str:
+        """The host the node runs on, as routers compare it: the host of `address` ("" when address is not
+        host:port). A decode worker and a KV store on one host share memory."""
+        try:
+            return split_host_port(self.address)[0]
+        except ValueError:
+            return ""
+
+    @property
     def master_host(self) -> str:
         """Host other members dial for torch.distributed when this node is a set's master."""
         return self.dist_host or split_host_port(self.address)[0]
@@ -465,7 +474,7 @@ class Membership:
             if reg.role == "decode" and model and reg.model != model:
                 continue
             endpoints[reg.role].append(
-                ServiceEndpoint(reg.node_id, reg.address, node.load, reg.kv_fingerprint)
+                ServiceEndpoint(reg.node_id, reg.address, node.load, reg.kv_fingerprint, reg.host)
             )
         for found in endpoints.values():
             found.sort(key=lambda e: (e.load, e.node_id))

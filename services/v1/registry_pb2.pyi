@@ -644,6 +644,7 @@ class ServiceEndpoint(_message.Message):
     ADDRESS_FIELD_NUMBER: _builtins.int
     LOAD_FIELD_NUMBER: _builtins.int
     KV_FINGERPRINT_FIELD_NUMBER: _builtins.int
+    HOST_FIELD_NUMBER: _builtins.int
     node_id: _builtins.str
     """The node."""
     address: _builtins.str
@@ -652,6 +653,11 @@ class ServiceEndpoint(_message.Message):
     """Last reported load."""
     kv_fingerprint: _builtins.str
     """Fingerprint of the model and KV layout (empty for a KV store)."""
+    host: _builtins.str
+    """Host the node runs on: the host part of its advertised address. A decode worker and a KV store with
+    the same host are taken to share memory, so decode routes a request's replica to the store on its own
+    host when there is one (one host per network namespace in the cross-host tests).
+    """
     def __init__(
         self,
         *,
@@ -659,10 +665,11 @@ class ServiceEndpoint(_message.Message):
         address: _builtins.str = ...,
         load: _builtins.int = ...,
         kv_fingerprint: _builtins.str = ...,
+        host: _builtins.str = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["address", b"address", "kv_fingerprint", b"kv_fingerprint", "load", b"load", "node_id", b"node_id"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["address", b"address", "host", b"host", "kv_fingerprint", b"kv_fingerprint", "load", b"load", "node_id", b"node_id"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
