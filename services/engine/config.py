@@ -27,6 +27,10 @@ class ModelArgs:
     eos_token_ids: tuple[int, ...] = field(default_factory=tuple)
     # How the checkpoint scales its RoPE frequencies for long contexts; None: it does not.
     rope_scaling: "RopeScaling | None" = None
+    # The checkpoint's sliding attention window (Mistral), if it applies. Attention past a window is not
+    # implemented: max_seq_len is capped at it (attention equals full attention while the context fits),
+    # and a longer prompt is refused naming the window.
+    sliding_window: int | None = None
 
     def __post_init__(self) -> None:
         for name in ("vocab_size", "dim", "n_layers", "n_heads", "n_kv_heads", "head_dim", "hidden_dim"):

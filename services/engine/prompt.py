@@ -18,10 +18,21 @@ from pcpstack.engine.sampling import SamplingParams, sampling_from_wire
 
 @dataclass(frozen=True)
 class PromptLimits:
-    """What a model accepts: ids below `vocab_size`, at most `max_seq_len` tokens in prompt plus answer."""
+    """What a model accepts: ids below `vocab_size`, at most `max_seq_len` tokens in prompt plus answer
+    (`sliding_window`: the context is capped at the model's attention window)."""
 
     vocab_size: int
     max_seq_len: int
+    sliding_window: int | None = None
+
+    def context(self) -> str:
+        """The context limit as the refusals name it."""
+        if self.sliding_window is not None and self.sliding_window <= self.max_seq_len:
+            return (
+                f"the model context of {self.max_seq_len} tokens (its sliding attention window: attention "
+                "past the window is not implemented, so longer contexts are refused)"
+            )
+        return f"the model context of {self.max_seq_len} tokens"
 
 
 def check_token_ids(
@@ -38,13 +49,10 @@ def check_token_ids(
             f"{field}[{bad}]={ids[bad]} is not below the vocabulary size {limits.vocab_size}"
         )
     if len(ids) > limits.max_seq_len:
-        raise InvalidArgument(
-            f"{field}: {len(ids)} tokens exceed the model context of {limits.max_seq_len} tokens"
-        )
+        raise InvalidArgument(f"{field}: {len(ids)} tokens exceed {limits.context()}")
     if len(ids) + max_tokens > limits.max_seq_len:
         raise InvalidArgument(
-            f"sampling.max_tokens={max_tokens} with {len(ids)} prompt tokens exceeds the model context of "
-            f"{limits.max_seq_len} tokens"
+            f"sampling.max_tokens={max_tokens} with {len(ids)} prompt tokens exceeds {limits.context()}"
         )
     return ids
 

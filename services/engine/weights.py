@@ -405,6 +405,7 @@ def _hf_args(config: dict[str, Any]) -> ModelArgs:
         rope_theta=rope.get("rope_theta", config.get("rope_theta", 10000.0)),
         rope_scaling=rope_scaling,
         max_seq_len=max_seq_len,
+        sliding_window=window,
         tie_embeddings=bool(config.get("tie_word_embeddings", False)),
         attention_bias=family.attention_bias(config),
         bos_token_id=config.get("bos_token_id"),

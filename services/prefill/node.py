@@ -52,7 +52,7 @@ class ModelInfo:
     @property
     def limits(self) -> PromptLimits:
         """What a prompt for this model may hold."""
-        return PromptLimits(self.vocab_size, self.max_seq_len)
+        return PromptLimits(self.vocab_size, self.max_seq_len, self.args.sliding_window)
 
     @classmethod
     def probe(cls, model: str | None, block_size: int, device: str = "") -> ModelInfo:

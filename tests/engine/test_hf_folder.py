@@ -4,7 +4,9 @@ configs, checked against transformers on small random models; tokenizer.json and
 import pytest
 import torch
 
+from pcpstack.common.errors import InvalidArgument
 from pcpstack.engine.engine import Engine
+from pcpstack.engine.prompt import PromptLimits, check_token_ids
 from pcpstack.engine.tokenizer import Tokenizer
 from pcpstack.engine.weights import load_model
 from tests.engine.conftest import engine_logits, hf_logits
@@ -92,3 +94,20 @@ def test_tokenizer_json_folder_encodes_like_transformers(tmp_path, hf_tokenizer)
     assert ours.apply_chat_template(messages) == hf_tokenizer.apply_chat_template(
         messages, tokenize=False, add_generation_prompt=True
     )
+
+
+def test_mistral_sliding_window_caps_the_context_and_a_longer_prompt_is_refused_naming_it(tmp_path):
+    # Attention past the window is not implemented (issue #23 allows refusing instead): the context is capped
+    # at the window, within which sliding-window attention equals full attention.
+    config = transformers.MistralConfig(**SMALL, tie_word_embeddings=False, sliding_window=64)
+    transformers.AutoModelForCausalLM.from_config(config).save_pretrained(tmp_path)
+    args = load_model(tmp_path, device="cpu").args
+    assert (args.sliding_window, args.max_seq_len) == (64, 64)
+    limits = PromptLimits(args.vocab_size, args.max_seq_len, args.sliding_window)
+    assert len(check_token_ids(list(range(60)), limits, max_tokens=4)) == 60
+    with pytest.raises(
+        InvalidArgument, match="exceed the model context of 64 tokens \\(its sliding attention"
+    ):
+        check_token_ids(list(range(65)), limits)
+    with pytest.raises(InvalidArgument, match=r"sampling\.max_tokens=8 .* sliding attention window"):
+        check_token_ids(list(range(60)), limits, max_tokens=8)
