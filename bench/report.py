@@ -1039,6 +1039,25 @@ def _peers_section(results: dict) -> list[str]:
     return lines
 
 
+def _families_section() -> list[str]:
+    """The model families the engine serves (engine/families.py) and what the tests verify of each."""
+    from pcpstack.engine.families import FAMILIES
+
+    rows = [
+        [
+            f.name,
+            f"`{f.hf_model_type}`",
+            ", ".join(f"`{a}`" for a in f.gguf_architectures) or "none",
+            "yes" if f.qkv_bias else "if the config says so",
+            "caps the context" if f.sliding_window_by_default else "if use_sliding_window (caps the context)",
+            f.verified,
+        ]
+        for f in FAMILIES
+    ]
+    header = ["family", "config model_type", "GGUF architecture", "q/k/v biases", "sliding window"]
+    return ["## Model families", "", *_table([*header, "verified against transformers"], rows), ""]
+
+
 def render(results: dict, folder: Path, plots: dict[str, Path], report: Path, notes: str | None) -> str:
     """The whole BENCHMARKS.md text."""
     lines = [
@@ -1058,6 +1077,7 @@ def render(results: dict, folder: Path, plots: dict[str, Path], report: Path, no
         *_e2e_section(results, plots, report),
         *_registry_section(results),
         *_peers_section(results),
+        *_families_section(),
     ]
     if notes:
         lines += ["## What limits the missed targets", "", notes.strip(), ""]

@@ -27,6 +27,8 @@ class Family:
     # The config's sliding_window applies unless `use_sliding_window` says otherwise (Mistral); other
     # families apply it only when use_sliding_window is true.
     sliding_window_by_default: bool = False
+    # What the tests check of this family against transformers (BENCHMARKS.md's families table shows it).
+    verified: str = ""
 
     def attention_bias(self, config: dict[str, Any]) -> bool:
         """Whether the q/k/v projections have biases in this checkpoint."""
@@ -41,9 +43,32 @@ class Family:
 
 
 FAMILIES = (
-    Family("Llama 1-3.x, SmolLM2", hf_model_type="llama", gguf_architectures=("llama",)),
-    Family("Qwen2, Qwen2.5", hf_model_type="qwen2", gguf_architectures=("qwen2",), qkv_bias=True),
-    Family("Mistral", hf_model_type="mistral", gguf_architectures=(), sliding_window_by_default=True),
+    Family(
+        "Llama 1-3.x, SmolLM2",
+        hf_model_type="llama",
+        gguf_architectures=("llama",),
+        verified=(
+            "SmolLM2-135M GGUF (Q4_1): logits and greedy tokens through PCP=1/2/3, TP=3 x PCP=2 and decode "
+            "TP=9 x DCP=3; random HF folders: logits, and RoPE scaling llama3 / linear / yarn (1e-5)"
+        ),
+    ),
+    Family(
+        "Qwen2, Qwen2.5",
+        hf_model_type="qwen2",
+        gguf_architectures=("qwen2",),
+        qkv_bias=True,
+        verified="random HF folder with q/k/v biases: logits (1e-5)",
+    ),
+    Family(
+        "Mistral",
+        hf_model_type="mistral",
+        gguf_architectures=(),
+        sliding_window_by_default=True,
+        verified=(
+            "random HF folder: logits (1e-5); a sliding window caps the context, longer prompts are refused "
+            "naming it (the window itself is not implemented)"
+        ),
+    ),
 )
 
 
