@@ -69,10 +69,43 @@ def test_kernels_built_for_avx2_only_cpus_equal_the_dense_matmul(gguf_tensors, f
         if name == "token_embd.weight":  # the whole vocabulary is slow to compare densely
             dense = dense[:4096]
             blocks = quant.BlockWeight(blocks.kind, blocks.qs[:4096], blocks.scale[:4096], None)
-        for rows in (1, 3, 4, 7, 16):
+        for rows in (1, 2, 3, 4, 7, 16):
             x = torch.randn(rows, dense.shape[1], generator=torch.Generator().manual_seed(rows))
             out = cpu_kernels.block_matmul(lib, blocks.kind, x, blocks.qs, blocks.scale, blocks.minimum)
             torch.testing.assert_close(out, x @ dense.T, atol=1e-4, rtol=1e-5)
+
+
+def _dequantized(blocks: quant.BlockWeight) -> torch.Tensor:
+    """The [rows, cols] fp32 weight the blocks encode (scale * q is exact; adding min rounds once)."""
+    if blocks.kind == "q8_0":
+        values = blocks.qs.float() * blocks.scale[..., None]
+    else:
+        nibbles = torch.cat((blocks.qs & 0x0F, blocks.qs >> 4), dim=-1).float()
+        values = nibbles * blocks.scale[..., None] + blocks.minimum[..., None]
+    return values.reshape(blocks.qs.shape[0], -1)
+
+
+@pytest.mark.parametrize("kind", ["q4_1", "q8_0"])
+def test_block_matmul_of_one_hot_rows_returns_every_dequantized_weight_bit_for_bit(kind):
+    """Every tile shape (the wide one of batch 1 and 2, the rows left after it, batch 3's) reads each block
+    with its own scale and min and looks up each nibble exactly: one-hot inputs give the weights back."""
+    generator = torch.Generator().manual_seed(7)
+    cols = 64
+    for weight_rows in (1, 7):
+        width = 16 if kind == "q4_1" else 32
+        qs = torch.randint(0, 256, (weight_rows, cols // 32, width), generator=generator)
+        qs = qs.to(torch.uint8) if kind == "q4_1" else (qs - 128).to(torch.int8)
+        # fp16 values, as a GGUF file stores them (so that scale * q is exact in fp32).
+        scale = torch.rand(weight_rows, cols // 32, generator=generator).half().float()
+        minimum = -torch.rand(weight_rows, cols // 32, generator=generator).half().float()
+        minimum = minimum if kind == "q4_1" else None
+        blocks = quant.BlockWeight(kind, qs, scale, minimum)
+        expected = _dequantized(blocks)
+        for batch in (1, 2, 3):
+            eye = torch.eye(cols)
+            for first in range(0, cols, batch):
+                x = eye[first : first + batch]
+                assert torch.equal(blocks.matmul(x), expected[:, first : first + x.shape[0]].T)
 
 
 def test_kernels_slower_than_plain_pytorch_are_not_used(fresh_kernels, monkeypatch, caplog):
