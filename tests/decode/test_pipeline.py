@@ -130,8 +130,8 @@ class CancelsAsTheSetAnswers(SetRouter):
 
     victim: asyncio.Task | None = None
 
-    def finished(self, set_id: str) -> None:
-        super().finished(set_id)
+    def finished(self, *targets: str) -> None:
+        super().finished(*targets)
         if self.victim is not None:
             self.victim.cancel()
 
