@@ -49,7 +49,8 @@ FAMILIES = (
         gguf_architectures=("llama",),
         verified=(
             "SmolLM2-135M GGUF (Q4_1): logits and greedy tokens through PCP=1/2/3, TP=3 x PCP=2 and decode "
-            "TP=9 x DCP=3; random HF folders: logits, and RoPE scaling llama3 / linear / yarn (1e-5)"
+            "TP=9 x DCP=3; random HF folders: logits, and RoPE scaling llama3 / linear / yarn (1e-5); the "
+            "same converted to GGUF (plain and llama3 RoPE): logits (1e-4), 16 greedy tokens"
         ),
     ),
     Family(
@@ -57,7 +58,10 @@ FAMILIES = (
         hf_model_type="qwen2",
         gguf_architectures=("qwen2",),
         qkv_bias=True,
-        verified="random HF folder with q/k/v biases: logits (1e-5)",
+        verified=(
+            "random HF folder with q/k/v biases: logits (1e-5); converted to GGUF: logits (1e-4), 16 greedy "
+            "tokens"
+        ),
     ),
     Family(
         "Mistral",
