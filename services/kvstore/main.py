@@ -139,6 +139,7 @@ async def start(config: KvStoreConfig) -> Serving:
             node_id=config.node_id or f"{socket.gethostname()}-kvstore-{port}",
             role="kvstore",
             advertised_address=f"{config.advertise or config.host}:{port}",
+            load=server.servicer.store.load_percent,
         )
         await registry.start()
 

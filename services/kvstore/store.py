@@ -518,6 +518,13 @@ class KvStore:
         snapshot.prefix_leases = len(self._leases)
         return snapshot
 
+    def load_percent(self) -> int:
+        """The store's load as it reports it to the registry: the share of its capacity (0-100, rounded up)
+        held by pinned objects and puts in progress, which no eviction can free. Routers send a replica to
+        the least loaded store when none is on the decode worker's host."""
+        held = self._stats.pinned_bytes + self._stats.reserved_bytes
+        return min(100, -(-100 * held // max(self.config.capacity_bytes, 1)))
+
     def clear(self) -> None:
         """Deletes every object and prefix lease (at shutdown); reads in progress still finish first."""
         for lease in list(self._leases.values()):

@@ -227,3 +227,14 @@ def test_lease_above_the_cap_is_refused_naming_the_cap():
 def test_default_lease_above_the_cap_is_a_config_error():
     with pytest.raises(ValueError, match="default_lease_ms"):
         StoreConfig(100, default_lease_ms=10_000, max_lease_ms=5000)
+
+
+def test_load_is_the_share_of_capacity_no_eviction_can_free():
+    store, _ = make_store(capacity=1000)
+    put(store, "pinned", 300)
+    store.begin_put("in-progress", "fp", 101, 0, b"")
+    released = put(store, "released", 200)
+    store.release("released", released)  # cached, evictable: not load
+    assert store.load_percent() == 41  # 401 of 1000, rounded up
+    store.release("pinned", cap(store, "pinned"))
+    assert store.load_percent() == 11
