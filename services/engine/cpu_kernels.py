@@ -205,12 +205,17 @@ def _verdict(lib: ctypes.CDLL) -> dict:
     except (OSError, ValueError):
         pass
     kernel_us, dense_us = measure_against_dense(lib)
+    if dense_us < kernel_us * min_speedup:
+        # A loss is kept for good: only one that a second measurement confirms (a moment of contention on
+        # a shared machine once slowed both sides alike, 547 against 529 us, and switched the kernels off).
+        again = measure_against_dense(lib)
+        kernel_us, dense_us = min(kernel_us, again[0]), min(dense_us, again[1])
     verdict = {
         "use": dense_us >= kernel_us * min_speedup,
         "kernel_us": kernel_us,
         "dense_us": dense_us,
         "min_speedup": min_speedup,
-        "threads": torch.get_num_threads(),
+        "threads": 1,
     }
     log.info("CPU kernels: block matmul %.0f us against dense fp32 %.0f us", kernel_us, dense_us)
     try:
@@ -228,8 +233,10 @@ def measure_against_dense(
     """(kernel, dense) microseconds of one decode-shaped matmul, 1 x k by n x k, as a decode step meets it:
     cycling through enough weight matrices (`dense_bytes` of fp32) that they stream from memory rather than
     sit in the CPU's cache, as a model's weights do. Each call is timed on its own and the fastest counts, so
-    a process preempted mid-run (a busy shared machine) does not decide the verdict. Q4_1 is the slower of the
-    block kinds and the one the default model mostly uses."""
+    a process preempted mid-run (a busy shared machine) does not decide the verdict; both run on one thread,
+    since a call on two waits for whichever thread the machine delays (the kernels' per-byte speed is what is
+    compared, and it holds at every thread count). Q4_1 is the slower of the block kinds and the one the
+    default model mostly uses."""
     generator = torch.Generator().manual_seed(0)
     count = max(1, dense_bytes // (n * k * 4))
     blocks = [
@@ -243,14 +250,19 @@ def measure_against_dense(
     dense = [torch.rand(n, k, generator=generator) for _ in range(count)]
     x = torch.rand(1, k, generator=generator)
     best_kernel = best_dense = float("inf")
-    for _ in range(repeats):
-        for (qs, scale, minimum), weight in zip(blocks, dense, strict=True):
-            started = time.perf_counter()
-            block_matmul(lib, "q4_1", x, qs, scale, minimum)
-            best_kernel = min(best_kernel, time.perf_counter() - started)
-            started = time.perf_counter()
-            torch.matmul(x, weight.T)
-            best_dense = min(best_dense, time.perf_counter() - started)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        for _ in range(repeats):
+            for (qs, scale, minimum), weight in zip(blocks, dense, strict=True):
+                started = time.perf_counter()
+                block_matmul(lib, "q4_1", x, qs, scale, minimum)
+                best_kernel = min(best_kernel, time.perf_counter() - started)
+                started = time.perf_counter()
+                torch.matmul(x, weight.T)
+                best_dense = min(best_dense, time.perf_counter() - started)
+    finally:
+        torch.set_num_threads(threads)
     return best_kernel * 1e6, best_dense * 1e6
 
 
