@@ -18,6 +18,7 @@
 #include <immintrin.h>
 #endif
 #include <math.h>
+#include <omp.h>
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
@@ -343,9 +344,9 @@ typedef struct {
     int64_t dim, heads, kv_heads, head_dim, hidden;
 } decode_layer_weights;
 
-/* y = weight * (x * rsqrt(mean(x^2) + eps)) for the rows this thread gets, as model.RMSNorm computes it. */
+/* y = weight * (x * rsqrt(mean(x^2) + eps)) for all m rows, as model.RMSNorm computes it. Every thread of
+ * decode_layer computes it whole into its own buffer: a few rows cost less than a barrier waiting for them. */
 static void rms_norm_rows(const float *x, int64_t m, int64_t dim, const float *weight, float eps, float *y) {
-#pragma omp for schedule(static)
     for (int64_t r = 0; r < m; r++) {
         const float *xr = x + r * dim;
         float squares = 0.0f;
@@ -383,13 +384,18 @@ int decode_layer(const decode_layer_weights *lw, const float *x, int64_t m, floa
     if (check_tables(m, num_blocks, block_size, block_tables, width, context_lens) != 0) return -1;
     for (int64_t r = 0; r < m; r++)
         if (slots[r] < 0 || slots[r] >= num_blocks * block_size) return -1;
-    /* Scratch: normed input, qkv, attention output, a projection's output, gate/up, SiLU(gate) * up. */
-    float *scratch = malloc(sizeof(float) * (size_t)(m * (2 * dim + qkv_dim + q_dim + 3 * hidden)));
+    /* Shared scratch: qkv, attention output, the attention and FFN projections' outputs, gate/up. Each thread's
+     * own: the normed input, the residual and SiLU(gate) * up, which every thread computes whole (they are a
+     * few rows, and so no barrier waits for them: each `omp for` here ends in one, the matmuls' included). */
+    const int64_t own = m * (2 * dim + hidden), shared = m * (qkv_dim + q_dim + 2 * dim + 2 * hidden);
+    float *scratch = malloc(sizeof(float) * (size_t)(shared + threads * own));
     if (!scratch) return -2;
-    float *normed = scratch, *qkv = normed + m * dim, *att = qkv + m * qkv_dim, *proj = att + m * q_dim;
-    float *gate_up = proj + m * dim, *act = gate_up + m * 2 * hidden;
+    float *qkv = scratch, *att = qkv + m * qkv_dim, *proj = att + m * q_dim, *ffn_out = proj + m * dim;
+    float *gate_up = ffn_out + m * dim, *owned = gate_up + m * 2 * hidden;
 #pragma omp parallel num_threads(threads)
     {
+        float *normed = owned + omp_get_thread_num() * own, *residual = normed + m * dim;
+        float *act = residual + m * dim;
         rms_norm_rows(x, m, dim, lw->attn_norm, eps, normed);
         matmul_rows(&lw->qkv, normed, m, qkv);
 #pragma omp for schedule(static)
@@ -402,20 +408,22 @@ int decode_layer(const decode_layer_weights *lw, const float *x, int64_t m, floa
         attend_tasks(qkv, qkv_dim, m, heads, kv_heads, hd, k_cache, v_cache, block_size, block_tables, width,
                      context_lens, scale, att, threads);
         matmul_rows(&lw->wo, att, m, proj);
-#pragma omp for schedule(static)
+        /* The residual: this thread's share of `out` (the same share as the last loop's, both static over
+         * the same range, so no other thread touches it in between), and the whole of it for its own norm. */
+#pragma omp for schedule(static) nowait
         for (int64_t i = 0; i < m * dim; i++) out[i] = x[i] + proj[i];
-        rms_norm_rows(out, m, dim, lw->ffn_norm, eps, normed);
+        for (int64_t i = 0; i < m * dim; i++) residual[i] = x[i] + proj[i];
+        rms_norm_rows(residual, m, dim, lw->ffn_norm, eps, normed);
         matmul_rows(&lw->w13, normed, m, gate_up);
-#pragma omp for schedule(static)
         for (int64_t r = 0; r < m; r++) {
             const float *gate = gate_up + r * 2 * hidden, *up = gate + hidden;
             float *a = act + r * hidden;
 #pragma omp simd
             for (int64_t i = 0; i < hidden; i++) a[i] = gate[i] / (1.0f + expf(-gate[i])) * up[i];
         }
-        matmul_rows(&lw->w2, act, m, proj);
+        matmul_rows(&lw->w2, act, m, ffn_out);
 #pragma omp for schedule(static)
-        for (int64_t i = 0; i < m * dim; i++) out[i] += proj[i];
+        for (int64_t i = 0; i < m * dim; i++) out[i] += ffn_out[i];
     }
     free(scratch);
     return 0;
