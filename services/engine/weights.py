@@ -24,7 +24,7 @@ from pcpstack.engine import cpu_kernels
 from pcpstack.engine.config import ModelArgs
 from pcpstack.engine.device import default_dtype, pick_device
 from pcpstack.engine.families import family_of_config, family_of_gguf
-from pcpstack.engine.gguf_file import GgufFile, read_gguf
+from pcpstack.engine.gguf_file import GgufFile, GgufTensor, read_gguf
 from pcpstack.engine.model import Transformer
 from pcpstack.engine.parallel import SINGLE_RANK, TensorParallelShard
 from pcpstack.engine.quant import BlockWeight, from_gguf
@@ -101,6 +101,9 @@ def load_model(
         tokenizer = Tokenizer.byte_level(args.vocab_size, ["<|endoftext|>", "<|im_start|>", "<|im_end|>"])
     elif path.is_dir():
         args, state, tokenizer = _read_hf_folder(path)
+    elif shard.size > 1:
+        # Only this rank's rows and columns are dequantized: a TP rank holds ~1/T of each layer.
+        args, state, tokenizer = _read_gguf_shard(path, unpermute_gguf_qk, shard)
     else:
         args, state, tokenizer, blocks = _read_gguf(path, unpermute_gguf_qk)
     model_id = _model_id(path, args)
@@ -109,7 +112,9 @@ def load_model(
         if shard.group is None:
             raise ValueError(f"tensor_parallel_size={shard.size}: a TP shard needs its TP process group")
         local_args, tp_group = shard.local_args(args), shard.group
-        state, blocks = shard_state(state, args, shard), {}
+        if path == TINY or path.is_dir():
+            state = shard_state(state, args, shard)
+        blocks = {}
     model = _build(local_args, state, blocks, device, dtype, tp_group)
     log.info("model %s loaded in %.1f s", name, time.monotonic() - started, extra=PROGRESS)
     return LoadedModel(model, local_args, tokenizer, model_id, device, dtype, args, shard)
@@ -356,6 +361,68 @@ def _read_gguf(
         state[f"layers.{i}.attention_norm.weight"] = blk("attn_norm.weight")
         state[f"layers.{i}.ffn_norm.weight"] = blk("ffn_norm.weight")
     return args, state, tokenizer, {name: b for name, b in blocks.items() if b is not None}
+
+
+def _dequantized(tensor: GgufTensor, rows: slice | None = None, columns: slice | None = None) -> torch.Tensor:
+    """A GGUF tensor in fp32, or rows / columns of it. Rows are cut from the stored (possibly quantized) rows
+    before dequantizing; so are columns that fall on quantization-block edges, others are cut after."""
+    import gguf
+
+    data = tensor.data if rows is None else tensor.data[rows]
+    block, type_size = gguf.GGML_QUANT_SIZES[tensor.tensor_type]
+    if columns is not None and columns.start % block == 0 and columns.stop % block == 0:
+        # Plain types are stored as typed elements, quantized ones as bytes (type_size per block).
+        if block == 1:
+            data = data[:, columns]
+        else:
+            data = data[:, columns.start // block * type_size : columns.stop // block * type_size]
+        columns = None
+    dense = torch.from_numpy(np.array(gguf.quants.dequantize(data, tensor.tensor_type), dtype=np.float32))
+    return dense if columns is None else dense[:, columns].contiguous()
+
+
+def _read_gguf_shard(
+    path: Path, unpermute: bool, shard: TensorParallelShard
+) -> tuple[ModelArgs, dict[str, torch.Tensor], Tokenizer]:
+    """One TP rank's fused state read straight from a GGUF file: what `shard_state` would cut from the whole
+    model, with only the rank's rows and columns dequantized (embedding, norms and LM head whole)."""
+    reader = read_gguf(path)
+    args, meta, tokenizer = _gguf_args(path, reader)
+    shard.check(args)
+    by_name = {t.name: t for t in reader.tensors}
+    hd = args.head_dim
+    heads, kv_heads, hidden = shard.head_range(args), shard.kv_head_range(args), shard.hidden_range(args)
+    q_rows = slice(heads.start * hd, heads.stop * hd)
+    kv_rows = slice(kv_heads.start * hd, kv_heads.stop * hd)
+    mlp_rows = slice(hidden.start, hidden.stop)
+    # llama.cpp permutes q/k rows within each head, so a head's rows can be cut before un-permuting.
+    permuted = meta["general.architecture"] == "llama" and unpermute
+
+    def part(name: str, rows: slice | None = None, columns: slice | None = None) -> torch.Tensor:
+        return _dequantized(by_name[name], rows, columns)
+
+    state = {"tok_embeddings.weight": part("token_embd.weight"), "norm.weight": part("output_norm.weight")}
+    if not args.tie_embeddings:
+        state["output.weight"] = part("output.weight")
+    for i in range(args.n_layers):
+        blk = f"blk.{i}."
+        q, k = part(f"{blk}attn_q.weight", q_rows), part(f"{blk}attn_k.weight", kv_rows)
+        if permuted:
+            q, k = unpermute_qk(q, len(heads)), unpermute_qk(k, len(kv_heads))
+        v = part(f"{blk}attn_v.weight", kv_rows)
+        _fuse_layer(
+            state, i, q, k, v, part(f"{blk}ffn_gate.weight", mlp_rows), part(f"{blk}ffn_up.weight", mlp_rows)
+        )
+        if args.attention_bias:
+            qb, kb = part(f"{blk}attn_q.bias", q_rows), part(f"{blk}attn_k.bias", kv_rows)
+            if permuted:
+                qb, kb = unpermute_qk(qb, len(heads)), unpermute_qk(kb, len(kv_heads))
+            state[f"layers.{i}.attention.wqkv.bias"] = torch.cat((qb, kb, part(f"{blk}attn_v.bias", kv_rows)))
+        state[f"layers.{i}.attention.wo.weight"] = part(f"{blk}attn_output.weight", columns=q_rows)
+        state[f"layers.{i}.feed_forward.w2.weight"] = part(f"{blk}ffn_down.weight", columns=mlp_rows)
+        state[f"layers.{i}.attention_norm.weight"] = part(f"{blk}attn_norm.weight")
+        state[f"layers.{i}.ffn_norm.weight"] = part(f"{blk}ffn_norm.weight")
+    return args, state, tokenizer
 
 
 def _layer_blocks(

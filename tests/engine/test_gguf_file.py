@@ -6,9 +6,11 @@ from __future__ import annotations
 import gguf
 import numpy as np
 import pytest
+import torch
 
 from pcpstack.engine.gguf_file import read_gguf
-from pcpstack.engine.weights import default_model_path
+from pcpstack.engine.parallel import TensorParallelShard
+from pcpstack.engine.weights import _read_gguf, _read_gguf_shard, default_model_path, shard_state
 
 
 def test_reads_what_gguf_reader_reads() -> None:
@@ -37,3 +39,17 @@ def test_a_file_it_cannot_read_is_refused_naming_it(tmp_path, content, needle) -
     with pytest.raises(ValueError, match=needle) as refused:
         read_gguf(path)
     assert "model.gguf" in str(refused.value)
+
+
+@pytest.mark.parametrize(("tp", "ranks"), [(3, (1,)), (9, (0, 4, 8))])
+def test_a_tp_rank_reads_exactly_its_shard_of_the_whole_model(tp, ranks) -> None:
+    # A TP rank dequantizes only its rows and columns; it must get what slicing the whole model gives,
+    # bit for bit (TP=9 cuts SmolLM2's 1,536-wide MLP off the 32-value quantization blocks).
+    path = default_model_path()
+    args, whole, _, _ = _read_gguf(path, True)
+    for rank in ranks:
+        shard = TensorParallelShard(rank, tp)
+        expected = shard_state(whole, args, shard)
+        _, mine, _ = _read_gguf_shard(path, True, shard)
+        assert mine.keys() == expected.keys()
+        assert [k for k in expected if not torch.equal(mine[k], expected[k])] == []
