@@ -62,18 +62,23 @@ class SetRouter:
         self._answer: Resolution | None = None
 
     async def choose(self, exclude: set[str] = frozenset()) -> PrefillEndpoint:
-        """The least loaded ready set not in `exclude` (set ids); raises NoReadySet when there is none."""
+        """The least loaded ready set not in `exclude` (set ids); raises NoReadySet when there is none.
+
+        A set that failed lately (`forget`) is taken only when no other is ready: a dead set leaves the
+        registry's answer within its lease and a request to it fails fast meanwhile, whereas skipping the
+        only set would refuse every request while it is merely suspected (a request fails UNAVAILABLE when
+        its set or its store fails, and which one failed is not told apart)."""
         try:
             self._answer = await self._resolve()
         except ServiceError as exc:
             raise NoReadySet(f"no ready prefill set is known: {exc}") from None
         self._forget_stale()
-        skipped = set(exclude) | set(self._forgotten)
-        choices = [
+        candidates = [
             s
             for s in self._answer.prefill_sets
-            if s.kv_fingerprint == self._fingerprint and s.set_id not in skipped
+            if s.kv_fingerprint == self._fingerprint and s.set_id not in exclude
         ]
+        choices = [s for s in candidates if s.set_id not in self._forgotten] or candidates
         if not choices:
             raise NoReadySet(
                 "no ready prefill set serves this model and KV layout"
@@ -89,7 +94,11 @@ class SetRouter:
         except ServiceError:
             return ""  # choose() just reported the registry; the set still knows its configured store
         self._forget_stale()
-        store = pick_store(self._answer.kvstore, self._host, self._in_flight, {*exclude, *self._forgotten})
+        # As with sets, a store that failed lately is taken only when no other is live.
+        stores, flight = self._answer.kvstore, self._in_flight
+        store = pick_store(stores, self._host, flight, {*exclude, *self._forgotten}) or pick_store(
+            stores, self._host, flight, exclude
+        )
         return store.address if store is not None else ""
 
     def _forget_stale(self) -> None:

@@ -38,7 +38,7 @@ def test_picks_least_loaded_matching_set_and_spreads_a_burst() -> None:
     assert asyncio.run(scenario()) == ["b", "b", "a", "b"]
 
 
-def test_excluded_sets_are_skipped_and_a_forgotten_set_until_a_fresh_answer() -> None:
+def test_excluded_sets_are_skipped_and_a_forgotten_set_while_another_is_ready() -> None:
     answers = {"current": sets(("a", 0, "fp"), ("b", 5, "fp"))}
 
     async def resolve():
@@ -51,8 +51,10 @@ def test_excluded_sets_are_skipped_and_a_forgotten_set_until_a_fresh_answer() ->
     answers["current"] = sets(("a", 0, "fp"), ("b", 5, "fp"))  # a fresh answer lists a again
     assert asyncio.run(router.choose()).set_id == "a"
     router.forget("b")
+    # The only set left is suspected, not excluded: it is taken rather than refusing the request.
+    assert asyncio.run(router.choose(exclude={"a"})).set_id == "b"
     with pytest.raises(NoReadySet, match="tried"):
-        asyncio.run(router.choose(exclude={"a"}))
+        asyncio.run(router.choose(exclude={"a", "b"}))
 
 
 def test_a_registry_with_nothing_cached_is_no_ready_set_naming_the_cause() -> None:

@@ -1,6 +1,6 @@
 """The KV store a request's replica goes to, as plain policy over real endpoints: the store on the decode
 worker's own host first, else the least loaded, ties to the lowest node id; failed stores skipped until the
-resolver's next fresh answer."""
+resolver's next fresh answer while another is live."""
 
 from __future__ import annotations
 
@@ -38,6 +38,9 @@ def test_a_failed_store_is_skipped_until_a_fresh_answer_and_none_listed_leaves_p
     assert asyncio.run(router.choose_store()) == local.address
     router.forget(local.address)
     assert asyncio.run(router.choose_store()) == other.address  # the same cached answer: local stays out
+    router.forget(other.address)  # both suspected: one is still taken rather than none
+    assert asyncio.run(router.choose_store()) == local.address
+    assert asyncio.run(router.choose_store(exclude={local.address})) == other.address
     answers["current"] = Resolution(kvstore=(local, other))  # a fresh answer lists it again
     assert asyncio.run(router.choose_store()) == local.address
     answers["current"] = Resolution()
