@@ -45,28 +45,24 @@ def start_stack(tmp: Path, **options) -> RunningStack:
 
 async def pinned_bytes(store_address: str) -> int:
     """The KV store's pinned bytes once releases in flight have landed (waits for 0 a bounded while)."""
-    from pcpstack.kvstore.client import KvStoreClient
-
-    async with KvStoreClient(store_address) as store:
-        for _ in range(100):
-            stat = await store.stat()
-            if stat.pinned_bytes == 0:
-                return 0
-            await asyncio.sleep(0.1)
-        return stat.pinned_bytes
+    return await _settled(store_address, "pinned_bytes")
 
 
 async def prefix_leases(store_address: str) -> int:
     """The KV store's prefix leases held once releases in flight have landed (waits for 0 a bounded while)."""
+    return await _settled(store_address, "prefix_leases")
+
+
+async def _settled(store_address: str, field: str) -> int:
     from pcpstack.kvstore.client import KvStoreClient
 
     async with KvStoreClient(store_address) as store:
         for _ in range(100):
-            stat = await store.stat()
-            if stat.prefix_leases == 0:
+            value = getattr(await store.stat(), field)
+            if value == 0:
                 return 0
             await asyncio.sleep(0.1)
-        return stat.prefix_leases
+        return value
 
 
 def child_pids(pid: int) -> list[int]:

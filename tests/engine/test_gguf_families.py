@@ -21,22 +21,13 @@ from pcpstack.engine.engine import Engine
 from pcpstack.engine.rope import RopeScaling
 from pcpstack.engine.weights import load_model
 from tests.engine.conftest import engine_logits, hf_logits
+from tests.engine.test_hf_folder import SMALL as HF_SMALL
 from tests.helpers import hf_greedy
 
 transformers = pytest.importorskip("transformers")
 from safetensors.torch import load_file  # noqa: E402  (after the skip: transformers brings it)
 
-SMALL = dict(
-    vocab_size=512,
-    hidden_size=64,
-    intermediate_size=128,
-    num_hidden_layers=2,
-    num_attention_heads=4,
-    num_key_value_heads=2,
-    max_position_embeddings=256,
-    rms_norm_eps=1e-6,
-    tie_word_embeddings=False,
-)
+SMALL = {**HF_SMALL, "tie_word_embeddings": False}  # an untied LM head: `output.weight` is written too
 LLAMA3 = {
     "rope_type": "llama3",
     "factor": 8.0,
