@@ -137,7 +137,15 @@ class HostGroup:
         total = size * _WORD_STRIDE + 2 * size * slot_bytes
         if me == ranks[0]:
             with open(path, "wb") as file:
-                file.truncate(total)
+                try:
+                    # Reserved now: a full /dev/shm fails the start here, not a decode step later (SIGBUS).
+                    os.posix_fallocate(file.fileno(), 0, total)
+                except OSError as exc:
+                    raise HostGroupError(
+                        f"host collectives need {total} bytes in {_SHM_DIR} ({exc.strerror}); give the "
+                        "process more shared memory (a container's shm size) or set "
+                        "PCPSTACK_HOST_COLLECTIVES=0 to use gloo"
+                    ) from None
         dist.barrier()
         segment = None
         if me in ranks:

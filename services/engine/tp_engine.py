@@ -64,9 +64,10 @@ DEFAULT_COLLECTIVE_TIMEOUT_S = 60.0
 # How long the followers may take to load their shards (a large model from a slow disk).
 _LOAD_TIMEOUT_S = 900.0
 _MASTER_ADDR = "127.0.0.1"
-# Per rank and buffer of a host group: a decode step's largest exchange is [batch, dim] activations, so
-# 1 MiB covers 455 sequences of SmolLM2 (dim 576) or 64 of a 4096-dim model; larger ones go through gloo.
-_HOST_SLOT_BYTES = 1 << 20
+# Per rank and buffer of a host group: a decode step's largest exchange is [batch, dim] fp32 activations, so
+# 256 KiB covers the default --max-batch of 16 up to a 4096-dim model (113 sequences of SmolLM2); larger
+# ones go through gloo. Small, since containers often get a 64 MB /dev/shm (TP=9 x DCP=3: 9 MiB in all).
+_HOST_SLOT_BYTES = 256 << 10
 
 # Command codes of the header [op, a, b] the leader broadcasts.
 _OP_NOOP, _OP_ADOPT, _OP_DECODE, _OP_FREE, _OP_STOP, _OP_BLOCKS = range(6)
