@@ -157,6 +157,7 @@ class Summary:
     total_s: float
     trace_id: str
     cached_prompt_tokens: int = 0  # prompt tokens whose K/V came from the store's prefix cache
+    matched_stop: str = ""  # the stop string or stop token that ended it (StopChecker.matched_stop)
 
 
 @dataclass(frozen=True)
@@ -359,6 +360,7 @@ class GeneratePipeline:
             total_s=done - arrived,
             trace_id=current_trace_id(),
             cached_prompt_tokens=reply.kv.cached_tokens,
+            matched_stop=checker.matched_stop,
         )
 
     async def _join_batch(

@@ -106,5 +106,6 @@ class DecodeServicer(decode_pb2_grpc.DecodeServiceServicer):
                             prompt_token_ids=event.prompt_token_ids,
                             trace_id=event.trace_id,
                             cached_prompt_tokens=event.cached_prompt_tokens,
+                            matched_stop=event.matched_stop,
                         )
                     )

@@ -362,7 +362,8 @@ class StopChecker:
 
     Stop and EOS tokens end the request without being emitted. A stop string ends it with the text cut just
     before the string, even when the string spans several tokens; text that could still become a stop string
-    is held back until it cannot.
+    is held back until it cannot. `matched_stop` names what ended it: the stop string, or the stop token's
+    surface form (e.g. "<|im_end|>"; empty without a tokenizer).
     """
 
     def __init__(
@@ -376,6 +377,8 @@ class StopChecker:
         self.token_ids: list[int] = []
         self.text = ""
         self.finish_reason: str | None = None
+        self.matched_stop = ""
+        self._tokenizer = tokenizer
         self._pending = ""
 
     def push(self, token_id: int) -> str:
@@ -383,6 +386,8 @@ class StopChecker:
         if self.finish_reason is not None:
             raise RuntimeError("push() after the request finished")
         if token_id in self.stop_ids:
+            if self._tokenizer is not None:
+                self.matched_stop = self._tokenizer.token_text(token_id) or ""
             return self._finish(FINISH_STOP, self._pending)
         self.token_ids.append(token_id)
         if self.decoder is not None:
@@ -393,8 +398,10 @@ class StopChecker:
             ready, self._pending = self._pending, ""
             self.text += ready
             return ready
-        cut = min((i for i in (self._pending.find(s) for s in self.params.stop) if i >= 0), default=-1)
-        if cut >= 0:
+        # The earliest occurrence wins; of two starting there, the longer one (it holds the other).
+        found = [(i, -len(s), s) for s in self.params.stop if (i := self._pending.find(s)) >= 0]
+        if found:
+            cut, _, self.matched_stop = min(found)
             return self._finish(FINISH_STOP, self._pending[:cut])
         if len(self.token_ids) >= self.params.max_tokens:
             return self._finish(FINISH_LENGTH, self._pending)

@@ -113,3 +113,26 @@ def test_out_of_range_sampling_is_invalid_argument_naming_field_and_rule(stack, 
         stack.run(_deltas(address, request))
     assert caught.value.code() == grpc.StatusCode.INVALID_ARGUMENT
     assert needle in caught.value.details()
+
+
+async def _summary(address: str, request: decode_pb2.GenerateRequest) -> decode_pb2.GenerateSummary:
+    client = DecodeClient(address)
+    try:
+        return [m.summary async for m in client.stream(request, timeout=60) if m.HasField("summary")][-1]
+    finally:
+        await client.close()
+
+
+@pytest.mark.slow
+def test_the_summary_names_the_stop_token_that_ended_generation(stack, reference) -> None:
+    ids = list(prompt(12, seed=6))
+    plain = reference.generate(ids, greedy(8)).token_ids
+    # the first token that did not come before: generation stops there, after `at` tokens
+    at = next(i for i in range(1, len(plain)) if plain[i] not in plain[:i])
+    request = build_request(ids, max_tokens=8, ignore_eos=True)
+    request.sampling.stop_token_ids.append(plain[at])
+    with serving(stack) as address:
+        summary = stack.run(_summary(address, request))
+    assert summary.finish_reason == decode_pb2.FINISH_REASON_STOP
+    assert summary.completion_tokens == at
+    assert summary.matched_stop == reference.tokenizer.token_text(plain[at])

@@ -95,6 +95,13 @@ def test_stop_string_across_token_boundaries_cuts_text_before_it(byte_tokenizer)
     deltas = _run(checker, byte_tokenizer, "abc ENdx ENDtail")
     assert checker.finish_reason == "stop"
     assert "".join(deltas) == checker.text == "abc ENdx "
+    assert checker.matched_stop == "END"
+
+
+def test_the_earliest_of_several_stop_strings_is_the_one_matched(byte_tokenizer):
+    checker = StopChecker(SamplingParams(max_tokens=100, stop=["zz", "b", "bc"]), [256], byte_tokenizer)
+    _run(checker, byte_tokenizer, "abczz")
+    assert (checker.text, checker.matched_stop) == ("a", "b")
 
 
 def test_text_that_may_start_a_stop_string_is_held_back(byte_tokenizer):
@@ -117,6 +124,13 @@ def test_stop_token_id_stops(byte_tokenizer):
     checker.push(65)
     checker.push(66)
     assert checker.finish_reason == "stop" and checker.text == "A"
+    assert checker.matched_stop == byte_tokenizer.token_text(66)
+
+
+def test_a_length_finish_matches_no_stop(byte_tokenizer):
+    checker = StopChecker(SamplingParams(max_tokens=2, stop=["END"]), [256], byte_tokenizer)
+    _run(checker, byte_tokenizer, "abc")
+    assert (checker.finish_reason, checker.matched_stop) == ("length", "")
 
 
 def test_max_tokens_finishes_with_length(byte_tokenizer):
