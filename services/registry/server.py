@@ -243,9 +243,11 @@ class RegistryServicer(registry_pb2_grpc.RegistryServiceServicer):
         except grpc.aio.AioRpcError as exc:
             raise Unavailable(f"the leader {leader} did not answer {method}: {exc.details()}") from None
 
-    async def _shadow_leader(self) -> None:
+    async def _shadow_leader(self) -> bool:
         """Keeps the leader's answers to the routers' usual questions (all sets; endpoints of every
-        model), so that this follower can answer them while the leader is gone."""
+        model), so that this follower can answer them while the leader is gone. Returns whether the
+        leader answered both."""
+        answered = 0
         for method, request in (
             ("ListSets", registry_pb2.ListSetsRequest()),
             ("Resolve", registry_pb2.ResolveRequest()),
@@ -253,6 +255,8 @@ class RegistryServicer(registry_pb2_grpc.RegistryServiceServicer):
             with contextlib.suppress(ServiceError):
                 reply = await self._ask_leader(method, request, 1.0)
                 self._shadow[(method, request.SerializeToString(deterministic=True))] = (self._clock(), reply)
+                answered += 1
+        return answered == 2
 
     async def lead(self) -> None:
         """Takes over as leader: the state etcd holds becomes this replica's core, whose sets are awaited
@@ -451,9 +455,10 @@ class RegistryServicer(registry_pb2_grpc.RegistryServiceServicer):
             if late > interval:
                 self._membership.excuse(late, now)
                 log.warning("event loop held up; leases extended", extra={"stalled_s": round(late, 2)})
-            if self._following and now - self._shadowed_at >= SHADOW_EVERY_S:
+            # Until the leader answers (it is not known yet, or not up), every tick tries again: a follower
+            # that waited SHADOW_EVERY_S after a failed try had nothing to serve if the leader died meanwhile.
+            if self._following and now - self._shadowed_at >= SHADOW_EVERY_S and await self._shadow_leader():
                 self._shadowed_at = now
-                await self._shadow_leader()
             if self._superseded is not None or self._following:
                 continue
             try:
