@@ -462,6 +462,10 @@ class TensorParallelEngine:
                 except Exception as exc:  # a follower already gone: it is killed below
                     log.warning("could not send STOP to the decode TP ranks: %s", exc)
             _stop_processes(self._followers, grace_s=10)
+            # the leader's shared-memory segments are unmapped now; the followers' went with their processes
+            for group in (self._leader.loaded.shard.group, self._leader.dcp.group):
+                if isinstance(group, HostGroup):
+                    group.close()
             _destroy_group()
         finally:
             if acquired:

@@ -19,6 +19,7 @@ import torch
 from pcpstack.common.errors import Unavailable
 from pcpstack.engine.device import accelerator_count
 from pcpstack.engine.engine import Engine
+from pcpstack.engine.host_group import HostGroup
 from pcpstack.engine.tp_engine import TensorParallelEngine
 
 TOL = 1e-4
@@ -119,6 +120,11 @@ def test_tiny_tp4_with_replicated_kv_heads_equals_the_single_engine(tiny, closin
     closing.append(tp_engine)
     assert tp_engine.layout.fingerprint() == reference.layout.fingerprint()
     assert_same_decode(reference, tp_engine)
+    # closing unmaps the leader's shared-memory collectives (the followers' go with their processes)
+    group = tp_engine._leader.loaded.shard.group
+    assert isinstance(group, HostGroup) and not group._segment.closed
+    tp_engine.close()
+    assert group._segment.closed
 
 
 def test_killed_follower_makes_the_next_step_raise_unavailable(tiny, closing) -> None:
