@@ -41,6 +41,7 @@ from pcpstack.common.errors import (
     DataLoss,
     DeadlineExceeded,
     InvalidArgument,
+    ResourceExhausted,
     ServiceError,
     Unavailable,
     error_of_code,
@@ -262,7 +263,18 @@ class GeneratePipeline:
             raise InvalidArgument("sampling.stop: this model has no tokenizer")
         check_logit_bias(request.sampling, self._limits)
         ids, field = self.prompt_tokens(request.prompt)
-        return check_token_ids(ids, self._limits, field=field, max_tokens=request.sampling.max_tokens)
+        ids = check_token_ids(ids, self._limits, field=field, max_tokens=request.sampling.max_tokens)
+        # The batch reserves room for max_tokens on admission; a request that can never fit is refused now,
+        # before a prefill set spends its forward on it. (One token only comes from prefill: no batch.)
+        max_tokens = request.sampling.max_tokens
+        need = self.engine.blocks_for(len(ids) + max_tokens)
+        capacity = self.engine.cache.num_blocks
+        if max_tokens > 1 and need > capacity:
+            raise ResourceExhausted(
+                f"the prompt's {len(ids)} tokens plus max_tokens={max_tokens} need {need} KV blocks of "
+                f"{self.engine.block_size} tokens; this decode worker's cache has {capacity}"
+            )
+        return ids
 
     # --- the request path --------------------------------------------------------------------------------
 

@@ -172,14 +172,24 @@ def test_cancel_while_the_replica_loads_leaves_nothing_pinned(stack, pipeline) -
     assert pipeline.batcher.queue_depth == 0
 
 
+async def _bytes_in(store_address: str) -> int:
+    async with KvStoreClient(store_address) as store:
+        return (await store.stat()).bytes_in
+
+
 @pytest.mark.slow
-def test_error_after_prefill_fails_the_request_and_releases_the_replica(stack) -> None:
-    # One KV block of 128 tokens on this worker: 100 prompt tokens plus 50 more cannot be admitted.
+def test_a_request_the_cache_can_never_hold_is_refused_before_any_prefill(stack) -> None:
+    # One KV block of 128 tokens on this worker: 100 prompt tokens plus 50 more can never be admitted, so
+    # no prefill set spends a forward on them (none pushes a replica to the store).
     pipeline, resolver = make_pipeline(stack, num_blocks=1)
+    store = stack.stack.kvstore_address
     try:
-        with pytest.raises(ResourceExhausted, match="KV blocks"):
+        before = stack.run(_bytes_in(store))
+        refusal = r"100 tokens plus max_tokens=50 need 2 KV blocks .* cache has 1"
+        with pytest.raises(ResourceExhausted, match=refusal):
             stack.run(answer(pipeline, GenerateInput(TokenPrompt(prompt(100)), greedy(50))))
-        assert stack.run(pinned_bytes(stack.stack.kvstore_address)) == 0
+        assert stack.run(_bytes_in(store)) == before
+        assert stack.run(pinned_bytes(store)) == 0
     finally:
         close_pipeline(stack, pipeline, resolver)
 

@@ -85,8 +85,9 @@ def test_bad_request_is_invalid_argument_naming_the_rule(stack, options, needle)
 
 
 @pytest.mark.slow
-def test_error_after_the_first_token_arrives_as_its_status(stack) -> None:
-    # One KV block on this worker: the first token (from prefill) streams, then the batch cannot admit it.
+def test_a_request_the_cache_can_never_hold_is_refused_before_its_first_token(stack) -> None:
+    # One KV block on this worker: the request is refused before prefill, so no token streams (until this
+    # check existed, prefill ran and its first token went out before the batch refused the request).
     received: list[decode_pb2.GenerateResponse] = []
 
     async def stream(address: str) -> None:
@@ -101,8 +102,8 @@ def test_error_after_the_first_token_arrives_as_its_status(stack) -> None:
     with serving(stack, num_blocks=1) as address, pytest.raises(grpc.aio.AioRpcError) as info:
         stack.run(stream(address))
     assert info.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
-    assert "KV blocks" in info.value.details()
-    assert [len(m.delta.token_ids) for m in received] == [1]
+    assert "need 2 KV blocks" in info.value.details()
+    assert received == []
 
 
 @pytest.mark.slow
