@@ -60,10 +60,12 @@ def _blocks_bytes(blocks: quant.BlockWeight) -> int:
 
 
 def _projection_bytes(
-    weight: torch.Tensor, blocks: quant.BlockWeight | None, batch: int, device: torch.device
+    weight: torch.Tensor | None, blocks: quant.BlockWeight | None, batch: int, device: torch.device
 ) -> int:
     """What x @ weight^T reads for `batch` rows: the blocks where quant.project runs them (its own
     condition: few fp32 rows on the CPU), else the dense weight."""
+    if weight is None:  # kept only in its blocks (services/engine/weights.py)
+        return _blocks_bytes(blocks)
     on_blocks = blocks is not None and batch <= quant.MAX_ROWS and weight.dtype == torch.float32
     return _blocks_bytes(blocks) if on_blocks and device.type == "cpu" else _tensor_bytes(weight)
 

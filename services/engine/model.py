@@ -24,13 +24,41 @@ from pcpstack.engine.rope import NO_SCALING, rotation
 
 
 class Linear(nn.Linear):
-    """nn.Linear that runs few-row inputs (decode) on the weight's quantized blocks when it has them."""
+    """nn.Linear that runs few-row inputs (decode) on the weight's quantized blocks when it has them. With
+    `keep_blocks` the blocks are its only copy of the weight (`weight` is None): more rows dequantize them
+    per call (quant.project)."""
 
     blocks: BlockWeight | None = None
+
+    def keep_blocks(self, blocks: BlockWeight, dense: bool) -> None:
+        """Use `blocks` for few rows; without `dense`, hold no dense weight (load no `weight` then)."""
+        self.blocks = blocks
+        if not dense:
+            self.weight = None
+
+    def dense_weight(self) -> torch.Tensor:
+        """The weight as the dense matmul uses it: the kept one, or the blocks dequantized (a temporary)."""
+        return self.weight if self.weight is not None else self.blocks.dequantize()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         y = project(x, self.weight, self.blocks)
         return y if self.bias is None else y + self.bias
+
+
+class Embedding(nn.Embedding):
+    """nn.Embedding whose table may live only in quantized blocks (`weight` None): a lookup then dequantizes
+    just the rows it reads."""
+
+    blocks: BlockWeight | None = None
+
+    def keep_blocks(self, blocks: BlockWeight) -> None:
+        """Hold the table only as `blocks` (load no `weight` then)."""
+        self.blocks, self.weight = blocks, None
+
+    def forward(self, token_ids: torch.Tensor) -> torch.Tensor:
+        if self.weight is None:
+            return self.blocks.dequantize(token_ids)
+        return F.embedding(token_ids, self.weight)
 
 
 class RMSNorm(nn.Module):
@@ -172,7 +200,7 @@ class Transformer(nn.Module):
     def __init__(self, args: ModelArgs, tp_group: dist.ProcessGroup | None = None) -> None:
         super().__init__()
         self.args = args
-        self.tok_embeddings = nn.Embedding(args.vocab_size, args.dim)
+        self.tok_embeddings = Embedding(args.vocab_size, args.dim)
         self.layers = nn.ModuleList(Block(args, i, tp_group) for i in range(args.n_layers))
         self.norm = RMSNorm(args.dim, args.norm_eps)
         self.output = None if args.tie_embeddings else nn.Linear(args.dim, args.vocab_size, bias=False)
@@ -183,8 +211,9 @@ class Transformer(nn.Module):
         self.rope_inv_freq = scaling.inv_frequencies(args.head_dim, args.rope_theta)
         self.rope_scale = scaling.cos_sin_scale
 
-    def output_weight(self) -> torch.Tensor:
-        """[vocab, dim] weight of the logits projection (the embedding when tied)."""
+    def output_weight(self) -> torch.Tensor | None:
+        """[vocab, dim] dense weight of the logits projection (the embedding when tied); None when it is kept
+        only in blocks (`output_blocks`)."""
         return self.tok_embeddings.weight if self.output is None else self.output.weight
 
     def forward(
@@ -196,7 +225,8 @@ class Transformer(nn.Module):
         logits_indices: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """Logits [len(logits_indices), vocab] (all n rows when None) for token_ids [n] at positions [n]."""
-        x = self.tok_embeddings(token_ids)  # [n, dim]
+        # Weights kept in blocks or in 16-bit give rows in another dtype than the run's (the norms').
+        x = self.tok_embeddings(token_ids).to(self.norm.weight.dtype)  # [n, dim]
         cos, sin = rotation(positions, self.rope_inv_freq, self.rope_scale, x.dtype)
         for layer in self.layers:
             x = layer(x, cos, sin, kv_cache, meta)

