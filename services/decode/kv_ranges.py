@@ -7,8 +7,11 @@ equal spacing fold into one strided range per (shard, fold): the rank's full blo
 plane are one range and a short last block a second, instead of one read per block and plane. When the rank
 needs only some of a shard's heads, each token row contributes its heads' slice (one more repeat level).
 
-`part_reads` plans the reads of one part; `assemble_part` turns the bytes they returned into the part's
-tensor [layers, 2, part tokens, part heads, head_dim] that engine.adopt_parts takes. Plain Python: no I/O.
+With a cached prefix the sequence's tokens live in several objects one after another (`KvSource`: the
+prefix's runs, then the new tokens' shards); a part's reads are planned per object over the window of
+positions it holds. `part_reads` plans the reads of one part; `assemble_part` turns the bytes they returned
+into the part's tensor [layers, 2, part tokens, part heads, head_dim] that engine.adopt_parts takes. Plain
+Python: no I/O.
 """
 
 from __future__ import annotations
@@ -57,34 +60,57 @@ def fold_runs(runs: Sequence[range]) -> list[RunFold]:
 
 
 @dataclass(frozen=True)
+class KvSource:
+    """Where a window of the sequence's tokens lives: positions [start, start + count) are tokens
+    [offset, offset + count) of one store object [layers, 2, object_tokens, heads, head_dim]. A replica read
+    whole has one source per shard; with a cached prefix, its runs come first (a run of an earlier
+    request's object, all K/V heads, from its token `offset`) and the new tokens' shards after them."""
+
+    start: int
+    count: int
+    heads: range  # the object's K/V heads, of the whole model
+    object_tokens: int
+    offset: int = 0
+
+
+def shard_sources(shard_heads: Sequence[range], num_tokens: int, start: int = 0) -> list[KvSource]:
+    """The sources of a replica's shards holding `num_tokens` tokens from position `start`, by heads."""
+    return [KvSource(start, num_tokens, heads, num_tokens) for heads in shard_heads]
+
+
+@dataclass(frozen=True)
 class ShardRead:
-    """One ranged Get of a part: ranges of one store object, the heads they hold, each range's tokens."""
+    """One ranged Get of a part: ranges of one store object (sources[shard_index]), the heads they hold,
+    each range's tokens."""
 
     shard_index: int
-    kv_heads: range  # of the whole model; a sub-range of both the shard's and the part's
+    kv_heads: range  # of the whole model; a sub-range of both the source's and the part's
     ranges: tuple[ByteRange, ...]
     tokens: tuple[int, ...]  # tokens each range holds, in order
+    window: int = 0  # the first sequence position of the source: reads of one window share their tokens
 
 
-def part_reads(
-    part: KvPart, shard_heads: Sequence[range], num_tokens: int, layout: KvLayout
-) -> list[ShardRead]:
-    """The ranged reads that fetch `part` from a replica of `num_tokens` tokens whose store objects hold
-    the K/V heads `shard_heads` (in head order), one read per object the part's heads overlap."""
+def part_reads(part: KvPart, sources: Sequence[KvSource], layout: KvLayout) -> list[ShardRead]:
+    """The ranged reads that fetch `part` from the store objects `sources` describe (in sequence order, by
+    heads within a window), one read per object whose window and heads the part overlaps."""
     itemsize = torch.empty(0, dtype=layout.torch_dtype).element_size()
     head_bytes = layout.head_dim * itemsize
     planes = layout.num_layers * 2
-    folds = fold_runs([run for run in part.positions if len(run)])
-    if not folds:  # a sequence shorter than the rank's first block: nothing to read (no ranges = everything)
-        return []
     reads = []
-    for index, heads in enumerate(shard_heads):
-        first, stop = max(heads.start, part.kv_heads.start), min(heads.stop, part.kv_heads.stop)
+    for index, source in enumerate(sources):
+        first, stop = max(source.heads.start, part.kv_heads.start), min(source.heads.stop, part.kv_heads.stop)
         if first >= stop:
             continue
-        row = len(heads) * head_bytes  # one token of the object's heads
-        plane = num_tokens * row
-        whole_rows = (first, stop) == (heads.start, heads.stop)
+        end = source.start + source.count
+        # the part's runs inside the window, in the object's own token numbering
+        shift = source.offset - source.start
+        inside = [range(max(r.start, source.start) + shift, min(r.stop, end) + shift) for r in part.positions]
+        folds = fold_runs([run for run in inside if len(run)])
+        if not folds:
+            continue
+        row = len(source.heads) * head_bytes  # one token of the object's heads
+        plane = source.object_tokens * row
+        whole_rows = (first, stop) == (source.heads.start, source.heads.stop)
         ranges = []
         for fold in folds:
             repeats = [ByteRepeat(plane, planes), ByteRepeat(fold.spacing * row, fold.count)]
@@ -93,9 +119,10 @@ def part_reads(
             else:  # each row gives the slice of the part's heads
                 length = (stop - first) * head_bytes
                 repeats.append(ByteRepeat(row, fold.length))
-            offset = fold.start * row + (first - heads.start) * head_bytes
+            offset = fold.start * row + (first - source.heads.start) * head_bytes
             ranges.append(ByteRange(offset, length, tuple(repeats)))
-        reads.append(ShardRead(index, range(first, stop), tuple(ranges), tuple(f.num_tokens for f in folds)))
+        tokens = tuple(f.num_tokens for f in folds)
+        reads.append(ShardRead(index, range(first, stop), tuple(ranges), tokens, source.start))
     return reads
 
 
@@ -103,8 +130,9 @@ def assemble_part(
     part: KvPart, reads: Sequence[ShardRead], data: Sequence[memoryview], layout: KvLayout
 ) -> torch.Tensor:
     """The part [layers, 2, part tokens, part heads, head_dim] from what each read returned (data[i] for
-    reads[i]: its ranges' bytes, range after range)."""
-    pieces = []
+    reads[i]: its ranges' bytes, range after range): the reads of one window side by side by heads, the
+    windows one after another."""
+    windows: dict[int, list[torch.Tensor]] = {}
     for read, raw in zip(reads, data, strict=True):
         flat = torch.frombuffer(raw, dtype=torch.uint8).view(layout.torch_dtype) if len(raw) else None
         runs, at = [], 0
@@ -113,10 +141,13 @@ def assemble_part(
             shape = (layout.num_layers, 2, tokens, len(read.kv_heads), layout.head_dim)
             runs.append(flat[at : at + count].view(shape))
             at += count
-        pieces.append(torch.cat(runs, dim=2) if len(runs) != 1 else runs[0])
-    if not pieces:
+        windows.setdefault(read.window, []).append(torch.cat(runs, dim=2) if len(runs) != 1 else runs[0])
+    if not windows:
         return torch.empty(
             (layout.num_layers, 2, part.num_tokens, len(part.kv_heads), layout.head_dim),
             dtype=layout.torch_dtype,
         )
-    return torch.cat(pieces, dim=3) if len(pieces) != 1 else pieces[0]
+    pieces = [
+        torch.cat(by_heads, dim=3) if len(by_heads) != 1 else by_heads[0] for by_heads in windows.values()
+    ]
+    return torch.cat(pieces, dim=2) if len(pieces) != 1 else pieces[0]

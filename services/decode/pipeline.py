@@ -17,8 +17,8 @@ soon as the set's answer names the replica nobody will load.
 Prefix reuse: the set may answer with a handle whose leading `cached_tokens` come from the store's prefix
 blocks (`prefix_segments`, read through the handle's prefix lease, one ranged Get per segment) and whose
 objects hold only the tokens after them; the fetch joins them into one sequence, and the prefix lease is
-released with the objects. A DCP worker reads each rank's token blocks of one replica and cannot join
-segments, so it asks the set for no cached prefix (said once at start).
+released with the objects. A DCP worker's ranks read their own token blocks from the segments and the new
+objects alike (decode.kv_ranges plans the reads over both).
 """
 
 from __future__ import annotations
@@ -51,7 +51,7 @@ from pcpstack.common.logs import request_id_var
 from pcpstack.common.rpc_errors import error_from_rpc
 from pcpstack.common.telemetry import current_trace_id, latency_histogram, meter, tracer
 from pcpstack.decode.batcher import Batcher, DecodeRequest, KvReplica, TokenEvent, accept_token
-from pcpstack.decode.kv_ranges import ShardRead, assemble_part, part_reads
+from pcpstack.decode.kv_ranges import KvSource, ShardRead, assemble_part, part_reads, shard_sources
 from pcpstack.decode.router import NoReadySet, SetRouter
 from pcpstack.engine.dcp import KvPart
 from pcpstack.engine.engine import Engine
@@ -188,11 +188,6 @@ class GeneratePipeline:
         self._prefilling = 0
         # Batch ids are unique per attempt: two requests may carry the same caller id.
         self._sequence = itertools.count()
-        if engine.dcp_size > 1:
-            log.info(
-                "prefix cache off for this worker: DCP=%d reads each rank's blocks of one replica",
-                engine.dcp_size,
-            )
         _meter.create_observable_gauge(
             "pcpstack.decode.queue_depth",
             callbacks=[lambda _: [Observation(batcher.queue_depth)]],
@@ -477,7 +472,6 @@ class GeneratePipeline:
                 kvstore_address=store,
                 kv_lease_ms=self.settings.kv_lease_ms,
                 expected_fingerprint=self.settings.kv_fingerprint,
-                no_prefix_cache=self.engine.dcp_size > 1,
                 cache_salt=cache_salt,
                 timeout=min(remaining, self.settings.prefill_timeout_s),
             )
@@ -518,8 +512,6 @@ class GeneratePipeline:
             span.set_attribute("pcpstack.kv_shards", len(shards))
             span.set_attribute("pcpstack.cached_tokens", handle.cached_tokens)
             if self.engine.dcp_size > 1:
-                if handle.cached_tokens:
-                    raise DataLoss("a DCP worker asked for no cached prefix but the replica holds one")
                 parts = await _all_or_none(self._fetch_parts(handle, shards))
                 _kv_fetch_time.record(time.monotonic() - started)
                 return parts
@@ -580,26 +572,49 @@ class GeneratePipeline:
         self, handle: common_pb2.KvHandle, shards: list[common_pb2.KvShard]
     ) -> list[Awaitable[torch.Tensor]]:
         """One fetch per TP rank of a DCP worker: the rank's own token blocks of its K/V heads, read with
-        ranged Gets from the shards that hold those heads (never a whole object per rank)."""
+        ranged Gets from the objects that hold them (never a whole object per rank): the cached prefix's runs
+        (through the handle's prefix lease), then the shards of the new tokens."""
         layout = self.engine.layout
         itemsize = torch.empty(0, dtype=layout.torch_dtype).element_size()
         heads = [range(shard.kv_head_start, shard.kv_head_end) for shard in shards]
+        new_tokens = handle.num_tokens - handle.cached_tokens
         for shard, held in zip(shards, heads, strict=True):
-            expected = layout.num_layers * 2 * handle.num_tokens * len(held) * layout.head_dim * itemsize
+            expected = layout.num_layers * 2 * new_tokens * len(held) * layout.head_dim * itemsize
             if shard.total_bytes and shard.total_bytes != expected:
                 raise DataLoss(
                     f"KV shard {shard.key} holds {shard.total_bytes} bytes; K/V heads {held.start}-"
-                    f"{held.stop} of {handle.num_tokens} tokens are {expected} bytes in {layout.dtype}"
+                    f"{held.stop} of {new_tokens} tokens are {expected} bytes in {layout.dtype}"
                 )
+        # (key, fingerprint, capability, lease id) of each source's object, in the sources' order
+        objects: list[tuple[str, str, str, str]] = []
+        sources: list[KvSource] = []
+        all_heads = range(layout.num_kv_heads)
+        row = layout.num_kv_heads * layout.head_dim * itemsize
+        at = 0
+        for segment in handle.prefix_segments:
+            object_tokens, rest = divmod(segment.object_bytes, layout.num_layers * 2 * row)
+            if rest or segment.token_start + segment.token_count > object_tokens:
+                raise DataLoss(
+                    f"cached prefix segment {segment.key} does not fit its {segment.object_bytes} bytes"
+                )
+            sources.append(KvSource(at, segment.token_count, all_heads, object_tokens, segment.token_start))
+            objects.append(
+                (segment.key, handle.fingerprint, handle.prefix_lease_capability, handle.prefix_lease_id)
+            )
+            at += segment.token_count
+        if at != handle.cached_tokens:
+            raise DataLoss(f"the prefix segments do not hold the {handle.cached_tokens} cached tokens")
+        sources += shard_sources(heads, new_tokens, start=at)
+        objects += [(shard.key, shard.fingerprint, shard.capability, "") for shard in shards]
         return [
-            self._fetch_part(handle, shards, part, part_reads(part, heads, handle.num_tokens, layout))
+            self._fetch_part(handle, objects, part, part_reads(part, sources, layout))
             for part in self.engine.kv_parts(handle.num_tokens)
         ]
 
     async def _fetch_part(
         self,
         handle: common_pb2.KvHandle,
-        shards: list[common_pb2.KvShard],
+        objects: list[tuple[str, str, str, str]],
         part: KvPart,
         reads: list[ShardRead],
     ) -> torch.Tensor:
@@ -607,13 +622,13 @@ class GeneratePipeline:
         client = self._kv_client(handle.store_address)
 
         async def read(planned: ShardRead) -> memoryview:
-            shard = shards[planned.shard_index]
+            key, fingerprint, capability, lease_id = objects[planned.shard_index]
             try:
                 data, _ = await client.get(
-                    shard.key, shard.fingerprint, shard.capability, ranges=planned.ranges
+                    key, fingerprint, capability, ranges=planned.ranges, lease_id=lease_id
                 )
             except Exception as exc:
-                what = f"TP rank {part.tp_rank}'s KV of {shard.key}"
+                what = f"TP rank {part.tp_rank}'s KV of {key}"
                 raise Unavailable(f"could not fetch {what}: {exc}") from exc
             _kv_bytes.add(len(data))
             return data

@@ -329,7 +329,10 @@ class RankWorker:
             for job, span in zip(jobs, spans, strict=True):
                 with trace.use_span(span):
                     # The sequence is the job's kv_key: unique per attempt, whatever the request id.
+                    loading = time.perf_counter()
                     cached.append(self._adopt_prefix(job, job.kv_key))
+                    # part of forward_us: reading the cached prefix from the store and loading it
+                    span.set_attribute("pcpstack.prefix_load_us", int((time.perf_counter() - loading) * 1e6))
             states = [engine.reserve(job.kv_key, len(job.token_ids)) for job in jobs]
             logits = self._forward(jobs, states, cached)
             forward_us = int((time.perf_counter() - started) * 1e6)

@@ -2,8 +2,9 @@
 tensor_parallel_size=4 and decode_context_parallel_size=2 on the tiny model (2 K/V heads: ranks 0-1 hold head
 0, ranks 2-3 head 1, and each pair splits every sequence's tokens by block) joins the session's tiny-model
 stack. Each rank loads only its own blocks with ranged Gets; the greedy answer equals the plain engine's. When
-one DCP rank is killed mid-stream, the stream ends UNAVAILABLE, the worker leaves routing and exits 1,
-nothing stays pinned in the store, and a worker started again serves.
+a prompt's leading blocks are cached (another request's), each rank reads its blocks of them and of the new
+tokens alike. When one DCP rank is killed mid-stream, the stream ends UNAVAILABLE, the worker leaves routing
+and exits 1, nothing stays pinned in the store, and a worker started again serves.
 """
 
 from __future__ import annotations
@@ -42,6 +43,34 @@ def test_dcp_worker_answers_greedy_like_the_engine_alone(stack, dcp_worker, refe
     address, _ = dcp_worker
     ids = list(prompt(PROMPT_TOKENS, seed=11))
     assert stack.run(greedy_answer(address, ids, 24)) == reference.generate(ids, greedy(24)).token_ids
+    assert stack.run(pinned_bytes(stack.stack.kvstore_address)) == 0
+
+
+async def _answer(address: str, ids: list[int], max_tokens: int) -> tuple[list[int], int]:
+    """Greedy tokens and the prompt tokens that came from the store's prefix cache."""
+    client = DecodeClient(address)
+    try:
+        answer = await client.generate(
+            build_request(ids, max_tokens=max_tokens, ignore_eos=True), timeout=120
+        )
+    finally:
+        await client.close()
+    return answer.token_ids, answer.summary.cached_prompt_tokens
+
+
+@pytest.mark.slow
+def test_dcp_worker_reads_a_cached_prefix_rank_by_rank_and_answers_as_the_engine_alone(
+    stack, dcp_worker, reference
+) -> None:
+    # The second prompt extends the first: its leading 16-token blocks come from the first one's object,
+    # the rest from its own; every DCP rank reads its blocks across both.
+    address, _ = dcp_worker
+    first = list(prompt(PROMPT_TOKENS, seed=21))
+    second = first + list(prompt(40, seed=22))
+    stack.run(_answer(address, first, 2))
+    tokens, cached = stack.run(_answer(address, second, 16))
+    assert cached == PROMPT_TOKENS // 16 * 16
+    assert tokens == reference.generate(second, greedy(16)).token_ids
     assert stack.run(pinned_bytes(stack.stack.kvstore_address)) == 0
 
 

@@ -1,5 +1,6 @@
 """A DCP rank's part of a replica read with ranged Gets from a real store equals the slice of the whole
-replica it stands for (its K/V heads at its owned token positions), whatever the replica's shards."""
+replica it stands for (its K/V heads at its owned token positions), whatever the replica's shards, and when
+its leading tokens are a cached prefix held by other requests' objects."""
 
 from __future__ import annotations
 
@@ -8,7 +9,7 @@ import asyncio
 import pytest
 import torch
 
-from pcpstack.decode.kv_ranges import assemble_part, fold_runs, part_reads
+from pcpstack.decode.kv_ranges import KvSource, assemble_part, fold_runs, part_reads, shard_sources
 from pcpstack.engine.dcp import DcpShard, KvPart
 from pcpstack.engine.kv_cache import KvLayout
 from pcpstack.kvstore.client import KvStoreClient
@@ -58,7 +59,7 @@ def test_every_ranks_ranged_part_equals_its_slice_of_the_replica(shard_heads, nu
                 stored.append(await client.put(f"s{i}", "fp", shard.view(torch.uint8).numpy()))
             sent_before = (await client.stat()).bytes_out
             for part in _parts(num_tokens):
-                reads = part_reads(part, shard_heads, num_tokens, LAYOUT)
+                reads = part_reads(part, shard_sources(shard_heads, num_tokens), LAYOUT)
                 assert all(len(read.ranges) <= 2 for read in reads)  # full blocks, then a short one
                 data = [
                     (
@@ -74,5 +75,45 @@ def test_every_ranks_ranged_part_equals_its_slice_of_the_replica(shard_heads, nu
                 assert torch.equal(got, want), f"TP rank {part.tp_rank}"
             # Each rank read one head of its own blocks: the nine ranks together read the replica once.
             assert (await client.stat()).bytes_out - sent_before == replica.numel() * 2
+
+    asyncio.run(body())
+
+
+@pytest.mark.timeout(60)
+def test_a_part_read_across_a_cached_prefix_and_the_new_shards_equals_its_slice():
+    # 37 tokens: 9 from an earlier object (its tokens 4..12), 12 from another (its tokens 0..11), then 16
+    # new tokens stored per head; block edges fall inside and across the windows.
+    num_tokens = 37
+    replica = torch.randn(LAYOUT.num_layers, 2, num_tokens, LAYOUT.num_kv_heads, LAYOUT.head_dim).to(
+        torch.bfloat16
+    )
+    older_a = torch.randn(LAYOUT.num_layers, 2, 20, LAYOUT.num_kv_heads, LAYOUT.head_dim).to(torch.bfloat16)
+    older_a[:, :, 4:13] = replica[:, :, 0:9]
+    older_b = torch.randn(LAYOUT.num_layers, 2, 12, LAYOUT.num_kv_heads, LAYOUT.head_dim).to(torch.bfloat16)
+    older_b[:, :, 0:12] = replica[:, :, 9:21]
+    heads = [range(h, h + 1) for h in range(LAYOUT.num_kv_heads)]
+    all_heads = range(LAYOUT.num_kv_heads)
+    sources = [KvSource(0, 9, all_heads, 20, 4), KvSource(9, 12, all_heads, 12, 0)]
+    sources += shard_sources(heads, 16, start=21)
+    objects = [older_a, older_b] + [replica[:, :, 21:, h.start : h.stop] for h in heads]
+
+    async def body():
+        async with running_store() as server, KvStoreClient(server.address) as client:
+            stored = [
+                await client.put(f"o{i}", "fp", o.contiguous().view(torch.uint8).numpy())
+                for i, o in enumerate(objects)
+            ]
+            for part in _parts(num_tokens):
+                reads = part_reads(part, sources, LAYOUT)
+                data = [
+                    (await client.get(f"o{r.shard_index}", "fp", stored[r.shard_index].capability, r.ranges))[
+                        0
+                    ]
+                    for r in reads
+                ]
+                got = assemble_part(part, reads, data, LAYOUT)
+                positions = torch.tensor([p for run in part.positions for p in run], dtype=torch.long)
+                want = replica[:, :, :, part.kv_heads.start : part.kv_heads.stop].index_select(2, positions)
+                assert torch.equal(got, want), f"TP rank {part.tp_rank}"
 
     asyncio.run(body())
