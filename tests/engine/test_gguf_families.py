@@ -82,6 +82,9 @@ def hf_folder_to_gguf(folder: Path, path: Path, arch: str) -> None:
         base = RopeScaling().inv_frequencies(head_dim, theta)
         scaled = RopeScaling.from_hf(config).inv_frequencies(head_dim, theta)
         writer.add_tensor("rope_freqs.weight", (base / scaled).numpy().astype(np.float32))
+    elif rope.get("rope_type") == "linear":
+        writer.add_rope_scaling_type(gguf.RopeScalingType.LINEAR)
+        writer.add_rope_scaling_factor(rope["factor"])
     permute = arch == "llama"
 
     def put(name: str, tensor: torch.Tensor) -> None:

@@ -4,7 +4,8 @@
 joins the group over tcp:// on loopback, prefills every prompt length with its DualChunkSwap share (in chunks
 of chunk_tokens when > 0; after a prefix of held[n] tokens that every rank first loads as a cached replica,
 as prefix reuse will) and returns its logits (on the rank owning the last position) and its complete KV
-replica for every length. `run_group(pcp_size, work, *args)` runs any such per-rank work in the same way.
+replica for every length. `run_group(pcp_size, work, *args)` runs any such per-rank work in the same way
+(`prefill_models`: one prompt with each of several models).
 """
 
 from __future__ import annotations
@@ -68,6 +69,22 @@ def prefill_all(
         )
         results.append((logits, engine.export_sequence(n).clone()))
         engine.free(n)
+    return results
+
+
+def prefill_models(pcp_rank: int, pcp_size: int, paths: list[str], ids: list[int], chunk_tokens: int):
+    """[(logits or None, replica)] of the prompt ids prefilled in fp32 with each model of paths in turn, as
+    rank pcp_rank of pcp_size (in chunks of chunk_tokens when > 0): many models for one process group."""
+    torch.set_num_threads(1)
+    results = []
+    for path in paths:
+        engine = Engine.load(
+            path, "cpu", torch.float32, block_size=BLOCK_SIZE, num_blocks=blocks_needed(len(ids), BLOCK_SIZE)
+        )
+        state = engine.reserve(0, len(ids))
+        ids_tensor = torch.tensor(ids)
+        logits = prefill_chunked(engine, state, ids_tensor, pcp_rank, pcp_size, chunk_tokens, KvAllGather)
+        results.append((logits, engine.export_sequence(0).clone()))
     return results
 
 

@@ -1,0 +1,106 @@
+"""Every served family through the whole PCP=2 path equals transformers, from its HF folder and from its GGUF.
+
+Small random models built with transformers' own config classes (plain Llama, Llama 3.x scaled RoPE, linear
+and YaRN RoPE, Qwen2 with q/k/v biases, Mistral) are saved as HF folders and, where llama.cpp's format has
+the feature, converted to F32 GGUF. One spawn of a real 2-process gloo group prefills a 37-token prompt with
+every model in turn, in chunks of 16 tokens split by DualChunkSwap (so each chunk puts tokens on both ranks),
+each rank ending with the complete KV replica. A decode engine here then adopts the replica of the rank the
+request id selects, as a decode worker does, and generates 16 greedy tokens. The first token's logits and
+every decode step's are within 1e-4 of transformers', and the 16 tokens are transformers' greedy ones.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+from pcpstack.engine.engine import Engine
+from pcpstack.engine.kv_cache import blocks_needed
+from pcpstack.engine.weights import load_model
+from pcpstack.prefill.context_parallel import chunk_bounds
+from pcpstack.prefill.replica import replica_owner
+from pcpstack.prefill.split import DualChunkSplit
+from tests.engine.conftest import hf_logits
+from tests.engine.test_gguf_families import LLAMA3, SMALL, hf_folder_to_gguf
+from tests.engine.test_hf_folder import ROPE_SCALINGS
+from tests.prefill.cp_harness import BLOCK_SIZE, prefill_models, run_group
+
+transformers = pytest.importorskip("transformers")
+
+PCP = 2
+TOL = 1e-4
+PROMPT_TOKENS = 37
+CHUNK_TOKENS = 16
+GREEDY_TOKENS = 16
+REQUEST_ID = "family-parity"
+LINEAR = {**ROPE_SCALINGS["linear"], "rope_theta": 10000.0}
+YARN = {**ROPE_SCALINGS["yarn"], "rope_theta": 10000.0}
+# config class, GGUF architecture (None: llama.cpp's format has no such model), config extras.
+CASES = {
+    "llama": ("LlamaConfig", "llama", {"rope_theta": 500000.0}),
+    "llama3-rope": ("LlamaConfig", "llama", {"rope_parameters": LLAMA3}),
+    "linear-rope": ("LlamaConfig", "llama", {"rope_parameters": LINEAR}),
+    # llama.cpp's GGUF declares YaRN with keys this engine refuses (the HF folder is the served form).
+    "yarn-rope": ("LlamaConfig", None, {"rope_parameters": YARN}),
+    "qwen2-biases": ("Qwen2Config", "qwen2", {}),
+    # Mistral converts to llama.cpp's `llama` architecture: its GGUF is the Llama case.
+    "mistral": ("MistralConfig", None, {"sliding_window": None}),
+}
+
+
+def _decode_from_replica(
+    path: Path, replica: torch.Tensor, first: torch.Tensor
+) -> tuple[list[int], torch.Tensor]:
+    """Greedy tokens and the logits [GREEDY_TOKENS - 1, vocab] of each decode step, from the adopted
+    replica of a PCP prefill whose first-token logits are `first`."""
+    engine = Engine(
+        load_model(path, device="cpu", dtype=torch.float32),
+        block_size=BLOCK_SIZE,
+        num_blocks=blocks_needed(PROMPT_TOKENS + GREEDY_TOKENS, BLOCK_SIZE),
+    )
+    engine.adopt_sequence(REQUEST_ID, replica, PROMPT_TOKENS)
+    tokens, steps = [int(first.argmax())], []
+    with torch.inference_mode():
+        while len(tokens) < GREEDY_TOKENS:
+            steps.append(engine.decode_step([REQUEST_ID], [tokens[-1]])[0])
+            tokens.append(int(steps[-1].argmax()))
+    return tokens, torch.stack(steps)
+
+
+@pytest.mark.slow
+def test_every_family_through_pcp2_prefill_and_decode_equals_transformers(tmp_path) -> None:
+    references, paths = {}, []
+    for case, (config_class, arch, extra) in CASES.items():
+        torch.manual_seed(0)
+        config = getattr(transformers, config_class)(**SMALL, **extra)
+        references[case] = transformers.AutoModelForCausalLM.from_config(config).eval()
+        folder = tmp_path / case
+        references[case].save_pretrained(folder)
+        paths.append((case, folder))
+        if arch is not None:
+            hf_folder_to_gguf(folder, tmp_path / f"{case}.gguf", arch)
+            paths.append((case, tmp_path / f"{case}.gguf"))
+    ids = torch.randint(0, SMALL["vocab_size"], (PROMPT_TOKENS,), generator=torch.Generator().manual_seed(1))
+    ids = ids.tolist()
+
+    ranks = run_group(PCP, prefill_models, [str(path) for _, path in paths], ids, CHUNK_TOKENS)
+
+    owner = replica_owner(REQUEST_ID, PCP)
+    last_chunk = chunk_bounds(PROMPT_TOKENS, CHUNK_TOKENS)[-1]
+    first_owner = DualChunkSplit(len(last_chunk), PCP).last_position_owner()
+    for i, (case, path) in enumerate(paths):
+        reference, where = references[case], f"{case} from {path.name}"
+        first, replica = ranks[first_owner][i][0], ranks[owner][i][1]
+        assert first is not None and ranks[1 - first_owner][i][0] is None, where
+        assert torch.equal(ranks[0][i][1], ranks[1][i][1]), f"{where}: the ranks' replicas differ"
+        tokens, steps = _decode_from_replica(path, replica, first)
+        expected = hf_logits(reference, ids + tokens[:-1])[PROMPT_TOKENS - 1 :]
+        prefill_err = (first - expected[0]).abs().max().item()
+        assert prefill_err <= TOL, f"{where}: first-token logits differ by {prefill_err}"
+        decode_err = (steps - expected[1:]).abs().max().item()
+        assert decode_err <= TOL, f"{where}: decode logits differ by {decode_err}"
+        # Each token is the argmax of transformers' logits after the prompt and the tokens before it: by
+        # induction, transformers' own greedy answer (its generate loop would cost more than the rest).
+        assert tokens == expected.argmax(-1).tolist(), f"{where}: greedy tokens differ"
