@@ -244,18 +244,26 @@ class Engine:
             raise KeyError(f"unknown sequences {unknown}: prefill or adopt them first")
         return seq_ids
 
-    def adopt_sequence(self, seq_id: Hashable, kv: torch.Tensor, num_tokens: int) -> None:
+    def adopt_sequence(
+        self, seq_id: Hashable, kv: torch.Tensor | Sequence[torch.Tensor], num_tokens: int
+    ) -> None:
         """Start `seq_id` from an imported KV replica [layers, 2, num_tokens, kv_heads, head_dim] (a DCP
-        rank: its share, [layers, 2, dcp.local_count(num_tokens), kv_heads, head_dim])."""
+        rank: its share, [layers, 2, dcp.local_count(num_tokens), kv_heads, head_dim]), or from the pieces
+        of one along the tokens, in order (each written straight into the cache)."""
         if seq_id in self.sequences:
             raise ValueError(f"sequence {seq_id!r} already exists")
+        pieces = [kv] if isinstance(kv, torch.Tensor) else list(kv)
         local = self.dcp.local_count(num_tokens)
-        if kv.shape[2] != local:
+        held = sum(piece.shape[2] for piece in pieces)
+        if held != local:
             share = "" if self.dcp.size == 1 else f" (this DCP rank's share: {local})"
-            raise ValueError(f"KV replica holds {kv.shape[2]} tokens, not num_tokens={num_tokens}{share}")
+            raise ValueError(f"KV replica holds {held} tokens, not num_tokens={num_tokens}{share}")
         state = self.reserve(seq_id, num_tokens)
         try:
-            self.cache.import_sequence(kv, state.block_table)
+            at = 0
+            for piece in pieces:
+                self.cache.import_sequence(piece, state.block_table, start=at)
+                at += piece.shape[2]
         except ValueError:
             self.free(seq_id)
             raise

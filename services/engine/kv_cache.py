@@ -142,13 +142,16 @@ class PagedKVCache:
         slots = slots_for(block_table, torch.arange(num_tokens, device=self.device), self.block_size)
         return self._flat().index_select(2, slots)
 
-    def import_sequence(self, kv: torch.Tensor, block_table: Sequence[int]) -> None:
-        """Write a replica tensor from `export_sequence` into the blocks of `block_table`."""
+    def import_sequence(self, kv: torch.Tensor, block_table: Sequence[int], start: int = 0) -> None:
+        """Write a replica tensor from `export_sequence` into the blocks of `block_table`: its tokens are the
+        sequence's positions start, start + 1, ... (a replica arriving in pieces is written piece by piece,
+        never joined first)."""
         layout = self.layout
         expected = (layout.num_layers, 2, kv.shape[2], layout.num_kv_heads, layout.head_dim)
         if tuple(kv.shape) != expected:
             raise ValueError(f"KV replica has shape {tuple(kv.shape)}, this cache expects {expected}")
         if kv.dtype != self.data.dtype:
             raise ValueError(f"KV replica has dtype {kv.dtype}, this cache holds {self.data.dtype}")
-        slots = slots_for(block_table, torch.arange(kv.shape[2], device=self.device), self.block_size)
+        positions = torch.arange(start, start + kv.shape[2], device=self.device)
+        slots = slots_for(block_table, positions, self.block_size)
         self._flat().index_copy_(2, slots, kv.to(self.device))

@@ -426,11 +426,13 @@ class RankWorker:
         dist.all_reduce(loaded, op=dist.ReduceOp.MIN, group=self.groups.control)
         if not loaded.item():
             return 0
-        self.engine.adopt_sequence(seq_id, kv.to(self.engine.device), prefix.tokens)
+        self.engine.adopt_sequence(seq_id, kv, prefix.tokens)
         return prefix.tokens
 
-    def _read_prefix(self, job: PrefillJob, prefix: CachedPrefix) -> torch.Tensor:
-        """The prefix's K/V [layers, 2, tokens, kv_heads, head_dim], one ranged read per run."""
+    def _read_prefix(self, job: PrefillJob, prefix: CachedPrefix) -> list[torch.Tensor]:
+        """The prefix's K/V as one piece [layers, 2, run tokens, kv_heads, head_dim] per run, in order (one
+        ranged read each; the engine writes them into its cache one by one: joining them first cost a
+        third of the prefix's load)."""
         layout = self.engine.layout
         itemsize = torch.empty(0, dtype=layout.torch_dtype).element_size()
         row = layout.num_kv_heads * layout.head_dim * itemsize
@@ -441,11 +443,11 @@ class RankWorker:
             data = self.pusher.fetch(job.kvstore_address, run.key, self.fingerprint, prefix, ranges)
             raw = torch.frombuffer(data, dtype=torch.uint8).view(layout.torch_dtype)
             shape = (layout.num_layers, 2, run.token_count, layout.num_kv_heads, layout.head_dim)
-            pieces.append(raw.view(shape))
-        kv = torch.cat(pieces, dim=2)
-        if kv.shape[2] != prefix.tokens:
-            raise ValueError(f"the prefix's runs hold {kv.shape[2]} tokens, not {prefix.tokens}")
-        return kv
+            pieces.append(raw.view(shape).to(self.engine.device))
+        held = sum(piece.shape[2] for piece in pieces)
+        if held != prefix.tokens:
+            raise ValueError(f"the prefix's runs hold {held} tokens, not {prefix.tokens}")
+        return pieces
 
     def _push(
         self,

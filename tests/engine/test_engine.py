@@ -72,6 +72,19 @@ def test_adopted_replica_decodes_like_the_original(tiny_engine, tiny):
     torch.testing.assert_close(other.decode_step(["copy"], [7]), tiny_engine.decode_step(["origin"], [7]))
 
 
+def test_a_replica_adopted_in_pieces_equals_one_adopted_whole(tiny_engine, tiny):
+    tiny_engine.prefill("origin", list(range(60, 83)))
+    replica = tiny_engine.export_sequence("origin")
+    whole, pieces = Engine(tiny, block_size=4, num_blocks=64), Engine(tiny, block_size=4, num_blocks=64)
+    pieces.allocator.allocate(5)  # other block ids
+    whole.adopt_sequence("s", replica, num_tokens=23)
+    # piece edges inside a block and on one (tokens 0-6, 7-7, 8-22)
+    pieces.adopt_sequence("s", [replica[:, :, :7], replica[:, :, 7:8], replica[:, :, 8:]], num_tokens=23)
+    assert torch.equal(pieces.export_sequence("s"), whole.export_sequence("s"))
+    with pytest.raises(ValueError, match="holds 22 tokens, not num_tokens=23"):
+        pieces.adopt_sequence("t", [replica[:, :, :7], replica[:, :, 8:]], num_tokens=23)
+
+
 def test_prefill_out_of_blocks_raises_clear_error(tiny):
     engine = Engine(tiny, block_size=4, num_blocks=2)
     with pytest.raises(OutOfBlocksError, match="need 3, 2 free"):

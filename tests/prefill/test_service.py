@@ -275,7 +275,8 @@ def test_dead_rank_fails_requests_fast_and_the_set_reforms(stack) -> None:
 def test_a_prompt_extending_a_stored_one_computes_only_its_new_tokens_and_its_kv_stays_exact(
     stack, reference
 ) -> None:
-    ids = torch.randint(0, 256, (300,), generator=torch.Generator().manual_seed(18)).tolist()
+    ids = torch.randint(0, 256, (340,), generator=torch.Generator().manual_seed(18))[:300].tolist()
+    longer = torch.randint(0, 256, (340,), generator=torch.Generator().manual_seed(18)).tolist()
 
     async def turns():
         client = PrefillClient(prefill_address(stack))
@@ -284,11 +285,14 @@ def test_a_prompt_extending_a_stored_one_computes_only_its_new_tokens_and_its_kv
             first = await client.prefill("turn-1", ids[:280], GREEDY, timeout=60)
             second = await client.prefill("turn-2", ids, GREEDY, timeout=60)
             salted = await client.prefill("turn-2-salted", ids, GREEDY, cache_salt="other", timeout=60)
+            # Its prefix is in two objects: turn 1's 17 blocks and the one full block turn 2 added.
+            third = await client.prefill("turn-3", longer, GREEDY, timeout=60)
         finally:
             await client.close()
         async with KvStoreClient(second.kv.store_address) as store:
-            for reply in (first, salted):
+            for reply in (first, salted, third):
                 await store.release(reply.kv.key, reply.kv.capability)
+            assert await store.release(third.kv.prefix_lease_id, third.kv.prefix_lease_capability, lease=True)
             kv = second.kv
             # Decode's read of a handle with a cached prefix: the prefix segments through the lease, then the
             # object holding the rest.
@@ -324,9 +328,11 @@ def test_a_prompt_extending_a_stored_one_computes_only_its_new_tokens_and_its_kv
             ],
             dim=2,
         )
-        return second, salted, whole
+        return second, salted, third, whole
 
-    second, salted, whole = stack.run(turns())
+    second, salted, third, whole = stack.run(turns())
+    assert (third.kv.cached_tokens, len(third.kv.prefix_segments)) == (288, 2)
+    assert third.first_token_id == single_rank(reference, longer)[0]
     first_token, expected = single_rank(reference, ids)
     assert (second.kv.cached_tokens, second.computed_tokens) == (272, 28)
     assert (salted.kv.cached_tokens, salted.computed_tokens) == (0, 300)  # another salt shares no block
