@@ -247,14 +247,131 @@ void q8_0_matmul(const float *x, int64_t m, int64_t k, const int8_t *qs, const f
     matmul_rows(&w, x, m, y);
 }
 
-/* Heads [first, last) of one sequence's query against its paged context. Every K/V row the heads need is
- * read once, for all of them: the whole row (all K/V heads, contiguous) when the task covers every head. */
+/* Lane j of the result is the sum of the lanes of acc[j]: LANES horizontal sums as one tree of pairwise folds
+ * (two shuffles and an add each, LANES - 1 in all) rather than a separate reduction of every vector. */
+static inline vf sum_each(const vf acc[LANES]) {
+#if LANES == 16
+    vf c[8], d[4], e[2];
+    for (int i = 0; i < 8; i++)
+        c[i] = __builtin_shufflevector(acc[2 * i], acc[2 * i + 1], 0, 1, 2, 3, 4, 5, 6, 7, 16, 17, 18, 19, 20, 21,
+                                       22, 23) +
+               __builtin_shufflevector(acc[2 * i], acc[2 * i + 1], 8, 9, 10, 11, 12, 13, 14, 15, 24, 25, 26, 27, 28,
+                                       29, 30, 31);
+    for (int i = 0; i < 4; i++)
+        d[i] = __builtin_shufflevector(c[2 * i], c[2 * i + 1], 0, 1, 2, 3, 8, 9, 10, 11, 16, 17, 18, 19, 24, 25, 26,
+                                       27) +
+               __builtin_shufflevector(c[2 * i], c[2 * i + 1], 4, 5, 6, 7, 12, 13, 14, 15, 20, 21, 22, 23, 28, 29, 30,
+                                       31);
+    for (int i = 0; i < 2; i++)
+        e[i] = __builtin_shufflevector(d[2 * i], d[2 * i + 1], 0, 1, 4, 5, 8, 9, 12, 13, 16, 17, 20, 21, 24, 25, 28,
+                                       29) +
+               __builtin_shufflevector(d[2 * i], d[2 * i + 1], 2, 3, 6, 7, 10, 11, 14, 15, 18, 19, 22, 23, 26, 27, 30,
+                                       31);
+    return __builtin_shufflevector(e[0], e[1], 0, 2, 4, 6, 8, 10, 12, 14, 16, 18, 20, 22, 24, 26, 28, 30) +
+           __builtin_shufflevector(e[0], e[1], 1, 3, 5, 7, 9, 11, 13, 15, 17, 19, 21, 23, 25, 27, 29, 31);
+#else
+    vf c[4], d[2];
+    for (int i = 0; i < 4; i++)
+        c[i] = __builtin_shufflevector(acc[2 * i], acc[2 * i + 1], 0, 1, 2, 3, 8, 9, 10, 11) +
+               __builtin_shufflevector(acc[2 * i], acc[2 * i + 1], 4, 5, 6, 7, 12, 13, 14, 15);
+    for (int i = 0; i < 2; i++)
+        d[i] = __builtin_shufflevector(c[2 * i], c[2 * i + 1], 0, 1, 4, 5, 8, 9, 12, 13) +
+               __builtin_shufflevector(c[2 * i], c[2 * i + 1], 2, 3, 6, 7, 10, 11, 14, 15);
+    return __builtin_shufflevector(d[0], d[1], 0, 2, 4, 6, 8, 10, 12, 14) +
+           __builtin_shufflevector(d[0], d[1], 1, 3, 5, 7, 9, 11, 13, 15);
+#endif
+}
+
+/* Scaled scores of one query head against LANES keys (rows[i] + offset, dim floats each), DV = dim / LANES
+ * vectors: a constant for the common head sizes, so the query stays in registers. */
+static inline __attribute__((always_inline)) vf score_tile(const float *qh, const float *const rows[LANES],
+                                                           int64_t offset, const int64_t DV, float scale) {
+    vf acc[LANES];
+    for (int i = 0; i < LANES; i++) {
+        vf a = {0};
+        for (int64_t v = 0; v < DV; v++) a += load_vf(qh + v * LANES) * load_vf(rows[i] + offset + v * LANES);
+        acc[i] = a;
+    }
+    return sum_each(acc) * scale;
+}
+
+/* Query heads per tile of the weighted sum of values, and vectors of their head dimension: the H x DV
+ * accumulators stay in registers while the tile's value rows stream past. */
+#ifdef __AVX512F__
+#define VALUE_HEADS 4
+#else
+#define VALUE_HEADS 3
+#endif
+#define VALUE_VECTORS 4
+
+/* out[h][0 .. DV * LANES) += sum over the tokens i of p[h * p_stride + i] * row i (`tokens` rows, `stride`
+ * floats apart), for H heads (out rows `dim` apart) sharing those rows. */
+static inline __attribute__((always_inline)) void value_tile(const float *rows, int64_t stride, int64_t tokens,
+                                                             const float *p, int64_t p_stride, float *out,
+                                                             int64_t dim, const int H, const int DV) {
+    vf acc[VALUE_HEADS][VALUE_VECTORS];
+    for (int h = 0; h < H; h++)
+        for (int v = 0; v < DV; v++) acc[h][v] = load_vf(out + h * dim + v * LANES);
+    for (int64_t i = 0; i < tokens; i++)
+        for (int v = 0; v < DV; v++) {
+            const vf value = load_vf(rows + i * stride + v * LANES);
+            for (int h = 0; h < H; h++) acc[h][v] += p[h * p_stride + i] * value;
+        }
+    for (int h = 0; h < H; h++)
+        for (int v = 0; v < DV; v++) *(vf_u *)(out + h * dim + v * LANES) = acc[h][v];
+}
+
+/* Calls CALL(H, DV) with constants for h heads (1 to VALUE_HEADS) and dv vectors (1 to VALUE_VECTORS). */
+#define FOR_DV(H, dv, CALL)            \
+    switch (dv) {                      \
+    case 1: CALL(H, 1); break;         \
+    case 2: CALL(H, 2); break;         \
+    case 3: CALL(H, 3); break;         \
+    default: CALL(H, VALUE_VECTORS);   \
+    }
+#define FOR_VALUE_TILE(h, dv, CALL)                   \
+    if ((h) == VALUE_HEADS) FOR_DV(VALUE_HEADS, dv, CALL) \
+    else if ((h) == 1) FOR_DV(1, dv, CALL)            \
+    else if ((h) == 2) FOR_DV(2, dv, CALL)            \
+    else FOR_DV(3, dv, CALL)
+
+/* Heads [first, last) of one sequence's query against its paged context. Scores come LANES keys at a time
+ * for each head (the keys of a tile stay in L1 for the heads that share them), the weighted sum of values
+ * one cache block at a time for the heads sharing a K/V head. Head sizes that are not whole vectors take
+ * the plain loops. */
 static void attend_heads(const float *q, int64_t first, int64_t last, int64_t group, int64_t dim,
                          const float *k_cache, const float *v_cache, int64_t block_size, int64_t token_stride,
                          const int64_t *table, int64_t ctx, float scale, float *out) {
     const int64_t block_stride = block_size * token_stride, count = last - first;
+    const int vectors = dim % LANES == 0;
     float *scores = malloc(sizeof(float) * (size_t)(count * ctx));
-    for (int64_t t = 0; t < ctx; t++) {
+    for (int64_t t0 = 0; vectors && t0 < ctx; t0 += LANES) {
+        const int64_t tokens = ctx - t0 < LANES ? ctx - t0 : LANES;
+        const float *rows[LANES];
+        for (int64_t i = 0; i < LANES; i++) {
+            const int64_t t = t0 + (i < tokens ? i : tokens - 1); /* a short last tile repeats its last key */
+            rows[i] = k_cache + table[t / block_size] * block_stride + (t % block_size) * token_stride;
+        }
+        /* The next tile's keys, requested now: a sequence's blocks lie anywhere in the cache, so the hardware
+         * prefetcher loses the stream at every block edge (measured: 1.45x the speed of the attention alone
+         * on one thread at batch 16, against 1.3x without). */
+        for (int64_t t = t0 + LANES; t < t0 + 2 * LANES && t < ctx; t++) {
+            const float *next = k_cache + table[t / block_size] * block_stride + (t % block_size) * token_stride;
+            for (int64_t line = 0; line < token_stride; line += 64 / sizeof(float)) __builtin_prefetch(next + line);
+        }
+        for (int64_t h = first; h < last; h++) {
+            const float *qh = q + h * dim;
+            const int64_t offset = (h / group) * dim;
+            const vf dots = dim == 4 * LANES   ? score_tile(qh, rows, offset, 4, scale)
+                            : dim == 8 * LANES ? score_tile(qh, rows, offset, 8, scale)
+                                               : score_tile(qh, rows, offset, dim / LANES, scale);
+            float *dst = scores + (h - first) * ctx + t0;
+            if (tokens == LANES) *(vf_u *)dst = dots;
+            else
+                for (int64_t i = 0; i < tokens; i++) dst[i] = dots[i];
+        }
+    }
+    for (int64_t t = 0; !vectors && t < ctx; t++) {
         const float *row = k_cache + table[t / block_size] * block_stride + (t % block_size) * token_stride;
         for (int64_t h = first; h < last; h++) {
             const float *qh = q + h * dim, *key = row + (h / group) * dim;
@@ -276,7 +393,27 @@ static void attend_heads(const float *q, int64_t first, int64_t last, int64_t gr
         for (int64_t t = 0; t < ctx; t++) row[t] *= inv;
     }
     memset(out + first * dim, 0, sizeof(float) * (size_t)(count * dim));
-    for (int64_t t = 0; t < ctx; t++) {
+    for (int64_t t0 = 0; vectors && t0 < ctx; t0 += block_size) {
+        const int64_t tokens = ctx - t0 < block_size ? ctx - t0 : block_size;
+        const float *block = v_cache + table[t0 / block_size] * block_stride;
+        if (t0 + block_size < ctx) /* the next block's values, likewise */
+            for (int64_t line = 0; line < block_stride; line += 64 / sizeof(float))
+                __builtin_prefetch(v_cache + table[t0 / block_size + 1] * block_stride + line);
+        for (int64_t h = first, heads; h < last; h += heads) {
+            /* The next heads that share h's K/V head, at most VALUE_HEADS of them. */
+            const int64_t kv = h / group, stop = (kv + 1) * group < last ? (kv + 1) * group : last;
+            heads = stop - h < VALUE_HEADS ? stop - h : VALUE_HEADS;
+            for (int64_t d0 = 0; d0 < dim; d0 += VALUE_VECTORS * LANES) {
+                const int64_t dv = (dim - d0) / LANES;
+#define VALUE_CALL(H, DV)                                                                                      \
+    value_tile(block + kv * dim + d0, token_stride, tokens, scores + (h - first) * ctx + t0, ctx, out + h * dim + d0, \
+               dim, H, DV)
+                FOR_VALUE_TILE(heads, dv, VALUE_CALL)
+#undef VALUE_CALL
+            }
+        }
+    }
+    for (int64_t t = 0; !vectors && t < ctx; t++) {
         const float *row = v_cache + table[t / block_size] * block_stride + (t % block_size) * token_stride;
         for (int64_t h = first; h < last; h++) {
             const float p = scores[(h - first) * ctx + t], *value = row + (h / group) * dim;

@@ -56,12 +56,26 @@ def fresh_kernels(monkeypatch, tmp_path):
     cpu_kernels.library.cache_clear()
 
 
-def test_kernels_built_for_avx2_only_cpus_equal_the_dense_matmul(gguf_tensors, fresh_kernels, monkeypatch):
-    """The AVX2 code (8-lane vectors, what an AVX2-only CPU compiles) runs here too: built for haswell, it
-    must give the dense results for both block kinds, on whole tiles and on the rows left over."""
-    monkeypatch.setenv(cpu_kernels.ARCH_ENV, "haswell")
-    lib = cpu_kernels.build_library()
+@pytest.fixture(scope="module")
+def haswell_kernels(tmp_path_factory):
+    """The kernels built for haswell (AVX2 and FMA, 8-lane vectors: what an AVX2-only CPU compiles), once for
+    the module; they run on this CPU too."""
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setenv(cpu_kernels.CACHE_ENV, str(tmp_path_factory.mktemp("haswell")))
+        patch.setenv(cpu_kernels.ARCH_ENV, "haswell")
+        cpu_kernels.build_library.cache_clear()
+        try:
+            lib = cpu_kernels.build_library()
+        finally:
+            cpu_kernels.build_library.cache_clear()
     assert lib is not None
+    return lib
+
+
+def test_kernels_built_for_avx2_only_cpus_equal_the_dense_matmul(gguf_tensors, haswell_kernels):
+    """The AVX2 code must give the dense results for both block kinds, on whole tiles and on the rows left
+    over."""
+    lib = haswell_kernels
     for name in ("blk.3.ffn_down.weight", "token_embd.weight"):
         tensor = gguf_tensors[name]
         blocks = quant.from_gguf(tensor.data, tensor.tensor_type.name)
@@ -150,9 +164,10 @@ def test_every_projection_of_the_loaded_model_has_blocks_equal_to_its_dense_weig
         torch.testing.assert_close(blocks.matmul(cols), F.linear(cols, weight), atol=1e-4, rtol=1e-5)
 
 
-def _paged_case(seed: int, context_lens: list[int], block_size: int = 16):
+def _paged_case(
+    seed: int, context_lens: list[int], block_size: int = 16, heads: int = 9, kv_heads: int = 3, dim: int = 64
+):
     generator = torch.Generator().manual_seed(seed)
-    heads, kv_heads, dim = 9, 3, 64
     width = max(-(-n // block_size) for n in context_lens)
     num_blocks = width * len(context_lens) + 3
     k_cache = torch.randn(num_blocks, block_size, kv_heads, dim, generator=generator)
@@ -165,15 +180,39 @@ def _paged_case(seed: int, context_lens: list[int], block_size: int = 16):
     return q, k_cache, v_cache, tables, torch.tensor(context_lens)
 
 
-def test_paged_decode_attention_equals_sdpa_over_each_sequences_blocks():
-    q, k_cache, v_cache, tables, lens = _paged_case(0, [1, 15, 16, 17, 200, 513])
-    out = cpu_kernels.paged_decode_attention(cpu_kernels.build_library(), q, k_cache, v_cache, tables, lens)
+def _assert_paged_attention_equals_sdpa(lib, q, k_cache, v_cache, tables, lens) -> None:
+    out = cpu_kernels.paged_decode_attention(lib, q, k_cache, v_cache, tables, lens)
     heads, kv_heads = q.shape[1], k_cache.shape[2]
     for s, n in enumerate(lens.tolist()):
         keys = k_cache[tables[s]].flatten(0, 1)[:n].repeat_interleave(heads // kv_heads, dim=1)
         values = v_cache[tables[s]].flatten(0, 1)[:n].repeat_interleave(heads // kv_heads, dim=1)
         ref = F.scaled_dot_product_attention(q[s][:, None], keys.transpose(0, 1), values.transpose(0, 1))
         torch.testing.assert_close(out[s], ref[:, 0], atol=1e-5, rtol=1e-5)
+
+
+def test_paged_decode_attention_equals_sdpa_over_each_sequences_blocks():
+    case = _paged_case(0, [1, 15, 16, 17, 200, 513])
+    _assert_paged_attention_equals_sdpa(cpu_kernels.build_library(), *case)
+
+
+@pytest.mark.parametrize("arch", ["native", "haswell"])
+@pytest.mark.parametrize(
+    ("heads", "kv_heads", "dim", "block_size", "context_lens"),
+    [
+        # A 128-wide head; blocks of 5 tokens, so key tiles straddle blocks; lengths 1 to 2,048.
+        (8, 2, 128, 5, [1, 2, 31, 2048]),
+        # One sequence: its heads split over tasks at ranges that cut through a K/V head's group.
+        (12, 3, 64, 16, [333]),
+        # A head of 40 floats: whole 8-lane vectors on AVX2, the plain loops on AVX-512; no grouping.
+        (6, 6, 40, 7, [1, 9, 100]),
+    ],
+)
+def test_paged_decode_attention_equals_sdpa_for_other_head_layouts(
+    arch, heads, kv_heads, dim, block_size, context_lens, haswell_kernels
+):
+    lib = haswell_kernels if arch == "haswell" else cpu_kernels.build_library()
+    case = _paged_case(3, context_lens, block_size, heads, kv_heads, dim)
+    _assert_paged_attention_equals_sdpa(lib, *case)
 
 
 def test_paged_decode_attention_refuses_a_table_outside_the_cache():
