@@ -281,6 +281,12 @@ class Engine:
         state = self.sequences[seq_id]
         return self.cache.export_sequence(state.block_table, self.dcp.local_count(state.num_tokens))
 
+    def export_pieces(self, seq_id: Hashable, start: int = 0) -> list[torch.Tensor]:
+        """`export_sequence(seq_id)[:, :, start:]` as contiguous views of the cache, in its byte order
+        (PagedKVCache.sequence_pieces); only while the sequence lives and takes no new tokens."""
+        state = self.sequences[seq_id]
+        return self.cache.sequence_pieces(state.block_table, self.dcp.local_count(state.num_tokens), start)
+
     def free(self, seq_id: Hashable) -> None:
         """Release a sequence's blocks; unknown ids are ignored so cancellation can always call it."""
         state = self.sequences.pop(seq_id, None)

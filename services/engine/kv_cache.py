@@ -142,6 +142,23 @@ class PagedKVCache:
         slots = slots_for(block_table, torch.arange(num_tokens, device=self.device), self.block_size)
         return self._flat().index_select(2, slots)
 
+    def sequence_pieces(
+        self, block_table: Sequence[int], num_tokens: int, start: int = 0
+    ) -> list[torch.Tensor]:
+        """The bytes `export_sequence(...)[:, :, start:]` would hold, as views of the cache in that order
+        (one contiguous [tokens, kv_heads, head_dim] piece per layer, K/V and block) rather than one
+        gathered tensor: a writer that takes pieces sends the replica without a staging copy."""
+        layout = self.layout
+        pieces = []
+        for layer in range(layout.num_layers):
+            for plane in range(2):
+                blocks = self.data[layer, plane]
+                for position in range(start - start % self.block_size, num_tokens, self.block_size):
+                    first = max(position, start) - position
+                    last = min(position + self.block_size, num_tokens) - position
+                    pieces.append(blocks[block_table[position // self.block_size], first:last])
+        return pieces
+
     def import_sequence(self, kv: torch.Tensor, block_table: Sequence[int], start: int = 0) -> None:
         """Write a replica tensor from `export_sequence` into the blocks of `block_table`: its tokens are the
         sequence's positions start, start + 1, ... (a replica arriving in pieces is written piece by piece,

@@ -167,16 +167,24 @@ class KvStoreClient:
         block_keys: Sequence[str] = (),
         block_tokens: int = 0,
     ) -> StoredReplica:
-        """Stores data (bytes or any C-contiguous buffer) under key, pinned for lease_ms (0: the store's
-        default; more than its cap is refused with InvalidArgument). The result carries the capability
-        its reader must present. block_keys: the content keys of the object's full blocks of block_tokens
-        tokens each, offered for prefix reuse (kvstore.prefix)."""
-        view = _as_bytes_view(data)
+        """Stores data (bytes or any C-contiguous buffer, or a list of them: the object is their bytes one
+        after another) under key, pinned for lease_ms (0: the store's default; more than its cap is refused
+        with InvalidArgument). The result carries the capability its reader must present. block_keys: the
+        content keys of the object's full blocks of block_tokens tokens each, offered for prefix reuse
+        (kvstore.prefix)."""
         use_shm = await self.uses_shm()
+        if isinstance(data, list):
+            pieces = [_as_bytes_view(piece) for piece in data]
+            # The shared-memory path writes the pieces where they are; the stream sends one buffer.
+            view = pieces if use_shm else memoryview(b"".join(pieces))
+            total_bytes = sum(piece.nbytes for piece in pieces)
+        else:
+            view = _as_bytes_view(data)
+            total_bytes = view.nbytes
         header = pb.PutHeader(
             key=key,
             fingerprint=fingerprint,
-            total_bytes=view.nbytes,
+            total_bytes=total_bytes,
             chunk_size=self._chunk_bytes,
             lease_ms=lease_ms,
             metadata=metadata,

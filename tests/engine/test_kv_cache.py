@@ -66,6 +66,16 @@ def test_export_then_import_into_other_blocks_round_trips():
     torch.testing.assert_close(target.data[:, :, 7], source.data[:, :, 1], rtol=0, atol=0)
 
 
+@pytest.mark.parametrize("start", [0, 3, 4, 9])
+def test_sequence_pieces_hold_the_exported_bytes_in_order_without_a_copy(start):
+    cache = PagedKVCache(LAYOUT, 8)
+    cache.data.copy_(torch.randn_like(cache.data))
+    pieces = cache.sequence_pieces([3, 1, 6], num_tokens=10, start=start)
+    assert all(p.is_contiguous() and p.untyped_storage().data_ptr() == cache.data.data_ptr() for p in pieces)
+    joined = torch.cat([p.reshape(-1) for p in pieces])
+    assert torch.equal(joined, cache.export_sequence([3, 1, 6], num_tokens=10)[:, :, start:].reshape(-1))
+
+
 def test_import_refuses_replica_of_another_shape():
     cache = PagedKVCache(LAYOUT, 4)
     with pytest.raises(ValueError, match="expects"):

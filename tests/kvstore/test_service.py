@@ -54,6 +54,24 @@ def test_round_trip_of_many_sizes(prefer_shm: bool):
 
 
 @PATHS
+@pytest.mark.timeout(60)
+def test_an_object_put_in_pieces_is_their_bytes_one_after_another(prefer_shm: bool):
+    async def body():
+        async with (
+            running_store() as server,
+            KvStoreClient(server.address, prefer_shm=prefer_shm, chunk_bytes=CHUNK) as client,
+        ):
+            # pieces of odd sizes, one empty, one larger than a chunk and than the writer's 1 MiB step
+            pieces = [random.randbytes(size) for size in (7, 0, CHUNK + 3, (1 << 20) + 5, 1)]
+            committed = await client.put("pieces", "fp", [memoryview(p) for p in pieces])
+            assert committed.total_bytes == sum(map(len, pieces))
+            data, _ = await client.get("pieces", "fp", committed.capability)  # checked against the CRC
+            assert bytes(data) == b"".join(pieces)
+
+    asyncio.run(body())
+
+
+@PATHS
 @pytest.mark.slow
 @pytest.mark.timeout(120)
 def test_round_trip_of_100_mb(prefer_shm: bool):
