@@ -11,6 +11,7 @@ every decode step's are within 1e-4 of transformers', and the 16 tokens are tran
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -69,21 +70,42 @@ def _decode_from_replica(
     return tokens, torch.stack(steps)
 
 
+def _save_family_model(case: str, folder: Path) -> tuple[torch.nn.Module, list[Path]]:
+    """transformers' random model of a case (fixed seed) and where it is saved under folder: its HF folder,
+    then its GGUF when llama.cpp's format has the case."""
+    config_class, arch, extra = CASES[case]
+    torch.manual_seed(0)
+    config = getattr(transformers, config_class)(**SMALL, **extra)
+    reference = transformers.AutoModelForCausalLM.from_config(config).eval()
+    reference.save_pretrained(folder / case)
+    if arch is None:
+        return reference, [folder / case]
+    hf_folder_to_gguf(folder / case, folder / f"{case}.gguf", arch)
+    return reference, [folder / case, folder / f"{case}.gguf"]
+
+
+def _prompt() -> list[int]:
+    generator = torch.Generator().manual_seed(1)
+    return torch.randint(0, SMALL["vocab_size"], (PROMPT_TOKENS,), generator=generator).tolist()
+
+
+@pytest.fixture
+def one_thread() -> Iterator[None]:
+    """This process's torch threads at 1 for the test, restored after: these models are too small to share
+    out, and a second thread spinning beside other busy processes made each decode step 50x slower here."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
 @pytest.mark.slow
-def test_every_family_through_pcp2_prefill_and_decode_equals_transformers(tmp_path) -> None:
+def test_every_family_through_pcp2_prefill_and_decode_equals_transformers(tmp_path, one_thread) -> None:
     references, paths = {}, []
-    for case, (config_class, arch, extra) in CASES.items():
-        torch.manual_seed(0)
-        config = getattr(transformers, config_class)(**SMALL, **extra)
-        references[case] = transformers.AutoModelForCausalLM.from_config(config).eval()
-        folder = tmp_path / case
-        references[case].save_pretrained(folder)
-        paths.append((case, folder))
-        if arch is not None:
-            hf_folder_to_gguf(folder, tmp_path / f"{case}.gguf", arch)
-            paths.append((case, tmp_path / f"{case}.gguf"))
-    ids = torch.randint(0, SMALL["vocab_size"], (PROMPT_TOKENS,), generator=torch.Generator().manual_seed(1))
-    ids = ids.tolist()
+    for case in CASES:
+        references[case], forms = _save_family_model(case, tmp_path)
+        paths.extend((case, path) for path in forms)
+    ids = _prompt()
 
     ranks = run_group(PCP, prefill_models, [str(path) for _, path in paths], ids, CHUNK_TOKENS)
 
