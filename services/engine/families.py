@@ -49,8 +49,10 @@ FAMILIES = (
         gguf_architectures=("llama",),
         verified=(
             "SmolLM2-135M GGUF (Q4_1): logits and greedy tokens through PCP=1/2/3, TP=3 x PCP=2 and decode "
-            "TP=9 x DCP=3; random HF folders: logits, and RoPE scaling llama3 / linear / yarn (1e-5); the "
-            "same converted to GGUF (plain and llama3 RoPE): logits (1e-4), 16 greedy tokens"
+            "TP=9 x DCP=3; random models (plain, RoPE scaling llama3 / linear / yarn): every position's "
+            "logits from the HF folder (1e-5), and through PCP=2 prefill in chunks and decode from the "
+            "replica, logits (1e-4) and 16 greedy tokens from the folder and the converted GGUF (yarn: "
+            "folder only, llama.cpp's yarn keys are refused)"
         ),
     ),
     Family(
@@ -59,8 +61,9 @@ FAMILIES = (
         gguf_architectures=("qwen2",),
         qkv_bias=True,
         verified=(
-            "random HF folder with q/k/v biases: logits (1e-5); converted to GGUF: logits (1e-4), 16 greedy "
-            "tokens"
+            "random model with q/k/v biases: every position's logits from the HF folder (1e-5), and through "
+            "PCP=2 prefill in chunks and decode from the replica, logits (1e-4) and 16 greedy tokens from "
+            "the folder and the converted GGUF"
         ),
     ),
     Family(
@@ -69,8 +72,9 @@ FAMILIES = (
         gguf_architectures=(),
         sliding_window_by_default=True,
         verified=(
-            "random HF folder: logits (1e-5); a sliding window caps the context, longer prompts are refused "
-            "naming it (the window itself is not implemented)"
+            "random HF folder: every position's logits (1e-5), and through PCP=2 prefill in chunks and "
+            "decode from the replica, logits (1e-4) and 16 greedy tokens (its GGUF is llama's); a sliding "
+            "window caps the context, longer prompts are refused naming it (the window is not implemented)"
         ),
     ),
 )
