@@ -53,7 +53,8 @@ def _permute(weight: torch.Tensor, heads: int) -> torch.Tensor:
 
 def hf_folder_to_gguf(folder: Path, path: Path, arch: str) -> None:
     """Writes the HF folder's model as an F32 GGUF of `arch` (llama or qwen2), with a byte-level tokenizer of
-    the model's vocabulary size (these tests feed token ids, never text)."""
+    the model's vocabulary size (these tests feed token ids, never text). RoPE scaling as llama.cpp writes
+    it: llama3 as `rope_freqs.weight`, linear as its type and factor (yarn is not converted)."""
     config = json.loads((folder / "config.json").read_text())
     state = {k: v.float() for k, v in load_file(folder / "model.safetensors").items()}
     heads, kv_heads = config["num_attention_heads"], config["num_key_value_heads"]
