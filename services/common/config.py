@@ -108,6 +108,19 @@ def check_addresses(key: str, value: str, required: bool = False) -> None:
             )
 
 
+HOST_ID_MAX_CHARS = 253  # a DNS name's longest
+
+
+def check_host_id(key: str, value: str) -> None:
+    """A machine's name for routers to compare (--host-id): empty (the advertised address's host), or up
+    to HOST_ID_MAX_CHARS printable characters without spaces."""
+    spaced = any(c.isspace() for c in value)
+    if value and (len(value) > HOST_ID_MAX_CHARS or not value.isprintable() or spaced):
+        raise ConfigError.broken(
+            key, value, f"must be at most {HOST_ID_MAX_CHARS} printable characters without spaces"
+        )
+
+
 def check_model_source(key: str, model: str) -> None:
     """A model a node can load: empty (the embedded default), 'tiny', a .gguf file, a model folder or a
     Hugging Face repo id in the local cache (common/models.py).

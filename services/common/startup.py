@@ -32,6 +32,7 @@ from pcpstack.common.config import (
     ConfigError,
     EngineConfig,
     check_addresses,
+    check_host_id,
     check_model_source,
     check_port,
     check_positive,
@@ -96,6 +97,13 @@ def config_from_args(cls: type[C], args: argparse.Namespace, **given: Any) -> C:
     return cls(**values, **given)
 
 
+HOST_ID_HELP = (
+    "the machine this node runs on, for routers that prefer a KV store on a decode worker's own machine "
+    "(shared memory), when the advertised address's host does not say it, e.g. the Kubernetes node name "
+    "(default: the advertised host)"
+)
+
+
 def add_node_arguments(parser: argparse.ArgumentParser, role: str) -> None:
     """The flags of a model-serving node (prefill, decode): its registry, where it listens and is reached,
     its identity, its engine config (a seed-style file, --set overrides, --model), and its message limit."""
@@ -108,6 +116,7 @@ def add_node_arguments(parser: argparse.ArgumentParser, role: str) -> None:
     parser.add_argument("--port", type=int, default=0, help="port to bind (default: any free port)")
     parser.add_argument("--advertise", default="", help="host others reach this node at (default: --host)")
     parser.add_argument("--node-id", default="", help="stable node identity (default: hostname-port)")
+    parser.add_argument("--host-id", default="", help=HOST_ID_HELP)
     parser.add_argument("--config", help=f"seed-style JSON with {ROLE_SECTIONS[role]}")
     parser.add_argument(
         "--set", action="append", default=[], metavar="KEY=VALUE", help="engine_config override"
@@ -166,12 +175,14 @@ class NodeConfig(ListenConfig):
     engine: EngineConfig
     advertise: str = ""
     node_id: str = ""
+    host_id: str = ""
     # cpu, cuda or npu; empty: what engine.device.pick_device finds.
     device: str = ""
 
     def __post_init__(self) -> None:
         super().__post_init__()
         check_addresses("--registry", self.registry, required=True)
+        check_host_id("--host-id", self.host_id)
         check_model_source("model", self.engine.model)
         if self.device and self.device not in DEVICE_KINDS:
             raise ConfigError.broken("--device", self.device, f"must be one of {', '.join(DEVICE_KINDS)}")
@@ -203,6 +214,11 @@ class NodeConfig(ListenConfig):
     def advertised_host(self) -> str:
         """The host other nodes reach this one at."""
         return self.advertise or self.host
+
+    @property
+    def machine(self) -> str:
+        """The machine routers take this node to run on: --host-id, else the advertised host."""
+        return self.host_id or self.advertised_host
 
 
 @dataclass

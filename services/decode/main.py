@@ -198,7 +198,7 @@ async def start(config: DecodeConfig) -> Serving:
     batcher = Batcher(engine, max_batch=config.max_batch)
     fingerprint = engine.layout.fingerprint()
     resolver = Resolver(config.registry)
-    router = SetRouter(resolver.resolve, fingerprint, host=config.advertised_host)
+    router = SetRouter(resolver.resolve, fingerprint, host=config.machine)
     settings = DecodeSettings(
         model_name=served_model_name(engine_config.model),
         kv_fingerprint=fingerprint,
@@ -224,6 +224,7 @@ async def start(config: DecodeConfig) -> Serving:
         engine_config=engine_config,
         kv_fingerprint=fingerprint,
         device_count=engine_config.tensor_parallel_size,
+        host_id=config.host_id,
         load=lambda: batcher.queue_depth,
     )
     await registry.start()

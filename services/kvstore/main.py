@@ -13,9 +13,10 @@ import socket
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from pcpstack.common.config import ConfigError, check_addresses, check_positive
+from pcpstack.common.config import ConfigError, check_addresses, check_host_id, check_positive
 from pcpstack.common.server import DEFAULT_MAX_MESSAGE_BYTES
 from pcpstack.common.startup import (
+    HOST_ID_HELP,
     ListenConfig,
     Serving,
     add_process_arguments,
@@ -63,6 +64,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--advertise", default="", help="host other nodes reach this store at (default: --host)"
     )
     parser.add_argument("--node-id", default="", help="stable node identity (default: hostname-port)")
+    parser.add_argument("--host-id", default="", help=HOST_ID_HELP)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -79,10 +81,12 @@ class KvStoreConfig(ListenConfig):
     registry: str = ""
     advertise: str = ""
     node_id: str = ""
+    host_id: str = ""
 
     def __post_init__(self) -> None:
         super().__post_init__()
         check_positive("--capacity-bytes", self.capacity_bytes)
+        check_host_id("--host-id", self.host_id)
         check_positive("--default-lease-ms", self.default_lease_ms)
         if self.max_lease_ms is not None:
             check_positive("--max-lease-ms", self.max_lease_ms)
@@ -139,6 +143,7 @@ async def start(config: KvStoreConfig) -> Serving:
             node_id=config.node_id or f"{socket.gethostname()}-kvstore-{port}",
             role="kvstore",
             advertised_address=f"{config.advertise or config.host}:{port}",
+            host_id=config.host_id,
             load=server.servicer.store.load_percent,
         )
         await registry.start()

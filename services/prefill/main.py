@@ -261,6 +261,7 @@ class PrefillNode:
             engine_config=self.engine,
             kv_fingerprint=self.info.fingerprint,
             device_count=self.device_count,
+            host_id=config.host_id,
             load=lambda: self.supervisor.load,
         )
         await self.registry.start()

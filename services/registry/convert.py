@@ -98,6 +98,7 @@ def registration_from_proto(request: registry_pb2.RegisterRequest, peer: str = "
         current_assignment=assignment_from_proto(carried) if carried and carried.set_id else None,
         dist_host=request.dist_host,
         session=session_identity(request.instance_id, peer),
+        host_id=request.host_id,
     )
 
 

@@ -88,6 +88,8 @@ class Registration:
     dist_host: str = ""
     # who registered: the node process's instance token and, with mTLS, its certificate's names
     session: str = ""
+    # the machine it runs on when the host of `address` does not say it (--host-id)
+    host_id: str = ""
 
     @property
     def model(self) -> str:
@@ -96,8 +98,10 @@ class Registration:
 
     @property
     def host(self) -> str:
-        """The host the node runs on, as routers compare it: the host of `address` ("" when address is not
-        host:port). A decode worker and a KV store on one host share memory."""
+        """The host the node runs on, as routers compare it: its host_id, else the host of `address` (""
+        when address is not host:port). A decode worker and a KV store on one host share memory."""
+        if self.host_id:
+            return self.host_id
         try:
             return split_host_port(self.address)[0]
         except ValueError:
@@ -117,6 +121,7 @@ class Registration:
             self.engine_config,
             self.kv_fingerprint,
             self.dist_host,
+            self.host_id,
         ) == (
             other.role,
             other.address,
@@ -124,6 +129,7 @@ class Registration:
             other.engine_config,
             other.kv_fingerprint,
             other.dist_host,
+            other.host_id,
         )
 
 

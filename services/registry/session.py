@@ -66,6 +66,7 @@ class NodeSession:
         device_count: int = 0,
         *,
         dist_host: str = "",
+        host_id: str = "",
         load: Callable[[], int] | None = None,
         rpc_deadline_s: float = 5.0,
         retry_max_s: float = 2.0,
@@ -76,7 +77,8 @@ class NodeSession:
         or "kvstore"; load() is read at every heartbeat (queued plus running requests) and steers
         least-loaded routing. A node id still bound to an earlier session (a node
         restarted within its old lease) is retried until that session ends, or for in_use_patience_s when
-        given (then it counts as refused)."""
+        given (then it counts as refused). host_id names the machine when the host of the advertised
+        address does not (--host-id)."""
         if role not in ROLE_VALUES:
             raise ValueError(f"role={role!r} is not one of {', '.join(ROLE_VALUES)}")
         self._addresses = [a.strip() for a in address.split(",") if a.strip()]
@@ -92,6 +94,7 @@ class NodeSession:
             engine_config=engine_config.to_proto() if engine_config is not None else None,
             kv_fingerprint=kv_fingerprint,
             dist_host=dist_host,
+            host_id=host_id,
         )
         self._load = load
         self._in_use_patience_s = in_use_patience_s

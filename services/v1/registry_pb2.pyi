@@ -179,6 +179,7 @@ class RegisterRequest(_message.Message):
     CURRENT_ASSIGNMENT_FIELD_NUMBER: _builtins.int
     DIST_HOST_FIELD_NUMBER: _builtins.int
     INSTANCE_ID_FIELD_NUMBER: _builtins.int
+    HOST_ID_FIELD_NUMBER: _builtins.int
     node_id: _builtins.str
     """Stable identity of the node (survives restarts of the process). Required."""
     role: _common_pb2.NodeRole.ValueType
@@ -196,6 +197,11 @@ class RegisterRequest(_message.Message):
     instance_id: _builtins.str
     """Random token of the node process (new each start). A live node_id is bound to the process that
     registered it: another instance is refused FAILED_PRECONDITION until the first one's session ends.
+    """
+    host_id: _builtins.str
+    """The machine the node runs on, as routers compare hosts (a decode worker sends replicas to a KV store
+    on its own machine, through shared memory), when the host of `address` does not say it (e.g. pods
+    with addresses of their own on one Kubernetes node); empty: the host of `address`.
     """
     @_builtins.property
     def engine_config(self) -> _common_pb2.EngineConfig:
@@ -217,10 +223,11 @@ class RegisterRequest(_message.Message):
         current_assignment: Global___Assignment | None = ...,
         dist_host: _builtins.str = ...,
         instance_id: _builtins.str = ...,
+        host_id: _builtins.str = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["current_assignment", b"current_assignment", "engine_config", b"engine_config"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["address", b"address", "current_assignment", b"current_assignment", "device_count", b"device_count", "dist_host", b"dist_host", "engine_config", b"engine_config", "instance_id", b"instance_id", "kv_fingerprint", b"kv_fingerprint", "node_id", b"node_id", "role", b"role"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["address", b"address", "current_assignment", b"current_assignment", "device_count", b"device_count", "dist_host", b"dist_host", "engine_config", b"engine_config", "host_id", b"host_id", "instance_id", b"instance_id", "kv_fingerprint", b"kv_fingerprint", "node_id", b"node_id", "role", b"role"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

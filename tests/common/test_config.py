@@ -15,6 +15,7 @@ from pcpstack.common.config import (
     EngineConfig,
     check_address,
     check_addresses,
+    check_host_id,
     check_model_source,
     check_port,
     check_positive,
@@ -276,3 +277,14 @@ def test_config_check_applies_the_dcp_gqa_rule_to_the_named_models_kv_heads(tmp_
     assert check(2) == 2
     assert "(tp // num_kv_heads)=1 must be >= dcp and divisible by dcp" in capsys.readouterr().err
     assert check(4) == 0
+
+
+@pytest.mark.parametrize("value", ["", "node-a", "ip-10-0-0-7.ec2.internal"])
+def test_a_host_id_of_printable_characters_is_accepted(value: str) -> None:
+    check_host_id("--host-id", value)
+
+
+@pytest.mark.parametrize("value", ["node a", "tab\there", "x" * 254, "bell\x07"])
+def test_a_host_id_with_spaces_or_too_long_is_refused_naming_the_flag(value: str) -> None:
+    with pytest.raises(ConfigError, match=r"--host-id=.*at most 253 printable characters without spaces"):
+        check_host_id("--host-id", value)

@@ -50,7 +50,7 @@ CONFIG_CLASSES = {
     "gateway": GatewayConfig,
 }
 # Stand-ins for what the downward API gives a pod.
-FIELD_VALUES = {"status.podIP": "10.1.2.3", "metadata.name": "pod-0"}
+FIELD_VALUES = {"status.podIP": "10.1.2.3", "metadata.name": "pod-0", "spec.nodeName": "node-a"}
 
 # LeaderWorkerSet v1 (sigs.k8s.io/lws, api/leaderworkerset/v1/leaderworkerset_types.go): its spec's fields,
 # its leaderWorkerTemplate's, and the values of the enums these manifests set.
@@ -278,6 +278,9 @@ def test_every_pcpstack_command_builds_its_service_config(rendered: Rendered, tm
         # Others dial what a node advertises, and the registry checks it is the node's own address.
         if "--advertise" in args:
             assert option(args, "--advertise") == FIELD_VALUES["status.podIP"]
+        # Decode workers and stores on one Kubernetes node count as one machine for the store choice.
+        if name in ("decode", "kvstore"):
+            assert config.host_id == FIELD_VALUES["spec.nodeName"]
         if name != "registry":
             endpoints = by_kind(objects, "ConfigMap")["pcpstack-endpoints"]["data"]
             assert config.registry == endpoints["registry"]

@@ -240,7 +240,8 @@ def test_decode_and_kvstore_appear_in_resolve_and_an_incomplete_assembly_is_repo
         decode = NodeSession(
             registry.address, "dec-0", "decode", "127.0.0.1:9500", EngineConfig(role="decode")
         )
-        store = NodeSession(registry.address, "kv-0", "kvstore", "127.0.0.1:9600")
+        # --host-id: the machine routers compare, whatever the address says
+        store = NodeSession(registry.address, "kv-0", "kvstore", "127.0.0.1:9600", host_id="machine-a")
         resolver = Resolver(registry.address)
         (lonely,) = await _started(registry.address, [0])
         try:
@@ -251,6 +252,7 @@ def test_decode_and_kvstore_appear_in_resolve_and_an_incomplete_assembly_is_repo
             assert [e.node_id for e in found.decode] == ["dec-0"] and [e.address for e in found.kvstore] == [
                 "127.0.0.1:9600"
             ]
+            assert [e.host for e in (*found.decode, *found.kvstore)] == ["127.0.0.1", "machine-a"]
             notice = await lonely.next_command(timeout=5)
             assert isinstance(notice, registry_pb2.AssemblyTimeout)
             assert (notice.registered, notice.required) == (1, 4)
