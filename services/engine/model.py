@@ -51,6 +51,11 @@ class Embedding(nn.Embedding):
 
     blocks: BlockWeight | None = None
 
+    def reset_parameters(self) -> None:
+        """No random init: the model is built on the meta device and its weights are assigned right after.
+        (nn.Embedding's normal_ on a meta tensor imported torch._dynamo: 1-7 s in every process that loads a
+        model, every prefill rank and decode worker, for nothing.)"""
+
     def keep_blocks(self, blocks: BlockWeight) -> None:
         """Hold the table only as `blocks` (load no `weight` then)."""
         self.blocks, self.weight = blocks, None
