@@ -18,7 +18,10 @@ from bench.report import NOTES_PATH, PLOTS_DIR, REPORT_PATH, RESULTS_DIR, load_r
 
 AREAS = ("registry", "kv", "engine", "prefill", "decode", "peers", "e2e")
 SMOKE_ARGS: dict[str, list[str]] = {
-    "engine": ["--model", "tiny", "--threads", "1", "--repeats", "1", "--decode-steps", "2"],
+    "engine": [
+        *("--model", "tiny", "--threads", "1", "--repeats", "1", "--decode-steps", "2"),
+        "--no-synthetic-1b",
+    ],
     # etcd only (the memory backend runs the same measurement): a 3-member etcd and one leader failover
     "registry": ["--nodes", "20", "--duration", "1", "--lease", "3", "--backend", "etcd", "--failovers", "1"],
     "kv": ["--bytes", "1MiB", "--repeats", "1"],

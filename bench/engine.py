@@ -1,5 +1,7 @@
 """Engine benchmark: prefill seconds at 512 and 2048 tokens and decode tokens/s at batch 1, 8 and 16 (512
-tokens of context each) on the embedded model by default. `python -m bench.engine --json` runs it alone."""
+tokens of context each) on the embedded model by default, and the load time and peak RSS of the model with
+its weights stored and dense (and of a synthetic 1B-shaped GGUF), each load in its own child process
+(bench/engine_weights.py). `python -m bench.engine --json` runs it alone."""
 
 import argparse
 import json
@@ -8,10 +10,12 @@ import time
 
 import torch
 
+from bench.engine_weights import load_forms, synthetic_1b_forms
 from bench.machine import machine_facts
 from bench.roofline import add_roofline
 from pcpstack.common.config import served_model_name
 from pcpstack.engine.engine import Engine
+from pcpstack.engine.weights import weights_form
 
 PREFILL_LENGTHS = (512, 2048)
 DECODE_BATCHES = (1, 8, 16)
@@ -30,6 +34,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--decode-steps", type=int, default=32, help="timed decode steps per batch size")
     parser.add_argument(
         "--dtype", choices=("float32", "bfloat16"), default=None, help="run dtype (default: device's)"
+    )
+    parser.add_argument(
+        "--synthetic-1b",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="also the load time and peak RSS of a synthetic 1B-shaped Q4_1 GGUF (~0.8 GB written to a "
+        "temporary folder; its dense load needs ~5 GB)",
     )
 
 
@@ -104,7 +115,12 @@ def run(args: argparse.Namespace) -> dict:
         },
     }
     # The roofline (bench/roofline.py): bytes per step, the bandwidth-bound ceiling and the fraction reached.
-    return add_roofline(engine, result, timed_steps=args.decode_steps * args.repeats)
+    result = add_roofline(engine, result, timed_steps=args.decode_steps * args.repeats)
+    # Each load form in a child process of its own: one form's peak RSS never hides another's.
+    forms = load_forms({served_model_name(args.model): args.model})
+    if args.synthetic_1b:
+        forms["synthetic-1b"] = synthetic_1b_forms()
+    return {**result, "weights": {"form": weights_form(), "load_forms": forms}}
 
 
 def blocks_for_bench(decode_tokens: int) -> int:

@@ -6,8 +6,9 @@
   torch) and the GGUF pages it maps while reading; `baseline_rss_mb` is what the process held before loading.
 - `write_synthetic_gguf`: a Llama-3.2-1B-shaped Q4_1 GGUF of random weights (dim 2048, 16 layers, hidden
   8192, 32 heads, 8 KV heads, vocabulary 128256, tied embeddings), to measure a model larger than SmolLM2.
-- `prefill_ab`: prefill seconds per prompt length and decode tokens/s at batch 1, both forms of one model
-  loaded in one process and timed interleaved, round after round (medians with their spread).
+- `prefill_ab`: prefill seconds (wall and thread CPU) per prompt length and decode tokens/s at batch 1, both
+  forms of one model loaded in one process and timed interleaved, round after round (medians with their
+  spread).
 
 `python -m bench.engine_weights [--model M] [--ab]` prints the result as JSON; `bench engine` includes
 `load_forms` in its result.
@@ -55,17 +56,29 @@ def _child(model: str | None, form: str) -> dict:
     """Runs in the child process: load the model once and report (see load_in_child)."""
     from pcpstack.engine.weights import load_model
 
-    baseline = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+    baseline = _peak_rss_mb()
     started = time.perf_counter()
     loaded = load_model(model, device="cpu", dtype=torch.float32, weights=form)
     load_s = time.perf_counter() - started
-    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+    peak = _peak_rss_mb()
     return {
         "load_s": round(load_s, 3),
         "peak_rss_mb": round(peak, 1),
         "baseline_rss_mb": round(baseline, 1),
         "weights_mb": round(_weights_bytes(loaded.model) / 2**20, 1),
     }
+
+
+def _peak_rss_mb() -> float:
+    """This process's peak resident set in MiB: /proc's VmHWM where there is one, since getrusage's
+    ru_maxrss starts a child at its parent's resident set at the fork and keeps it across exec (a parent
+    holding an engine would set every child's floor); else ru_maxrss."""
+    status = Path("/proc/self/status")
+    if status.exists():
+        for line in status.read_text().splitlines():
+            if line.startswith("VmHWM:"):
+                return int(line.split()[1]) / 1024
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
 
 
 def _weights_bytes(model: torch.nn.Module) -> int:
@@ -102,7 +115,9 @@ def write_synthetic_gguf(path: Path, shape: dict[str, int] = SYNTHETIC_1B, seed:
     writer.add_layer_norm_rms_eps(1e-5)
     writer.add_rope_freq_base(500000.0)
     writer.add_tokenizer_model("gpt2")
-    tokens = [chr(c) for c in range(0x100, 0x100 + shape["vocab"] - 1)]
+    # Distinct one-character tokens (no surrogate code points), one merge making the last.
+    codes = (c for c in range(0x100, 0x110000) if not 0xD800 <= c <= 0xDFFF)
+    tokens = [chr(next(codes)) for _ in range(shape["vocab"] - 1)]
     tokens.append(tokens[0] + tokens[1])
     writer.add_token_list(tokens)
     writer.add_token_types([1] * shape["vocab"])
@@ -174,14 +189,16 @@ def prefill_ab(
         engine.prefill("warmup", prompts[min(lengths)])
         engine.free("warmup")
     prefill: dict[str, dict[str, list[float]]] = {str(n): {f: [] for f in FORMS} for n in lengths}
+    prefill_cpu: dict[str, dict[str, list[float]]] = {str(n): {f: [] for f in FORMS} for n in lengths}
     decode: dict[str, list[float]] = {f: [] for f in FORMS}
     for r in range(rounds):
         order = FORMS if r % 2 == 0 else tuple(reversed(FORMS))
         for n in lengths:
             for form in order:
-                started = time.perf_counter()
+                started, started_cpu = time.perf_counter(), time.thread_time()
                 engines[form].prefill("ab", prompts[n])
                 prefill[str(n)][form].append(time.perf_counter() - started)
+                prefill_cpu[str(n)][form].append(time.thread_time() - started_cpu)
                 engines[form].free("ab")
         for form in order:
             engine = engines[form]
@@ -195,6 +212,11 @@ def prefill_ab(
         "threads": threads,
         "rounds": rounds,
         "prefill_s": {n: {f: _median(v) for f, v in forms.items()} for n, forms in prefill.items()},
+        # On one thread all of a prefill's work runs on this thread: its CPU time, which time spent waiting
+        # for a core on a busy machine does not inflate.
+        "prefill_thread_cpu_s": {
+            n: {f: _median(v) for f, v in forms.items()} for n, forms in prefill_cpu.items()
+        },
         "decode_batch_1_tokens_per_s": {f: _median(v) for f, v in decode.items()},
     }
 

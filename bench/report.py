@@ -686,7 +686,7 @@ def _decode_section(results: dict, plots: dict[str, Path], report: Path) -> list
     if not rows:
         return [*lines, f"Decode: {NOT_MEASURED} (`pcpstack bench engine`, `bench e2e`, `bench peers`).", ""]
     lines += _table(["stack", "model", "streams", "context", "tokens/s (all streams)", "how"], rows)
-    return lines + _image("decode", plots, report) + _roofline_table(results)
+    return lines + _image("decode", plots, report) + _roofline_table(results) + _weights_table(results)
 
 
 def _roofline_table(results: dict) -> list[str]:
@@ -722,6 +722,33 @@ def _roofline_table(results: dict) -> list[str]:
         )
     header = ["batch", "context", "weights", "K/V", "bytes per step", "ceiling tokens/s", "tokens/s"]
     return lines + _table([*header, "of ceiling"], rows)
+
+
+def _weights_table(results: dict) -> list[str]:
+    """bench engine's loads of each model with its weights stored and dense, each in a fresh process."""
+    lines = ["### Weights in memory", ""]
+    forms = results.get("engine", {}).get("weights", {}).get("load_forms")
+    if not forms:
+        return [*lines, f"Load forms: {NOT_MEASURED} (`pcpstack bench engine`).", ""]
+    lines += [
+        "One fresh process per row loads the model for fp32 on the CPU, weights `stored` (a GGUF's quantized "
+        "blocks, a folder's 16-bit tensors) or `dense` (fp32). Its peak RSS includes its baseline before the "
+        "load (Python, torch) and the GGUF pages it maps while reading.",
+        "",
+    ]
+    rows = [
+        [
+            model,
+            form,
+            f"{_num(row['load_s'])} s",
+            f"{_num(row['peak_rss_mb'])} MB",
+            f"{_num(row['baseline_rss_mb'])} MB",
+            f"{_num(row['weights_mb'])} MB",
+        ]
+        for model, by_form in forms.items()
+        for form, row in by_form.items()
+    ]
+    return lines + _table(["model", "weights", "load", "peak RSS", "before load", "weights held"], rows)
 
 
 def _kv_section(results: dict, plots: dict[str, Path], report: Path) -> list[str]:

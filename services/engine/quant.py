@@ -22,6 +22,8 @@ import torch
 from pcpstack.engine import cpu_kernels
 
 BLOCK = 32
+# The GGUF types `from_gguf` holds in blocks.
+BLOCK_TYPES = ("Q4_0", "Q4_1", "Q4_K", "Q8_0")
 # Up to this many rows (decode batches, short prefill chunks) the block kernels beat the dense matmul here.
 MAX_ROWS = 16
 # Up to this many rows, a projection held only in blocks runs on the block kernels too: dequantizing it for
@@ -73,7 +75,7 @@ class BlockWeight:
         blocks = weight.view(-1, BLOCK).mul_(scale.reshape(-1, 1))
         if minimum is not None:
             blocks.add_(minimum.reshape(-1, 1))
-        return weight.view(*weight.shape[:-2], -1)
+        return weight.view(*weight.shape[:-2], self.shape[1])
 
     def map_rows(self, fn: Callable[[torch.Tensor], torch.Tensor]) -> "BlockWeight":
         """The weight with `fn` applied to the rows of every part (a row permutation, a slice)."""
