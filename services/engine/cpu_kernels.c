@@ -58,6 +58,12 @@ extern float expf(float);
  * layer matvecs' speed at 2,048 bytes; 256 and 1,024 gained less). Prefetching past a tensor's end is
  * harmless (prefetches never fault). */
 #define PREFETCH_BYTES 2048
+/* A batch's block matmul dequantizes each weight row once for all its row tiles when those rows and all the
+ * input rows fit in L1 (48 KiB a core here; 32 on older CPUs, which then read some from L2): SmolLM2's
+ * 576-wide rows at batch 16 do. With wider input rows, read from L2 for every tile, the buffer only added
+ * traffic (its down projection, 1,536 wide: 0.8x). */
+#define BUFFER_BYTES (48 << 10)
+#define BUFFER_BLOCKS (BUFFER_BYTES / ((ROW_TILE + 1 + WEIGHT_ROWS) * BLOCK * 4) + 1)
 
 typedef float vf __attribute__((vector_size(LANES * 4)));
 typedef int32_t vi __attribute__((vector_size(LANES * 4)));
@@ -80,6 +86,41 @@ static inline float hsum(vf v) {
                           __builtin_shufflevector(half, half, 4, 5, 6, 7);
     const f32x4 eighth = quarter + __builtin_shufflevector(quarter, quarter, 2, 3, 0, 1);
     return eighth[0] + eighth[1];
+}
+
+/* Lane j of the result is the sum of the lanes of acc[j]: LANES horizontal sums as one tree of pairwise folds
+ * (two shuffles and an add each, LANES - 1 in all) rather than a separate reduction of every vector. */
+static inline vf sum_each(const vf acc[LANES]) {
+#if LANES == 16
+    vf c[8], d[4], e[2];
+    for (int i = 0; i < 8; i++)
+        c[i] = __builtin_shufflevector(acc[2 * i], acc[2 * i + 1], 0, 1, 2, 3, 4, 5, 6, 7, 16, 17, 18, 19, 20, 21,
+                                       22, 23) +
+               __builtin_shufflevector(acc[2 * i], acc[2 * i + 1], 8, 9, 10, 11, 12, 13, 14, 15, 24, 25, 26, 27, 28,
+                                       29, 30, 31);
+    for (int i = 0; i < 4; i++)
+        d[i] = __builtin_shufflevector(c[2 * i], c[2 * i + 1], 0, 1, 2, 3, 8, 9, 10, 11, 16, 17, 18, 19, 24, 25, 26,
+                                       27) +
+               __builtin_shufflevector(c[2 * i], c[2 * i + 1], 4, 5, 6, 7, 12, 13, 14, 15, 20, 21, 22, 23, 28, 29, 30,
+                                       31);
+    for (int i = 0; i < 2; i++)
+        e[i] = __builtin_shufflevector(d[2 * i], d[2 * i + 1], 0, 1, 4, 5, 8, 9, 12, 13, 16, 17, 20, 21, 24, 25, 28,
+                                       29) +
+               __builtin_shufflevector(d[2 * i], d[2 * i + 1], 2, 3, 6, 7, 10, 11, 14, 15, 18, 19, 22, 23, 26, 27, 30,
+                                       31);
+    return __builtin_shufflevector(e[0], e[1], 0, 2, 4, 6, 8, 10, 12, 14, 16, 18, 20, 22, 24, 26, 28, 30) +
+           __builtin_shufflevector(e[0], e[1], 1, 3, 5, 7, 9, 11, 13, 15, 17, 19, 21, 23, 25, 27, 29, 31);
+#else
+    vf c[4], d[2];
+    for (int i = 0; i < 4; i++)
+        c[i] = __builtin_shufflevector(acc[2 * i], acc[2 * i + 1], 0, 1, 2, 3, 8, 9, 10, 11) +
+               __builtin_shufflevector(acc[2 * i], acc[2 * i + 1], 4, 5, 6, 7, 12, 13, 14, 15);
+    for (int i = 0; i < 2; i++)
+        d[i] = __builtin_shufflevector(c[2 * i], c[2 * i + 1], 0, 1, 4, 5, 8, 9, 12, 13) +
+               __builtin_shufflevector(c[2 * i], c[2 * i + 1], 2, 3, 6, 7, 10, 11, 14, 15);
+    return __builtin_shufflevector(d[0], d[1], 0, 2, 4, 6, 8, 10, 12, 14) +
+           __builtin_shufflevector(d[0], d[1], 1, 3, 5, 7, 9, 11, 13, 15);
+#endif
 }
 
 /* One Q4_1 block as floats in element order: out[v] holds elements v * LANES ... (v + 1) * LANES - 1.
@@ -145,8 +186,21 @@ static inline void q8_0_block(const int8_t *q, float d, vf out[VECTORS_PER_BLOCK
                 for (int w = 0; w < W; w++) acc[w][r] += wv[w][v] * xv;                       \
             }                                                                                 \
     }                                                                                         \
-    for (int w = 0; w < W; w++)                                                               \
-        for (int r = 0; r < R; r++) y[r * n + w] = hsum(acc[w][r]);
+    TILE_STORE
+
+/* The tile's sums into y: a tile of LANES accumulators (the batch tiles) sums them all in one shuffle tree. */
+#define TILE_STORE                                                                            \
+    if (W * R == LANES) {                                                                     \
+        vf all[LANES];                                                                        \
+        for (int w = 0; w < W; w++)                                                           \
+            for (int r = 0; r < R; r++) all[w * R + r] = acc[w][r];                           \
+        const vf sums = sum_each(all);                                                        \
+        for (int w = 0; w < W; w++)                                                           \
+            for (int r = 0; r < R; r++) y[r * n + w] = sums[w * R + r];                       \
+    } else {                                                                                  \
+        for (int w = 0; w < W; w++)                                                           \
+            for (int r = 0; r < R; r++) y[r * n + w] = hsum(acc[w][r]);                       \
+    }
 
 static inline __attribute__((always_inline)) void q4_1_tile(const uint8_t *qs, const float *scale, const float *min,
                                                             int64_t blocks, const float *x, int64_t k, const int W,
@@ -160,6 +214,24 @@ static inline __attribute__((always_inline)) void q8_0_tile(const int8_t *qs, co
                                                             float *y, int64_t n) {
     TILE_BODY(__builtin_prefetch(qs + (w * blocks + b) * BLOCK + PREFETCH_BYTES),
               q8_0_block(qs + (w * blocks + b) * BLOCK, scale[w * blocks + b], wv[w]))
+}
+
+/* The tile of W weight rows by R input rows from weights that `dequantize_rows` left in `weights` (rows
+ * `stride` floats apart): for batches of several row tiles, which then dequantize each block once. */
+static inline __attribute__((always_inline)) void buffered_tile(const float *weights, int64_t stride,
+                                                                int64_t blocks, const float *x, int64_t k,
+                                                                const int W, const int R, float *y, int64_t n) {
+    vf acc[WIDE_WEIGHT_ROWS][8] = {{{0}}};
+    for (int64_t b = 0; b < blocks; b++)
+        for (int v = 0; v < VECTORS_PER_BLOCK; v++) {
+            vf wv[WIDE_WEIGHT_ROWS];
+            for (int w = 0; w < W; w++) wv[w] = load_vf(weights + w * stride + b * BLOCK + v * LANES);
+            for (int r = 0; r < R; r++) {
+                const vf xv = load_vf(x + r * k + b * BLOCK + v * LANES);
+                for (int w = 0; w < W; w++) acc[w][r] += wv[w] * xv;
+            }
+        }
+    TILE_STORE
 }
 
 /* Calls CALL(W, R) with constants: W weight rows (WIDE_WEIGHT_ROWS for at most WIDE_MAX_ROWS input rows, else
@@ -198,18 +270,42 @@ typedef struct {
 
 enum { KIND_Q4_1 = 0, KIND_Q8_0 = 1 };
 
+/* Weight rows [j, j + rows) as floats, row after row (k floats each), into `out`. */
+static void dequantize_rows(const block_weight *w, int64_t j, int64_t rows, float *out, int64_t k) {
+    const int64_t blocks = k / BLOCK;
+    for (int64_t i = 0; i < rows; i++)
+        for (int64_t b = 0; b < blocks; b++) {
+            const int64_t at = (j + i) * blocks + b;
+            vf values[VECTORS_PER_BLOCK];
+            if (w->kind == KIND_Q4_1)
+                q4_1_block((const uint8_t *)w->qs + at * 16, w->scale[at], w->min[at], values);
+            else
+                q8_0_block((const int8_t *)w->qs + at * BLOCK, w->scale[at], values);
+            for (int v = 0; v < VECTORS_PER_BLOCK; v++) *(vf_u *)(out + i * k + b * BLOCK + v * LANES) = values[v];
+        }
+}
+
 /* y[m, n] = x[m, k] @ W^T (+ bias). An orphaned `omp for`: the calling threads of a parallel region share
- * the weight rows, and wait for each other at its end. */
+ * the weight rows, and wait for each other at its end. With more input rows than one tile holds, each weight
+ * row is dequantized once, into `weights` (in L1), for all the row tiles, rather than once per tile. */
 static void matmul_rows(const block_weight *w, const float *x, int64_t m, float *y) {
     const int64_t n = w->n, k = w->k, blocks = k / BLOCK;
     const int64_t step = m <= WIDE_MAX_ROWS ? WIDE_WEIGHT_ROWS : WEIGHT_ROWS;
+    float weights[WEIGHT_ROWS * BLOCK * BUFFER_BLOCKS] __attribute__((aligned(64)));
+    const int buffered = m > ROW_TILE && (m + WEIGHT_ROWS) * k * (int64_t)sizeof(float) <= BUFFER_BYTES;
 #pragma omp for schedule(static)
     for (int64_t row = 0; row < n; row += step) {
         const int64_t weight_rows = n - row < step ? n - row : step;
+        if (buffered) dequantize_rows(w, row, weight_rows, weights, k);
         for (int64_t r0 = 0; r0 < m; r0 += ROW_TILE) {
             /* A whole tile, or the last rows of the weight one at a time. */
             const int tile = weight_rows == step ? (int)step : 1;
-            for (int64_t j = row; j < row + weight_rows; j += tile) {
+            for (int64_t j = row; buffered && j < row + weight_rows; j += tile) {
+#define BUFFERED_CALL(W, R) buffered_tile(weights + (j - row) * k, k, blocks, x + r0 * k, k, W, R, y + r0 * n + j, n)
+                FOR_TILE(tile, m - r0, BUFFERED_CALL)
+#undef BUFFERED_CALL
+            }
+            for (int64_t j = row; !buffered && j < row + weight_rows; j += tile) {
                 if (w->kind == KIND_Q4_1) {
 #define Q4_CALL(W, R)                                                                                      \
     q4_1_tile((const uint8_t *)w->qs + j * blocks * 16, w->scale + j * blocks, w->min + j * blocks, blocks, \
@@ -245,41 +341,6 @@ void q8_0_matmul(const float *x, int64_t m, int64_t k, const int8_t *qs, const f
     const block_weight w = {KIND_Q8_0, n, k, qs, scale, NULL, NULL};
 #pragma omp parallel num_threads(threads)
     matmul_rows(&w, x, m, y);
-}
-
-/* Lane j of the result is the sum of the lanes of acc[j]: LANES horizontal sums as one tree of pairwise folds
- * (two shuffles and an add each, LANES - 1 in all) rather than a separate reduction of every vector. */
-static inline vf sum_each(const vf acc[LANES]) {
-#if LANES == 16
-    vf c[8], d[4], e[2];
-    for (int i = 0; i < 8; i++)
-        c[i] = __builtin_shufflevector(acc[2 * i], acc[2 * i + 1], 0, 1, 2, 3, 4, 5, 6, 7, 16, 17, 18, 19, 20, 21,
-                                       22, 23) +
-               __builtin_shufflevector(acc[2 * i], acc[2 * i + 1], 8, 9, 10, 11, 12, 13, 14, 15, 24, 25, 26, 27, 28,
-                                       29, 30, 31);
-    for (int i = 0; i < 4; i++)
-        d[i] = __builtin_shufflevector(c[2 * i], c[2 * i + 1], 0, 1, 2, 3, 8, 9, 10, 11, 16, 17, 18, 19, 24, 25, 26,
-                                       27) +
-               __builtin_shufflevector(c[2 * i], c[2 * i + 1], 4, 5, 6, 7, 12, 13, 14, 15, 20, 21, 22, 23, 28, 29, 30,
-                                       31);
-    for (int i = 0; i < 2; i++)
-        e[i] = __builtin_shufflevector(d[2 * i], d[2 * i + 1], 0, 1, 4, 5, 8, 9, 12, 13, 16, 17, 20, 21, 24, 25, 28,
-                                       29) +
-               __builtin_shufflevector(d[2 * i], d[2 * i + 1], 2, 3, 6, 7, 10, 11, 14, 15, 18, 19, 22, 23, 26, 27, 30,
-                                       31);
-    return __builtin_shufflevector(e[0], e[1], 0, 2, 4, 6, 8, 10, 12, 14, 16, 18, 20, 22, 24, 26, 28, 30) +
-           __builtin_shufflevector(e[0], e[1], 1, 3, 5, 7, 9, 11, 13, 15, 17, 19, 21, 23, 25, 27, 29, 31);
-#else
-    vf c[4], d[2];
-    for (int i = 0; i < 4; i++)
-        c[i] = __builtin_shufflevector(acc[2 * i], acc[2 * i + 1], 0, 1, 2, 3, 8, 9, 10, 11) +
-               __builtin_shufflevector(acc[2 * i], acc[2 * i + 1], 4, 5, 6, 7, 12, 13, 14, 15);
-    for (int i = 0; i < 2; i++)
-        d[i] = __builtin_shufflevector(c[2 * i], c[2 * i + 1], 0, 1, 4, 5, 8, 9, 12, 13) +
-               __builtin_shufflevector(c[2 * i], c[2 * i + 1], 2, 3, 6, 7, 10, 11, 14, 15);
-    return __builtin_shufflevector(d[0], d[1], 0, 2, 4, 6, 8, 10, 12, 14) +
-           __builtin_shufflevector(d[0], d[1], 1, 3, 5, 7, 9, 11, 13, 15);
-#endif
 }
 
 /* Scaled scores of one query head against LANES keys (rows[i] + offset, dim floats each), DV = dim / LANES
@@ -525,7 +586,9 @@ int decode_layer(const decode_layer_weights *lw, const float *x, int64_t m, floa
      * own: the normed input, the residual and SiLU(gate) * up, which every thread computes whole (they are a
      * few rows, and so no barrier waits for them: each `omp for` here ends in one, the matmuls' included). */
     const int64_t own = m * (2 * dim + hidden), shared = m * (qkv_dim + q_dim + 2 * dim + 2 * hidden);
-    float *scratch = malloc(sizeof(float) * (size_t)(shared + threads * own));
+    /* Cache-line aligned, as are the parts for the usual model sizes (multiples of 16 floats): a vector load
+     * across two lines costs two. */
+    float *scratch = aligned_alloc(64, (sizeof(float) * (size_t)(shared + threads * own) + 63) / 64 * 64);
     if (!scratch) return -2;
     float *qkv = scratch, *att = qkv + m * qkv_dim, *proj = att + m * q_dim, *ffn_out = proj + m * dim;
     float *gate_up = ffn_out + m * dim, *owned = gate_up + m * 2 * hidden;

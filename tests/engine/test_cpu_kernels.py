@@ -74,9 +74,9 @@ def haswell_kernels(tmp_path_factory):
 
 def test_kernels_built_for_avx2_only_cpus_equal_the_dense_matmul(gguf_tensors, haswell_kernels):
     """The AVX2 code must give the dense results for both block kinds, on whole tiles and on the rows left
-    over."""
+    over, with weight rows dequantized once for a batch's row tiles (576 wide) or in every tile (1,536)."""
     lib = haswell_kernels
-    for name in ("blk.3.ffn_down.weight", "token_embd.weight"):
+    for name in ("blk.3.ffn_down.weight", "blk.5.attn_q.weight", "token_embd.weight"):
         tensor = gguf_tensors[name]
         blocks = quant.from_gguf(tensor.data, tensor.tensor_type.name)
         dense = _dense(tensor)
@@ -101,8 +101,9 @@ def _dequantized(blocks: quant.BlockWeight) -> torch.Tensor:
 
 @pytest.mark.parametrize("kind", ["q4_1", "q8_0"])
 def test_block_matmul_of_one_hot_rows_returns_every_dequantized_weight_bit_for_bit(kind):
-    """Every tile shape (the wide one of batch 1 and 2, the rows left after it, batch 3's) reads each block
-    with its own scale and min and looks up each nibble exactly: one-hot inputs give the weights back."""
+    """Every tile shape (the wide one of batch 1 and 2, the rows left after it, batch 3's, and batches of
+    several row tiles, whose weight rows are dequantized once for all of them) reads each block with its own
+    scale and min and looks up each nibble exactly: one-hot inputs give the weights back."""
     generator = torch.Generator().manual_seed(7)
     cols = 64
     for weight_rows in (1, 7):
@@ -115,7 +116,7 @@ def test_block_matmul_of_one_hot_rows_returns_every_dequantized_weight_bit_for_b
         minimum = minimum if kind == "q4_1" else None
         blocks = quant.BlockWeight(kind, qs, scale, minimum)
         expected = _dequantized(blocks)
-        for batch in (1, 2, 3):
+        for batch in (1, 2, 3, 9, 16):
             eye = torch.eye(cols)
             for first in range(0, cols, batch):
                 x = eye[first : first + batch]
@@ -227,10 +228,12 @@ def test_paged_decode_attention_refuses_a_table_outside_the_cache():
 def test_fused_decode_layers_equal_the_layer_modules(smollm, smollm_engine):
     """Batched decode through the fused C layers gives the logits of the same steps through the PyTorch
     modules (which call the block matmuls and the attention kernel one by one), for sequences of different
-    lengths; later steps read the K/V rows the fused layers wrote."""
+    lengths, nine of them (more rows than one matmul tile holds); later steps read the K/V rows the fused
+    layers wrote."""
     generator = torch.Generator().manual_seed(2)
     vocab = smollm.args.vocab_size
-    prompts = [torch.randint(0, vocab, (n,), generator=generator).tolist() for n in (1, 17, 40)]
+    lengths = (1, 17, 40, 2, 5, 9, 12, 3, 7)
+    prompts = [torch.randint(0, vocab, (n,), generator=generator).tolist() for n in lengths]
     kernels = [layer.decode_kernel for layer in smollm.model.layers]
     assert all(k is not None for k in kernels)
 
