@@ -1,16 +1,18 @@
 """Weights kept in a GGUF file's own quantized blocks, for every matmul that uses them.
 
 Dequantized to fp32, SmolLM2's weights are 540 MB; in their Q4_1/Q8_0 blocks they are about 100 MB, and a
-decode step is bound by the bytes of weights it reads. A `BlockWeight` is the only copy of a projection the
-engine keeps: `BlockWeight.matmul` computes x @ W^T for a few rows (decode, short prompts) straight from the
-blocks with the C kernels of cpu_kernels.c; for more rows `project` dequantizes the projection to a temporary
-fp32 weight and runs the BLAS matmul, and an embedding lookup dequantizes only the rows it looks up.
+decode step is bound by the bytes of weights it reads. With weights kept stored (weights.py) a `BlockWeight`
+is the only copy of a projection the engine keeps: `BlockWeight.matmul` computes x @ W^T for a few rows
+(decode, short prompts) straight from the blocks with the C kernels of cpu_kernels.c; for more rows
+`project` dequantizes the projection to a temporary fp32 weight and runs the BLAS matmul, and an embedding
+lookup dequantizes only the rows it looks up.
 
 Two forms hold every type the kernels run: "q4_1" (w = scale * q + min, 4-bit q) and "q8_0" (w = scale * q,
 int8 q), 32 weights a block, scale and min in fp32. GGUF's Q4_1 and Q8_0 map onto them directly, Q4_0 and
 Q4_K (whose 32-wide sub-blocks have their own scale and min) exactly: `dequantize` gives the values of
 `gguf.quants.dequantize` (fp16 scales times small integers are exact in fp32, so every product and sum
-rounds as gguf's does). Q6_K's 16-wide sub-blocks fit neither form; its tensors stay dense (weights.py).
+rounds as gguf's does; only Q4_0's zeros may differ in sign: +0 where gguf's d * (q - 8) gives -0). Q6_K's
+16-wide sub-blocks fit neither form; its tensors stay dense (weights.py).
 """
 
 from collections.abc import Callable
