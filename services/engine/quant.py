@@ -28,9 +28,9 @@ BLOCK = 32
 BLOCK_TYPES = ("Q4_0", "Q4_1", "Q4_K", "Q8_0")
 # Up to this many rows (decode batches, short prefill chunks) the block kernels beat the dense matmul here.
 MAX_ROWS = 16
-# Up to this many rows, a projection held only in blocks runs on the block kernels too: dequantizing it for
-# the BLAS matmul costs more below that (both were within 10 % of each other at 128 rows for SmolLM2's
-# projections, one thread; bench/engine_weights.py measures whole prompts).
+# Up to this many rows, a projection held only in blocks runs on the block kernels too: below that,
+# dequantizing it for the BLAS matmul costs more (SmolLM2's four projections of a layer, one thread, CPU time:
+# 13 against 18 ms at 128 rows, 24 against 22 at 192; bench/engine_weights.py measures whole prompts).
 MAX_ROWS_WITHOUT_DENSE = 128
 
 
