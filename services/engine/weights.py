@@ -440,6 +440,8 @@ def _read_gguf(
         state[f"{layer}attention_norm.weight"] = dense(f"{blk}attn_norm.weight")
         state[f"{layer}ffn_norm.weight"] = dense(f"{blk}ffn_norm.weight")
     if keep_blocks:
+        held = sum(b.nbytes for name, b in blocks.items() if not (name == "output" and args.tie_embeddings))
+        log.info("%s: weights kept in quantized blocks, %.0f MiB", path.name, held / 2**20)
         matrices = [name for name, tensor in state.items() if tensor.dim() == 2]
         if matrices:
             unheld = {t.tensor_type.name for t in by_name.values() if t.data.ndim == 2} - set(BLOCK_TYPES)

@@ -52,7 +52,7 @@ def test_every_block_type_dequantizes_to_the_values_gguf_gives(kind):
     assert blocks.dequantize(torch.tensor([], dtype=torch.long)).shape == (0, 512)
 
 
-def test_q6_k_has_no_block_form_and_stays_dense():
+def test_q6_k_has_no_block_form():
     data = np.random.default_rng(0).integers(0, 256, (2, 210), dtype=np.uint8)
     assert from_gguf(data, "Q6_K") is None
 
