@@ -9,6 +9,10 @@ the largest rank is reported first, since it is what a rank's cache must fit. Th
 K/V of the model's layout rather than a prefill: decode's cost depends on the shapes, not the values, and a
 4,096-token prefill per sequence would cost minutes on a small CPU. On a machine with fewer cores than TP
 ranks, tokens/s shows the collectives' cost, not a speedup; memory per rank is the point of DCP.
+
+`collectives` times the TP group's small collectives on their own, gloo against the shared-memory host group
+a CPU decode worker uses (bench/collectives.py): an all-reduce of one step's activations over the TP ranks and
+an all-gather within a DCP group.
 """
 
 from __future__ import annotations
@@ -19,10 +23,12 @@ import time
 
 import torch
 
+from bench.collectives import measure as measure_collectives
 from bench.machine import machine_facts
 from pcpstack.common.config import served_model_name
 from pcpstack.engine.dcp import DcpShard
 from pcpstack.engine.tp_engine import TensorParallelEngine
+from pcpstack.engine.weights import describe_model
 
 BLOCK_SIZE = 16
 
@@ -43,6 +49,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--threads-per-rank", type=int, default=1, help="torch threads of each rank")
     parser.add_argument(
         "--dtype", choices=("float32", "bfloat16"), default=None, help="run dtype (default: device's)"
+    )
+    parser.add_argument(
+        "--collective-rounds",
+        type=int,
+        default=5,
+        help="rounds of the TP collectives' timing, gloo against the shared-memory host group (0 skips it)",
     )
 
 
@@ -100,6 +112,12 @@ def run(args: argparse.Namespace) -> dict:
         results = {str(d): _measure(args, d) for d in args.dcp}
     finally:
         torch.set_num_threads(threads)  # the TP engine sets this process's threads
+    collectives = {}
+    if args.collective_rounds > 0:
+        # one step's activations at this batch, summed over the TP ranks and gathered within a DCP group
+        gather = max(args.dcp) if max(args.dcp) > 1 else args.tp
+        dim = describe_model(args.model).args.dim
+        collectives = measure_collectives(args.tp, gather, args.batch, dim, rounds=args.collective_rounds)
     return {
         "model": served_model_name(args.model),
         "tp": args.tp,
@@ -112,4 +130,5 @@ def run(args: argparse.Namespace) -> dict:
         "torch": torch.__version__,
         **facts,
         "dcp": results,
+        "collectives": collectives,
     }
