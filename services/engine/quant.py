@@ -84,6 +84,14 @@ class BlockWeight:
         minimum = None if self.minimum is None else fn(self.minimum).contiguous()
         return BlockWeight(self.kind, fn(self.qs).contiguous(), fn(self.scale).contiguous(), minimum)
 
+    def columns(self, columns: slice) -> "BlockWeight":
+        """The weight's columns `columns` (on block edges: a TP rank's input slice)."""
+        if columns.start % BLOCK or columns.stop % BLOCK:
+            raise ValueError(f"columns {columns.start}:{columns.stop} cut {BLOCK}-wide blocks")
+        cut = slice(columns.start // BLOCK, columns.stop // BLOCK)
+        minimum = None if self.minimum is None else self.minimum[:, cut].contiguous()
+        return BlockWeight(self.kind, self.qs[:, cut].contiguous(), self.scale[:, cut].contiguous(), minimum)
+
     @staticmethod
     def cat(parts: "list[BlockWeight]") -> "BlockWeight | None":
         """The parts stacked along rows (a fused projection); None when their formats differ."""

@@ -15,7 +15,8 @@ blocks for decode, as before weights were kept stored.
 
 A tensor-parallel rank keeps its shard (`shard_state`, or `_read_gguf_shard` straight from a GGUF): the rows
 of its query and K/V heads and of its gate/up slice, the matching columns of the output and down
-projections; the rest is replicated. A GGUF's shard is dense."""
+projections; the rest is replicated. A GGUF shard's projections stay in blocks too where the rank's columns
+fall on block edges (else that projection is dense)."""
 
 import contextlib
 import ctypes
@@ -43,7 +44,7 @@ from pcpstack.engine.families import family_of_config, family_of_gguf
 from pcpstack.engine.gguf_file import GgufFile, GgufTensor, read_gguf
 from pcpstack.engine.model import Transformer
 from pcpstack.engine.parallel import SINGLE_RANK, TensorParallelShard
-from pcpstack.engine.quant import BLOCK_TYPES, BlockWeight, from_gguf
+from pcpstack.engine.quant import BLOCK, BLOCK_TYPES, BlockWeight, from_gguf
 from pcpstack.engine.rope import RopeScaling
 from pcpstack.engine.tokenizer import Tokenizer
 
@@ -123,15 +124,16 @@ def load_model(
         tokenizer = Tokenizer.byte_level(args.vocab_size, ["<|endoftext|>", "<|im_start|>", "<|im_end|>"])
     elif path.is_dir():
         args, state, tokenizer = _read_hf_folder(path)
-    elif shard.size > 1:
-        # Only this rank's rows and columns are dequantized: a TP rank holds ~1/T of each layer.
-        log.info("weights of %s are dense: a TP rank's shard is dequantized", name)
-        args, state, tokenizer = _read_gguf_shard(path, unpermute_gguf_qk, shard)
     else:
         why_dense = _why_dense(device, dtype) if form == STORED else None
         if why_dense:
             log.info("weights of %s are dense: %s", name, why_dense)
-        args, state, tokenizer, blocks = _read_gguf(path, unpermute_gguf_qk, form == STORED and not why_dense)
+        keep = form == STORED and not why_dense
+        if shard.size > 1:
+            # Only this rank's rows and columns are read: a TP rank holds ~1/T of each layer.
+            args, state, tokenizer, blocks = _read_gguf_shard(path, unpermute_gguf_qk, shard, keep)
+        else:
+            args, state, tokenizer, blocks = _read_gguf(path, unpermute_gguf_qk, keep)
     model_id = _model_id(path, args)
     local_args, tp_group = args, None
     if shard.size > 1:
@@ -140,7 +142,6 @@ def load_model(
         local_args, tp_group = shard.local_args(args), shard.group
         if path == TINY or path.is_dir():
             state = shard_state(state, args, shard)
-        blocks = {}
     model = _build(local_args, state, blocks, device, dtype, tp_group, keep_16bit=form == STORED)
     log.info("model %s loaded in %.1f s", name, time.monotonic() - started, extra=PROGRESS)
     return LoadedModel(model, local_args, tokenizer, model_id, device, dtype, args, shard)
@@ -490,10 +491,12 @@ def _dequantized(tensor: GgufTensor, rows: slice | None = None, columns: slice |
 
 
 def _read_gguf_shard(
-    path: Path, unpermute: bool, shard: TensorParallelShard
-) -> tuple[ModelArgs, dict[str, torch.Tensor], Tokenizer]:
+    path: Path, unpermute: bool, shard: TensorParallelShard, keep_blocks: bool = False
+) -> tuple[ModelArgs, dict[str, torch.Tensor], Tokenizer, dict[str, BlockWeight]]:
     """One TP rank's fused state read straight from a GGUF file: what `shard_state` would cut from the whole
-    model, with only the rank's rows and columns dequantized (embedding, norms and LM head whole)."""
+    model, with only the rank's rows and columns dequantized (embedding, norms and LM head whole). With
+    `keep_blocks`, a projection whose rank's part is in blocks (rows cut from the stored rows, columns on
+    block edges) stays in blocks instead, as do the embedding and LM head."""
     reader = read_gguf(path)
     args, meta, tokenizer = _gguf_args(path, reader)
     shard.check(args)
@@ -509,28 +512,54 @@ def _read_gguf_shard(
     def part(name: str, rows: slice | None = None, columns: slice | None = None) -> torch.Tensor:
         return _dequantized(by_name[name], rows, columns)
 
-    state = {"tok_embeddings.weight": part("token_embd.weight"), "norm.weight": part("output_norm.weight")}
-    if not args.tie_embeddings:
+    def block_part(name: str, rows: slice | None = None, columns: slice | None = None) -> BlockWeight | None:
+        tensor = by_name[name]
+        if not keep_blocks or (columns is not None and (columns.start % BLOCK or columns.stop % BLOCK)):
+            return None
+        blocks = from_gguf(tensor.data if rows is None else tensor.data[rows], tensor.tensor_type.name)
+        return blocks if blocks is None or columns is None else blocks.columns(columns)
+
+    def fused(*parts: BlockWeight | None) -> BlockWeight | None:
+        return None if None in parts else BlockWeight.cat(list(parts))
+
+    blocks = {"tok_embeddings": block_part("token_embd.weight")}
+    blocks["output"] = blocks["tok_embeddings"] if args.tie_embeddings else block_part("output.weight")
+    state = {"norm.weight": part("output_norm.weight")}
+    if blocks["tok_embeddings"] is None:
+        state["tok_embeddings.weight"] = part("token_embd.weight")
+    if not args.tie_embeddings and blocks["output"] is None:
         state["output.weight"] = part("output.weight")
     for i in range(args.n_layers):
-        blk = f"blk.{i}."
-        q, k = part(f"{blk}attn_q.weight", q_rows), part(f"{blk}attn_k.weight", kv_rows)
-        if permuted:
-            q, k = unpermute_qk(q, len(heads)), unpermute_qk(k, len(kv_heads))
-        v = part(f"{blk}attn_v.weight", kv_rows)
-        _fuse_layer(
-            state, i, q, k, v, part(f"{blk}ffn_gate.weight", mlp_rows), part(f"{blk}ffn_up.weight", mlp_rows)
-        )
+        blk, layer = f"blk.{i}.", f"layers.{i}."
+        q, k = block_part(f"{blk}attn_q.weight", q_rows), block_part(f"{blk}attn_k.weight", kv_rows)
+        if permuted and q is not None and k is not None:
+            q = q.map_rows(lambda rows: unpermute_qk(rows, len(heads)))
+            k = k.map_rows(lambda rows: unpermute_qk(rows, len(kv_heads)))
+        blocks[f"{layer}attention.wqkv"] = fused(q, k, block_part(f"{blk}attn_v.weight", kv_rows))
+        gate_up = (block_part(f"{blk}ffn_gate.weight", mlp_rows), block_part(f"{blk}ffn_up.weight", mlp_rows))
+        blocks[f"{layer}feed_forward.w13"] = fused(*gate_up)
+        blocks[f"{layer}attention.wo"] = block_part(f"{blk}attn_output.weight", columns=q_rows)
+        blocks[f"{layer}feed_forward.w2"] = block_part(f"{blk}ffn_down.weight", columns=mlp_rows)
+        if blocks[f"{layer}attention.wqkv"] is None:
+            q, k = part(f"{blk}attn_q.weight", q_rows), part(f"{blk}attn_k.weight", kv_rows)
+            if permuted:
+                q, k = unpermute_qk(q, len(heads)), unpermute_qk(k, len(kv_heads))
+            state[f"{layer}attention.wqkv.weight"] = torch.cat((q, k, part(f"{blk}attn_v.weight", kv_rows)))
+        if blocks[f"{layer}feed_forward.w13"] is None:
+            gate, up = part(f"{blk}ffn_gate.weight", mlp_rows), part(f"{blk}ffn_up.weight", mlp_rows)
+            state[f"{layer}feed_forward.w13.weight"] = torch.cat((gate, up))
         if args.attention_bias:
             qb, kb = part(f"{blk}attn_q.bias", q_rows), part(f"{blk}attn_k.bias", kv_rows)
             if permuted:
                 qb, kb = unpermute_qk(qb, len(heads)), unpermute_qk(kb, len(kv_heads))
-            state[f"layers.{i}.attention.wqkv.bias"] = torch.cat((qb, kb, part(f"{blk}attn_v.bias", kv_rows)))
-        state[f"layers.{i}.attention.wo.weight"] = part(f"{blk}attn_output.weight", columns=q_rows)
-        state[f"layers.{i}.feed_forward.w2.weight"] = part(f"{blk}ffn_down.weight", columns=mlp_rows)
-        state[f"layers.{i}.attention_norm.weight"] = part(f"{blk}attn_norm.weight")
-        state[f"layers.{i}.ffn_norm.weight"] = part(f"{blk}ffn_norm.weight")
-    return args, state, tokenizer
+            state[f"{layer}attention.wqkv.bias"] = torch.cat((qb, kb, part(f"{blk}attn_v.bias", kv_rows)))
+        if blocks[f"{layer}attention.wo"] is None:
+            state[f"{layer}attention.wo.weight"] = part(f"{blk}attn_output.weight", columns=q_rows)
+        if blocks[f"{layer}feed_forward.w2"] is None:
+            state[f"{layer}feed_forward.w2.weight"] = part(f"{blk}ffn_down.weight", columns=mlp_rows)
+        state[f"{layer}attention_norm.weight"] = part(f"{blk}attn_norm.weight")
+        state[f"{layer}ffn_norm.weight"] = part(f"{blk}ffn_norm.weight")
+    return args, state, tokenizer, {name: b for name, b in blocks.items() if b is not None}
 
 
 def _layer_blocks(

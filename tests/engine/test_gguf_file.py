@@ -50,6 +50,6 @@ def test_a_tp_rank_reads_exactly_its_shard_of_the_whole_model(tp, ranks) -> None
     for rank in ranks:
         shard = TensorParallelShard(rank, tp)
         expected = shard_state(whole, args, shard)
-        _, mine, _ = _read_gguf_shard(path, True, shard)
+        _, mine, _, _ = _read_gguf_shard(path, True, shard)
         assert mine.keys() == expected.keys()
         assert [k for k in expected if not torch.equal(mine[k], expected[k])] == []

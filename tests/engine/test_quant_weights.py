@@ -17,8 +17,15 @@ from pcpstack.engine import cpu_kernels
 from pcpstack.engine.engine import Engine
 from pcpstack.engine.gguf_file import read_gguf
 from pcpstack.engine.model import Linear
+from pcpstack.engine.parallel import TensorParallelShard
 from pcpstack.engine.quant import MAX_ROWS_WITHOUT_DENSE, from_gguf
-from pcpstack.engine.weights import WEIGHTS_ENV, default_model_path, load_model, unpermute_qk
+from pcpstack.engine.weights import (
+    WEIGHTS_ENV,
+    _read_gguf_shard,
+    default_model_path,
+    load_model,
+    unpermute_qk,
+)
 from tests.engine.conftest import engine_logits
 from tests.helpers import small_hf_llama
 
@@ -96,6 +103,20 @@ def test_smollm2_keeps_projections_embedding_and_lm_head_only_in_blocks_with_ggu
     ids = torch.tensor([0, 17, args.vocab_size - 1, 17])
     assert torch.equal(model.tok_embeddings(ids), gguf_dense("token_embd.weight")[ids])
     assert model.output_blocks is model.tok_embeddings.blocks  # tied: one copy serves both
+
+
+def test_a_tp_shard_keeps_in_blocks_the_projections_whose_cut_falls_on_block_edges():
+    # TP=9 on SmolLM2: one head of 64 rows / columns (on block edges), and 1,536 / 9 of the MLP (not).
+    shard = TensorParallelShard(4, 9)
+    _, dense, _, no_blocks = _read_gguf_shard(default_model_path(), True, shard)
+    _, state, _, blocks = _read_gguf_shard(default_model_path(), True, shard, keep_blocks=True)
+    assert no_blocks == {}
+    assert "layers.0.attention.wqkv" in blocks and "layers.0.attention.wo" in blocks
+    assert "layers.0.feed_forward.w2" not in blocks and "layers.0.feed_forward.w2.weight" in state
+    for name, kept in blocks.items():
+        key = "tok_embeddings.weight" if name == "output" else f"{name}.weight"
+        assert key not in state
+        assert torch.equal(kept.dequantize(), dense[key]), name
 
 
 @pytest.fixture(scope="module")
