@@ -6,8 +6,8 @@ Weights stay in the form they are stored in (`WEIGHTS_ENV`, the `weights` argume
   services/engine/quant.py) are kept only as quantized blocks: decode and short prompts run the C block
   kernels on them, longer prompts dequantize one projection at a time, and an embedding lookup only the rows
   it reads. Other types (F32, F16, Q6_K, ...) are dequantized to dense weights, with a log line naming them.
-  This needs the CPU block kernels (cpu_kernels.library()), an fp32 run on the CPU and a single rank; else
-  the whole model is dense (as with `weights="dense"`), with a log line saying why.
+  This needs the CPU block kernels (cpu_kernels.library()) and an fp32 run on the CPU; else the whole model
+  is dense (as with `weights="dense"`), with a log line saying why.
 - Safetensors in bf16 or fp16 stay 16-bit; a matmul upcasts the weight per call (exact, so the results equal
   a load in fp32). Norms and biases, small, are held in the run dtype.
 `weights="dense"` converts every weight to the run dtype instead; a GGUF's projections then also keep their
