@@ -79,7 +79,7 @@ def weight_bytes(engine: Engine, batch: int) -> int:
     if output is not embedding:
         total += batch * embedding.shape[1] * embedding.element_size()  # only the rows looked up
     for module in model.modules():
-        if isinstance(module, nn.Linear) and module.weight is not output:
+        if isinstance(module, nn.Linear) and module is not model.output:
             total += _projection_bytes(module.weight, getattr(module, "blocks", None), batch, device)
             total += _tensor_bytes(module.bias)
             counted.update({id(module.weight), id(module.bias)})
