@@ -76,7 +76,7 @@ def weight_bytes(engine: Engine, batch: int) -> int:
     embedding, output = model.tok_embeddings.weight, model.output_weight()
     counted = {id(embedding), id(output)}
     total = _projection_bytes(output, model.output_blocks, batch, device)  # the logits projection
-    if output is not embedding:
+    if embedding is not None and output is not embedding:  # (None: kept in blocks, a few rows' bytes)
         total += batch * embedding.shape[1] * embedding.element_size()  # only the rows looked up
     for module in model.modules():
         if isinstance(module, nn.Linear) and module is not model.output:
