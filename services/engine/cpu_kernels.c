@@ -63,6 +63,7 @@ extern float expf(float);
  * 576-wide rows at batch 16 do. With wider input rows, read from L2 for every tile, the buffer only added
  * traffic (its down projection, 1,536 wide: 0.8x). */
 #define BUFFER_BYTES (48 << 10)
+/* The buffer's length in blocks: the widest rows that fit beside ROW_TILE + 1 input rows. */
 #define BUFFER_BLOCKS (BUFFER_BYTES / ((ROW_TILE + 1 + WEIGHT_ROWS) * BLOCK * 4) + 1)
 
 typedef float vf __attribute__((vector_size(LANES * 4)));
