@@ -29,7 +29,7 @@ SMOKE_ARGS: dict[str, list[str]] = {
     # One TP group only (DCP=2 of TP=4): each size starts four rank processes.
     "decode": [
         *("--model", "tiny", "--tp", "4", "--dcp", "2"),
-        *("--context", "64", "--steps", "2", "--repeats", "1"),
+        *("--context", "64", "--steps", "2", "--repeats", "1", "--collective-rounds", "1"),
     ],
     "peers": ["--tokens", "32", "--repeats", "1", "--decode-context", "32", "--decode-tokens", "4"],
     "e2e": [

@@ -975,7 +975,31 @@ def _dcp_section(results: dict) -> list[str]:
             ]
         )
     header = ["DCP", "KV per rank", "blocks per rank", "÷ DCP=1", "decode tokens/s"]
-    return lines + _table(header, rows)
+    return lines + _table(header, rows) + _collectives_lines(decode.get("collectives") or {})
+
+
+def _collectives_lines(found: dict) -> list[str]:
+    """The TP group's collectives on their own (bench/collectives.py), gloo against the host group."""
+    if not found:
+        return []
+    shape = "×".join(str(n) for n in found["shape"])
+    rows = []
+    for op, ranks in (("all_reduce", found["ranks"]), ("all_gather", found["gather_ranks"])):
+        gloo, host = found[f"gloo_{op}_ms"], found[f"host_{op}_ms"]
+        rows.append(
+            [
+                f"{op.replace('_', '-')} of {ranks} ranks",
+                _spread(gloo["median"], gloo["min"], gloo["max"], " ms"),
+                _spread(host["median"], host["min"], host["max"], " ms"),
+                f"{gloo['median'] / host['median']:.1f}×",
+            ]
+        )
+    intro = (
+        f"The collectives of a decode step on their own: one step's activations ({shape} fp32), the slowest "
+        f"rank's mean over {found['ops']} operations, median (min–max) over rounds; gloo over loopback TCP "
+        "against the shared-memory host group the CPU decode worker uses."
+    )
+    return [intro, "", *_table(["collective", "gloo", "host group", "gloo ÷ host"], rows)]
 
 
 def _registry_section(results: dict) -> list[str]:

@@ -378,6 +378,31 @@ def test_dcp_rows_report_each_ranks_kv_against_dcp1_and_the_cpu_flags(tmp_path) 
     assert "| 1 | 0.2 MiB | 256 | 1.00 | 9.00 (8.00–10.0) |" in section
     assert "| 3 | 0.1 MiB | 86 | 0.34 | 6.00 (5.50–6.50) |" in section
     assert _line(text, "| decode |").split("|")[3].strip() == "Some CPU (avx2, fma)"
+    assert "gloo ÷ host" not in section  # not measured: no table
+
+
+def test_the_collectives_table_sets_gloo_against_the_host_group(tmp_path) -> None:
+    timing = {"median": 2.0, "min": 1.5, "max": 2.5}
+    collectives = {
+        "ranks": 9,
+        "gather_ranks": 3,
+        "shape": [2, 576],
+        "ops": 20,
+        "gloo_all_reduce_ms": {"median": 24.0, "min": 23.0, "max": 25.0},
+        "host_all_reduce_ms": timing,
+        "gloo_all_gather_ms": {"median": 4.0, "min": 3.0, "max": 5.0},
+        "host_all_gather_ms": timing,
+    }
+    row = {"kv_blocks_per_rank": [1], "kv_bytes_per_rank": 1024, "block_bytes": 1024, "tokens_per_s": 1.0}
+    decode = {
+        "model": MODEL,
+        "tp": 9,
+        "dcp": {"1": {**row, "tokens_per_s_min": 1.0, "tokens_per_s_max": 1.0}},
+        "collectives": collectives,
+    }
+    text, _ = _generate(tmp_path, decode=decode)
+    assert "| all-reduce of 9 ranks | 24.0 ms (23.0–25.0) | 2.00 ms (1.50–2.50) | 12.0× |" in text
+    assert "| all-gather of 3 ranks | 4.00 ms (3.00–5.00) | 2.00 ms (1.50–2.50) | 2.0× |" in text
 
 
 def test_served_rows_without_raw_prefill_leave_the_overhead_target_not_measured(tmp_path) -> None:
