@@ -175,8 +175,14 @@ class KvStoreClient:
         use_shm = await self.uses_shm()
         if isinstance(data, list):
             pieces = [_as_bytes_view(piece) for piece in data]
-            # The shared-memory path writes the pieces where they are; the stream sends one buffer.
-            view = pieces if use_shm else memoryview(b"".join(pieces))
+            # The shared-memory path writes the pieces where they are; the stream sends one buffer: a lone
+            # piece as it is, several joined once.
+            if use_shm:
+                view = pieces
+            elif len(pieces) == 1:
+                view = pieces[0]
+            else:
+                view = memoryview(b"".join(pieces))
             total_bytes = sum(piece.nbytes for piece in pieces)
         else:
             view = _as_bytes_view(data)

@@ -67,6 +67,8 @@ def test_an_object_put_in_pieces_is_their_bytes_one_after_another(prefer_shm: bo
             assert committed.total_bytes == sum(map(len, pieces))
             data, _ = await client.get("pieces", "fp", committed.capability)  # checked against the CRC
             assert bytes(data) == b"".join(pieces)
+            alone = await client.put("alone", "fp", [memoryview(pieces[2])])  # a one-piece list
+            assert bytes((await client.get("alone", "fp", alone.capability))[0]) == pieces[2]
 
     asyncio.run(body())
 
