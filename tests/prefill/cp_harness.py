@@ -10,7 +10,9 @@ replica for every length. `run_group(pcp_size, work, *args)` runs any such per-r
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable
+from queue import Empty
 
 import torch
 import torch.distributed as dist
@@ -144,6 +146,28 @@ def run_pcp(
     return run_group(pcp_size, _prefill_in_group, model_name, lengths, chunk_tokens, held)
 
 
+def _results(queue, procs: list, timeout: float = 600.0) -> list:
+    """One result per rank process; fails at once, naming the rank, when a process dies without sending
+    one (a crash would otherwise leave its peers blocked in a collective and this wait running its whole
+    timeout)."""
+    results: list = []
+    deadline = time.monotonic() + timeout
+    while len(results) < len(procs):
+        try:
+            results.append(queue.get(timeout=1.0))
+            continue
+        except Empty:
+            pass
+        sent = {rank for rank, _ in results}
+        dead = [(r, p.exitcode) for r, p in enumerate(procs) if r not in sent and p.exitcode is not None]
+        if dead:
+            raise AssertionError(f"rank process(es) exited without a result (rank, exit code): {dead}")
+        if time.monotonic() > deadline:
+            missing = sorted(set(range(len(procs))) - sent)
+            raise AssertionError(f"no result from ranks {missing} in {timeout} s")
+    return results
+
+
 def run_group(pcp_size: int, work: Work, *args) -> dict[int, list]:
     """Results of work(pcp_rank, pcp_size, *args) ([(logits or None, replica)], a module-level function) on
     every rank of a real pcp_size-process gloo group, by rank."""
@@ -154,7 +178,7 @@ def run_group(pcp_size: int, work: Work, *args) -> dict[int, list]:
     for proc in procs:
         proc.start()
     try:
-        received = dict(queue.get(timeout=600) for _ in procs)
+        received = dict(_results(queue, procs))
         results = {
             rank: [
                 (None if lg is None else torch.from_numpy(lg), torch.from_numpy(kv)) for lg, kv in per_length
