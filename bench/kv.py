@@ -16,6 +16,7 @@ import statistics
 import subprocess
 import time
 
+from bench.machine import machine_facts
 from pcpstack.cli.launch import spawn_and_wait_listening
 from pcpstack.common.tunables import ensure_glibc_tunables
 
@@ -85,14 +86,15 @@ async def _measure(address: str, prefer_shm: bool, size: int, repeats: int, chun
 def run(args: argparse.Namespace) -> dict:
     """Runs the benchmark and returns its results."""
     ensure_glibc_tunables()
+    facts = machine_facts()  # before the store starts: the load average says how busy the machine already was
     proc, address = _start_store(capacity=4 * args.bytes)
     try:
         results = {
+            **facts,
             "bytes": args.bytes,
             "repeats": args.repeats,
             "chunk_bytes": args.chunk_bytes,
             "glibc_tunables": os.environ.get("GLIBC_TUNABLES", ""),
-            "cpus": os.cpu_count(),
         }
         for name, shm in (("grpc", False), ("shm", True)):
             results[name] = asyncio.run(_measure(address, shm, args.bytes, args.repeats, args.chunk_bytes))
