@@ -1,7 +1,7 @@
 """Engine benchmark: prefill seconds at 512 and 2048 tokens and decode tokens/s at batch 1, 8 and 16 (512
 tokens of context each) on the embedded model by default, and the load time and peak RSS of the model with
-its weights stored and dense (and of a synthetic 1B-shaped GGUF), each load in its own child process
-(bench/engine_weights.py). `python -m bench.engine --json` runs it alone."""
+its weights stored and dense (and of synthetic 1B-shaped GGUFs, Q4_1 and Q4_K_M-like), each load in its own
+child process (bench/engine_weights.py). `python -m bench.engine --json` runs it alone."""
 
 import argparse
 import json
@@ -10,7 +10,7 @@ import time
 
 import torch
 
-from bench.engine_weights import load_forms, synthetic_1b_forms
+from bench.engine_weights import Q4_K_M, load_forms, synthetic_1b_forms
 from bench.machine import machine_facts
 from bench.roofline import add_roofline
 from pcpstack.common.config import served_model_name
@@ -39,8 +39,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--synthetic-1b",
         action=argparse.BooleanOptionalAction,
         default=True,
-        help="also the load time and peak RSS of a synthetic 1B-shaped Q4_1 GGUF (~0.8 GB written to a "
-        "temporary folder; its dense load needs ~5 GB)",
+        help="also the load time and peak RSS of synthetic 1B-shaped GGUFs, Q4_1 and Q4_K_M-like (~0.8 GB "
+        "each, written to a temporary folder; a dense load needs ~8 GB)",
     )
 
 
@@ -120,6 +120,7 @@ def run(args: argparse.Namespace) -> dict:
     forms = load_forms({served_model_name(args.model): args.model})
     if args.synthetic_1b:
         forms["synthetic-1b"] = synthetic_1b_forms()
+        forms["synthetic-1b-q4_k_m"] = synthetic_1b_forms(types=Q4_K_M, label="Q4_K_M")
     return {**result, "weights": {"form": weights_form(), "load_forms": forms}}
 
 

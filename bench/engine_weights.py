@@ -5,13 +5,18 @@
   process so that one form's peak never hides another's. The RSS counts the process's own baseline (Python,
   torch) and the GGUF pages it maps while reading; `baseline_rss_mb` is what the process held before loading.
 - `write_synthetic_gguf`: a Llama-3.2-1B-shaped Q4_1 GGUF of random weights (dim 2048, 16 layers, hidden
-  8192, 32 heads, 8 KV heads, vocabulary 128256, tied embeddings), to measure a model larger than SmolLM2.
+  8192, 32 heads, 8 KV heads, vocabulary 128256, tied embeddings), to measure a model larger than SmolLM2;
+  with `types=Q4_K_M`, its tensors in the types of llama.cpp's most used Q4_K_M files (Q4_K, with Q6_K for
+  the value and down projections and the tied embedding).
+- `q6_k_projection_ab`: microseconds of one Q6_K projection (a 1B model's down projection, 2048 x 8192) at
+  1 and 16 rows on the block kernel against torch's dense fp32 matmul of the same weight, interleaved, over
+  enough copies of the weight that they stream from memory as a model's weights do.
 - `prefill_ab`: prefill seconds (wall and thread CPU) per prompt length and decode tokens/s at batch 1, both
   forms of one model loaded in one process and timed interleaved, round after round (medians with their
   spread).
 
-`python -m bench.engine_weights [--model M] [--ab]` prints the result as JSON; `bench engine` includes
-`load_forms` in its result.
+`python -m bench.engine_weights [--model M] [--ab] [--synthetic-1b] [--q6-k]` prints the result as JSON;
+`bench engine` includes `load_forms` in its result.
 """
 
 from __future__ import annotations
@@ -30,6 +35,9 @@ import numpy as np
 import torch
 
 FORMS = ("stored", "dense")
+# GGUF types by tensor (its name without ".weight", or its role: "attn_v", "token_embd", ...; "default" for
+# the rest), as llama.cpp's Q4_K_M writes them (it also keeps Q4_K for some value and down projections).
+Q4_K_M = {"default": "Q4_K", "attn_v": "Q6_K", "ffn_down": "Q6_K", "token_embd": "Q6_K"}
 SYNTHETIC_1B = {"dim": 2048, "layers": 16, "hidden": 8192, "heads": 32, "kv_heads": 8, "vocab": 128256}
 AB_LENGTHS = (42, 512, 2048)
 DECODE_STEPS = 32
@@ -96,10 +104,12 @@ def _weights_bytes(model: torch.nn.Module) -> int:
     return total
 
 
-def write_synthetic_gguf(path: Path, shape: dict[str, int] = SYNTHETIC_1B, seed: int = 0) -> Path:
-    """A Llama GGUF of `shape` with random Q4_1 projections and embedding (bytes drawn directly: nibbles
-    uniform, fp16 scales and minimums small and finite), fp32 norms, a byte-level tokenizer; tied
-    embeddings. Returns `path`."""
+def write_synthetic_gguf(
+    path: Path, shape: dict[str, int] = SYNTHETIC_1B, seed: int = 0, types: dict[str, str] | None = None
+) -> Path:
+    """A Llama GGUF of `shape` with random projections and embedding in `types` (see Q4_K_M; default all
+    Q4_1; Q4_1, Q4_K, Q6_K or F16), bytes drawn directly (quantized values uniform, fp16 scales small and
+    finite), fp32 norms, a byte-level tokenizer; tied embeddings. Returns `path`."""
     import gguf
 
     rng = np.random.default_rng(seed)
@@ -131,8 +141,29 @@ def write_synthetic_gguf(path: Path, shape: dict[str, int] = SYNTHETIC_1B, seed:
         blocks[..., 2:4] = (scale * -8).view(np.uint8).reshape(rows, -1, 2)
         return blocks.reshape(rows, -1)
 
+    def q4_k(rows: int, cols: int) -> np.ndarray:
+        blocks = rng.integers(0, 256, (rows, cols // 256, 144), dtype=np.uint8)
+        d_dmin = rng.uniform(1e-5, 5e-5, (rows, cols // 256, 2)).astype(np.float16)
+        blocks[..., 0:4] = d_dmin.view(np.uint8).reshape(rows, -1, 4)
+        return blocks.reshape(rows, -1)
+
+    def q6_k(rows: int, cols: int) -> np.ndarray:
+        blocks = rng.integers(0, 256, (rows, cols // 256, 210), dtype=np.uint8)
+        d = rng.uniform(1e-6, 5e-6, (rows, cols // 256, 1)).astype(np.float16)
+        blocks[..., 208:210] = d.view(np.uint8).reshape(rows, -1, 2)
+        return blocks.reshape(rows, -1)
+
+    def f16(rows: int, cols: int) -> np.ndarray:
+        return (rng.standard_normal((rows, cols)) * 0.02).astype(np.float16)
+
+    makers = {"Q4_1": q4_1, "Q4_K": q4_k, "Q6_K": q6_k, "F16": f16}
+    chosen = types or {}
+
     def put(name: str, rows: int, cols: int) -> None:
-        writer.add_tensor(name, q4_1(rows, cols), raw_dtype=gguf.GGMLQuantizationType.Q4_1)
+        stem = name.removesuffix(".weight")
+        kind = chosen.get(stem) or chosen.get(stem.split(".")[-1]) or chosen.get("default", "Q4_1")
+        raw_dtype = None if kind == "F16" else gguf.GGMLQuantizationType[kind]
+        writer.add_tensor(name, makers[kind](rows, cols), raw_dtype=raw_dtype)
 
     put("token_embd.weight", shape["vocab"], dim)
     writer.add_tensor("output_norm.weight", np.ones(dim, dtype=np.float32))
@@ -154,10 +185,13 @@ def write_synthetic_gguf(path: Path, shape: dict[str, int] = SYNTHETIC_1B, seed:
     return path
 
 
-def synthetic_1b_forms(forms: tuple[str, ...] = FORMS) -> dict[str, dict]:
-    """load_in_child of the synthetic 1B-shaped GGUF per form (written to a temporary folder first)."""
+def synthetic_1b_forms(
+    forms: tuple[str, ...] = FORMS, types: dict[str, str] | None = None, label: str = "Q4_1"
+) -> dict[str, dict]:
+    """load_in_child of the synthetic 1B-shaped GGUF (its tensors in `types`, see write_synthetic_gguf) per
+    form, written to a temporary folder first."""
     with tempfile.TemporaryDirectory(prefix="pcpstack-1b-") as folder:
-        path = write_synthetic_gguf(Path(folder) / "synthetic-1b.Q4_1.gguf")
+        path = write_synthetic_gguf(Path(folder) / f"synthetic-1b.{label}.gguf", types=types)
         result = {form: load_in_child(str(path), form) for form in forms}
         size_mb = path.stat().st_size / 2**20
     return {form: {**r, "file_mb": round(size_mb, 1)} for form, r in result.items()}
@@ -165,6 +199,44 @@ def synthetic_1b_forms(forms: tuple[str, ...] = FORMS) -> dict[str, dict]:
 
 def _median(values: list[float]) -> dict[str, float]:
     return {"median": statistics.median(values), "min": min(values), "max": max(values)}
+
+
+def q6_k_projection_ab(
+    rows: tuple[int, ...] = (1, 16), rounds: int = 7, threads: int = 1, n: int = 2048, k: int = 8192
+) -> dict:
+    """Microseconds of x [rows, k] @ W^T for a random Q6_K W [n, k]: the block kernel (quant.BlockWeight in
+    the q6_k form) against torch's dense fp32 matmul of the dequantized W, interleaved call by call, each
+    call on the next of enough copies of W (256 MB of fp32) that they stream from memory. Medians over
+    `rounds` passes through the copies, with their spread."""
+    import torch.nn.functional as F
+
+    from pcpstack.engine.quant import from_gguf
+
+    torch.set_num_threads(threads)
+    rng = np.random.default_rng(0)
+    copies = max(1, (256 << 20) // (n * k * 4))
+    raw = []
+    for _ in range(copies):
+        blocks = rng.integers(0, 256, (n, k // 256, 210), dtype=np.uint8)
+        blocks[..., 208:210] = rng.uniform(1e-6, 1e-4, (n, k // 256, 1)).astype(np.float16).view(np.uint8)
+        raw.append(blocks.reshape(n, -1))
+    weights = [from_gguf(r, "Q6_K") for r in raw]
+    dense = [w.dequantize() for w in weights]
+    result: dict = {"shape": [n, k], "threads": threads, "copies": copies, "rounds": rounds}
+    result["q6_k_bytes_per_weight"] = round(weights[0].nbytes / (n * k), 3)
+    for m in rows:
+        x = torch.randn(m, k, generator=torch.Generator().manual_seed(m))
+        times: dict[str, list[float]] = {"blocks_us": [], "dense_us": []}
+        for _ in range(rounds):
+            for blocks, weight in zip(weights, dense, strict=True):
+                started = time.perf_counter()
+                blocks.matmul(x)
+                times["blocks_us"].append((time.perf_counter() - started) * 1e6)
+                started = time.perf_counter()
+                F.linear(x, weight)
+                times["dense_us"].append((time.perf_counter() - started) * 1e6)
+        result[f"rows_{m}"] = {name: _median(values) for name, values in times.items()}
+    return result
 
 
 def prefill_ab(
@@ -227,7 +299,10 @@ def main() -> None:
     parser.add_argument("--model", default=None, help="GGUF file or HF folder (default: SmolLM2)")
     parser.add_argument("--ab", action="store_true", help="prefill/decode A/B of the two forms")
     parser.add_argument("--rounds", type=int, default=3, help="A/B rounds")
-    parser.add_argument("--synthetic-1b", action="store_true", help="also the synthetic 1B-shaped GGUF")
+    parser.add_argument(
+        "--synthetic-1b", action="store_true", help="also the synthetic 1B-shaped GGUFs (Q4_1, Q4_K_M-like)"
+    )
+    parser.add_argument("--q6-k", action="store_true", help="one Q6_K projection: kernel against dense")
     parser.add_argument("--threads", type=int, default=None, help="torch threads")
     parser.add_argument("--child-form", choices=FORMS, help=argparse.SUPPRESS)
     args = parser.parse_args()
@@ -237,9 +312,13 @@ def main() -> None:
     if args.child_form:
         print(json.dumps(_child(model, args.child_form)))
         return
+    if args.q6_k:
+        print(json.dumps({"q6_k_projection": q6_k_projection_ab(threads=args.threads or 1)}, indent=2))
+        return
     result: dict = {"load_forms": load_forms({model or "default": model})}
     if args.synthetic_1b:
         result["load_forms"]["synthetic-1b"] = synthetic_1b_forms()
+        result["load_forms"]["synthetic-1b-q4_k_m"] = synthetic_1b_forms(types=Q4_K_M, label="Q4_K_M")
     if args.ab:
         result["ab"] = prefill_ab(model, rounds=args.rounds, threads=args.threads or 1)
     print(json.dumps(result, indent=2))

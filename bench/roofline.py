@@ -14,7 +14,6 @@ against the weights and the context.
 
 from __future__ import annotations
 
-import dataclasses
 import statistics
 import time
 
@@ -51,12 +50,8 @@ def _tensor_bytes(tensor: torch.Tensor | None) -> int:
 
 
 def _blocks_bytes(blocks: quant.BlockWeight) -> int:
-    """Every tensor part of a quantized weight (nibbles or int8, scales, minimums)."""
-    return sum(
-        _tensor_bytes(value)
-        for value in (getattr(blocks, f.name) for f in dataclasses.fields(blocks))
-        if isinstance(value, torch.Tensor)
-    )
+    """Every tensor part of a quantized weight (nibbles or int8, scales, minimums; a chain's every part)."""
+    return blocks.nbytes
 
 
 def _projection_bytes(

@@ -11,7 +11,10 @@
  * Block formats (32 weights along the input dimension per block, rows = output features):
  *   Q4_1: w = scale * q + min, q in [0, 15]; 16 bytes of nibbles (byte j: element j low, j + 16 high).
  *   Q8_0: w = scale * q, q in [-128, 127]; 32 bytes.
- * Scales and mins are passed as fp32 arrays [rows, blocks] (exact conversions of the file's fp16 values).
+ *   Q6_K: w = scale * q, q in [-32, 31]; 32 bytes, and a scale for each half of the block (GGUF's Q6_K
+ *         scales every 16 weights).
+ * Scales and mins are passed as fp32 arrays [rows, blocks] ([rows, 2 * blocks] for Q6_K), the exact values
+ * the file's fp16 scales (times Q4_K's and Q6_K's small integer sub-block scales) stand for.
  */
 
 #if defined(__AVX512F__) || defined(__AVX2__)
@@ -169,6 +172,22 @@ static inline void q8_0_block(const int8_t *q, float d, vf out[VECTORS_PER_BLOCK
 #endif
 }
 
+/* One Q6_K-form block as floats in element order: int8 q, elements 0-15 scaled by s[0], 16-31 by s[1]. */
+static inline void q6_k_block(const int8_t *q, const float *s, vf out[VECTORS_PER_BLOCK]) {
+#if defined(__AVX512F__)
+    for (int v = 0; v < 2; v++)
+        out[v] = (vf)_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(q + 16 * v)))) * s[v];
+#elif defined(__AVX2__)
+    for (int v = 0; v < 4; v++)
+        out[v] =
+            (vf)_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)(q + 8 * v)))) * s[v / 2];
+#else
+    float values[BLOCK];
+    for (int j = 0; j < BLOCK; j++) values[j] = (float)q[j] * s[j / 16];
+    for (int v = 0; v < VECTORS_PER_BLOCK; v++) out[v] = load_vf(values + v * LANES);
+#endif
+}
+
 /* The tiles below multiply W weight rows by R input rows, W and R compile-time constants after inlining so
  * the W * R accumulators stay in registers. Each block is dequantized once per tile (w = scale * q + min, as
  * the dense weights hold it) and every input-row load feeds W multiply-adds. The accumulator arrays are
@@ -217,6 +236,13 @@ static inline __attribute__((always_inline)) void q8_0_tile(const int8_t *qs, co
               q8_0_block(qs + (w * blocks + b) * BLOCK, scale[w * blocks + b], wv[w]))
 }
 
+static inline __attribute__((always_inline)) void q6_k_tile(const int8_t *qs, const float *scale, int64_t blocks,
+                                                            const float *x, int64_t k, const int W, const int R,
+                                                            float *y, int64_t n) {
+    TILE_BODY(__builtin_prefetch(qs + (w * blocks + b) * BLOCK + PREFETCH_BYTES),
+              q6_k_block(qs + (w * blocks + b) * BLOCK, scale + (w * blocks + b) * 2, wv[w]))
+}
+
 /* The tile of W weight rows by R input rows from weights that `dequantize_rows` left in `weights` (rows
  * `stride` floats apart): for batches of several row tiles, which then dequantize each block once. */
 static inline __attribute__((always_inline)) void buffered_tile(const float *weights, int64_t stride,
@@ -262,14 +288,17 @@ static inline __attribute__((always_inline)) void buffered_tile(const float *wei
 
 /* A projection's weight in blocks, as the fused decode layer receives it (mirrored by BlockWeightC in
  * cpu_kernels.py): kind 0 is Q4_1 (qs [n, k / 32, 16], scale and min [n, k / 32]), 1 is Q8_0 (qs
- * [n, k / 32, 32], scale [n, k / 32], min NULL); bias [n] or NULL. */
-typedef struct {
+ * [n, k / 32, 32], scale [n, k / 32], min NULL), 2 is Q6_K (qs [n, k / 32, 32], scale [n, k / 16], min
+ * NULL); bias [n] or NULL. A fused projection whose parts differ in kind (a Q4_K_M file's Q4_K query and key
+ * beside its Q6_K value) is a chain: `next` holds the rows after these n, in its own kind. */
+typedef struct block_weight {
     int64_t kind, n, k;
     const void *qs;
     const float *scale, *min, *bias;
+    const struct block_weight *next;
 } block_weight;
 
-enum { KIND_Q4_1 = 0, KIND_Q8_0 = 1 };
+enum { KIND_Q4_1 = 0, KIND_Q8_0 = 1, KIND_Q6_K = 2 };
 
 /* Weight rows [j, j + rows) as floats, row after row (k floats each), into `out`. */
 static void dequantize_rows(const block_weight *w, int64_t j, int64_t rows, float *out, int64_t k) {
@@ -280,23 +309,26 @@ static void dequantize_rows(const block_weight *w, int64_t j, int64_t rows, floa
             vf values[VECTORS_PER_BLOCK];
             if (w->kind == KIND_Q4_1)
                 q4_1_block((const uint8_t *)w->qs + at * 16, w->scale[at], w->min[at], values);
+            else if (w->kind == KIND_Q6_K)
+                q6_k_block((const int8_t *)w->qs + at * BLOCK, w->scale + at * 2, values);
             else
                 q8_0_block((const int8_t *)w->qs + at * BLOCK, w->scale[at], values);
             for (int v = 0; v < VECTORS_PER_BLOCK; v++) *(vf_u *)(out + i * k + b * BLOCK + v * LANES) = values[v];
         }
 }
 
-/* y[m, n] = x[m, k] @ W^T (+ bias). An orphaned `omp for`: the calling threads of a parallel region share
- * the weight rows, and wait for each other at its end. With more input rows than one tile holds, each weight
- * row is dequantized once, into `weights` (in L1), for all the row tiles, rather than once per tile. */
-static void matmul_rows(const block_weight *w, const float *x, int64_t m, float *y) {
-    const int64_t n = w->n, k = w->k, blocks = k / BLOCK;
+/* y[m, w->n] = x[m, k] @ W^T (+ bias) for one part of a chain, y's rows `n` floats apart. An orphaned `omp
+ * for`: the calling threads of a parallel region share the weight rows, and wait for each other at its end.
+ * With more input rows than one tile holds, each weight row is dequantized once, into `weights` (in L1), for
+ * all the row tiles, rather than once per tile. */
+static void matmul_part(const block_weight *w, const float *x, int64_t m, float *y, int64_t n) {
+    const int64_t k = w->k, blocks = k / BLOCK;
     const int64_t step = m <= WIDE_MAX_ROWS ? WIDE_WEIGHT_ROWS : WEIGHT_ROWS;
     float weights[WEIGHT_ROWS * BLOCK * BUFFER_BLOCKS] __attribute__((aligned(64)));
     const int buffered = m > ROW_TILE && (m + WEIGHT_ROWS) * k * (int64_t)sizeof(float) <= BUFFER_BYTES;
 #pragma omp for schedule(static)
-    for (int64_t row = 0; row < n; row += step) {
-        const int64_t weight_rows = n - row < step ? n - row : step;
+    for (int64_t row = 0; row < w->n; row += step) {
+        const int64_t weight_rows = w->n - row < step ? w->n - row : step;
         if (buffered) dequantize_rows(w, row, weight_rows, weights, k);
         for (int64_t r0 = 0; r0 < m; r0 += ROW_TILE) {
             /* A whole tile, or the last rows of the weight one at a time. */
@@ -313,6 +345,12 @@ static void matmul_rows(const block_weight *w, const float *x, int64_t m, float 
               x + r0 * k, k, W, R, y + r0 * n + j, n)
                     FOR_TILE(tile, m - r0, Q4_CALL)
 #undef Q4_CALL
+                } else if (w->kind == KIND_Q6_K) {
+#define Q6_CALL(W, R)                                                                                          \
+    q6_k_tile((const int8_t *)w->qs + j * blocks * BLOCK, w->scale + j * blocks * 2, blocks, x + r0 * k, k, W, R, \
+              y + r0 * n + j, n)
+                    FOR_TILE(tile, m - r0, Q6_CALL)
+#undef Q6_CALL
                 } else {
 #define Q8_CALL(W, R)                                                                                      \
     q8_0_tile((const int8_t *)w->qs + j * blocks * BLOCK, w->scale + j * blocks, blocks, x + r0 * k, k, W, R, \
@@ -328,10 +366,17 @@ static void matmul_rows(const block_weight *w, const float *x, int64_t m, float 
     }
 }
 
+/* y[m, n] = x[m, k] @ W^T (+ bias), n the rows of all the parts of w's chain. */
+static void matmul_rows(const block_weight *w, const float *x, int64_t m, float *y) {
+    int64_t n = 0;
+    for (const block_weight *part = w; part; part = part->next) n += part->n;
+    for (int64_t offset = 0; w; offset += w->n, w = w->next) matmul_part(w, x, m, y + offset, n);
+}
+
 /* y[m, n] = x[m, k] @ W^T for W [n, k] in Q4_1 blocks (qs [n, k / 32, 16], scale and min [n, k / 32]). */
 void q4_1_matmul(const float *x, int64_t m, int64_t k, const uint8_t *qs, const float *scale, const float *min,
                  int64_t n, float *y, int threads) {
-    const block_weight w = {KIND_Q4_1, n, k, qs, scale, min, NULL};
+    const block_weight w = {KIND_Q4_1, n, k, qs, scale, min, NULL, NULL};
 #pragma omp parallel num_threads(threads)
     matmul_rows(&w, x, m, y);
 }
@@ -339,7 +384,15 @@ void q4_1_matmul(const float *x, int64_t m, int64_t k, const uint8_t *qs, const 
 /* y[m, n] = x[m, k] @ W^T for W [n, k] in Q8_0 blocks (qs [n, k / 32, 32], scale [n, k / 32]). */
 void q8_0_matmul(const float *x, int64_t m, int64_t k, const int8_t *qs, const float *scale, int64_t n,
                  float *y, int threads) {
-    const block_weight w = {KIND_Q8_0, n, k, qs, scale, NULL, NULL};
+    const block_weight w = {KIND_Q8_0, n, k, qs, scale, NULL, NULL, NULL};
+#pragma omp parallel num_threads(threads)
+    matmul_rows(&w, x, m, y);
+}
+
+/* y[m, n] = x[m, k] @ W^T for W [n, k] in Q6_K-form blocks (qs [n, k / 32, 32], scale [n, k / 16]). */
+void q6_k_matmul(const float *x, int64_t m, int64_t k, const int8_t *qs, const float *scale, int64_t n,
+                 float *y, int threads) {
+    const block_weight w = {KIND_Q6_K, n, k, qs, scale, NULL, NULL, NULL};
 #pragma omp parallel num_threads(threads)
     matmul_rows(&w, x, m, y);
 }

@@ -45,6 +45,7 @@ _i64, _f32, _ptr, _int = ctypes.c_int64, ctypes.c_float, ctypes.c_void_p, ctypes
 _SIGNATURES = {
     "q4_1_matmul": (_ptr, _i64, _i64, _ptr, _ptr, _ptr, _i64, _ptr, _int),
     "q8_0_matmul": (_ptr, _i64, _i64, _ptr, _ptr, _i64, _ptr, _int),
+    "q6_k_matmul": (_ptr, _i64, _i64, _ptr, _ptr, _i64, _ptr, _int),
     # q, seqs, heads, kv_heads, dim, k_cache, v_cache, num_blocks, block_size, tables, width, lens, scale,
     # out, threads; returns 0, or -1 for a table or length that lies outside the cache.
     "paged_decode_attention": (_ptr, *[_i64] * 4, _ptr, _ptr, _i64, _i64, _ptr, _i64, _ptr, _f32, _ptr, _int),
@@ -54,21 +55,25 @@ _SIGNATURES = {
 }
 _RESTYPES = {"paged_decode_attention": ctypes.c_int, "decode_layer": ctypes.c_int}
 # Block kinds as cpu_kernels.c numbers them.
-KIND_CODES = {"q4_1": 0, "q8_0": 1}
+KIND_CODES = {"q4_1": 0, "q8_0": 1, "q6_k": 2}
 
 
 class BlockWeightC(ctypes.Structure):
-    """cpu_kernels.c's block_weight: one projection in blocks (pointers into tensors its owner keeps)."""
+    """cpu_kernels.c's block_weight: one projection in blocks (pointers into tensors its owner keeps), and
+    `next`, the rows that follow in another kind (a fused projection of mixed parts), or NULL."""
 
-    _fields_ = [
-        ("kind", _i64),
-        ("n", _i64),
-        ("k", _i64),
-        ("qs", _ptr),
-        ("scale", _ptr),
-        ("min", _ptr),
-        ("bias", _ptr),
-    ]
+
+# Declared after the class: the structure points to its own type.
+BlockWeightC._fields_ = [
+    ("kind", _i64),
+    ("n", _i64),
+    ("k", _i64),
+    ("qs", _ptr),
+    ("scale", _ptr),
+    ("min", _ptr),
+    ("bias", _ptr),
+    ("next", ctypes.POINTER(BlockWeightC)),
+]
 
 
 class DecodeLayerWeightsC(ctypes.Structure):
@@ -275,7 +280,8 @@ def block_matmul(
     minimum: torch.Tensor | None,
 ) -> torch.Tensor:
     """x [m, k] fp32 @ W^T for W [n, k] in blocks: "q4_1" (qs [n, k/32, 16] uint8, scale and minimum
-    [n, k/32]) or "q8_0" (qs [n, k/32, 32] int8, scale [n, k/32], no minimum)."""
+    [n, k/32]), "q8_0" (qs [n, k/32, 32] int8, scale [n, k/32], no minimum) or "q6_k" (qs [n, k/32, 32]
+    int8, scale [n, k/16], no minimum)."""
     x = x.to(torch.float32).contiguous()
     out = torch.empty(x.shape[0], qs.shape[0], dtype=torch.float32)
     mins = () if minimum is None else (minimum.data_ptr(),)

@@ -7,14 +7,20 @@ is the only copy of a projection the engine keeps: `BlockWeight.matmul` computes
 `project` dequantizes the projection to a temporary fp32 weight and runs the BLAS matmul, and an embedding
 lookup dequantizes only the rows it looks up.
 
-Two forms hold every type the kernels run: "q4_1" (w = scale * q + min, 4-bit q) and "q8_0" (w = scale * q,
-int8 q), 32 weights a block, scale and min in fp32. GGUF's Q4_1 and Q8_0 map onto them directly, Q4_0 and
-Q4_K (whose 32-wide sub-blocks have their own scale and min) exactly: `dequantize` gives the values of
+Three forms hold every type the kernels run, 32 weights a block, scales and mins in fp32: "q4_1" (w = scale
+* q + min, 4-bit q), "q8_0" (w = scale * q, int8 q) and "q6_k" (w = scale * q, q in [-32, 31] held as int8,
+a scale for each 16 weights). GGUF's Q4_1, Q8_0 and Q6_K map onto them directly, Q4_0 and Q4_K (whose
+32-wide sub-blocks have their own scale and min) exactly: `dequantize` gives the values of
 `gguf.quants.dequantize` (fp16 scales times small integers are exact in fp32, so every product and sum
 rounds as gguf's does; only Q4_0's zeros may differ in sign: +0 where gguf's d * (q - 8) gives -0). Q6_K's
-16-wide sub-blocks fit neither form; its tensors stay dense (weights.py).
+scale is gguf's d * sc (an fp16 times an int8, exact), its q unpacked from 6 bits to a byte: 1.25 bytes a
+weight against the file's 0.82 and fp32's 4, for a kernel as simple as Q8_0's.
+
+A fused projection whose parts differ in type (a Q4_K_M file's Q4_K query and key beside its Q6_K value) is a
+chain: a `BlockWeight` whose `next` holds the rows that follow, in their own form.
 """
 
+import ctypes
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -25,7 +31,9 @@ from pcpstack.engine import cpu_kernels
 
 BLOCK = 32
 # The GGUF types `from_gguf` holds in blocks.
-BLOCK_TYPES = ("Q4_0", "Q4_1", "Q4_K", "Q8_0")
+BLOCK_TYPES = ("Q4_0", "Q4_1", "Q4_K", "Q6_K", "Q8_0")
+# Weights per scale, by form: Q6_K scales every 16.
+SCALE_GROUP = {"q4_1": BLOCK, "q8_0": BLOCK, "q6_k": 16}
 # Up to this many rows (decode batches, short prefill chunks) the block kernels beat the dense matmul here.
 MAX_ROWS = 16
 # Up to this many rows, a projection held only in blocks runs on the block kernels too: below that,
@@ -36,31 +44,48 @@ MAX_ROWS_WITHOUT_DENSE = 128
 
 @dataclass(frozen=True)
 class BlockWeight:
-    """A [rows, cols] weight in 32-wide blocks along cols: Q4_1 (w = scale * q + min) or Q8_0 (w = scale * q).
+    """A [rows, cols] weight in 32-wide blocks along cols: Q4_1 (w = scale * q + min), Q8_0 or Q6_K
+    (w = scale * q).
 
-    qs: [rows, cols / 32, 16] uint8 nibbles (Q4_1) or [rows, cols / 32, 32] int8 (Q8_0); scale and minimum:
-    [rows, cols / 32] fp32; minimum is None for Q8_0.
+    qs: [rows, cols / 32, 16] uint8 nibbles (Q4_1) or [rows, cols / 32, 32] int8 (Q8_0, Q6_K); scale: fp32
+    [rows, cols / 32], [rows, cols / 16] for Q6_K; minimum: [rows, cols / 32] fp32, None but for Q4_1.
+    `next`: the rows that follow these in another form (a fused projection of mixed types), or None.
     """
 
     kind: str
     qs: torch.Tensor
     scale: torch.Tensor
     minimum: torch.Tensor | None
+    next: "BlockWeight | None" = None
+
+    def parts(self) -> "list[BlockWeight]":
+        """The chain's parts in row order, each without its `next`."""
+        part: BlockWeight | None = self
+        parts = []
+        while part is not None:
+            parts.append(BlockWeight(part.kind, part.qs, part.scale, part.minimum))
+            part = part.next
+        return parts
 
     @property
     def shape(self) -> tuple[int, int]:
-        """(rows, cols) of the weight it encodes."""
-        return self.qs.shape[0], self.qs.shape[1] * BLOCK
+        """(rows, cols) of the weight it encodes, the whole chain's rows."""
+        rest = 0 if self.next is None else self.next.shape[0]
+        return self.qs.shape[0] + rest, self.qs.shape[1] * BLOCK
 
     @property
     def nbytes(self) -> int:
         """Bytes of memory its parts take."""
         parts = (self.qs, self.scale, self.minimum)
-        return sum(t.numel() * t.element_size() for t in parts if t is not None)
+        rest = 0 if self.next is None else self.next.nbytes
+        return rest + sum(t.numel() * t.element_size() for t in parts if t is not None)
 
     def dequantize(self, rows: torch.Tensor | None = None) -> torch.Tensor:
         """The weight in fp32 [rows, cols], or only the rows at the indices `rows` (an embedding lookup): the
         values gguf.quants.dequantize gives for the stored blocks."""
+        if self.next is not None:
+            whole = torch.cat([part.dequantize() for part in self.parts()])
+            return whole if rows is None else whole[rows]
         qs, scale, minimum = self.qs, self.scale, self.minimum
         if rows is not None:
             qs, scale = qs[rows], scale[rows]
@@ -72,15 +97,18 @@ class BlockWeight:
             weight[..., 16:] = qs >> 4
         else:
             weight.copy_(qs)
-        # In place, one block a row: three times faster here than one broadcast addcmul. Multiply, then add,
-        # as gguf's (d * q) + m rounds (the product is exact anyway: an fp16 scale times a small integer).
-        blocks = weight.view(-1, BLOCK).mul_(scale.reshape(-1, 1))
+        # In place, one scale group a row: three times faster here than one broadcast addcmul. Multiply,
+        # then add, as gguf's (d * q) + m rounds (the product is exact anyway: fp16 scale, small integer).
+        groups = weight.view(-1, SCALE_GROUP[self.kind]).mul_(scale.reshape(-1, 1))
         if minimum is not None:
-            blocks.add_(minimum.reshape(-1, 1))
+            groups.add_(minimum.reshape(-1, 1))
         return weight.view(*weight.shape[:-2], self.shape[1])
 
     def map_rows(self, fn: Callable[[torch.Tensor], torch.Tensor]) -> "BlockWeight":
-        """The weight with `fn` applied to the rows of every part (a row permutation, a slice)."""
+        """The weight with `fn` applied to the rows of every part (a row permutation, a slice); not for a
+        chain (rows are permuted before parts are fused)."""
+        if self.next is not None:
+            raise ValueError("map_rows of a chain of block forms")
         minimum = None if self.minimum is None else fn(self.minimum).contiguous()
         return BlockWeight(self.kind, fn(self.qs).contiguous(), fn(self.scale).contiguous(), minimum)
 
@@ -89,18 +117,31 @@ class BlockWeight:
         if columns.start % BLOCK or columns.stop % BLOCK:
             raise ValueError(f"columns {columns.start}:{columns.stop} cut {BLOCK}-wide blocks")
         cut = slice(columns.start // BLOCK, columns.stop // BLOCK)
+        group = SCALE_GROUP[self.kind]
+        scale = self.scale[:, columns.start // group : columns.stop // group].contiguous()
         minimum = None if self.minimum is None else self.minimum[:, cut].contiguous()
-        return BlockWeight(self.kind, self.qs[:, cut].contiguous(), self.scale[:, cut].contiguous(), minimum)
+        rest = None if self.next is None else self.next.columns(columns)
+        return BlockWeight(self.kind, self.qs[:, cut].contiguous(), scale, minimum, rest)
 
     @staticmethod
     def cat(parts: "list[BlockWeight]") -> "BlockWeight | None":
-        """The parts stacked along rows (a fused projection); None when their formats differ."""
-        if len({(p.kind, p.shape[1]) for p in parts}) != 1:
+        """The parts stacked along rows (a fused projection): neighbours of one form joined, a chain where
+        forms change; None when their widths differ."""
+        pieces = [piece for part in parts for piece in part.parts()]
+        if len({piece.shape[1] for piece in pieces}) != 1:
             return None
-        minimum = None if parts[0].minimum is None else torch.cat([p.minimum for p in parts])
-        return BlockWeight(
-            parts[0].kind, torch.cat([p.qs for p in parts]), torch.cat([p.scale for p in parts]), minimum
-        )
+        runs: list[list[BlockWeight]] = []
+        for piece in pieces:
+            if runs and runs[-1][0].kind == piece.kind:
+                runs[-1].append(piece)
+            else:
+                runs.append([piece])
+        joined: BlockWeight | None = None
+        for run in reversed(runs):
+            minimum = None if run[0].minimum is None else torch.cat([p.minimum for p in run])
+            qs, scale = torch.cat([p.qs for p in run]), torch.cat([p.scale for p in run])
+            joined = BlockWeight(run[0].kind, qs, scale, minimum, joined)
+        return joined
 
     def matmul(self, x: torch.Tensor) -> torch.Tensor:
         """x [m, cols] fp32 @ W^T -> [m, rows] fp32, on the block kernels."""
@@ -110,7 +151,8 @@ class BlockWeight:
         lib = cpu_kernels.build_library()
         if lib is None:
             raise RuntimeError("the CPU block kernels are not available")
-        return cpu_kernels.block_matmul(lib, self.kind, x, self.qs, self.scale, self.minimum)
+        outs = [cpu_kernels.block_matmul(lib, p.kind, x, p.qs, p.scale, p.minimum) for p in self.parts()]
+        return outs[0] if len(outs) == 1 else torch.cat(outs, dim=1)
 
 
 @dataclass(frozen=True)
@@ -139,13 +181,25 @@ class DecodeLayerKernel:
         tensors: list[torch.Tensor] = [*norms, *([] if qkv_bias is None else [qkv_bias])]
 
         def part(name: str, bias: torch.Tensor | None = None) -> cpu_kernels.BlockWeightC:
-            w = projections[name]
-            tensors.extend(t for t in (w.qs, w.scale, w.minimum) if t is not None)
-            return cpu_kernels.BlockWeightC(
-                cpu_kernels.KIND_CODES[w.kind],
-                *w.shape,
-                *(None if t is None else t.data_ptr() for t in (w.qs, w.scale, w.minimum, bias)),
-            )
+            structs = []
+            row = 0
+            for w in projections[name].parts():
+                tensors.extend(t for t in (w.qs, w.scale, w.minimum) if t is not None)
+                # Each part's bias starts at its own first row.
+                part_bias = None if bias is None else bias[row:]
+                pointers = (w.qs, w.scale, w.minimum, part_bias)
+                structs.append(
+                    cpu_kernels.BlockWeightC(
+                        cpu_kernels.KIND_CODES[w.kind],
+                        *w.shape,
+                        *(None if t is None else t.data_ptr() for t in pointers),
+                    )
+                )
+                row += w.shape[0]
+            # Back to front, so each part links to a finished successor (ctypes keeps it alive with it).
+            for struct, successor in zip(structs[-2::-1], structs[:0:-1], strict=True):
+                struct.next = ctypes.pointer(successor)
+            return structs[0]
 
         if any(t.dtype != torch.float32 or not t.is_contiguous() for t in tensors):
             raise ValueError("the fused decode layer needs contiguous fp32 norm weights and bias")
@@ -194,7 +248,9 @@ def from_gguf(data: np.ndarray, type_name: str) -> BlockWeight | None:
 
     Q4_1 block: fp16 scale, fp16 min, 16 bytes of nibbles. Q8_0: fp16 scale, 32 int8. Q4_0: fp16 scale and
     16 bytes of nibbles q, w = scale * (q - 8). Q4_K: 256 weights in 8 sub-blocks of 32, fp16 d and dmin,
-    12 bytes of 6-bit sub-block scales and mins, 128 bytes of nibbles, w = d * sc * q - dmin * m.
+    12 bytes of 6-bit sub-block scales and mins, 128 bytes of nibbles, w = d * sc * q - dmin * m. Q6_K: 256
+    weights in 16 sub-blocks of 16, 128 bytes of low nibbles, 64 of high 2-bit pairs, 16 int8 sub-block
+    scales sc, fp16 d, w = d * sc * (q - 32).
     """
     rows = data.shape[0]
     if type_name == "Q4_1":
@@ -212,7 +268,31 @@ def from_gguf(data: np.ndarray, type_name: str) -> BlockWeight | None:
         return BlockWeight("q4_1", torch.from_numpy(raw[..., 2:].copy()), scale, scale * -8.0)
     if type_name == "Q4_K":
         return _q4_k_blocks(np.asarray(data).reshape(rows, -1, 144))
+    if type_name == "Q6_K":
+        return _q6_k_blocks(np.asarray(data).reshape(rows, -1, 210))
     return None
+
+
+def _q6_k_blocks(raw: np.ndarray) -> BlockWeight:
+    """Q6_K super-blocks [rows, n, 210] in the q6_k form: q - 32 as int8 in element order and a scale
+    d * sc[j] for each 16 weights (exact in fp32: an fp16 times an int8), computed as gguf computes them."""
+    rows, supers = raw.shape[:2]
+    ql, qh = raw[..., :128], raw[..., 128:192]
+    sc = raw[..., 192:208].copy().view(np.int8).astype(np.float32)  # [rows, n, 16]
+    d = raw[..., 208:210].copy().view(np.float16).astype(np.float32)  # [rows, n, 1]
+    # Two halves of 128 weights: in a half, 64 bytes of ql give weights 0-63 by their low nibbles and 64-127
+    # by their high ones; 32 bytes of qh give, for weight 32 * g + e, the bits 2g, 2g + 1 of byte e.
+    low = ql.reshape(rows, supers, 2, 1, 64) >> np.array([0, 4], dtype=np.uint8).reshape(1, 1, 1, 2, 1)
+    low = (low & np.uint8(0x0F)).reshape(rows, supers, 2, 128)
+    high = qh.reshape(rows, supers, 2, 1, 32) >> np.array([0, 2, 4, 6], dtype=np.uint8).reshape(1, 1, 1, 4, 1)
+    high = (high & np.uint8(0x03)).reshape(rows, supers, 2, 128)
+    q = ((low | (high << np.uint8(4))).astype(np.int8) - np.int8(32)).reshape(rows, supers * 8, BLOCK)
+    return BlockWeight(
+        "q6_k",
+        torch.from_numpy(np.ascontiguousarray(q)),
+        torch.from_numpy((d * sc).reshape(rows, -1)),
+        None,
+    )
 
 
 def _q4_k_blocks(raw: np.ndarray) -> BlockWeight:

@@ -2,14 +2,15 @@
 random model for tests. Everything ends as a `Transformer` on the run device computing in the run dtype.
 
 Weights stay in the form they are stored in (`WEIGHTS_ENV`, the `weights` argument of `load_model`):
-- A GGUF's projections, embedding and LM head in a type the block forms hold (Q4_0, Q4_1, Q4_K, Q8_0; see
-  services/engine/quant.py) are kept only as quantized blocks: decode and short prompts run the C block
+- A GGUF's projections, embedding and LM head in a type the block forms hold (Q4_0, Q4_1, Q4_K, Q6_K, Q8_0;
+  see services/engine/quant.py) are kept only as quantized blocks: decode and short prompts run the C block
   kernels on them, longer prompts dequantize one projection at a time, and an embedding lookup only the rows
-  it reads. Other types (F32, F16, Q6_K, ...) are dequantized to dense weights, with a log line naming them.
-  This needs the CPU block kernels (cpu_kernels.library()) and an fp32 run on the CPU; else the whole model
-  is dense (as with `weights="dense"`), with a log line saying why.
-- Safetensors in bf16 or fp16 stay 16-bit; a matmul upcasts the weight per call (exact, so the results equal
-  a load in fp32). Norms and biases, small, are held in the run dtype.
+  it reads. A fused projection of parts in different types (a Q4_K_M file's Q4_K query and key, Q6_K value)
+  stays in blocks as a chain of forms. Other quantized types are dequantized to dense weights, with a log
+  line naming them. This needs the CPU block kernels (cpu_kernels.library()) and an fp32 run on the CPU;
+  else the whole model is dense (as with `weights="dense"`), with a log line saying why.
+- Safetensors in bf16 or fp16, and a GGUF's F16 matrices, stay 16-bit; a matmul upcasts the weight per call
+  (exact, so the results equal a load in fp32). Norms and biases, small, are held in the run dtype.
 `weights="dense"` converts every weight to the run dtype instead; a GGUF's projections then also keep their
 blocks for decode, as before weights were kept stored.
 
@@ -128,12 +129,13 @@ def load_model(
         why_dense = _why_dense(device, dtype) if form == STORED else None
         if why_dense:
             log.info("weights of %s are dense: %s", name, why_dense)
-        keep = form == STORED and not why_dense
+        keep, keep_16bit = form == STORED and not why_dense, form == STORED
         if shard.size > 1:
             # Only this rank's rows and columns are read: a TP rank holds ~1/T of each layer.
-            args, state, tokenizer, blocks = _read_gguf_shard(path, unpermute_gguf_qk, shard, keep)
+            read = _read_gguf_shard(path, unpermute_gguf_qk, shard, keep, keep_16bit)
+            args, state, tokenizer, blocks = read
         else:
-            args, state, tokenizer, blocks = _read_gguf(path, unpermute_gguf_qk, keep)
+            args, state, tokenizer, blocks = _read_gguf(path, unpermute_gguf_qk, keep, keep_16bit)
     model_id = _model_id(path, args)
     local_args, tp_group = args, None
     if shard.size > 1:
@@ -380,11 +382,11 @@ def _gguf_args(path: Path, reader: GgufFile) -> tuple[ModelArgs, dict[str, Any],
 
 
 def _read_gguf(
-    path: Path, unpermute: bool, keep_blocks: bool = False
+    path: Path, unpermute: bool, keep_blocks: bool = False, keep_16bit: bool = False
 ) -> tuple[ModelArgs, dict[str, torch.Tensor], Tokenizer, dict[str, BlockWeight]]:
     """A GGUF's dense state and its blocks by module name. With `keep_blocks`, a weight held in blocks is
     not dequantized into the state (its blocks are its only copy); without, every weight is dense and the
-    projections' blocks serve decode beside them."""
+    projections' blocks serve decode beside them. With `keep_16bit`, F16 matrices enter the state in fp16."""
     reader = read_gguf(path)
     args, meta, tokenizer = _gguf_args(path, reader)
     by_name = {t.name: t for t in reader.tensors}
@@ -412,7 +414,7 @@ def _read_gguf(
     kept = set(blocks) if keep_blocks else set()
 
     def dense(name: str) -> torch.Tensor:
-        return _dequantized(by_name[name])
+        return _dequantized(by_name[name], keep_16bit=keep_16bit)
 
     state = {"norm.weight": dense("output_norm.weight")}
     if "tok_embeddings" not in kept:
@@ -472,9 +474,12 @@ def _libc() -> ctypes.CDLL:
     return ctypes.CDLL(None, use_errno=True)
 
 
-def _dequantized(tensor: GgufTensor, rows: slice | None = None, columns: slice | None = None) -> torch.Tensor:
-    """A GGUF tensor in fp32, or rows / columns of it. Rows are cut from the stored (possibly quantized) rows
-    before dequantizing; so are columns that fall on quantization-block edges, others are cut after."""
+def _dequantized(
+    tensor: GgufTensor, rows: slice | None = None, columns: slice | None = None, keep_16bit: bool = False
+) -> torch.Tensor:
+    """A GGUF tensor in fp32 (an F16 matrix in fp16 with `keep_16bit`), or rows / columns of it. Rows are cut
+    from the stored (possibly quantized) rows before dequantizing; so are columns that fall on
+    quantization-block edges, others are cut after."""
     import gguf
 
     data = tensor.data if rows is None else tensor.data[rows]
@@ -486,17 +491,25 @@ def _dequantized(tensor: GgufTensor, rows: slice | None = None, columns: slice |
         else:
             data = data[:, columns.start // block * type_size : columns.stop // block * type_size]
         columns = None
-    dense = torch.from_numpy(np.array(gguf.quants.dequantize(data, tensor.tensor_type), dtype=np.float32))
+    if keep_16bit and tensor.tensor_type == gguf.GGMLQuantizationType.F16 and data.ndim == 2:
+        dense = torch.from_numpy(np.array(data, dtype=np.float16))
+    else:
+        dense = torch.from_numpy(np.array(gguf.quants.dequantize(data, tensor.tensor_type), dtype=np.float32))
     return dense if columns is None else dense[:, columns].contiguous()
 
 
 def _read_gguf_shard(
-    path: Path, unpermute: bool, shard: TensorParallelShard, keep_blocks: bool = False
+    path: Path,
+    unpermute: bool,
+    shard: TensorParallelShard,
+    keep_blocks: bool = False,
+    keep_16bit: bool = False,
 ) -> tuple[ModelArgs, dict[str, torch.Tensor], Tokenizer, dict[str, BlockWeight]]:
     """One TP rank's fused state read straight from a GGUF file: what `shard_state` would cut from the whole
     model, with only the rank's rows and columns dequantized (embedding, norms and LM head whole). With
     `keep_blocks`, a projection whose rank's part is in blocks (rows cut from the stored rows, columns on
-    block edges) stays in blocks instead, as do the embedding and LM head."""
+    block edges) stays in blocks instead, as do the embedding and LM head; with `keep_16bit`, F16 matrices
+    stay fp16."""
     reader = read_gguf(path)
     args, meta, tokenizer = _gguf_args(path, reader)
     shard.check(args)
@@ -510,7 +523,7 @@ def _read_gguf_shard(
     permuted = meta["general.architecture"] == "llama" and unpermute
 
     def part(name: str, rows: slice | None = None, columns: slice | None = None) -> torch.Tensor:
-        return _dequantized(by_name[name], rows, columns)
+        return _dequantized(by_name[name], rows, columns, keep_16bit)
 
     def block_part(name: str, rows: slice | None = None, columns: slice | None = None) -> BlockWeight | None:
         tensor = by_name[name]
@@ -590,7 +603,7 @@ def _hf_args(config: dict[str, Any]) -> ModelArgs:
     family = family_of_config(config)
     rope = config.get("rope_parameters") or config.get("rope_scaling") or {}
     rope_scaling = RopeScaling.from_hf(config)
-    max_seq_len = config.get("max_position_embeddings", 2048)
+    max_seq_len = rope_scaling.served_context(config.get("max_position_embeddings", 2048))
     # Attention equals full attention while the context fits the window, so cap the context instead.
     window = family.sliding_window(config)
     if window is not None:

@@ -72,14 +72,29 @@ def haswell_kernels(tmp_path_factory):
     return lib
 
 
+def _q6_k_case(rows: int, cols: int) -> tuple[quant.BlockWeight, torch.Tensor]:
+    """Random Q6_K bytes (gguf has no Q6_K quantizer; d as small as real files', so the weights are too) as
+    blocks, and gguf's dense values of them."""
+    rng = np.random.default_rng(rows)
+    raw = rng.integers(0, 256, (rows, cols // 256, 210), dtype=np.uint8)
+    raw[..., 208:210] = rng.uniform(-1e-4, 1e-4, (rows, cols // 256, 1)).astype(np.float16).view(np.uint8)
+    raw = raw.reshape(rows, -1)
+    dense = torch.from_numpy(gguf.quants.dequantize(raw, gguf.GGMLQuantizationType.Q6_K))
+    return quant.from_gguf(raw, "Q6_K"), dense
+
+
 def test_kernels_built_for_avx2_only_cpus_equal_the_dense_matmul(gguf_tensors, haswell_kernels):
-    """The AVX2 code must give the dense results for both block kinds, on whole tiles and on the rows left
+    """The AVX2 code must give the dense results for every block kind, on whole tiles and on the rows left
     over, with weight rows dequantized once for a batch's row tiles (576 wide) or in every tile (1,536)."""
     lib = haswell_kernels
-    for name in ("blk.3.ffn_down.weight", "blk.5.attn_q.weight", "token_embd.weight"):
-        tensor = gguf_tensors[name]
-        blocks = quant.from_gguf(tensor.data, tensor.tensor_type.name)
-        dense = _dense(tensor)
+    gguf_names = ("blk.3.ffn_down.weight", "blk.5.attn_q.weight", "token_embd.weight")
+    for name in (*gguf_names, "q6_k 512", "q6_k 1536"):
+        if name.startswith("q6_k"):
+            blocks, dense = _q6_k_case(67, int(name.split()[1]))
+        else:
+            tensor = gguf_tensors[name]
+            blocks = quant.from_gguf(tensor.data, tensor.tensor_type.name)
+            dense = _dense(tensor)
         if name == "token_embd.weight":  # the whole vocabulary is slow to compare densely
             dense = dense[:4096]
             blocks = quant.BlockWeight(blocks.kind, blocks.qs[:4096], blocks.scale[:4096], None)
@@ -93,13 +108,15 @@ def _dequantized(blocks: quant.BlockWeight) -> torch.Tensor:
     """The [rows, cols] fp32 weight the blocks encode (scale * q is exact; adding min rounds once)."""
     if blocks.kind == "q8_0":
         values = blocks.qs.float() * blocks.scale[..., None]
+    elif blocks.kind == "q6_k":  # a scale for each half block
+        values = blocks.qs.float() * blocks.scale.view(*blocks.qs.shape[:2], 2).repeat_interleave(16, dim=-1)
     else:
         nibbles = torch.cat((blocks.qs & 0x0F, blocks.qs >> 4), dim=-1).float()
         values = nibbles * blocks.scale[..., None] + blocks.minimum[..., None]
     return values.reshape(blocks.qs.shape[0], -1)
 
 
-@pytest.mark.parametrize("kind", ["q4_1", "q8_0"])
+@pytest.mark.parametrize("kind", ["q4_1", "q8_0", "q6_k"])
 def test_block_matmul_of_one_hot_rows_returns_every_dequantized_weight_bit_for_bit(kind):
     """Every tile shape (the wide one of batch 1 and 2, the rows left after it, batch 3's, and batches of
     several row tiles, whose weight rows are dequantized once for all of them) reads each block with its own
@@ -109,9 +126,13 @@ def test_block_matmul_of_one_hot_rows_returns_every_dequantized_weight_bit_for_b
     for weight_rows in (1, 7):
         width = 16 if kind == "q4_1" else 32
         qs = torch.randint(0, 256, (weight_rows, cols // 32, width), generator=generator)
-        qs = qs.to(torch.uint8) if kind == "q4_1" else (qs - 128).to(torch.int8)
-        # fp16 values, as a GGUF file stores them (so that scale * q is exact in fp32).
-        scale = torch.rand(weight_rows, cols // 32, generator=generator).half().float()
+        if kind == "q6_k":  # 6-bit q - 32
+            qs = (qs // 4 - 32).to(torch.int8)
+        else:
+            qs = qs.to(torch.uint8) if kind == "q4_1" else (qs - 128).to(torch.int8)
+        # fp16 values, as a GGUF file stores them (so that scale * q is exact in fp32); Q6_K's every 16.
+        groups = cols // quant.SCALE_GROUP[kind]
+        scale = torch.rand(weight_rows, groups, generator=generator).half().float()
         minimum = -torch.rand(weight_rows, cols // 32, generator=generator).half().float()
         minimum = minimum if kind == "q4_1" else None
         blocks = quant.BlockWeight(kind, qs, scale, minimum)

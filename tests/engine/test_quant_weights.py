@@ -1,6 +1,7 @@
 """Weights kept in their stored form (services/engine/quant.py, weights.py): every block type dequantizes to
-gguf's own values, a model whose projections live only in blocks computes what its dense load computes, and
-16-bit safetensors stay 16-bit with the fp32 load's results."""
+gguf's own values, a model whose projections live only in blocks computes what its dense load computes (a
+Q4_K_M-like file's mixed Q4_K/Q6_K projections and F16 ones included), and 16-bit safetensors stay 16-bit
+with the fp32 load's results."""
 
 from __future__ import annotations
 
@@ -12,13 +13,13 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from bench.engine_weights import write_synthetic_gguf
+from bench.engine_weights import Q4_K_M, write_synthetic_gguf
 from pcpstack.engine import cpu_kernels
 from pcpstack.engine.engine import Engine
 from pcpstack.engine.gguf_file import read_gguf
 from pcpstack.engine.model import Linear
 from pcpstack.engine.parallel import TensorParallelShard
-from pcpstack.engine.quant import MAX_ROWS_WITHOUT_DENSE, from_gguf
+from pcpstack.engine.quant import MAX_ROWS_WITHOUT_DENSE, BlockWeight, from_gguf
 from pcpstack.engine.weights import (
     WEIGHTS_ENV,
     _read_gguf_shard,
@@ -41,11 +42,20 @@ def _q4_k_bytes(rows: int, cols: int, rng: np.random.Generator) -> np.ndarray:
     return raw.reshape(rows, -1)
 
 
-@pytest.mark.parametrize("kind", [Q.Q4_0, Q.Q4_1, Q.Q8_0, Q.Q4_K])
+def _q6_k_bytes(rows: int, cols: int, rng: np.random.Generator) -> np.ndarray:
+    """Random Q6_K super-blocks (gguf has no Q6_K quantizer): any q and int8 scale bits, finite fp16 d."""
+    raw = rng.integers(0, 256, (rows, cols // 256, 210), dtype=np.uint8)
+    d = rng.uniform(-0.05, 0.05, (rows, cols // 256, 1)).astype(np.float16)
+    raw[..., 208:210] = d.view(np.uint8).reshape(rows, -1, 2)
+    return raw.reshape(rows, -1)
+
+
+@pytest.mark.parametrize("kind", [Q.Q4_0, Q.Q4_1, Q.Q8_0, Q.Q4_K, Q.Q6_K])
 def test_every_block_type_dequantizes_to_the_values_gguf_gives(kind):
     rng = np.random.default_rng(int(kind))
     dense = rng.standard_normal((24, 512)).astype(np.float32)
-    data = _q4_k_bytes(24, 512, rng) if kind == Q.Q4_K else gguf.quants.quantize(dense, kind)
+    random_bytes = {Q.Q4_K: _q4_k_bytes, Q.Q6_K: _q6_k_bytes}.get(kind)
+    data = random_bytes(24, 512, rng) if random_bytes else gguf.quants.quantize(dense, kind)
     expected = gguf.quants.dequantize(data, kind)
     blocks = from_gguf(data, kind.name)
     got = blocks.dequantize().numpy()
@@ -59,9 +69,17 @@ def test_every_block_type_dequantizes_to_the_values_gguf_gives(kind):
     assert blocks.dequantize(torch.tensor([], dtype=torch.long)).shape == (0, 512)
 
 
-def test_q6_k_has_no_block_form():
-    data = np.random.default_rng(0).integers(0, 256, (2, 210), dtype=np.uint8)
-    assert from_gguf(data, "Q6_K") is None
+def test_a_projection_of_mixed_block_types_is_a_chain_that_multiplies_as_its_parts():
+    rng = np.random.default_rng(2)
+    q4_k, q6_k = _q4_k_bytes(40, 512, rng), _q6_k_bytes(24, 512, rng)
+    fused = BlockWeight.cat([from_gguf(q4_k, "Q4_K"), from_gguf(q6_k, "Q6_K")])
+    assert (fused.kind, fused.next.kind, fused.shape) == ("q4_1", "q6_k", (64, 512))
+    parts = (gguf.quants.dequantize(q4_k, Q.Q4_K), gguf.quants.dequantize(q6_k, Q.Q6_K))
+    dense = torch.from_numpy(np.concatenate(parts))
+    assert torch.equal(fused.dequantize(), dense)
+    assert torch.equal(fused.columns(slice(96, 224)).dequantize(), dense[:, 96:224])
+    x = torch.randn(3, 512, generator=torch.Generator().manual_seed(0))
+    torch.testing.assert_close(fused.matmul(x), F.linear(x, dense), atol=1e-4, rtol=1e-5)
 
 
 def test_a_projection_only_in_blocks_runs_long_prompts_on_its_dequantized_weight():
@@ -141,6 +159,55 @@ def test_a_gguf_kept_in_blocks_gives_the_logits_of_its_dense_load(small_gguf):
     torch.testing.assert_close(
         engine_logits(stored_engine, short), engine_logits(dense_engine, short), atol=1e-4, rtol=0
     )
+
+
+@pytest.fixture(scope="module")
+def q4_k_m_gguf(tmp_path_factory):
+    """A Q4_K_M-like GGUF: Q4_K with Q6_K value and down projections and tied embedding, and one F16
+    projection (layer 1's output: that layer runs without the fused decode layer)."""
+    folder = tmp_path_factory.mktemp("gguf")
+    shape = {"dim": 256, "layers": 2, "hidden": 768, "heads": 4, "kv_heads": 2, "vocab": 256}
+    types = {**Q4_K_M, "blk.1.attn_output": "F16"}
+    return write_synthetic_gguf(folder / "small.Q4_K_M.gguf", shape, types=types)
+
+
+def test_a_q4_k_m_gguf_kept_stored_gives_the_logits_of_its_dense_load(q4_k_m_gguf):
+    stored = load_model(q4_k_m_gguf, "cpu", torch.float32, weights="stored")
+    dense = load_model(q4_k_m_gguf, "cpu", torch.float32, weights="dense")
+    first, second = stored.model.layers
+    assert first.attention.wqkv.weight is None and first.attention.wqkv.blocks.next.kind == "q6_k"
+    assert first.feed_forward.w2.blocks.kind == "q6_k" and stored.model.tok_embeddings.blocks.kind == "q6_k"
+    assert first.decode_kernel is not None  # the fused decode layer runs the Q4_K|Q6_K chain
+    assert second.attention.wo.weight.dtype == torch.float16
+    assert dense.model.layers[1].attention.wo.weight.dtype == torch.float32
+    generator = torch.Generator().manual_seed(3)
+    prompt = torch.randint(0, 256, (MAX_ROWS_WITHOUT_DENSE + 8,), generator=generator).tolist()
+    stored_engine, dense_engine = (Engine(f, block_size=16, num_blocks=64) for f in (stored, dense))
+    # Past the kernels' row limit both run BLAS on equal fp32 weights: the same logits, bit for bit.
+    assert torch.equal(engine_logits(stored_engine, prompt), engine_logits(dense_engine, prompt))
+    short = prompt[:40]
+    torch.testing.assert_close(
+        engine_logits(stored_engine, short), engine_logits(dense_engine, short), atol=1e-4, rtol=0
+    )
+    # Decode steps on the kernels (the fused layer, the block matmuls) against a dense prefill of the same
+    # tokens (more rows than the kernels take with a dense weight beside them: BLAS).
+    with torch.inference_mode():
+        stored_engine.prefill("s", short[:20])
+        steps = torch.cat([stored_engine.decode_step(["s"], [token]) for token in short[20:24]])
+    torch.testing.assert_close(steps, engine_logits(dense_engine, short[:24])[20:], atol=1e-4, rtol=0)
+
+
+def test_a_tp_shard_of_a_q4_k_m_gguf_keeps_its_q6_k_cut_mid_super_block_in_blocks(q4_k_m_gguf):
+    # TP=2: the down projection's 384 columns of 768 end in the middle of a 256-wide Q6_K super-block.
+    shard = TensorParallelShard(1, 2)
+    _, dense, _, _ = _read_gguf_shard(q4_k_m_gguf, True, shard)
+    _, state, _, blocks = _read_gguf_shard(q4_k_m_gguf, True, shard, keep_blocks=True, keep_16bit=True)
+    assert blocks["layers.0.feed_forward.w2"].kind == "q6_k"
+    assert state["layers.1.attention.wo.weight"].dtype == torch.float16
+    for name, kept in blocks.items():
+        key = "tok_embeddings.weight" if name == "output" else f"{name}.weight"
+        assert torch.equal(kept.dequantize(), dense[key]), name
+    assert torch.equal(state["layers.1.attention.wo.weight"].float(), dense["layers.1.attention.wo.weight"])
 
 
 def test_a_gguf_is_dense_with_a_log_line_when_the_kernels_are_off(small_gguf, monkeypatch, caplog):
