@@ -22,10 +22,12 @@ channel over their addresses (pick-first), so one etcd member going down moves t
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import logging
 import math
 import socket
+import time
 from collections.abc import AsyncIterator, Awaitable, Mapping
 from dataclasses import dataclass
 from typing import TypeVar
@@ -233,6 +235,102 @@ class EtcdStore:
         start = len(self.key("nodes", ""))
         stored = await self._call(self._client.get_prefix(self.key("nodes", "")))
         return {kv.key[start:].decode(): json.loads(kv.value) for kv in stored}
+
+    # --- node sessions held through etcd, and the nodes' mailboxes -----------------------------------
+
+    def _session_key(self, node_id: str) -> bytes:
+        return self.key("sessions", node_id)
+
+    async def grant(self, ttl_s: int) -> int:
+        """A new etcd lease of ttl_s seconds; its id."""
+        return (await self._call(self._client.lease(ttl_s))).id
+
+    async def revoke(self, lease_id: int) -> None:
+        """Revokes a lease: the keys under it are deleted at once."""
+        await self._call(self._client.revoke_lease(lease_id))
+
+    async def bind_session(self, node_id: str, record: bytes, identity: str, lease_id: int) -> bool:
+        """Writes a node's session record under lease_id if the node id is free or bound to the same
+        session identity (compare-and-swap, so two replicas cannot bind one id to two sessions); False when
+        another live session holds it."""
+        key = self._session_key(node_id)
+        ops = self._client.transactions
+        current = await self._call(self._client.get(key))
+        if current is None:
+            compare = [ops.create(key) == 0]
+        elif json.loads(current.value)["identity"] == identity:
+            compare = [ops.mod(key) == current.mod_revision]
+        else:
+            return False
+        put = ops.put(key, record, lease=lease_id)
+        succeeded, _ = await self._call(self._client.transaction(compare=compare, success=[put], failure=[]))
+        return bool(succeeded)
+
+    async def put_session(self, node_id: str, record: bytes, lease_id: int) -> None:
+        """Rewrites a bound node's session record (its status or assignment changed)."""
+        await self._call(self._client.put(self._session_key(node_id), record, lease=lease_id))
+
+    async def sessions(self) -> tuple[dict[str, bytes], int]:
+        """Every session record etcd holds, by node id, and the revision they were read at."""
+        prefix = self._session_key("")
+        stored = await self._call(self._client.get_prefix(prefix))
+        return {kv.key[len(prefix) :].decode(): kv.value for kv in stored}, stored.header.revision
+
+    async def watch_sessions(self, start_revision: int) -> AsyncIterator[tuple[str, bytes | None]]:
+        """(node id, record) for every change of a session record from start_revision on; the record is
+        None when it was deleted (its lease expired or was revoked)."""
+        prefix = self._session_key("")
+        async for event in self._watch(prefix, start_revision):
+            node_id = event.kv.key[len(prefix) :].decode()
+            yield node_id, (event.kv.value if event.kind == "PUT" else None)
+
+    async def post(self, messages: list[tuple[str, bytes]]) -> None:
+        """Appends messages to their nodes' mailboxes, in order (keys sort by the time they were written,
+        so a later leader's messages come after an earlier one's)."""
+        ops = self._client.transactions
+        stamp = time.time_ns()
+        puts = [
+            ops.put(self.key("mailbox", node_id, f"{stamp:020d}-{i:06d}"), message)
+            for i, (node_id, message) in enumerate(messages)
+        ]
+        for start in range(0, len(puts), MAX_TXN_OPS):
+            await self._call(
+                self._client.transaction(compare=[], success=puts[start : start + MAX_TXN_OPS], failure=[])
+            )
+
+    async def mailbox(self, node_id: str) -> tuple[list[tuple[bytes, bytes]], int]:
+        """(key, message) of what waits in a node's mailbox, oldest first, and the revision read at."""
+        stored = await self._call(self._client.get_prefix(self.key("mailbox", node_id, "")))
+        return sorted((kv.key, kv.value) for kv in stored), stored.header.revision
+
+    async def watch_mailbox(self, node_id: str, start_revision: int) -> AsyncIterator[tuple[bytes, bytes]]:
+        """(key, message) of every message posted to a node's mailbox from start_revision on."""
+        async for event in self._watch(self.key("mailbox", node_id, ""), start_revision):
+            if event.kind == "PUT":
+                yield event.kv.key, event.kv.value
+
+    async def delete(self, keys: list[bytes]) -> None:
+        """Deletes the keys (messages a node has acted on) in one transaction per MAX_TXN_OPS."""
+        ops = self._client.transactions
+        deletes = [ops.delete(key) for key in keys]
+        for start in range(0, len(deletes), MAX_TXN_OPS):
+            chunk = deletes[start : start + MAX_TXN_OPS]
+            await self._call(self._client.transaction(compare=[], success=chunk, failure=[]))
+
+    async def clear_mailbox(self, node_id: str) -> None:
+        """Drops whatever waits for a node (a registration answered with the truth supersedes it)."""
+        await self._call(self._client.delete_prefix(self.key("mailbox", node_id, "")))
+
+    async def _watch(self, prefix: bytes, start_revision: int) -> AsyncIterator:
+        watch = await self._call(self._client.watch_prefix(prefix, start_revision=start_revision))
+        try:
+            async for event in watch:
+                yield event
+        except (aetcd.exceptions.ClientError, grpc.aio.AioRpcError) as exc:
+            raise Unavailable(f"etcd watch failed: {exc}") from None
+        finally:
+            with contextlib.suppress(aetcd.exceptions.ClientError, grpc.aio.AioRpcError):
+                await watch.cancel()
 
     async def keep_alive(self, lease_ids: list[int]) -> list[int]:
         """Refreshes the leases over one LeaseKeepAlive stream; returns those etcd no longer knows."""

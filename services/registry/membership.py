@@ -416,6 +416,14 @@ class Membership:
             self._check_session(node, session, "deregister")
         return True, self._remove(node, f"member {node_id} deregistered", now)
 
+    def lapse(self, node_id: str, now: float) -> Outgoing:
+        """The replica holding a node's session through etcd heard nothing from it for its lease: the node
+        is dead now, as if it had missed its lease here (its set breaks at once, not a lease later)."""
+        node = self._nodes.get(node_id)
+        if node is None or not node.alive:
+            return []
+        return self._kill(node, f"member {node_id} missed its lease", now)
+
     # --- time --------------------------------------------------------------------------------------
 
     def excuse(self, stalled_s: float, now: float) -> None:

@@ -26,6 +26,7 @@ from pcpstack.common.config import ConfigError
 from pcpstack.common.errors import (
     FailedPrecondition,
     InvalidArgument,
+    NotFound,
     PermissionDenied,
     ServiceError,
     Unavailable,
@@ -52,6 +53,7 @@ from pcpstack.v1 import registry_pb2, registry_pb2_grpc
 
 if TYPE_CHECKING:
     from pcpstack.registry.election import Election
+    from pcpstack.registry.etcd_sessions import EtcdSessions, SessionRecord
     from pcpstack.registry.etcd_store import EtcdStore
 
 log = logging.getLogger(__name__)
@@ -112,6 +114,16 @@ class RegistryServicer(registry_pb2_grpc.RegistryServiceServicer):
         # with replicas: this replica's campaign (None: a registry that leads alone), and a channel to the
         # leader that reads are forwarded to while following
         self.election: Election | None = None
+        # with replicas: the node sessions this replica holds through etcd (accepted while following)
+        self.etcd_sessions: EtcdSessions | None = None
+        # while leading: the nodes whose sessions a replica holds through etcd, as their records were
+        # last read (their commands go to their etcd mailboxes), and the task watching the records
+        self._remote: dict[str, SessionRecord] = {}
+        self._unposted: list[tuple[str, bytes]] = []
+        # nodes this leader may have written mail to (their etcd mailboxes are cleared when they register
+        # here: the response carries the truth)
+        self._mailed: set[str] = set()
+        self._records_watch: asyncio.Task | None = None
         self._leader_channel: tuple[str, grpc.aio.Channel] | None = None
         # the leader's last answers to reads, by (method, request bytes): (when, reply)
         self._shadow: dict[tuple[str, bytes], tuple[float, object]] = {}
@@ -139,10 +151,15 @@ class RegistryServicer(registry_pb2_grpc.RegistryServiceServicer):
             counts[view.state.value] += 1
         self._sets_by_state = counts  # one assignment: the exporter never sees a half-counted dict
 
-    def deliver(self, out: Outgoing) -> None:
-        """Posts commands to mailboxes and logs what a reader of the logs wants to know."""
+    def deliver(self, out: Outgoing) -> list[tuple[str, bytes]]:
+        """Posts commands to mailboxes and logs what a reader of the logs wants to know. Returns the
+        commands for nodes whose sessions are held through etcd, to be written to their etcd mailboxes."""
+        remote = []
         for node_id, command in out:
-            self._mailboxes.post(node_id, convert.command_to_proto(command))
+            if node_id in self._remote:
+                remote.append((node_id, convert.command_to_proto(command).SerializeToString()))
+            else:
+                self._mailboxes.post(node_id, convert.command_to_proto(command))
             if isinstance(command, Assign) and command.assignment.node_rank == 0:
                 a = command.assignment
                 log.info(
@@ -162,6 +179,7 @@ class RegistryServicer(registry_pb2_grpc.RegistryServiceServicer):
                 log.warning("assembly timed out", extra={"node_id": node_id, "reason": command.reason})
         if out:
             self._dirty = True
+        return remote
 
     async def commit(self, out: Outgoing) -> None:
         """Delivers the commands of a state change. With etcd, the change is written first and the commands
@@ -192,7 +210,11 @@ class RegistryServicer(registry_pb2_grpc.RegistryServiceServicer):
                     self._superseded = exc
                 raise
             held, self._held = self._held[:covered], self._held[covered:]
-        self.deliver(held)
+        # commands for nodes held through etcd go to their mailboxes, after any whose write failed before
+        self._unposted += self.deliver(held)
+        if self._unposted:
+            await self._etcd.post(self._unposted)
+            self._unposted = []
 
     def _check_current(self) -> None:
         """Refuses (UNAVAILABLE) every request once another registry wrote the state in etcd, so nodes and
@@ -271,15 +293,112 @@ class RegistryServicer(registry_pb2_grpc.RegistryServiceServicer):
         self._held = []
         self._dirty = True
         self._shadow.clear()  # a leader answers from its own core
+        # the nodes whose sessions replicas hold through etcd, then every change of their records
+        records, revision = await self._etcd.sessions()
+        await self._sync_records(records)
+        self._records_watch = asyncio.create_task(self._watch_records(revision), name="session-records")
 
     def deposed(self) -> None:
         """This replica stopped leading: commands not yet written are dropped (their nodes re-register with
         the next leader), and it follows until it is elected again."""
         self._held = []
+        self._unposted = []
+        if self._records_watch is not None:
+            self._records_watch.cancel()
+            self._records_watch = None
+        self._remote.clear()
+
+    async def _watch_records(self, revision: int) -> None:
+        """Feeds every change of the session records to the core, while leading; a watch that breaks (an
+        etcd member went down) is followed by reading them all again."""
+        assert self._etcd is not None
+        while True:
+            try:
+                async for node_id, value in self._etcd.watch_sessions(revision + 1):
+                    await self._on_record(node_id, value)
+                return
+            except ServiceError as exc:
+                log.warning("session records not read; reading again", extra={"error": str(exc)})
+                await asyncio.sleep(0.2)
+                with contextlib.suppress(ServiceError):
+                    records, revision = await self._etcd.sessions()
+                    await self._sync_records(records)
+
+    async def _sync_records(self, records: dict[str, bytes]) -> None:
+        for node_id in self._remote.keys() - records.keys():
+            await self._on_record(node_id, None)
+        for node_id, value in records.items():
+            await self._on_record(node_id, value)
+
+    async def _on_record(self, node_id: str, value: bytes | None) -> None:
+        """A node's session record changed (held by some replica through etcd): the core learns of its
+        registration and status reports as if the node had called this replica; a deleted record leaves
+        the node to miss its lease."""
+        from pcpstack.registry.etcd_sessions import SessionRecord  # loaded: a record exists
+
+        if value is None:
+            self._remote.pop(node_id, None)
+            return
+        record = SessionRecord.decode(value)
+        if record.silent:
+            self._remote.pop(node_id, None)
+            await self.commit(self._membership.lapse(node_id, self._clock()))
+            return
+        before = self._remote.get(node_id)
+        self._remote[node_id] = record
+        self._mailed.add(node_id)
+        if before is None:
+            self._mailboxes.reset(node_id)  # a session the node held with this replica itself is over
+        now = self._clock()
+        out: Outgoing = []
+        try:
+            if before is None or (before.request, before.peer) != (record.request, record.peer):
+                out += self._register_record(record, now)
+            status = record.status
+            if status is not None and (before is None or before.status != status):
+                _, changes = self._membership.report_status(
+                    node_id, status.set_id, status.generation, status.ready, status.error, now
+                )
+                out += changes
+        except (ServiceError, ConfigError) as exc:
+            # the node's Register was answered already: it reads the refusal on its Session
+            log.warning("registration through etcd refused", extra={"node_id": node_id, "error": str(exc)})
+            refusal = registry_pb2.SessionResponse(refusal=registry_pb2.Refusal(reason=str(exc)))
+            with contextlib.suppress(ServiceError):
+                await self._etcd.post([(node_id, refusal.SerializeToString())])
+        try:
+            await self.commit(out)
+        except ServiceError as exc:
+            log.warning("membership not written to etcd", extra={"error": str(exc)})
+
+    def _register_record(self, record: SessionRecord, now: float) -> Outgoing:
+        """Registers a node held through etcd with the core. Its Register was answered without an
+        assignment, so the one it has now (unless it carries it already) goes to it as a command."""
+        registration = convert.registration_from_proto(record.request, record.peer)
+        assignment, out = self._membership.register(registration, now)
+        if assignment is not None and assignment != registration.current_assignment:
+            out.append((registration.node_id, Assign(assignment)))
+        return out
+
+    def _hear_remote(self, now: float) -> Outgoing:
+        """A live record is the heartbeat of a node held through etcd (its holder drops the record when the
+        node falls silent); a node the core declared dead meanwhile registers again from its record."""
+        out: Outgoing = []
+        for node_id, record in list(self._remote.items()):
+            try:
+                self._membership.heartbeat(node_id, 0, 0, now)
+            except NotFound:
+                with contextlib.suppress(ServiceError, ConfigError):
+                    out += self._register_record(record, now)
+        return out
 
     async def Register(self, request, context):
-        """Validates and records the node; the response carries its assignment when it has one."""
-        self._require_leader()
+        """Validates and records the node; the response carries its assignment when it has one. A replica
+        that follows holds the node's session through etcd: its assignment comes as a command."""
+        self._check_current()
+        held_here = self._following and self.etcd_sessions is not None
+        if not held_here:
+            self._require_leader()
         try:
             registration = convert.registration_from_proto(request, peer_identity(context))
         except ConfigError as exc:
@@ -288,12 +407,29 @@ class RegistryServicer(registry_pb2_grpc.RegistryServiceServicer):
         if self._verify_peer_address and registration.node_id and registration.role:
             await self._check_advertised(registration, context)
         try:
+            if held_here:
+                assert self.etcd_sessions is not None
+                if not registration.node_id:
+                    raise InvalidArgument("node_id is required (a stable identity of the node)")
+                await self.etcd_sessions.register(request, peer_identity(context), self._clock())
+                log.info("registered through etcd", extra={"node_id": request.node_id})
+                return registry_pb2.RegisterResponse(
+                    node_id=request.node_id, lease_ms=int(self._membership.settings.lease_s * 1000)
+                )
+            # a node held through etcd until now moved here: its commands come here from now on
+            self._remote.pop(request.node_id, None)
             assignment, out = self._membership.register(registration, self._clock())
         except NodeIdInUse:
             # tells a restarted node that the refusal clears once its old session ends
             context.set_trailing_metadata(((convert.REFUSAL_METADATA, convert.REFUSAL_NODE_ID_IN_USE),))
             raise
         self._mailboxes.reset(request.node_id)
+        if self._etcd is not None and request.node_id in self._mailed:
+            # the response carries the truth: what waited in its etcd mailbox is superseded
+            self._mailed.discard(request.node_id)
+            if self.etcd_sessions is not None:
+                await self.etcd_sessions.forget(request.node_id)
+            await self._etcd.clear_mailbox(request.node_id)
         await self.commit(out)
         self._dirty = True
         log.info("registered", extra={"node_id": request.node_id, "role": registration.role})
@@ -328,7 +464,7 @@ class RegistryServicer(registry_pb2_grpc.RegistryServiceServicer):
     async def Session(self, request_iterator, context):
         """Reads heartbeats and status reports; yields commands, acks and refusals. (A generator, not
         context.write: the OpenTelemetry server interceptor wraps streaming handlers as generators.)"""
-        self._require_leader()
+        self._check_current()
         requests = aiter(request_iterator)
         try:
             first = await anext(requests)
@@ -338,6 +474,11 @@ class RegistryServicer(registry_pb2_grpc.RegistryServiceServicer):
             raise InvalidArgument("the first Session message must be `open` with a node_id")
         node_id = first.open.node_id
         session = convert.session_identity(first.open.instance_id, peer_identity(context))
+        if self.etcd_sessions is not None and self.etcd_sessions.holds(node_id, session):
+            async for message in self.etcd_sessions.serve(node_id, requests, self._clock):
+                yield message
+            return
+        self._require_leader()
         self._membership.open_session(node_id, self._clock(), session)
         queue = self._mailboxes.attach(node_id)
         failure = _Failure()
@@ -427,9 +568,14 @@ class RegistryServicer(registry_pb2_grpc.RegistryServiceServicer):
 
     async def Deregister(self, request, context):
         """Removes a node (only its own session may); its set breaks and its Session ends."""
-        self._require_leader()
+        self._check_current()
         if not request.node_id:
             raise InvalidArgument("node_id is required")
+        session = convert.session_identity(request.instance_id, peer_identity(context))
+        if self.etcd_sessions is not None and await self.etcd_sessions.release(request.node_id, session):
+            # its record is gone: the leader declares the node dead within its lease
+            return registry_pb2.DeregisterResponse(removed=True)
+        self._require_leader()
         removed, out = self._membership.deregister(
             request.node_id,
             self._clock(),
@@ -454,15 +600,22 @@ class RegistryServicer(registry_pb2_grpc.RegistryServiceServicer):
             late = now - asleep - interval
             if late > interval:
                 self._membership.excuse(late, now)
+                if self.etcd_sessions is not None:
+                    self.etcd_sessions.excuse(late, now)
                 log.warning("event loop held up; leases extended", extra={"stalled_s": round(late, 2)})
             # Until the leader answers (it is not known yet, or not up), every tick tries again: a follower
             # that waited SHADOW_EVERY_S after a failed try had nothing to serve if the leader died meanwhile.
             if self._following and now - self._shadowed_at >= SHADOW_EVERY_S and await self._shadow_leader():
                 self._shadowed_at = now
+            if self.etcd_sessions is not None:
+                try:
+                    await self.etcd_sessions.tick(now)
+                except ServiceError as exc:
+                    log.warning("node session leases not refreshed", extra={"error": str(exc)})
             if self._superseded is not None or self._following:
                 continue
             try:
-                await self.commit(self._membership.tick(now))
+                await self.commit(self._hear_remote(now) + self._membership.tick(now))
                 if self._etcd is not None:
                     await self._etcd.sync_nodes(self._membership.live_records(), now)
             except ServiceError as exc:
@@ -508,6 +661,9 @@ class RegistryServer:
                     await task
         if self.servicer.election is not None:
             await self.servicer.election.resign()
+        self.servicer.deposed()
+        if self.servicer.etcd_sessions is not None:
+            await self.servicer.etcd_sessions.close()
         await self.running.stop(grace)
         if self._etcd is not None:
             await self._etcd.close()
@@ -553,7 +709,9 @@ async def start_registry(
     election_task = None
     if etcd is not None and elect:
         from pcpstack.registry.election import Election
+        from pcpstack.registry.etcd_sessions import EtcdSessions
 
+        servicer.etcd_sessions = EtcdSessions(etcd, running.address, settings.lease_s)
         servicer.election = Election(etcd, running.address, servicer.lead, servicer.deposed)
         election_task = asyncio.create_task(servicer.election.run(), name="registry-election")
     clock = asyncio.create_task(servicer.run_clock(min(0.25, settings.lease_s / 4)))

@@ -9,6 +9,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import itertools
+import signal
 import subprocess
 import sys
 from collections.abc import Iterator
@@ -216,6 +217,74 @@ def _replica(etcd: EtcdCluster, prefix: str, port: int, env: dict[str, str]) -> 
         stdout=subprocess.DEVNULL,
         stderr=subprocess.DEVNULL,
     )
+
+
+@pytest.mark.slow
+def test_nodes_held_by_a_follower_replica_are_assembled_and_their_pending_assign_survives_its_kill_9(
+    etcd, child_env
+):
+    """Three replicas: the first started leads. Three nodes register and hold their sessions with a
+    follower; the leader learns of them from etcd. The follower is stopped (so that it cannot deliver)
+    and a fourth node registers with the leader: the sets form, the held nodes' assignments wait in
+    their etcd mailboxes, and the follower is killed -9. The nodes move to the other follower, which
+    streams the pending assignments from its watch; their readiness reaches the leader through etcd."""
+
+    async def scenario():
+        prefix = _prefix()
+        ports = [free_port() for _ in range(3)]
+        leader, held_by, other = (f"127.0.0.1:{port}" for port in ports)
+        processes = {leader: _replica(etcd, prefix, ports[0], child_env)}
+        clients: list[NodeSession] = []
+        try:
+            await wait_serving(leader)
+            await until(lambda: _names_leader(leader))
+            for address, port in ((held_by, ports[1]), (other, ports[2])):
+                processes[address] = _replica(etcd, prefix, port, child_env)
+            for address in (held_by, other):
+                await wait_serving(address)
+            clients = await _nodes(f"{held_by},{other}", range(3))
+            for client in clients:
+                await client.wait_registered(timeout=10)
+            assert all(client.address == held_by for client in clients)
+            await until(lambda: _states(leader, {registry_pb2.NODE_STATE_POOLED: 3}))
+
+            processes[held_by].send_signal(signal.SIGSTOP)
+            clients += await _nodes(leader, range(3, 4))
+            formed = await until(lambda: _formed(leader, 2))
+            processes[held_by].kill()
+            processes[held_by].wait()
+
+            await until(lambda: _all_assigned(clients))
+            assert all(client.address == other for client in clients[:3])
+            pairs = sorted((set_id, generation) for set_id, generation, _ in formed)
+            assert sorted({(c.assignment.set_id, c.assignment.generation) for c in clients}) == pairs
+            assert await _sets(leader) == formed
+            await _ready(clients)
+            await until(lambda: _states(leader, {registry_pb2.NODE_STATE_READY: 4}))
+            assert await _sets(leader) == formed
+        finally:
+            await _close(clients)
+            for process in processes.values():
+                process.kill()
+                process.wait()
+
+    _run(scenario())
+
+
+async def _names_leader(address: str) -> bool:
+    return (await _list_sets(address)).leader_address == address
+
+
+async def _states(address: str, expected: dict[int, int]) -> bool:
+    counts: dict[int, int] = {}
+    for node in await _list_nodes(address):
+        counts[node.state] = counts.get(node.state, 0) + 1
+    return counts == expected
+
+
+async def _formed(address: str, count: int) -> list[tuple[str, int, tuple[str, ...]]] | None:
+    formed = await _sets(address)
+    return formed if len(formed) == count else None
 
 
 @pytest.mark.slow
