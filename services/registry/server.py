@@ -2,7 +2,9 @@
 
 Besides translation (in `convert`) it owns what the pure core cannot: the clock (a periodic tick that
 expires leases and times out assemblies), the nodes' mailboxes that Session streams drain, and the optional
-snapshot file. Refusals are `common.errors` kinds raised by the core; the common interceptor maps them.
+snapshot file. With etcd replicas, a follower holds the sessions it accepts through etcd (`etcd_sessions`),
+and the leader feeds their records to its core from a watch and writes their commands to etcd mailboxes.
+Refusals are `common.errors` kinds raised by the core; the common interceptor maps them.
 """
 
 from __future__ import annotations
@@ -682,8 +684,9 @@ async def start_registry(
     as soon as its sets' members are back) and a missing one means a cold start with no grace at all.
     With etcd_endpoints ("http://HOST:PORT,..."), membership state is kept in that etcd cluster instead,
     under etcd_prefix, with the same restart rules (etcd_store), and the registry is one of possibly
-    several replicas: it campaigns (election) and serves changes only while it leads, forwarding reads to
-    the leader meanwhile; elect=False makes it act as the only one (the generation fence still holds).
+    several replicas: it campaigns (election) and assembles only while it leads, forwarding reads to the
+    leader and holding the sessions it accepts through etcd meanwhile (etcd_sessions); elect=False makes
+    it act as the only one (the generation fence still holds).
     verify_peer_address refuses registrations whose advertised host is not the caller's own."""
     settings = settings or Settings()
     options = options or ServerOptions()

@@ -227,7 +227,8 @@ def test_nodes_held_by_a_follower_replica_are_assembled_and_their_pending_assign
     follower; the leader learns of them from etcd. The follower is stopped (so that it cannot deliver)
     and a fourth node registers with the leader: the sets form, the held nodes' assignments wait in
     their etcd mailboxes, and the follower is killed -9. The nodes move to the other follower, which
-    streams the pending assignments from its watch; their readiness reaches the leader through etcd."""
+    streams the pending assignments from its watch; their readiness reaches the leader through etcd, and
+    one that falls silent is declared dead there."""
 
     async def scenario():
         prefix = _prefix()
@@ -262,6 +263,10 @@ def test_nodes_held_by_a_follower_replica_are_assembled_and_their_pending_assign
             await _ready(clients)
             await until(lambda: _states(leader, {registry_pb2.NODE_STATE_READY: 4}))
             assert await _sets(leader) == formed
+            # a held node that goes silent is dead at the leader, and its set leaves routing
+            await clients.pop(0).close()
+            dead, ready = registry_pb2.NODE_STATE_DEAD, registry_pb2.NODE_STATE_READY
+            await until(lambda: _states(leader, {dead: 1, registry_pb2.NODE_STATE_POOLED: 1, ready: 2}))
         finally:
             await _close(clients)
             for process in processes.values():
