@@ -9,15 +9,17 @@ needs only some of a shard's heads, each token row contributes its heads' slice 
 
 With a cached prefix the sequence's tokens live in several objects one after another (`KvSource`: the
 prefix's runs, then the new tokens' shards); a part's reads are planned per object over the window of
-positions it holds. `part_reads` plans the reads of one part; `assemble_part` turns the bytes they returned
-into the part's tensor [layers, 2, part tokens, part heads, head_dim] that engine.adopt_parts takes. Plain
-Python: no I/O.
+positions it holds. A prefix made by a TP prefill set is stored per K/V head range, and each range's runs
+may end at other tokens (its blocks were first offered by other requests): `prefix_sources` cuts them at
+one another's ends, so every window of positions is covered by one source per head range. `part_reads`
+plans the reads of one part; `assemble_part` turns the bytes they returned into the part's tensor
+[layers, 2, part tokens, part heads, head_dim] that engine.adopt_parts takes. Plain Python: no I/O.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 
@@ -71,6 +73,47 @@ class KvSource:
     heads: range  # the object's K/V heads, of the whole model
     object_tokens: int
     offset: int = 0
+
+
+def prefix_sources(
+    runs: Sequence[KvSource], num_kv_heads: int, num_tokens: int
+) -> list[tuple[int, KvSource]]:
+    """The cached prefix's runs (each head range's in sequence order, their `start`s ignored) as sources
+    over common windows: (index of the run in `runs`, source) by window, then by heads. ValueError when
+    the head ranges do not split every K/V head or a range's runs do not hold num_tokens tokens."""
+    by_heads: dict[tuple[int, int], list[int]] = {}
+    for index, run in enumerate(runs):
+        by_heads.setdefault((run.heads.start, run.heads.stop), []).append(index)
+    at = 0
+    for start, stop in sorted(by_heads):
+        if start != at:
+            raise ValueError(f"the prefix's K/V head ranges leave heads {at}-{start} uncovered or twice")
+        at = stop
+    if at != num_kv_heads:
+        raise ValueError(f"the prefix's K/V head ranges end at head {at}, not {num_kv_heads}")
+    placed: list[tuple[int, KvSource]] = []  # each run at its position in the sequence
+    for indices in by_heads.values():
+        position = 0
+        for index in indices:
+            placed.append((index, replace(runs[index], start=position)))
+            position += runs[index].count
+        if position != num_tokens:
+            heads = runs[indices[0]].heads
+            raise ValueError(
+                f"the prefix of K/V heads {heads.start}-{heads.stop} holds {position} tokens, not "
+                f"{num_tokens}"
+            )
+    cuts = sorted({source.start for _, source in placed})
+    windows = []
+    for index, source in placed:
+        end = source.start + source.count
+        inner = [cut for cut in cuts if source.start < cut < end]
+        for first, stop in zip([source.start, *inner], [*inner, end], strict=True):
+            piece = replace(
+                source, start=first, count=stop - first, offset=source.offset + first - source.start
+            )
+            windows.append((index, piece))
+    return sorted(windows, key=lambda item: (item[1].start, item[1].heads.start))
 
 
 def shard_sources(shard_heads: Sequence[range], num_tokens: int, start: int = 0) -> list[KvSource]:

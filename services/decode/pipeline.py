@@ -15,10 +15,11 @@ request fails or is cancelled mid-fetch, and, when the caller leaves while the s
 soon as the set's answer names the replica nobody will load.
 
 Prefix reuse: the set may answer with a handle whose leading `cached_tokens` come from the store's prefix
-blocks (`prefix_segments`, read through the handle's prefix lease, one ranged Get per segment) and whose
-objects hold only the tokens after them; the fetch joins them into one sequence, and the prefix lease is
-released with the objects. A DCP worker's ranks read their own token blocks from the segments and the new
-objects alike (decode.kv_ranges plans the reads over both).
+blocks (`prefix_segments`, read through the handle's prefix lease, one ranged Get per segment; a TP
+prefill set's prefix is stored per K/V head range like its replica, each segment naming its heads and
+fingerprint) and whose objects hold only the tokens after them; the fetch joins them into one sequence by
+position and head, and the prefix lease is released with the objects. A DCP worker's ranks read their own
+token blocks from the segments and the new objects alike (decode.kv_ranges plans the reads over both).
 """
 
 from __future__ import annotations
@@ -51,14 +52,20 @@ from pcpstack.common.logs import request_id_var
 from pcpstack.common.rpc_errors import error_from_rpc
 from pcpstack.common.telemetry import current_trace_id, latency_histogram, meter, tracer
 from pcpstack.decode.batcher import Batcher, DecodeRequest, KvReplica, TokenEvent, accept_token
-from pcpstack.decode.kv_ranges import KvSource, ShardRead, assemble_part, part_reads, shard_sources
+from pcpstack.decode.kv_ranges import (
+    KvSource,
+    ShardRead,
+    assemble_part,
+    part_reads,
+    prefix_sources,
+    shard_sources,
+)
 from pcpstack.decode.router import NoReadySet, SetRouter
 from pcpstack.engine.dcp import KvPart
 from pcpstack.engine.engine import Engine
 from pcpstack.engine.prompt import PromptLimits, check_logit_bias, check_token_ids
 from pcpstack.engine.sampling import SamplingParams, StopChecker, TokenLogprobs, sampling_to_wire
 from pcpstack.kvstore.client import KvStoreClient
-from pcpstack.kvstore.prefix import segment_range
 from pcpstack.prefill.client import PrefillClient
 from pcpstack.registry.endpoints import PrefillEndpoint
 from pcpstack.v1 import common_pb2, prefill_pb2
@@ -515,10 +522,20 @@ class GeneratePipeline:
                 parts = await _all_or_none(self._fetch_parts(handle, shards))
                 _kv_fetch_time.record(time.monotonic() - started)
                 return parts
-            segments = [self._fetch_segment(handle, segment) for segment in handle.prefix_segments]
-            parts = await _all_or_none([*segments, *(self._fetch_shard(handle, shard) for shard in shards)])
+            # The cached prefix as one part of every head and position, read from its segments by window.
+            prefix_read = []
+            if handle.cached_tokens:
+                sources, objects = self._prefix_plan(handle)
+                layout = self.engine.layout
+                whole = KvPart(0, range(layout.num_kv_heads), (range(handle.cached_tokens),))
+                prefix_read.append(
+                    self._fetch_part(handle, objects, whole, part_reads(whole, sources, layout))
+                )
+            parts = await _all_or_none(
+                [*(self._fetch_shard(handle, shard) for shard in shards), *prefix_read]
+            )
         _kv_fetch_time.record(time.monotonic() - started)
-        prefix, parts = parts[: len(segments)], parts[len(segments) :]
+        prefix, parts = parts[len(shards) :], parts[: len(shards)]
         if len(parts) == 1:
             new = parts[0]
         else:
@@ -535,38 +552,46 @@ class GeneratePipeline:
             )
             for shard, part in zip(shards, parts, strict=True):
                 new[:, :, :, shard.kv_head_start : shard.kv_head_end] = part
-        if not prefix:
-            return new
-        if sum(part.shape[2] for part in prefix) != handle.cached_tokens:
-            raise DataLoss(f"the prefix segments do not hold the {handle.cached_tokens} cached tokens")
-        return torch.cat([*prefix, new], dim=2)
+        return torch.cat([*prefix, new], dim=2) if prefix else new
 
-    async def _fetch_segment(
-        self, handle: common_pb2.KvHandle, segment: common_pb2.KvPrefixSegment
-    ) -> torch.Tensor:
-        """One run of the cached prefix [layers, 2, its tokens, kv_heads, head_dim], read through the
-        handle's prefix lease."""
+    def _prefix_plan(
+        self, handle: common_pb2.KvHandle
+    ) -> tuple[list[KvSource], list[tuple[str, str, str, str]]]:
+        """The cached prefix's segments as sources over common windows (decode.kv_ranges.prefix_sources),
+        and the (key, fingerprint, capability, lease id) of each source's object, read through the handle's
+        prefix lease. DataLoss when the segments do not make up the prefix of every K/V head."""
         layout = self.engine.layout
         itemsize = torch.empty(0, dtype=layout.torch_dtype).element_size()
-        row = layout.num_kv_heads * layout.head_dim * itemsize
+        runs = []
+        for segment in handle.prefix_segments:
+            # A segment without heads (a prefill set without TP) holds every head.
+            heads = range(segment.kv_head_start, segment.kv_head_end or layout.num_kv_heads)
+            object_tokens, rest = divmod(
+                segment.object_bytes, layout.num_layers * 2 * max(len(heads), 1) * layout.head_dim * itemsize
+            )
+            if not heads or rest or segment.token_start + segment.token_count > object_tokens:
+                raise DataLoss(
+                    f"cached prefix segment {segment.key} (K/V heads {heads.start}-{heads.stop}) does not "
+                    f"fit its {segment.object_bytes} bytes"
+                )
+            runs.append(KvSource(0, segment.token_count, heads, object_tokens, segment.token_start))
         try:
-            byte_range = segment_range(
-                segment.object_bytes, layout.num_layers * 2, row, segment.token_start, segment.token_count
-            )
-            data, _ = await self._kv_client(handle.store_address).get(
-                segment.key,
-                handle.fingerprint,
-                handle.prefix_lease_capability,
-                ranges=[byte_range],
-                lease_id=handle.prefix_lease_id,
-            )
+            placed = prefix_sources(runs, layout.num_kv_heads, handle.cached_tokens)
         except ValueError as exc:
-            raise DataLoss(f"cached prefix segment {segment.key}: {exc}") from exc
-        except Exception as exc:
-            raise Unavailable(f"could not fetch the cached prefix segment {segment.key}: {exc}") from exc
-        _kv_bytes.add(len(data))
-        shape = (layout.num_layers, 2, segment.token_count, layout.num_kv_heads, layout.head_dim)
-        return torch.frombuffer(data, dtype=torch.uint8).view(layout.torch_dtype).view(shape)
+            raise DataLoss(
+                f"the cached prefix segments do not make up its {handle.cached_tokens} tokens: {exc}"
+            ) from exc
+        segments = handle.prefix_segments
+        objects = [
+            (
+                segments[index].key,
+                segments[index].fingerprint or handle.fingerprint,
+                handle.prefix_lease_capability,
+                handle.prefix_lease_id,
+            )
+            for index, _ in placed
+        ]
+        return [source for _, source in placed], objects
 
     def _fetch_parts(
         self, handle: common_pb2.KvHandle, shards: list[common_pb2.KvShard]
@@ -585,26 +610,9 @@ class GeneratePipeline:
                     f"KV shard {shard.key} holds {shard.total_bytes} bytes; K/V heads {held.start}-"
                     f"{held.stop} of {new_tokens} tokens are {expected} bytes in {layout.dtype}"
                 )
-        # (key, fingerprint, capability, lease id) of each source's object, in the sources' order
-        objects: list[tuple[str, str, str, str]] = []
-        sources: list[KvSource] = []
-        all_heads = range(layout.num_kv_heads)
-        row = layout.num_kv_heads * layout.head_dim * itemsize
-        at = 0
-        for segment in handle.prefix_segments:
-            object_tokens, rest = divmod(segment.object_bytes, layout.num_layers * 2 * row)
-            if rest or segment.token_start + segment.token_count > object_tokens:
-                raise DataLoss(
-                    f"cached prefix segment {segment.key} does not fit its {segment.object_bytes} bytes"
-                )
-            sources.append(KvSource(at, segment.token_count, all_heads, object_tokens, segment.token_start))
-            objects.append(
-                (segment.key, handle.fingerprint, handle.prefix_lease_capability, handle.prefix_lease_id)
-            )
-            at += segment.token_count
-        if at != handle.cached_tokens:
-            raise DataLoss(f"the prefix segments do not hold the {handle.cached_tokens} cached tokens")
-        sources += shard_sources(heads, new_tokens, start=at)
+        # the sources in sequence order, and (key, fingerprint, capability, lease id) of each one's object
+        sources, objects = self._prefix_plan(handle) if handle.cached_tokens else ([], [])
+        sources += shard_sources(heads, new_tokens, start=handle.cached_tokens)
         objects += [(shard.key, shard.fingerprint, shard.capability, "") for shard in shards]
         return [
             self._fetch_part(handle, objects, part, part_reads(part, sources, layout))

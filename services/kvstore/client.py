@@ -325,11 +325,22 @@ class KvStoreClient:
         return (await self._unary(self._stub.Release, request)).released
 
     async def lookup(
-        self, block_keys: Sequence[str], fingerprint: str, lease_ms: int = 0
+        self,
+        block_keys: Sequence[str],
+        fingerprint: str,
+        lease_ms: int = 0,
+        chains: Sequence[tuple[str, Sequence[str]]] = (),
     ) -> pb.LookupResponse:
         """How many leading blocks of block_keys the store holds and where; a hit comes with a prefix lease
-        (lease_id, capability) pinning them for lease_ms (0: the store's default) until released."""
-        request = pb.LookupRequest(block_keys=block_keys, fingerprint=fingerprint, lease_ms=lease_ms)
+        (lease_id, capability) pinning them for lease_ms (0: the store's default) until released. chains:
+        (fingerprint, block keys) of each object of a replica stored per K/V head range, instead of
+        block_keys and fingerprint: the hit is the run all of them hold."""
+        request = pb.LookupRequest(
+            block_keys=block_keys,
+            fingerprint=fingerprint,
+            lease_ms=lease_ms,
+            chains=[pb.BlockChain(fingerprint=fp, block_keys=keys) for fp, keys in chains],
+        )
         return await self._unary(self._stub.Lookup, request)
 
     async def delete(self, key: str, capability: str) -> bool:

@@ -251,7 +251,11 @@ class KvStoreServicer(kvstore_pb2_grpc.KvStoreServiceServicer):
         return pb.ReleaseResponse(released=released)
 
     async def Lookup(self, request: pb.LookupRequest, context) -> pb.LookupResponse:
-        found = self.store.lookup(request.block_keys, request.fingerprint, request.lease_ms, time.monotonic())
+        # A replica of one object asks with block_keys, one stored per K/V head range with chains.
+        chains = [(chain.fingerprint, chain.block_keys) for chain in request.chains] or [
+            (request.fingerprint, request.block_keys)
+        ]
+        found = self.store.lookup_chains(chains, request.lease_ms, time.monotonic())
         lease = found.lease
         return pb.LookupResponse(
             blocks=found.blocks,
@@ -262,6 +266,7 @@ class KvStoreServicer(kvstore_pb2_grpc.KvStoreServiceServicer):
                     token_start=segment.token_start,
                     token_count=segment.token_count,
                     object_bytes=segment.obj.total_bytes,
+                    chain=segment.chain,
                 )
                 for segment in found.segments
             ],

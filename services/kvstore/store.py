@@ -18,8 +18,10 @@ store indexes each key it does not hold yet (block key -> object, block index; a
 to its first holder, so a second put of a block is harmless). `lookup` finds how many leading blocks of a
 prompt are held and where, and pins their objects under a `PrefixLease` (a reference each) until the lease
 is released or expires: an object a lease references is never evicted, and one deleted meanwhile stays
-readable through the lease until its last reference ends. Objects, not blocks, are the unit of memory and
-of LRU eviction; an evicted object's blocks leave the index with it.
+readable through the lease until its last reference ends. `lookup_chains` does the same for a replica
+stored as one object per K/V head range (a TP group's): one chain of keys per object, and the hit is the
+run every chain holds. Objects, not blocks, are the unit of memory and of LRU eviction; an evicted
+object's blocks leave the index with it.
 
 Times are seconds on a monotonic clock passed in by the caller, so tests control them. Payloads (the
 memory holding the bytes) are opaque here; each one is handed to `on_free` exactly once when nothing can
@@ -45,6 +47,7 @@ from pcpstack.kvstore.errors import (
 MAX_KEY_BYTES = 512
 MAX_BLOCK_KEYS = 65_536  # a 1M-token prompt in blocks of 16; bounds the work of one put or lookup
 MAX_BLOCK_KEY_BYTES = 128
+MAX_BLOCK_CHAINS = 256  # one per K/V head range of a replica: above any model's K/V heads
 DEFAULT_MAX_LEASE_MS = 600_000  # ten minutes: far above any prefill-to-decode hand-off
 _CAPABILITY_BYTES = 24  # 192 random bits
 
@@ -127,11 +130,13 @@ class PrefixLease:
 
 @dataclass(frozen=True)
 class PrefixSegment:
-    """A run of leading blocks: tokens [token_start, token_start + token_count) of one object."""
+    """A run of leading blocks: tokens [token_start, token_start + token_count) of one object, of chain
+    `chain` (lookup_chains; 0 for lookup)."""
 
     obj: StoredObject
     token_start: int
     token_count: int
+    chain: int = 0
 
 
 @dataclass(frozen=True)
@@ -144,8 +149,8 @@ class PrefixLookup:
 
     @property
     def tokens(self) -> int:
-        """Tokens the leading blocks hold."""
-        return sum(segment.token_count for segment in self.segments)
+        """Tokens the leading blocks hold (each chain holds them all)."""
+        return sum(segment.token_count for segment in self.segments if segment.chain == 0)
 
 
 @dataclass
@@ -364,25 +369,37 @@ class KvStore:
     def lookup(self, block_keys: Sequence[str], fingerprint: str, lease_ms: int, now: float) -> PrefixLookup:
         """How many leading blocks of block_keys the store holds (written with fingerprint) and where; on a
         hit their objects are pinned under a new lease of lease_ms (0: the default) starting now."""
-        check_block_keys(block_keys)
+        return self.lookup_chains([(fingerprint, block_keys)], lease_ms, now)
+
+    def lookup_chains(
+        self, chains: Sequence[tuple[str, Sequence[str]]], lease_ms: int, now: float
+    ) -> PrefixLookup:
+        """lookup for a replica stored as several objects: chains are (fingerprint, block keys) of each
+        object, and the hit is the longest leading run of blocks EVERY chain holds (a block one chain lacks
+        is a miss for all: a prefix is only of use whole). Each chain's segments come in chain order; one
+        lease pins the objects of them all."""
+        if not 0 < len(chains) <= MAX_BLOCK_CHAINS:
+            raise InvalidArgument(f"chains: {len(chains)}; a lookup takes 1..{MAX_BLOCK_CHAINS}")
+        for i, (_, block_keys) in enumerate(chains):
+            check_block_keys(block_keys, f"chains[{i}].block_keys")
         self._check_lease(lease_ms)
         self._stats.prefix_lookups += 1
-        self._stats.prefix_blocks_queried += len(block_keys)
-        runs: list[tuple[StoredObject, int, int]] = []  # (object, first block index, blocks)
-        for block_key in block_keys:
-            held = self._blocks.get(block_key)
-            if held is None or held[0].fingerprint != fingerprint:
-                break
-            obj, index = held
-            if runs and runs[-1][0] is obj and runs[-1][1] + runs[-1][2] == index:
-                runs[-1] = (obj, runs[-1][1], runs[-1][2] + 1)
-            else:
-                runs.append((obj, index, 1))
-        blocks = sum(count for _, _, count in runs)
+        self._stats.prefix_blocks_queried += max(len(block_keys) for _, block_keys in chains)
+        held = [self._held_run(block_keys, fingerprint) for fingerprint, block_keys in chains]
+        blocks = min(len(run) for run in held)
         self._stats.prefix_blocks_hit += blocks
         if not blocks:
             return PrefixLookup(0)
-        objects = {obj.key: obj for obj, _, _ in runs}
+        # (chain, object, first block index, blocks): each chain's run cut to the blocks all chains hold
+        runs: list[tuple[int, StoredObject, int, int]] = []
+        for chain, run in enumerate(held):
+            for obj, index in run[:blocks]:
+                last = runs[-1] if runs else None
+                if last is not None and last[0] == chain and last[1] is obj and last[2] + last[3] == index:
+                    runs[-1] = (chain, obj, last[2], last[3] + 1)
+                else:
+                    runs.append((chain, obj, index, 1))
+        objects = {obj.key: obj for _, obj, _, _ in runs}
         lease = PrefixLease(
             lease_id=secrets.token_hex(16),
             capability=new_capability(),
@@ -394,10 +411,20 @@ class KvStore:
             self._touch(obj)
         self._leases[lease.lease_id] = lease
         segments = tuple(
-            PrefixSegment(obj, first * obj.block_tokens, count * obj.block_tokens)
-            for obj, first, count in runs
+            PrefixSegment(obj, first * obj.block_tokens, count * obj.block_tokens, chain)
+            for chain, obj, first, count in runs
         )
         return PrefixLookup(blocks, segments, lease)
+
+    def _held_run(self, block_keys: Sequence[str], fingerprint: str) -> list[tuple[StoredObject, int]]:
+        """(holder, block index) of the leading block_keys held by objects written with fingerprint."""
+        run = []
+        for block_key in block_keys:
+            held = self._blocks.get(block_key)
+            if held is None or held[0].fingerprint != fingerprint:
+                break
+            run.append(held)
+        return run
 
     def release_lease(self, lease_id: str, capability: str) -> bool:
         """Ends a prefix lease: its objects lose one reference (and stay cached until evicted). True the

@@ -11,10 +11,11 @@ is stored as one object per `ReplicaShard` (`replica_shards`, computed once by t
 the job): each shard's TP rank pushes its own heads under the shard's key and fingerprint.
 
 Prefix reuse: a job may carry a `CachedPrefix` (the servicer's store lookup: where the prompt's leading
-blocks are and the lease to read them) and the prompt's block keys. Every rank loads the prefix, prefills
-only the tokens after it and the owner pushes only those, offering their full blocks under their keys; the
-shares report how many tokens each rank took from the cache (all or none of the prefix, the same on every
-rank).
+blocks are, per stored shard, and the one lease to read them all), and each shard carries the prompt's block
+keys under its own fingerprint. Every rank loads the prefix of its K/V heads (from the shard that stores
+them), prefills only the tokens after it, and the owner's TP ranks push only those, each shard offering
+its full blocks under its keys; the shares report how many tokens each rank took from the cache (all or
+none of the prefix, the same on every rank).
 """
 
 from __future__ import annotations
@@ -35,9 +36,9 @@ from pcpstack.v1 import common_pb2
 _LENGTH = struct.Struct("<I")
 # lease_ms, number of tokens, of trace-context entries and of replica shards
 _JOB_FIXED = struct.Struct("<qIII")
-_SHARD_FIXED = struct.Struct("<III")  # tp_rank, kv_head_start, kv_head_end
-_PREFIX_FIXED = struct.Struct("<III")  # cached tokens, number of segments, number of prompt block keys
-_SEGMENT_FIXED = struct.Struct("<IIQ")  # token_start, token_count, object_bytes
+_SHARD_FIXED = struct.Struct("<IIII")  # tp_rank, kv_head_start, kv_head_end, number of block keys
+_PREFIX_FIXED = struct.Struct("<II")  # cached tokens, number of segments
+_SEGMENT_FIXED = struct.Struct("<IIQI")  # token_start, token_count, object_bytes, shard
 
 
 def _pack_str(text: str) -> bytes:
@@ -61,19 +62,28 @@ class ReplicaShard:
     kv_head_end: int
     key: str
     fingerprint: str
+    # Prefix reuse: the content keys of the prompt's full blocks under this shard's fingerprint
+    # (kvstore.prefix.prefix_block_keys); the pushed shard offers those after the cached prefix. Empty:
+    # nothing is offered for reuse.
+    block_keys: tuple[str, ...] = field(default=(), repr=False)
 
     def to_bytes(self) -> bytes:
         """The shard as bytes that read_from reads back."""
-        fixed = _SHARD_FIXED.pack(self.tp_rank, self.kv_head_start, self.kv_head_end)
-        return fixed + _pack_str(self.key) + _pack_str(self.fingerprint)
+        fixed = _SHARD_FIXED.pack(self.tp_rank, self.kv_head_start, self.kv_head_end, len(self.block_keys))
+        keys = b"".join(_pack_str(key) for key in self.block_keys)
+        return fixed + _pack_str(self.key) + _pack_str(self.fingerprint) + keys
 
     @classmethod
     def read_from(cls, view: memoryview, offset: int) -> tuple[ReplicaShard, int]:
         """The shard encoded at offset, and the offset after it."""
-        tp_rank, start, end = _SHARD_FIXED.unpack_from(view, offset)
+        tp_rank, start, end, num_keys = _SHARD_FIXED.unpack_from(view, offset)
         key, offset = _unpack_str(view, offset + _SHARD_FIXED.size)
         fingerprint, offset = _unpack_str(view, offset)
-        return cls(tp_rank, start, end, key, fingerprint), offset
+        block_keys = []
+        for _ in range(num_keys):
+            block_key, offset = _unpack_str(view, offset)
+            block_keys.append(block_key)
+        return cls(tp_rank, start, end, key, fingerprint, tuple(block_keys)), offset
 
 
 def replica_shards(kv_key: str, fingerprint: str, args: ModelArgs, tp_size: int) -> tuple[ReplicaShard, ...]:
@@ -96,24 +106,31 @@ def replica_shards(kv_key: str, fingerprint: str, args: ModelArgs, tp_size: int)
 
 @dataclass(frozen=True)
 class PrefixRun:
-    """Cached prefix tokens [token_start, token_start + token_count) of one store object (kvstore
-    LookupResponse's PrefixSegment)."""
+    """Cached prefix tokens [token_start, token_start + token_count) of one store object holding the K/V
+    heads of the job's shard `shard` (an index into PrefillJob.stored_shards; kvstore LookupResponse's
+    PrefixSegment, whose chain is that shard's)."""
 
     key: str
     token_start: int
     token_count: int
     object_bytes: int
+    shard: int = 0
 
 
 @dataclass(frozen=True)
 class CachedPrefix:
-    """The prompt's leading tokens the store holds: the runs holding them, in order, and the prefix lease
-    (id and capability) that pins and reads them."""
+    """The prompt's leading tokens the store holds: the runs holding them (each shard's, in prompt order;
+    every shard's runs hold all `tokens`), and the prefix lease (id and capability) that pins and reads
+    them all."""
 
     tokens: int
     runs: tuple[PrefixRun, ...]
     lease_id: str
     capability: str = field(repr=False)  # a bearer secret
+
+    def runs_of(self, shard: int) -> tuple[PrefixRun, ...]:
+        """The runs of the job's shard `shard`, in prompt order."""
+        return tuple(run for run in self.runs if run.shard == shard)
 
 
 @dataclass(frozen=True)
@@ -129,14 +146,11 @@ class PrefillJob:
     lease_ms: int
     # W3C trace context of the caller's span, so every rank's work joins the request's trace.
     trace_context: dict[str, str] = field(default_factory=dict)
-    # The store objects of the replica (replica_shards). Empty: one object under kv_key, pushed by TP
-    # rank 0 under the rank's own (whole-model) fingerprint.
+    # The store objects of the replica (replica_shards), with their block keys. Empty: one object under
+    # kv_key, pushed by TP rank 0 under the rank's own (whole-model) fingerprint, offering no blocks.
     shards: tuple[ReplicaShard, ...] = ()
-    # Prefix reuse: the leading tokens to load from the store instead of computing (None: none), and the
-    # keys of the prompt's full blocks (kvstore.prefix.prefix_block_keys), of which the pushed replica
-    # offers those after the prefix. Empty keys: nothing is offered for reuse.
+    # Prefix reuse: the leading tokens to load from the store instead of computing (None: none).
     prefix: CachedPrefix | None = None
-    block_keys: tuple[str, ...] = ()
 
     def stored_shards(self, fingerprint: str = "") -> tuple[ReplicaShard, ...]:
         """The shards to push: `shards`, or the whole replica under kv_key when the job names none."""
@@ -157,16 +171,15 @@ class PrefillJob:
         prefix = self.prefix
         runs = prefix.runs if prefix else ()
         parts += [
-            _PREFIX_FIXED.pack(prefix.tokens if prefix else 0, len(runs), len(self.block_keys)),
+            _PREFIX_FIXED.pack(prefix.tokens if prefix else 0, len(runs)),
             _pack_str(prefix.lease_id if prefix else ""),
             _pack_str(prefix.capability if prefix else ""),
         ]
         for run in runs:
             parts += [
-                _SEGMENT_FIXED.pack(run.token_start, run.token_count, run.object_bytes),
+                _SEGMENT_FIXED.pack(run.token_start, run.token_count, run.object_bytes, run.shard),
                 _pack_str(run.key),
             ]
-        parts += [_pack_str(key) for key in self.block_keys]
         # Token ids are below the vocabulary size, far from 2**32.
         parts.append(struct.pack(f"<{len(self.token_ids)}I", *self.token_ids))
         return b"".join(parts)
@@ -189,18 +202,14 @@ class PrefillJob:
         for _ in range(num_shards):
             shard, offset = ReplicaShard.read_from(view, offset)
             shards.append(shard)
-        cached, num_runs, num_keys = _PREFIX_FIXED.unpack_from(view, offset)
+        cached, num_runs = _PREFIX_FIXED.unpack_from(view, offset)
         lease_id, offset = _unpack_str(view, offset + _PREFIX_FIXED.size)
         lease_capability, offset = _unpack_str(view, offset)
         runs = []
         for _ in range(num_runs):
-            token_start, token_count, object_bytes = _SEGMENT_FIXED.unpack_from(view, offset)
+            token_start, token_count, object_bytes, shard_index = _SEGMENT_FIXED.unpack_from(view, offset)
             key, offset = _unpack_str(view, offset + _SEGMENT_FIXED.size)
-            runs.append(PrefixRun(key, token_start, token_count, object_bytes))
-        block_keys = []
-        for _ in range(num_keys):
-            key, offset = _unpack_str(view, offset)
-            block_keys.append(key)
+            runs.append(PrefixRun(key, token_start, token_count, object_bytes, shard_index))
         prefix = CachedPrefix(cached, tuple(runs), lease_id, lease_capability) if cached else None
         token_ids = list(struct.unpack_from(f"<{num_tokens}I", view, offset))
         return cls(
@@ -213,7 +222,6 @@ class PrefillJob:
             trace_context,
             tuple(shards),
             prefix,
-            tuple(block_keys),
         )
 
     def to_tensor(self) -> torch.Tensor:

@@ -87,8 +87,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--no-prefix-cache",
         action="store_true",
-        help="neither reuse prompt prefixes the KV store holds nor offer new blocks for reuse (prefix "
-        "reuse is off anyway with TP > 1)",
+        help="neither reuse prompt prefixes the KV store holds nor offer new blocks for reuse",
     )
 
 

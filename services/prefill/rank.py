@@ -21,11 +21,13 @@ the all-gather, so the group stays in step and the set serves the next job.
 A rank's cache holds `kv_cache_tokens` (the servicer refuses a longer prompt before the job reaches the
 set); a prompt above `prefill_chunk_tokens` runs in chunks (context_parallel.prefill_chunked).
 
-Prefix reuse: when the job carries a cached prefix, every rank reads it from the store (ranged reads through
-the job's prefix lease) and adopts it, and one all-reduce over the control group makes the ranks agree: all
-of them loaded it, or none uses it and the whole prompt is computed (a cache is never worth a wrong or
-stuck set). Then only the tokens after the prefix are split and computed, and the owner pushes only those,
-with the block keys of their full blocks.
+Prefix reuse: when the job carries a cached prefix, every rank reads the prefix of its own K/V heads from
+the store (ranged reads through the job's prefix lease, from the runs of the stored shard holding those
+heads: with TP > 1 and GQA several TP ranks hold one head, stored once by the first of them) and adopts
+it, and one all-reduce over the control group makes the ranks agree: all of them loaded it, or none uses
+it and the whole prompt is computed (a cache is never worth a wrong or stuck set). Then only the tokens
+after the prefix are split and computed, and the owner's TP ranks push only those, each shard offering
+its full blocks under its own block keys.
 
 Batched prefill: rank 0 may hand the set several jobs at once (the node takes the waiting jobs that fit,
 prefill.batch.jobs_in_batch). They travel in one broadcast, every rank prefills them in one forward
@@ -57,7 +59,7 @@ from pcpstack.common.telemetry import setup_telemetry, shutdown_telemetry, trace
 from pcpstack.engine.device import device_for_rank
 from pcpstack.engine.engine import DEFAULT_CACHE_TOKENS, Engine, SequenceState
 from pcpstack.engine.kv_cache import KvLayout, blocks_needed
-from pcpstack.engine.parallel import ParallelGroups, ParallelLayout, init_parallel_groups
+from pcpstack.engine.parallel import ParallelGroups, ParallelLayout, TensorParallelShard, init_parallel_groups
 from pcpstack.engine.sampling import (
     TokenHistory,
     TokenLogprobs,
@@ -258,6 +260,8 @@ class RankWorker:
         self.groups = groups
         self.on_progress = on_progress
         self.fingerprint = fingerprint
+        # The K/V heads (of the whole model) this rank computes with: a cached prefix loads these.
+        self.kv_heads = TensorParallelShard(spec.tp_rank, spec.tp_size).kv_head_range(engine.loaded.full_args)
         self.pusher = ReplicaPusher()
 
     def step(self, jobs: list[PrefillJob] | None) -> tuple[int, list[PrefillOutcome] | None]:
@@ -430,17 +434,30 @@ class RankWorker:
         return prefix.tokens
 
     def _read_prefix(self, job: PrefillJob, prefix: CachedPrefix) -> list[torch.Tensor]:
-        """The prefix's K/V as one piece [layers, 2, run tokens, kv_heads, head_dim] per run, in order (one
-        ranged read each; the engine writes them into its cache one by one: joining them first cost a
-        third of the prefix's load)."""
+        """The prefix's K/V of this rank's heads as one piece [layers, 2, run tokens, kv_heads, head_dim]
+        per run of the shard storing them, in order (one ranged read each; the engine writes them into its
+        cache one by one: joining them first cost a third of the prefix's load)."""
         layout = self.engine.layout
+        shards = job.stored_shards(self.fingerprint)
+        heads = self.kv_heads
+        # A shard without heads (kv_head_end 0) is the whole replica; with TP a rank's heads are exactly one
+        # stored shard's (the first holder's, for a replicated head).
+        holders = [
+            i
+            for i, shard in enumerate(shards)
+            if not shard.kv_head_end or range(shard.kv_head_start, shard.kv_head_end) == heads
+        ]
+        if not holders:
+            raise ValueError(f"no stored shard holds exactly K/V heads {heads.start}-{heads.stop}")
+        index = holders[0]
+        fingerprint = shards[index].fingerprint or self.fingerprint
         itemsize = torch.empty(0, dtype=layout.torch_dtype).element_size()
         row = layout.num_kv_heads * layout.head_dim * itemsize
         planes = layout.num_layers * 2
         pieces = []
-        for run in prefix.runs:
+        for run in prefix.runs_of(index):
             ranges = [segment_range(run.object_bytes, planes, row, run.token_start, run.token_count)]
-            data = self.pusher.fetch(job.kvstore_address, run.key, self.fingerprint, prefix, ranges)
+            data = self.pusher.fetch(job.kvstore_address, run.key, fingerprint, prefix, ranges)
             raw = torch.frombuffer(data, dtype=torch.uint8).view(layout.torch_dtype)
             shape = (layout.num_layers, 2, run.token_count, layout.num_kv_heads, layout.head_dim)
             pieces.append(raw.view(shape).to(self.engine.device))
@@ -483,7 +500,7 @@ class RankWorker:
                 data = [memoryview(local.contiguous().cpu().reshape(-1).view(torch.uint8).numpy())]
             total_bytes = sum(piece.nbytes for piece in data)
             # The cached prefix is whole prefix blocks: the replica's blocks are the prompt's from cached on.
-            offered = job.block_keys[cached // block_size :] if cached % block_size == 0 else ()
+            offered = shard.block_keys[cached // block_size :] if cached % block_size == 0 else ()
             capability = self.pusher.push(
                 job.kvstore_address,
                 shard.key,

@@ -6,12 +6,13 @@ failure is raised as its kind of pcpstack.common.errors for the common intercept
 of the attempt is computed here, once, with the keys of its shards when a TP group stores the replica as
 several objects; the ranks push under them and the reply's handle names them.
 
-Prefix reuse (on unless --no-prefix-cache; off with TP > 1, whose replicas are stored per head range): the
-servicer derives the prompt's block keys once (kvstore.prefix, salted by the request's cache salt), asks
-the store which leading blocks it holds (leaving the last token to compute) and hands the job the cached
-prefix and the keys; the reply's handle names the prefix's segments and lease beside the new replica. The
-lease is the reader's to release, or this servicer's when nobody will read it (the set did not use the
-prefix, the request failed, its caller left).
+Prefix reuse (on unless --no-prefix-cache): the servicer derives the prompt's block keys once per stored
+shard of the replica (kvstore.prefix, chained from the shard's own fingerprint and salted by the request's
+cache salt; one shard holding every head without TP), asks the store in one lookup which leading blocks
+ALL shards hold (leaving the last token to compute) and hands the job the cached prefix and the keys; the
+reply's handle names the prefix's segments (each with its shard's K/V heads and fingerprint) and the one
+lease pinning them, beside the new replica. The lease is the reader's to release, or this servicer's when
+nobody will read it (the set did not use the prefix, the request failed, its caller left).
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ from __future__ import annotations
 import asyncio
 import logging
 from collections.abc import Awaitable, Callable
+from dataclasses import replace
 
 import grpc
 from opentelemetry.metrics import Observation
@@ -32,7 +34,14 @@ from pcpstack.engine.prompt import check_prompt
 from pcpstack.kvstore.client import KvStoreClient
 from pcpstack.kvstore.prefix import PREFIX_BLOCK_TOKENS, prefix_block_keys, reusable_blocks
 from pcpstack.prefill.errors import PromptOverCapacity, StoreGone, StoreNotListed
-from pcpstack.prefill.job import CachedPrefix, PrefillJob, PrefillOutcome, PrefixRun, replica_shards
+from pcpstack.prefill.job import (
+    CachedPrefix,
+    PrefillJob,
+    PrefillOutcome,
+    PrefixRun,
+    ReplicaShard,
+    replica_shards,
+)
 from pcpstack.prefill.node import ModelInfo, RankSupervisor
 from pcpstack.prefill.replica import replica_key
 from pcpstack.v1 import common_pb2, prefill_pb2, prefill_pb2_grpc
@@ -68,9 +77,7 @@ class PrefillServicer(prefill_pb2_grpc.PrefillServiceServicer):
         beyond the model's context). prefix_cache: reuse prompt prefixes the store holds and offer new
         blocks (--no-prefix-cache turns it off)."""
         self.supervisor = supervisor
-        self.prefix_cache = prefix_cache and tp_size == 1
-        if prefix_cache and not self.prefix_cache:
-            log.info("prefix cache off: TP=%d stores each replica as one object per K/V head range", tp_size)
+        self.prefix_cache = prefix_cache
         self._kv_clients: dict[str, KvStoreClient] = {}
         self._kv_cache_tokens = kv_cache_tokens
         self.info = info
@@ -120,21 +127,24 @@ class PrefillServicer(prefill_pb2_grpc.PrefillServiceServicer):
             await client.close()
 
     async def _cached_prefix(
-        self, address: str, block_keys: list[str], num_tokens: int, lease_ms: int
+        self, address: str, shards: tuple[ReplicaShard, ...], num_tokens: int, lease_ms: int
     ) -> CachedPrefix | None:
-        """The prompt's leading blocks the store holds, under a prefix lease (None: a miss, or the store
-        could not say: then the whole prompt is computed)."""
-        wanted = block_keys[: reusable_blocks(num_tokens, PREFIX_BLOCK_TOKENS)]
-        if not wanted:
+        """The prompt's leading blocks every shard's chain holds in the store, under one prefix lease (None:
+        a miss, or the store could not say: then the whole prompt is computed)."""
+        reusable = reusable_blocks(num_tokens, PREFIX_BLOCK_TOKENS)
+        chains = [(shard.fingerprint, shard.block_keys[:reusable]) for shard in shards]
+        if not reusable or not chains:
             return None
         try:
-            found = await self._kv_client(address).lookup(wanted, self.info.fingerprint, lease_ms)
+            found = await self._kv_client(address).lookup((), "", lease_ms, chains=chains)
         except Exception as exc:  # a cache that cannot answer is a miss
             log.warning("prefix lookup on %s failed: %s", address, exc)
             return None
         if not found.blocks:
             return None
-        runs = tuple(PrefixRun(s.key, s.token_start, s.token_count, s.object_bytes) for s in found.segments)
+        runs = tuple(
+            PrefixRun(s.key, s.token_start, s.token_count, s.object_bytes, s.chain) for s in found.segments
+        )
         return CachedPrefix(found.tokens, runs, found.lease_id, found.capability)
 
     def _later(self, coroutine) -> None:
@@ -144,11 +154,11 @@ class PrefillServicer(prefill_pb2_grpc.PrefillServiceServicer):
         task.add_done_callback(self._background.discard)
 
     async def _looked_up(
-        self, address: str, block_keys: list[str], num_tokens: int, lease_ms: int
+        self, address: str, shards: tuple[ReplicaShard, ...], num_tokens: int, lease_ms: int
     ) -> CachedPrefix | None:
         """_cached_prefix, except that a caller who leaves during the lookup does not leave its lease pinning
         the blocks until it expires: the lookup finishes and its lease is released."""
-        lookup = asyncio.ensure_future(self._cached_prefix(address, block_keys, num_tokens, lease_ms))
+        lookup = asyncio.ensure_future(self._cached_prefix(address, shards, num_tokens, lease_ms))
         try:
             return await asyncio.shield(lookup)
         except asyncio.CancelledError:
@@ -215,24 +225,32 @@ class PrefillServicer(prefill_pb2_grpc.PrefillServiceServicer):
         with _tracer.start_as_current_span("prefill.set") as span:
             carrier: dict[str, str] = {}
             inject(carrier)
-            block_keys: list[str] = []
+            kv_key = replica_key(request.request_id, info.fingerprint)
+            shards = replica_shards(kv_key, info.fingerprint, info.args, self._tp_size)
             prefix = None
             if self.prefix_cache:
-                block_keys = prefix_block_keys(ids, PREFIX_BLOCK_TOKENS, info.fingerprint, request.cache_salt)
+                # Each shard's chain starts from its own fingerprint: a block key names the heads it holds.
+                shards = tuple(
+                    replace(
+                        shard,
+                        block_keys=tuple(
+                            prefix_block_keys(ids, PREFIX_BLOCK_TOKENS, shard.fingerprint, request.cache_salt)
+                        ),
+                    )
+                    for shard in shards
+                )
                 if not request.no_prefix_cache:
-                    prefix = await self._looked_up(store, block_keys, len(ids), lease_ms)
-            kv_key = replica_key(request.request_id, info.fingerprint)
+                    prefix = await self._looked_up(store, shards, len(ids), lease_ms)
             job = PrefillJob(
                 request_id=request.request_id,
                 kv_key=kv_key,
-                shards=replica_shards(kv_key, info.fingerprint, info.args, self._tp_size),
+                shards=shards,
                 token_ids=ids,
                 sampling=sampling,
                 kvstore_address=store,
                 lease_ms=lease_ms,
                 trace_context=carrier,
                 prefix=prefix,
-                block_keys=tuple(block_keys),
             )
             span.set_attribute("pcpstack.request_id", request.request_id)
             span.set_attribute("pcpstack.prompt_tokens", len(ids))
@@ -307,6 +325,9 @@ class PrefillServicer(prefill_pb2_grpc.PrefillServiceServicer):
                         token_start=run.token_start,
                         token_count=run.token_count,
                         object_bytes=run.object_bytes,
+                        kv_head_start=job.shards[run.shard].kv_head_start,
+                        kv_head_end=job.shards[run.shard].kv_head_end or layout.num_kv_heads,
+                        fingerprint=job.shards[run.shard].fingerprint or self.info.fingerprint,
                     )
                     for run in (prefix.runs if prefix else ())
                 ],

@@ -24,7 +24,7 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x18pcpstack/v1/common.proto\x12\x0bpcpstack.v1\"\xce\x02\n\x0c\x45ngineConfig\x12\x13\n\x0b\x65ngine_type\x18\x01 \x01(\t\x12\r\n\x05model\x18\x02 \x01(\t\x12\x1c\n\x14tensor_parallel_size\x18\x03 \x01(\r\x12\x1a\n\x12\x64\x61ta_parallel_size\x18\x04 \x01(\r\x12%\n\x1dprefill_context_parallel_size\x18\x05 \x01(\r\x12$\n\x1c\x64\x65\x63ode_context_parallel_size\x18\x06 \x01(\r\x12#\n\x1b\x63p_kv_cache_interleave_size\x18\x07 \x01(\r\x12\x0e\n\x06nnodes\x18\x08 \x01(\r\x12\x13\n\x0bmaster_port\x18\t \x01(\r\x12\x12\n\nblock_size\x18\n \x01(\r\x12\x35\n\x10kv_transfer_mode\x18\x0b \x01(\x0e\x32\x1b.pcpstack.v1.KvTransferMode\"{\n\x08KvLayout\x12\x10\n\x08model_id\x18\x01 \x01(\t\x12\x12\n\nnum_layers\x18\x02 \x01(\r\x12\x14\n\x0cnum_kv_heads\x18\x03 \x01(\r\x12\x10\n\x08head_dim\x18\x04 \x01(\r\x12\r\n\x05\x64type\x18\x05 \x01(\t\x12\x12\n\nblock_size\x18\x06 \x01(\r\"\x86\x03\n\x08KvHandle\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\x13\n\x0b\x66ingerprint\x18\x02 \x01(\t\x12%\n\x06layout\x18\x03 \x01(\x0b\x32\x15.pcpstack.v1.KvLayout\x12\x12\n\nnum_tokens\x18\x04 \x01(\r\x12\x17\n\x0fsource_pcp_rank\x18\x05 \x01(\r\x12\x15\n\rstore_address\x18\x06 \x01(\t\x12\x13\n\x0btotal_bytes\x18\x07 \x01(\x04\x12\x12\n\ncapability\x18\x08 \x01(\t\x12$\n\x06shards\x18\t \x03(\x0b\x32\x14.pcpstack.v1.KvShard\x12\x16\n\x0esource_tp_size\x18\n \x01(\r\x12\x15\n\rcached_tokens\x18\x0b \x01(\r\x12\x35\n\x0fprefix_segments\x18\x0c \x03(\x0b\x32\x1c.pcpstack.v1.KvPrefixSegment\x12\x17\n\x0fprefix_lease_id\x18\r \x01(\t\x12\x1f\n\x17prefix_lease_capability\x18\x0e \x01(\t\"^\n\x0fKvPrefixSegment\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\x13\n\x0btoken_start\x18\x02 \x01(\r\x12\x13\n\x0btoken_count\x18\x03 \x01(\r\x12\x14\n\x0cobject_bytes\x18\x04 \x01(\x04\"\x80\x01\n\x07KvShard\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\x12\n\ncapability\x18\x02 \x01(\t\x12\x15\n\rkv_head_start\x18\x03 \x01(\r\x12\x13\n\x0bkv_head_end\x18\x04 \x01(\r\x12\x13\n\x0btotal_bytes\x18\x05 \x01(\x04\x12\x13\n\x0b\x66ingerprint\x18\x06 \x01(\t\"\xb7\x03\n\x0eSamplingParams\x12\x12\n\nmax_tokens\x18\x01 \x01(\r\x12\x13\n\x0btemperature\x18\x02 \x01(\x02\x12\r\n\x05top_k\x18\x03 \x01(\r\x12\r\n\x05top_p\x18\x04 \x01(\x02\x12\x11\n\x04seed\x18\x05 \x01(\x04H\x00\x88\x01\x01\x12\x0c\n\x04stop\x18\x06 \x03(\t\x12\x16\n\x0estop_token_ids\x18\x07 \x03(\r\x12\x12\n\nignore_eos\x18\x08 \x01(\x08\x12\x18\n\x10presence_penalty\x18\t \x01(\x02\x12\x19\n\x11\x66requency_penalty\x18\n \x01(\x02\x12\x1a\n\x12repetition_penalty\x18\x0b \x01(\x02\x12>\n\nlogit_bias\x18\x0c \x03(\x0b\x32*.pcpstack.v1.SamplingParams.LogitBiasEntry\x12\r\n\x05min_p\x18\r \x01(\x02\x12\x12\n\nmin_tokens\x18\x0e \x01(\r\x12\x15\n\x08logprobs\x18\x0f \x01(\rH\x01\x88\x01\x01\x1a\x30\n\x0eLogitBiasEntry\x12\x0b\n\x03key\x18\x01 \x01(\r\x12\r\n\x05value\x18\x02 \x01(\x02:\x02\x38\x01\x42\x07\n\x05_seedB\x0b\n\t_logprobs\"?\n\x0cTokenLogprob\x12\x10\n\x08token_id\x18\x01 \x01(\r\x12\x0f\n\x07logprob\x18\x02 \x01(\x02\x12\x0c\n\x04text\x18\x03 \x01(\t\"b\n\rTokenLogprobs\x12)\n\x06\x63hosen\x18\x01 \x01(\x0b\x32\x19.pcpstack.v1.TokenLogprob\x12&\n\x03top\x18\x02 \x03(\x0b\x32\x19.pcpstack.v1.TokenLogprob\",\n\x0b\x43hatMessage\x12\x0c\n\x04role\x18\x01 \x01(\t\x12\x0f\n\x07\x63ontent\x18\x02 \x01(\t*i\n\x08NodeRole\x12\x19\n\x15NODE_ROLE_UNSPECIFIED\x10\x00\x12\x15\n\x11NODE_ROLE_PREFILL\x10\x01\x12\x14\n\x10NODE_ROLE_DECODE\x10\x02\x12\x15\n\x11NODE_ROLE_KVSTORE\x10\x03*n\n\x0eKvTransferMode\x12 \n\x1cKV_TRANSFER_MODE_UNSPECIFIED\x10\x00\x12\x1a\n\x16KV_TRANSFER_MODE_WHOLE\x10\x01\x12\x1e\n\x1aKV_TRANSFER_MODE_LAYERWISE\x10\x02\x62\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x18pcpstack/v1/common.proto\x12\x0bpcpstack.v1\"\xce\x02\n\x0c\x45ngineConfig\x12\x13\n\x0b\x65ngine_type\x18\x01 \x01(\t\x12\r\n\x05model\x18\x02 \x01(\t\x12\x1c\n\x14tensor_parallel_size\x18\x03 \x01(\r\x12\x1a\n\x12\x64\x61ta_parallel_size\x18\x04 \x01(\r\x12%\n\x1dprefill_context_parallel_size\x18\x05 \x01(\r\x12$\n\x1c\x64\x65\x63ode_context_parallel_size\x18\x06 \x01(\r\x12#\n\x1b\x63p_kv_cache_interleave_size\x18\x07 \x01(\r\x12\x0e\n\x06nnodes\x18\x08 \x01(\r\x12\x13\n\x0bmaster_port\x18\t \x01(\r\x12\x12\n\nblock_size\x18\n \x01(\r\x12\x35\n\x10kv_transfer_mode\x18\x0b \x01(\x0e\x32\x1b.pcpstack.v1.KvTransferMode\"{\n\x08KvLayout\x12\x10\n\x08model_id\x18\x01 \x01(\t\x12\x12\n\nnum_layers\x18\x02 \x01(\r\x12\x14\n\x0cnum_kv_heads\x18\x03 \x01(\r\x12\x10\n\x08head_dim\x18\x04 \x01(\r\x12\r\n\x05\x64type\x18\x05 \x01(\t\x12\x12\n\nblock_size\x18\x06 \x01(\r\"\x86\x03\n\x08KvHandle\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\x13\n\x0b\x66ingerprint\x18\x02 \x01(\t\x12%\n\x06layout\x18\x03 \x01(\x0b\x32\x15.pcpstack.v1.KvLayout\x12\x12\n\nnum_tokens\x18\x04 \x01(\r\x12\x17\n\x0fsource_pcp_rank\x18\x05 \x01(\r\x12\x15\n\rstore_address\x18\x06 \x01(\t\x12\x13\n\x0btotal_bytes\x18\x07 \x01(\x04\x12\x12\n\ncapability\x18\x08 \x01(\t\x12$\n\x06shards\x18\t \x03(\x0b\x32\x14.pcpstack.v1.KvShard\x12\x16\n\x0esource_tp_size\x18\n \x01(\r\x12\x15\n\rcached_tokens\x18\x0b \x01(\r\x12\x35\n\x0fprefix_segments\x18\x0c \x03(\x0b\x32\x1c.pcpstack.v1.KvPrefixSegment\x12\x17\n\x0fprefix_lease_id\x18\r \x01(\t\x12\x1f\n\x17prefix_lease_capability\x18\x0e \x01(\t\"\x9f\x01\n\x0fKvPrefixSegment\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\x13\n\x0btoken_start\x18\x02 \x01(\r\x12\x13\n\x0btoken_count\x18\x03 \x01(\r\x12\x14\n\x0cobject_bytes\x18\x04 \x01(\x04\x12\x15\n\rkv_head_start\x18\x05 \x01(\r\x12\x13\n\x0bkv_head_end\x18\x06 \x01(\r\x12\x13\n\x0b\x66ingerprint\x18\x07 \x01(\t\"\x80\x01\n\x07KvShard\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\x12\n\ncapability\x18\x02 \x01(\t\x12\x15\n\rkv_head_start\x18\x03 \x01(\r\x12\x13\n\x0bkv_head_end\x18\x04 \x01(\r\x12\x13\n\x0btotal_bytes\x18\x05 \x01(\x04\x12\x13\n\x0b\x66ingerprint\x18\x06 \x01(\t\"\xb7\x03\n\x0eSamplingParams\x12\x12\n\nmax_tokens\x18\x01 \x01(\r\x12\x13\n\x0btemperature\x18\x02 \x01(\x02\x12\r\n\x05top_k\x18\x03 \x01(\r\x12\r\n\x05top_p\x18\x04 \x01(\x02\x12\x11\n\x04seed\x18\x05 \x01(\x04H\x00\x88\x01\x01\x12\x0c\n\x04stop\x18\x06 \x03(\t\x12\x16\n\x0estop_token_ids\x18\x07 \x03(\r\x12\x12\n\nignore_eos\x18\x08 \x01(\x08\x12\x18\n\x10presence_penalty\x18\t \x01(\x02\x12\x19\n\x11\x66requency_penalty\x18\n \x01(\x02\x12\x1a\n\x12repetition_penalty\x18\x0b \x01(\x02\x12>\n\nlogit_bias\x18\x0c \x03(\x0b\x32*.pcpstack.v1.SamplingParams.LogitBiasEntry\x12\r\n\x05min_p\x18\r \x01(\x02\x12\x12\n\nmin_tokens\x18\x0e \x01(\r\x12\x15\n\x08logprobs\x18\x0f \x01(\rH\x01\x88\x01\x01\x1a\x30\n\x0eLogitBiasEntry\x12\x0b\n\x03key\x18\x01 \x01(\r\x12\r\n\x05value\x18\x02 \x01(\x02:\x02\x38\x01\x42\x07\n\x05_seedB\x0b\n\t_logprobs\"?\n\x0cTokenLogprob\x12\x10\n\x08token_id\x18\x01 \x01(\r\x12\x0f\n\x07logprob\x18\x02 \x01(\x02\x12\x0c\n\x04text\x18\x03 \x01(\t\"b\n\rTokenLogprobs\x12)\n\x06\x63hosen\x18\x01 \x01(\x0b\x32\x19.pcpstack.v1.TokenLogprob\x12&\n\x03top\x18\x02 \x03(\x0b\x32\x19.pcpstack.v1.TokenLogprob\",\n\x0b\x43hatMessage\x12\x0c\n\x04role\x18\x01 \x01(\t\x12\x0f\n\x07\x63ontent\x18\x02 \x01(\t*i\n\x08NodeRole\x12\x19\n\x15NODE_ROLE_UNSPECIFIED\x10\x00\x12\x15\n\x11NODE_ROLE_PREFILL\x10\x01\x12\x14\n\x10NODE_ROLE_DECODE\x10\x02\x12\x15\n\x11NODE_ROLE_KVSTORE\x10\x03*n\n\x0eKvTransferMode\x12 \n\x1cKV_TRANSFER_MODE_UNSPECIFIED\x10\x00\x12\x1a\n\x16KV_TRANSFER_MODE_WHOLE\x10\x01\x12\x1e\n\x1aKV_TRANSFER_MODE_LAYERWISE\x10\x02\x62\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -33,28 +33,28 @@ if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
   _globals['_SAMPLINGPARAMS_LOGITBIASENTRY']._loaded_options = None
   _globals['_SAMPLINGPARAMS_LOGITBIASENTRY']._serialized_options = b'8\001'
-  _globals['_NODEROLE']._serialized_start=1776
-  _globals['_NODEROLE']._serialized_end=1881
-  _globals['_KVTRANSFERMODE']._serialized_start=1883
-  _globals['_KVTRANSFERMODE']._serialized_end=1993
+  _globals['_NODEROLE']._serialized_start=1842
+  _globals['_NODEROLE']._serialized_end=1947
+  _globals['_KVTRANSFERMODE']._serialized_start=1949
+  _globals['_KVTRANSFERMODE']._serialized_end=2059
   _globals['_ENGINECONFIG']._serialized_start=42
   _globals['_ENGINECONFIG']._serialized_end=376
   _globals['_KVLAYOUT']._serialized_start=378
   _globals['_KVLAYOUT']._serialized_end=501
   _globals['_KVHANDLE']._serialized_start=504
   _globals['_KVHANDLE']._serialized_end=894
-  _globals['_KVPREFIXSEGMENT']._serialized_start=896
-  _globals['_KVPREFIXSEGMENT']._serialized_end=990
-  _globals['_KVSHARD']._serialized_start=993
-  _globals['_KVSHARD']._serialized_end=1121
-  _globals['_SAMPLINGPARAMS']._serialized_start=1124
-  _globals['_SAMPLINGPARAMS']._serialized_end=1563
-  _globals['_SAMPLINGPARAMS_LOGITBIASENTRY']._serialized_start=1493
-  _globals['_SAMPLINGPARAMS_LOGITBIASENTRY']._serialized_end=1541
-  _globals['_TOKENLOGPROB']._serialized_start=1565
-  _globals['_TOKENLOGPROB']._serialized_end=1628
-  _globals['_TOKENLOGPROBS']._serialized_start=1630
-  _globals['_TOKENLOGPROBS']._serialized_end=1728
-  _globals['_CHATMESSAGE']._serialized_start=1730
-  _globals['_CHATMESSAGE']._serialized_end=1774
+  _globals['_KVPREFIXSEGMENT']._serialized_start=897
+  _globals['_KVPREFIXSEGMENT']._serialized_end=1056
+  _globals['_KVSHARD']._serialized_start=1059
+  _globals['_KVSHARD']._serialized_end=1187
+  _globals['_SAMPLINGPARAMS']._serialized_start=1190
+  _globals['_SAMPLINGPARAMS']._serialized_end=1629
+  _globals['_SAMPLINGPARAMS_LOGITBIASENTRY']._serialized_start=1559
+  _globals['_SAMPLINGPARAMS_LOGITBIASENTRY']._serialized_end=1607
+  _globals['_TOKENLOGPROB']._serialized_start=1631
+  _globals['_TOKENLOGPROB']._serialized_end=1694
+  _globals['_TOKENLOGPROBS']._serialized_start=1696
+  _globals['_TOKENLOGPROBS']._serialized_end=1794
+  _globals['_CHATMESSAGE']._serialized_start=1796
+  _globals['_CHATMESSAGE']._serialized_end=1840
 # @@protoc_insertion_point(module_scope)

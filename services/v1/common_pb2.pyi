@@ -243,7 +243,9 @@ class KvHandle(_message.Message):
 
     @_builtins.property
     def prefix_segments(self) -> _containers.RepeatedCompositeFieldContainer[Global___KvPrefixSegment]:
-        """Where the cached prefix lives, in prompt order; their token counts add up to cached_tokens."""
+        """Where the cached prefix lives: per K/V head range (a TP prefill set's shards), in prompt order; the
+        token counts of each head range add up to cached_tokens, and the head ranges cover every K/V head.
+        """
 
     def __init__(
         self,
@@ -274,7 +276,8 @@ Global___KvHandle: _TypeAlias = KvHandle  # noqa: Y015
 @_typing.final
 class KvPrefixSegment(_message.Message):
     """A run of cached prefix tokens: tokens [token_start, token_start + token_count) of one store object laid
-    out like a replica ([layers, 2, tokens, every K/V head, head_dim]), written with KvHandle.fingerprint.
+    out like a replica shard ([layers, 2, tokens, kv_head_end - kv_head_start, head_dim]), written with
+    fingerprint.
     """
 
     DESCRIPTOR: _descriptor.Descriptor
@@ -283,6 +286,9 @@ class KvPrefixSegment(_message.Message):
     TOKEN_START_FIELD_NUMBER: _builtins.int
     TOKEN_COUNT_FIELD_NUMBER: _builtins.int
     OBJECT_BYTES_FIELD_NUMBER: _builtins.int
+    KV_HEAD_START_FIELD_NUMBER: _builtins.int
+    KV_HEAD_END_FIELD_NUMBER: _builtins.int
+    FINGERPRINT_FIELD_NUMBER: _builtins.int
     key: _builtins.str
     """Store key of the object."""
     token_start: _builtins.int
@@ -291,6 +297,14 @@ class KvPrefixSegment(_message.Message):
     """Tokens in the run."""
     object_bytes: _builtins.int
     """Size of the whole object in bytes (it gives the object's token count for the ranged read)."""
+    kv_head_start: _builtins.int
+    """First K/V head (of the whole model) the object holds; with kv_head_end 0, every head."""
+    kv_head_end: _builtins.int
+    """One past the last K/V head the object holds; 0 means every head (a replica stored without TP)."""
+    fingerprint: _builtins.str
+    """Fingerprint the object is written with (a shard's own, like KvShard.fingerprint); empty means
+    KvHandle.fingerprint.
+    """
     def __init__(
         self,
         *,
@@ -298,10 +312,13 @@ class KvPrefixSegment(_message.Message):
         token_start: _builtins.int = ...,
         token_count: _builtins.int = ...,
         object_bytes: _builtins.int = ...,
+        kv_head_start: _builtins.int = ...,
+        kv_head_end: _builtins.int = ...,
+        fingerprint: _builtins.str = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["key", b"key", "object_bytes", b"object_bytes", "token_count", b"token_count", "token_start", b"token_start"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["fingerprint", b"fingerprint", "key", b"key", "kv_head_end", b"kv_head_end", "kv_head_start", b"kv_head_start", "object_bytes", b"object_bytes", "token_count", b"token_count", "token_start", b"token_start"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

@@ -776,6 +776,7 @@ class LookupRequest(_message.Message):
     BLOCK_KEYS_FIELD_NUMBER: _builtins.int
     FINGERPRINT_FIELD_NUMBER: _builtins.int
     LEASE_MS_FIELD_NUMBER: _builtins.int
+    CHAINS_FIELD_NUMBER: _builtins.int
     fingerprint: _builtins.str
     """Fingerprint of the KV layout the reader expects; only objects written with it are hits."""
     lease_ms: _builtins.int
@@ -784,20 +785,57 @@ class LookupRequest(_message.Message):
     def block_keys(self) -> _containers.RepeatedScalarFieldContainer[_builtins.str]:
         """The prompt's block keys in order (kvstore.prefix.prefix_block_keys); at most 65536."""
 
+    @_builtins.property
+    def chains(self) -> _containers.RepeatedCompositeFieldContainer[Global___BlockChain]:
+        """A replica stored as several objects (one per K/V head range, by a TP group): each object's chain of
+        block keys under its own fingerprint, in head order; block_keys and fingerprint are then unused. The
+        hit is the longest leading run every chain holds (a block one chain lacks is a miss for all), and the
+        one lease pins every chain's objects; at most 256 chains.
+        """
+
     def __init__(
         self,
         *,
         block_keys: _abc.Iterable[_builtins.str] | None = ...,
         fingerprint: _builtins.str = ...,
         lease_ms: _builtins.int = ...,
+        chains: _abc.Iterable[Global___BlockChain] | None = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["block_keys", b"block_keys", "fingerprint", b"fingerprint", "lease_ms", b"lease_ms"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["block_keys", b"block_keys", "chains", b"chains", "fingerprint", b"fingerprint", "lease_ms", b"lease_ms"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
 Global___LookupRequest: _TypeAlias = LookupRequest  # noqa: Y015
+
+@_typing.final
+class BlockChain(_message.Message):
+    """The block keys of one store object's chain (LookupRequest.chains)."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    FINGERPRINT_FIELD_NUMBER: _builtins.int
+    BLOCK_KEYS_FIELD_NUMBER: _builtins.int
+    fingerprint: _builtins.str
+    """Fingerprint the object is written with (a TP shard's own, engine.parallel.shard_fingerprint)."""
+    @_builtins.property
+    def block_keys(self) -> _containers.RepeatedScalarFieldContainer[_builtins.str]:
+        """The prompt's block keys under that fingerprint, in order; at most 65536."""
+
+    def __init__(
+        self,
+        *,
+        fingerprint: _builtins.str = ...,
+        block_keys: _abc.Iterable[_builtins.str] | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["block_keys", b"block_keys", "fingerprint", b"fingerprint"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___BlockChain: _TypeAlias = BlockChain  # noqa: Y015
 
 @_typing.final
 class PrefixSegment(_message.Message):
@@ -809,6 +847,7 @@ class PrefixSegment(_message.Message):
     TOKEN_START_FIELD_NUMBER: _builtins.int
     TOKEN_COUNT_FIELD_NUMBER: _builtins.int
     OBJECT_BYTES_FIELD_NUMBER: _builtins.int
+    CHAIN_FIELD_NUMBER: _builtins.int
     key: _builtins.str
     """Key of the object holding the run."""
     token_start: _builtins.int
@@ -819,6 +858,8 @@ class PrefixSegment(_message.Message):
     """Size of the whole object in bytes: with the KV layout it gives the object's token count, which a
     ranged read of the run needs.
     """
+    chain: _builtins.int
+    """The chain (LookupRequest.chains index) the run belongs to; 0 for a lookup without chains."""
     def __init__(
         self,
         *,
@@ -826,10 +867,11 @@ class PrefixSegment(_message.Message):
         token_start: _builtins.int = ...,
         token_count: _builtins.int = ...,
         object_bytes: _builtins.int = ...,
+        chain: _builtins.int = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["key", b"key", "object_bytes", b"object_bytes", "token_count", b"token_count", "token_start", b"token_start"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["chain", b"chain", "key", b"key", "object_bytes", b"object_bytes", "token_count", b"token_count", "token_start", b"token_start"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -861,7 +903,7 @@ class LookupResponse(_message.Message):
     """When the lease ends, milliseconds since the Unix epoch."""
     @_builtins.property
     def segments(self) -> _containers.RepeatedCompositeFieldContainer[Global___PrefixSegment]:
-        """The runs, in prompt order; their token counts add up to tokens."""
+        """The runs, by chain then in prompt order; each chain's token counts add up to tokens."""
 
     def __init__(
         self,

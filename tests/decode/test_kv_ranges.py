@@ -9,7 +9,14 @@ import asyncio
 import pytest
 import torch
 
-from pcpstack.decode.kv_ranges import KvSource, assemble_part, fold_runs, part_reads, shard_sources
+from pcpstack.decode.kv_ranges import (
+    KvSource,
+    assemble_part,
+    fold_runs,
+    part_reads,
+    prefix_sources,
+    shard_sources,
+)
 from pcpstack.engine.dcp import DcpShard, KvPart
 from pcpstack.engine.kv_cache import KvLayout
 from pcpstack.kvstore.client import KvStoreClient
@@ -117,3 +124,64 @@ def test_a_part_read_across_a_cached_prefix_and_the_new_shards_equals_its_slice(
                 assert torch.equal(got, want), f"TP rank {part.tp_rank}"
 
     asyncio.run(body())
+
+
+@pytest.mark.timeout(60)
+def test_a_prefix_stored_per_head_range_with_runs_ending_apart_reads_back_as_its_slice():
+    # A TP prefill set's prefix of 21 tokens: head 0's in one object (its tokens 4..24), heads 1-2's in two
+    # (tokens 0..8 of one, then 3..15 of another), so their runs end at different tokens. Read rank by rank
+    # (DCP) and as one part of every head and position (decode without DCP).
+    cached = 21
+    shape = (LAYOUT.num_layers, 2, cached, LAYOUT.num_kv_heads, LAYOUT.head_dim)
+    replica = torch.randn(shape).to(torch.bfloat16)
+
+    def older(tokens: int, heads: range, at: int, window: range) -> torch.Tensor:
+        shape = (LAYOUT.num_layers, 2, tokens, len(heads), LAYOUT.head_dim)
+        obj = torch.randn(shape).to(torch.bfloat16)
+        obj[:, :, at : at + len(window)] = replica[:, :, window.start : window.stop, heads.start : heads.stop]
+        return obj
+
+    head0, rest = range(0, 1), range(1, 3)
+    # in the handle's order: each head range's runs in sequence order (their starts are placed by it)
+    objects = [
+        older(8, rest, 0, range(0, 8)),
+        older(30, head0, 4, range(0, 21)),
+        older(16, rest, 3, range(8, 21)),
+    ]
+    runs = [KvSource(0, 8, rest, 8, 0), KvSource(0, 21, head0, 30, 4), KvSource(0, 13, rest, 16, 3)]
+    placed = prefix_sources(runs, LAYOUT.num_kv_heads, cached)
+    assert [(i, s.start, s.count, s.offset) for i, s in placed] == [
+        (1, 0, 8, 4),
+        (0, 0, 8, 0),
+        (1, 8, 13, 12),
+        (2, 8, 13, 3),
+    ]
+    sources = [source for _, source in placed]
+    whole = KvPart(0, range(LAYOUT.num_kv_heads), (range(cached),))
+
+    async def body():
+        async with running_store() as server, KvStoreClient(server.address) as client:
+            stored = [
+                await client.put(f"o{i}", "fp", o.contiguous().view(torch.uint8).numpy())
+                for i, o in enumerate(objects)
+            ]
+            for part in [*_parts(cached), whole]:
+                reads = part_reads(part, sources, LAYOUT)
+                data = []
+                for r in reads:
+                    index = placed[r.shard_index][0]
+                    data.append((await client.get(f"o{index}", "fp", stored[index].capability, r.ranges))[0])
+                got = assemble_part(part, reads, data, LAYOUT)
+                positions = torch.tensor([p for run in part.positions for p in run], dtype=torch.long)
+                want = replica[:, :, :, part.kv_heads.start : part.kv_heads.stop].index_select(2, positions)
+                assert torch.equal(got, want), f"TP rank {part.tp_rank}"
+
+    asyncio.run(body())
+
+
+def test_a_prefix_missing_a_head_range_or_tokens_of_one_is_refused():
+    with pytest.raises(ValueError, match="end at head 1"):
+        prefix_sources([KvSource(0, 8, range(0, 1), 8)], LAYOUT.num_kv_heads, 8)
+    short = [KvSource(0, 8, range(0, 1), 8), KvSource(0, 4, range(1, 3), 8)]
+    with pytest.raises(ValueError, match="heads 1-3 holds 4 tokens, not 8"):
+        prefix_sources(short, LAYOUT.num_kv_heads, 8)

@@ -95,6 +95,35 @@ def test_a_deleted_object_stays_readable_through_its_lease_until_it_ends():
     assert not store.release_lease(lease.lease_id, lease.capability)  # a repeat is harmless
 
 
+def test_a_block_one_shards_chain_lacks_shortens_the_hit_of_every_shard_under_one_lease():
+    # A replica stored per K/V head range (a TP group's): each shard's chain starts from its own fingerprint.
+    store = KvStore(StoreConfig(capacity_bytes=100))
+    prompt = SYSTEM + list(range(2 * BLOCK))  # five full blocks
+    chains = [(fp, prefix_block_keys(prompt, BLOCK, fp)) for fp in ("fp-heads-0-1", "fp-heads-1-2")]
+    assert set(chains[0][1]).isdisjoint(chains[1][1])
+    for shard, (fp, keys) in enumerate(chains):
+        # turn 1 stored the first three blocks of both shards; turn 2 added two, but shard 1's only one
+        added = keys[3:] if shard == 0 else keys[3:4]
+        for name, held in ((f"turn-1.s{shard}", keys[:3]), (f"turn-2.s{shard}", added)):
+            pending = store.begin_put(name, fp, 10, 0, b"", block_keys=held, block_tokens=BLOCK)
+            pending.payload = name
+            store.commit_put(pending, 0, 0.0)
+    found = store.lookup_chains(chains, 0, now=0.0)
+    assert (found.blocks, found.tokens) == (4, 4 * BLOCK)  # shard 0 holds 5: the run both hold is 4
+    assert [(s.chain, s.obj.key, s.token_start, s.token_count) for s in found.segments] == [
+        (0, "turn-1.s0", 0, 3 * BLOCK),
+        (0, "turn-2.s0", 0, BLOCK),
+        (1, "turn-1.s1", 0, 3 * BLOCK),
+        (1, "turn-2.s1", 0, BLOCK),
+    ]
+    assert set(found.lease.objects) == {"turn-1.s0", "turn-2.s0", "turn-1.s1", "turn-2.s1"}
+    assert all(store.find(key).lease_refs == 1 for key in found.lease.objects)
+    # A shard missing the first block is a miss for all: no lease, no reference taken.
+    missing = store.lookup_chains([chains[0], ("fp-heads-1-2", ["unknown", *chains[1][1][1:]])], 0, now=0.0)
+    assert (missing.blocks, missing.lease) == (0, None)
+    assert store.find("turn-1.s0").lease_refs == 1
+
+
 @pytest.mark.timeout(60)
 def test_lookup_and_a_ranged_read_through_the_lease_over_grpc():
     async def body():

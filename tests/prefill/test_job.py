@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import pytest
 
 from pcpstack.common.errors import Internal, ResourceExhausted
 from pcpstack.engine.sampling import SamplingParams
-from pcpstack.prefill.job import PrefillJob, PrefillOutcome, RankShare
+from pcpstack.prefill.job import CachedPrefix, PrefillJob, PrefillOutcome, PrefixRun, RankShare, ReplicaShard
 from pcpstack.prefill.replica import replica_key
 
 JOB = PrefillJob(
@@ -24,6 +26,21 @@ JOB = PrefillJob(
 
 def test_job_reads_back_exactly_from_its_broadcast_tensor() -> None:
     assert PrefillJob.from_tensor(JOB.to_tensor()) == JOB
+    # two shards with their own block keys, and a cached prefix whose runs name the shard they belong to
+    sharded = replace(
+        JOB,
+        shards=(
+            ReplicaShard(0, 0, 1, "req-ü.0123.kv0-1/ef", "ef", ("k0", "k1")),
+            ReplicaShard(2, 1, 2, "req-ü.0123.kv1-2/9a", "9a", ("k2", "k3")),
+        ),
+        prefix=CachedPrefix(
+            16,
+            (PrefixRun("old.kv0-1/ef", 16, 16, 4096, 0), PrefixRun("old.kv1-2/9a", 0, 16, 2048, 1)),
+            "l",
+            "c",
+        ),
+    )
+    assert PrefillJob.from_tensor(sharded.to_tensor()) == sharded
 
 
 def test_unset_seed_and_empty_lists_read_back() -> None:
