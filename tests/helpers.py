@@ -87,9 +87,11 @@ def small_hf_llama(
     head_dim: int = 8,
     layers: int = 1,
     context: int = 1024,
+    **config_extras,
 ):
     """A random Llama (fixed seed) saved as an HF folder: transformers' own config and weights, at a size that
-    loads in a moment. Returns the transformers model (eval mode) for reference logits."""
+    loads in a moment; config_extras go to LlamaConfig as they are (rope_parameters, initializer_range).
+    Returns the transformers model (eval mode) for reference logits."""
     import torch
     import transformers
 
@@ -102,6 +104,7 @@ def small_hf_llama(
         num_attention_heads=heads,
         num_key_value_heads=kv_heads,
         max_position_embeddings=context,
+        **config_extras,
     )
     model = transformers.AutoModelForCausalLM.from_config(config).eval()
     model.save_pretrained(folder)
@@ -110,16 +113,28 @@ def small_hf_llama(
 
 def hf_greedy(model):
     """greedy(prompt_ids, n) -> the n token ids a transformers model picks greedily (eos ignored)."""
-    import torch
 
     def greedy(prompt_ids: list[int], n: int) -> list[int]:
-        # A plain loop: generate(min_new_tokens=n) would forbid EOS; ignore_eos only goes on past it.
-        tokens: list[int] = []
-        with torch.inference_mode():
-            out = model(torch.tensor([prompt_ids]), use_cache=True)
-            for _ in range(n):
-                tokens.append(int(out.logits[0, -1].argmax()))
-                out = model(torch.tensor([[tokens[-1]]]), past_key_values=out.past_key_values, use_cache=True)
-        return tokens
+        return hf_generation(model, prompt_ids, n)[0]
 
     return greedy
+
+
+def hf_generation(model, prompt_ids: list[int], n: int):
+    """(tokens, logits): the n token ids one transformers generation picks greedily after prompt_ids (eos
+    ignored) and the logits [n, vocab] each was picked from: one forward of the prompt, then one per token
+    with the cache, as generate runs. A model with dynamic RoPE keeps the frequencies of the longest sequence
+    it has seen across calls: pass a copy that has run nothing for a fresh generation's."""
+    import torch
+
+    # A plain loop: generate(min_new_tokens=n) would forbid EOS; ignore_eos only goes on past it.
+    tokens: list[int] = []
+    logits = []
+    with torch.inference_mode():
+        out = model(torch.tensor([prompt_ids]), use_cache=True)
+        for _ in range(n):
+            logits.append(out.logits[0, -1])
+            tokens.append(int(logits[-1].argmax()))
+            if len(tokens) < n:
+                out = model(torch.tensor([[tokens[-1]]]), past_key_values=out.past_key_values, use_cache=True)
+    return tokens, torch.stack(logits)

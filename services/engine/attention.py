@@ -40,6 +40,9 @@ class AttentionMetadata:
     query_lens: set by batched prefill (prefill.batch), whose B sequences bring unequal numbers of queries:
         the queries are grouped by sequence in this order (a group may be empty), and each attends to its own
         sequence's context in the cache, causally by position.
+    rope_lens: [B] the length by which dynamic RoPE picks each sequence's frequencies this step (the
+        length of the whole forward transformers would run: the whole prompt for every chunk of a prefill);
+        None: context_lens, which is that length for a one-shot prefill and a plain decode step.
     """
 
     positions: torch.Tensor
@@ -51,6 +54,7 @@ class AttentionMetadata:
     fresh_context: bool = False
     dcp: DcpStep | None = None
     query_lens: list[int] | None = None
+    rope_lens: torch.Tensor | None = None
     _mask: torch.Tensor | None = field(default=None, repr=False)
     _runs: list[tuple[int, int]] | None = field(default=None, repr=False)
 
@@ -58,6 +62,12 @@ class AttentionMetadata:
     def num_seqs(self) -> int:
         """Sequences in this step (B)."""
         return self.block_tables.shape[0]
+
+    def query_counts(self) -> list[int]:
+        """How many of the step's queries each sequence brings, in order."""
+        if self.query_lens is not None:
+            return self.query_lens
+        return [self.positions.numel() // self.num_seqs] * self.num_seqs
 
     def query_runs(self) -> list[tuple[int, int]]:
         """The queries' positions as maximal runs [start, end) of consecutive positions (one sequence).

@@ -129,7 +129,8 @@ class Engine:
         for offset in range(0, len(token_ids), chunk_size):
             chunk = token_ids[offset : offset + chunk_size]
             begin = start + offset
-            logits = self.forward_tokens(state, chunk, begin)
+            # Every chunk rotates as the one forward over all the tokens would (dynamic RoPE).
+            logits = self.forward_tokens(state, chunk, begin, rope_len=start + len(token_ids))
             state.num_tokens = begin + len(chunk)
         return logits[0]
 
@@ -143,13 +144,16 @@ class Engine:
         kv_exchange: KvExchange | None = None,
         all_logits: bool = False,
         logits_rows: torch.Tensor | None = None,
+        rope_len: int | None = None,
     ) -> torch.Tensor:
         """Run tokens of one sequence that sit at `positions` (default: consecutive from `start`); return the
         logits [1, vocab] of the last position (of every token, [n, vocab], with `all_logits`).
 
         Context-parallel prefill passes its local tokens' positions (possibly none), the `kv_positions` of the
         whole prompt that its `kv_exchange` returns, start=0, and the `logits_rows` it wants (possibly none).
-        The caller updates `state.num_tokens`.
+        A chunk of a longer prompt passes `rope_len`, the sequence's length once the whole prompt is in
+        (dynamic RoPE rotates by it; default: the length after these tokens). The caller updates
+        `state.num_tokens`.
         """
         if self.dcp.size > 1:
             raise ValueError("a decode context-parallel rank holds part of each sequence: it only decodes")
@@ -166,6 +170,7 @@ class Engine:
             max_context_len=context_len,
             kv_exchange=kv_exchange,
             fresh_context=start == 0 and kv_positions.numel() == context_len,
+            rope_lens=None if rope_len is None else self._tensor([rope_len]),
         )
         if logits_rows is not None:
             rows = logits_rows.to(self.device)
@@ -232,6 +237,7 @@ class Engine:
             context_lens=self._tensor(counts),
             max_context_len=max(counts),
             dcp=DcpStep(dcp, self._tensor(rows)),
+            rope_lens=self._tensor([p + 1 for p in positions]),  # context_lens count local keys only
         )
         result = self.model(self._tensor(token_ids), meta.positions, self.cache, meta, logits_rows)
         for state in states:

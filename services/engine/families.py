@@ -52,7 +52,10 @@ FAMILIES = (
             "TP=9 x DCP=3; random models (plain, RoPE scaling llama3 / linear / yarn): every position's "
             "logits from the HF folder (1e-5), and through PCP=2 prefill in chunks and decode from the "
             "replica, logits (1e-4) and 16 greedy tokens from the folder and the converted GGUF (yarn: "
-            "folder only, llama.cpp's yarn keys are refused)"
+            "folder only, llama.cpp's yarn keys are refused); dynamic NTK RoPE (folder only, GGUF has no "
+            "such type), prompt beyond max_position_embeddings: the same PCP=2 path against a fresh "
+            "transformers generation, and two sequences of different lengths prefilled in one batch and "
+            "decoded together, each against its own generation (1e-5)"
         ),
     ),
     Family(

@@ -211,15 +211,28 @@ class Transformer(nn.Module):
         self.output = None if args.tie_embeddings else nn.Linear(args.dim, args.vocab_size, bias=False)
         # The logits projection's quantized blocks (the embedding's when tied), for decode.
         self.output_blocks: BlockWeight | None = None
-        # RoPE frequencies (scaled as the checkpoint declares) computed once, not per step.
-        scaling = args.rope_scaling or NO_SCALING
-        self.rope_inv_freq = scaling.inv_frequencies(args.head_dim, args.rope_theta)
-        self.rope_scale = scaling.cos_sin_scale
+        # RoPE frequencies (scaled as the checkpoint declares) computed once, not per step; dynamic scaling
+        # derives each step's from them and the sequences' lengths (`rope_frequencies`).
+        self.rope_scaling = args.rope_scaling or NO_SCALING
+        self.rope_inv_freq = self.rope_scaling.inv_frequencies(args.head_dim, args.rope_theta)
+        self.rope_scale = self.rope_scaling.cos_sin_scale
 
     def output_weight(self) -> torch.Tensor | None:
         """[vocab, dim] dense weight of the logits projection (the embedding when tied); None when it is kept
         only in blocks (`output_blocks`)."""
         return self.tok_embeddings.weight if self.output is None else self.output.weight
+
+    def rope_frequencies(self, meta: AttentionMetadata) -> torch.Tensor:
+        """The step's RoPE frequencies: [head_dim / 2] for every query, or with dynamic scaling
+        [n, head_dim / 2], each query its sequence's for the length `meta` gives it (rope_lens)."""
+        if not self.rope_scaling.rotates_by_length:
+            return self.rope_inv_freq
+        lengths = meta.rope_lens if meta.rope_lens is not None else meta.context_lens
+        per_seq = self.rope_scaling.frequencies_by_length(
+            lengths, self.rope_inv_freq, self.args.head_dim, self.args.rope_theta
+        )  # [B, head_dim / 2]
+        counts = torch.tensor(meta.query_counts(), device=per_seq.device)
+        return per_seq.repeat_interleave(counts, dim=0)  # [n, head_dim / 2]
 
     def forward(
         self,
@@ -232,7 +245,7 @@ class Transformer(nn.Module):
         """Logits [len(logits_indices), vocab] (all n rows when None) for token_ids [n] at positions [n]."""
         # Weights kept in blocks or in 16-bit give rows in another dtype than the run's (the norms').
         x = self.tok_embeddings(token_ids).to(self.norm.weight.dtype)  # [n, dim]
-        cos, sin = rotation(positions, self.rope_inv_freq, self.rope_scale, x.dtype)
+        cos, sin = rotation(positions, self.rope_frequencies(meta), self.rope_scale, x.dtype)
         for layer in self.layers:
             x = layer(x, cos, sin, kv_cache, meta)
         if logits_indices is not None:

@@ -12,11 +12,17 @@ frequencies, read once from config.json (`rope_scaling` / `rope_parameters`) or 
   dimensions whose number of rotations within the original context lies between beta_slow and beta_fast;
   cos and sin are then multiplied by an attention factor (0.1 ln(factor) + 1 unless the checkpoint gives
   one).
+- `dynamic` (NTK-aware, as transformers computes it): the frequencies follow the sequence's length L.
+  While L is within max_position_embeddings (M) they are the plain ones; beyond it the base theta grows to
+  theta * (factor * L / M - (factor - 1)) ** (head_dim / (head_dim - 2)). One transformers generation
+  recomputes them before each forward for L = the sequence's length at that forward and keeps the K/V it
+  cached as they were rotated, so here every forward rotates each sequence's new tokens by its own L: the
+  whole prompt's length for every chunk and every context-parallel rank of a prefill, the length after the
+  step for a decode step (AttentionMetadata.rope_lens). Its served context is factor * M. A K/V block
+  computed for one prompt is then not the block another prompt would compute, so prefix reuse is off
+  for such a model (`RopeScaling.rotates_by_length`). Only config.json declares it: llama.cpp's GGUF has
+  no dynamic scaling type.
 - GGUF files of llama3-scaled models carry the per-frequency divisors themselves (`rope_freqs.weight`).
-
-`dynamic` NTK scaling changes the frequencies with the length of the running sequence, so K/V cached at one
-length would be rotated differently from K/V computed at another; it is refused with that reason rather
-than run inexactly.
 """
 
 from __future__ import annotations
@@ -29,7 +35,7 @@ from typing import Any
 import torch
 
 # Kinds this engine computes; anything else a checkpoint declares is refused by name.
-SUPPORTED = ("default", "linear", "llama3", "yarn")
+SUPPORTED = ("default", "linear", "llama3", "yarn", "dynamic")
 
 
 @dataclass(frozen=True)
@@ -38,7 +44,8 @@ class RopeScaling:
 
     kind: str = "default"
     factor: float = 1.0
-    # llama3 and yarn: the context the model was pre-trained with.
+    # llama3 and yarn: the context the model was pre-trained with; dynamic: max_position_embeddings, the
+    # length up to which the frequencies stay the plain ones.
     original_context: int = 0
     low_freq_factor: float = 1.0
     high_freq_factor: float = 4.0
@@ -55,7 +62,7 @@ class RopeScaling:
             raise ValueError(f"RoPE scaling {self.kind!r} is not supported; supported: {SUPPORTED}")
         if self.factor <= 0:
             raise ValueError(f"RoPE scaling factor={self.factor} must be > 0")
-        if self.kind in ("llama3", "yarn") and self.original_context <= 0:
+        if self.kind in ("llama3", "yarn", "dynamic") and self.original_context <= 0:
             raise ValueError(f"RoPE scaling {self.kind!r} needs original_max_position_embeddings > 0")
         if self.kind == "llama3" and self.high_freq_factor <= self.low_freq_factor:
             raise ValueError(
@@ -68,12 +75,6 @@ class RopeScaling:
         """The scaling a config.json declares (`rope_parameters`, or the older `rope_scaling`)."""
         rope = config.get("rope_parameters") or config.get("rope_scaling") or {}
         kind = rope.get("rope_type", rope.get("type", "default"))
-        if kind == "dynamic":
-            raise ValueError(
-                "config.json rope type 'dynamic' is not supported: its frequencies change with the "
-                "sequence's length, so cached K/V would not match K/V computed later; supported: "
-                f"{', '.join(SUPPORTED)}"
-            )
         if kind not in SUPPORTED:
             raise ValueError(
                 f"config.json rope type {kind!r} is not supported; supported: {', '.join(SUPPORTED)}"
@@ -83,6 +84,8 @@ class RopeScaling:
         if rope.get("partial_rotary_factor", 1.0) != 1.0:
             raise ValueError("config.json partial_rotary_factor other than 1.0 is not supported")
         original = rope.get("original_max_position_embeddings") or config.get("max_position_embeddings", 0)
+        if kind == "dynamic":  # transformers scales from max_position_embeddings, whatever else is stated
+            original = config.get("max_position_embeddings", 0)
         factor = rope.get("factor")
         if factor is None and kind == "yarn":  # stated through the two context lengths instead
             factor = config["max_position_embeddings"] / original
@@ -100,7 +103,10 @@ class RopeScaling:
 
     @classmethod
     def from_gguf(cls, meta: Mapping[str, Any], arch: str, divisors: torch.Tensor | None) -> RopeScaling:
-        """The scaling a GGUF file declares: its scaling type and factor, or per-frequency divisors."""
+        """The scaling a GGUF file declares: its scaling type and factor, or per-frequency divisors.
+
+        llama.cpp's format has no dynamic NTK type (its rope.scaling.type is none, linear, yarn or longrope),
+        so a dynamic checkpoint is served from its HF folder."""
         kind = meta.get(f"{arch}.rope.scaling.type", "none")
         if divisors is not None:
             return cls(kind="default", divisors=tuple(float(d) for d in divisors.flatten()))
@@ -109,7 +115,8 @@ class RopeScaling:
         if kind == "linear":
             return cls(kind="linear", factor=float(meta.get(f"{arch}.rope.scaling.factor", 1.0)))
         raise ValueError(
-            f"GGUF rope.scaling.type={kind!r} is not supported; supported: none, linear, rope_freqs"
+            f"GGUF rope.scaling.type={kind!r} is not supported; supported: none, linear, rope_freqs (dynamic "
+            "NTK scaling, which GGUF cannot declare, is served from the model's HF folder)"
         )
 
     def inv_frequencies(self, head_dim: int, theta: float) -> torch.Tensor:
@@ -131,6 +138,37 @@ class RopeScaling:
         if self.kind == "yarn":
             return self._yarn(inv_freq, head_dim, theta)
         return inv_freq
+
+    @property
+    def rotates_by_length(self) -> bool:
+        """Whether the frequencies depend on the sequence's length (dynamic): the same tokens' K/V then
+        differ between prompts of different lengths, so no K/V may be reused across requests."""
+        return self.kind == "dynamic"
+
+    def served_context(self, max_position_embeddings: int) -> int:
+        """The longest sequence served for a config's max_position_embeddings: factor times it for dynamic
+        (the stretch the factor declares, there on top of the stated context), the stated one otherwise."""
+        if self.kind == "dynamic":
+            return int(max_position_embeddings * self.factor)
+        return max_position_embeddings
+
+    def frequencies_by_length(
+        self, lengths: torch.Tensor, inv_freq: torch.Tensor, head_dim: int, theta: float
+    ) -> torch.Tensor:
+        """[B, head_dim / 2] dynamic NTK frequencies for sequences of `lengths` [B] (int64), given the
+        plain ones `inv_freq` [head_dim / 2] (on the lengths' device), which lengths up to the original
+        context keep.
+
+        In float32 tensor arithmetic, the order transformers' `_compute_dynamic_ntk_parameters` uses when its
+        forward passes the length as a tensor, so the frequencies agree to the last bits."""
+        longer = lengths > self.original_context
+        if not bool(longer.any()):
+            return inv_freq.expand(len(lengths), -1)
+        stretch = (self.factor * lengths / self.original_context) - (self.factor - 1)  # float32 [B]
+        base = theta * stretch ** (head_dim / (head_dim - 2))
+        exponent = torch.arange(0, head_dim, 2, dtype=torch.int64, device=lengths.device).float() / head_dim
+        scaled = 1.0 / (base[:, None] ** exponent[None, :])
+        return torch.where(longer[:, None], scaled, inv_freq[None, :])
 
     @property
     def cos_sin_scale(self) -> float:
@@ -184,9 +222,9 @@ def rotation(
     positions: torch.Tensor, inv_freq: torch.Tensor, scale: float, dtype: torch.dtype
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """cos and sin [n, head_dim] of the rotation at each absolute position (rotate-half convention), for the
-    frequencies `inv_freq` [head_dim / 2] (RopeScaling.inv_frequencies, on the positions' device) and the
-    cos/sin `scale`."""
-    freqs = positions.float()[:, None] * inv_freq[None, :]  # [n, head_dim / 2]
+    frequencies `inv_freq` [head_dim / 2] (RopeScaling.inv_frequencies, on the positions' device), or
+    [n, head_dim / 2] for each position its own (dynamic), and the cos/sin `scale`."""
+    freqs = positions.float()[:, None] * inv_freq  # [n, head_dim / 2]
     angles = torch.cat((freqs, freqs), dim=-1)
     if scale == 1.0:
         return angles.cos().to(dtype), angles.sin().to(dtype)

@@ -127,9 +127,11 @@ def prefill_share(
     pcp_rank: int,
     exchange: KvAllGather | None,
     start: int = 0,
+    rope_len: int | None = None,
 ) -> torch.Tensor | None:
     """Runs this rank's share of `token_ids`, appended after the `start` tokens the sequence already holds
-    (the same ones on every rank); fills the sequence's blocks with their K/V.
+    (the same ones on every rank); fills the sequence's blocks with their K/V. A chunk of a longer prompt
+    passes `rope_len`, the length the whole prompt brings the sequence to (dynamic RoPE rotates by it).
 
     token_ids: [n] the new tokens (every rank has them), split by `split` (of n tokens); `state` has blocks
     for start + n tokens. Returns the logits [vocab] after the last new token on the rank that computes it,
@@ -150,6 +152,7 @@ def prefill_share(
             kv_positions=torch.arange(start, start + n),
             kv_exchange=exchange,
             logits_rows=(local == n - 1).nonzero().view(-1),
+            rope_len=rope_len,
         )
     state.num_tokens = start + n
     return logits[0] if owner else None
@@ -183,5 +186,7 @@ def prefill_chunked(
     for chunk in chunk_bounds(len(token_ids), chunk_tokens):
         split = DualChunkSplit(len(chunk), pcp_size)
         new = token_ids[chunk.start : chunk.stop]
-        logits = prefill_share(engine, state, new, split, pcp_rank, exchange_for(split), start + chunk.start)
+        exchange, at = exchange_for(split), start + chunk.start
+        # Every chunk rotates as the one forward over the whole prompt would (dynamic RoPE).
+        logits = prefill_share(engine, state, new, split, pcp_rank, exchange, at, start + len(token_ids))
     return logits

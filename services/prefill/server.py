@@ -78,6 +78,10 @@ class PrefillServicer(prefill_pb2_grpc.PrefillServiceServicer):
         blocks (--no-prefix-cache turns it off)."""
         self.supervisor = supervisor
         self.prefix_cache = prefix_cache
+        scaling = info.args.rope_scaling
+        if prefix_cache and scaling is not None and scaling.rotates_by_length:
+            self.prefix_cache = False
+            log.info("prefix cache off: dynamic RoPE rotates each prompt's K by that prompt's length")
         self._kv_clients: dict[str, KvStoreClient] = {}
         self._kv_cache_tokens = kv_cache_tokens
         self.info = info

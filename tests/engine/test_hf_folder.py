@@ -75,15 +75,6 @@ def test_scaled_rope_logits_match_transformers(tmp_path, kind):
     torch.testing.assert_close(ours, hf_logits(reference, ids), atol=1e-5, rtol=0)
 
 
-def test_hf_folder_refuses_dynamic_rope_scaling_saying_why(tmp_path):
-    config = transformers.LlamaConfig(
-        **SMALL, rope_parameters={"rope_type": "dynamic", "factor": 2.0, "rope_theta": 10000.0}
-    )
-    transformers.AutoModelForCausalLM.from_config(config).save_pretrained(tmp_path)
-    with pytest.raises(ValueError, match="rope type 'dynamic' is not supported: its frequencies change"):
-        load_model(tmp_path, device="cpu")
-
-
 @pytest.mark.slow
 def test_tokenizer_json_folder_encodes_like_transformers(tmp_path, hf_tokenizer):
     hf_tokenizer.save_pretrained(tmp_path)

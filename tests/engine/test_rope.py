@@ -1,13 +1,24 @@
 """RoPE scaling as GGUF files state it: a linear factor in the metadata, or llama3's per-frequency divisors as
 a `rope_freqs` tensor (what llama.cpp's converter writes for Llama 3.1). Both must give the frequencies the
-same checkpoint's config.json gives (checked against transformers in test_hf_folder.py)."""
+same checkpoint's config.json gives (checked against transformers in test_hf_folder.py).
+
+Dynamic NTK scaling (config.json only: GGUF has no such type): its frequencies at each length equal
+transformers', and sequences of different lengths prefilled in one batched forward and decoded together, the
+frequencies changing under them at every step, equal a fresh transformers generation of each alone."""
+
+import copy
 
 import pytest
 import torch
 
+from pcpstack.engine.engine import Engine
 from pcpstack.engine.rope import RopeScaling
+from pcpstack.engine.weights import load_model
+from pcpstack.prefill.batch import BatchSplit, prefill_batch
+from tests.helpers import hf_generation, small_hf_llama
 
 HEAD_DIM, THETA = 64, 500000.0
+DYNAMIC = {"rope_type": "dynamic", "factor": 2.0, "rope_theta": 10000.0}
 
 
 def freqs(scaling: RopeScaling) -> torch.Tensor:
@@ -49,3 +60,57 @@ def test_unsupported_scalings_are_refused_by_name():
         RopeScaling.from_hf({"rope_scaling": {"rope_type": "longrope", "factor": 2.0}})
     with pytest.raises(ValueError, match="rope_freqs has 3 values; head_dim=64 needs 32"):
         freqs(RopeScaling.from_gguf({}, "llama", torch.ones(3)))
+
+
+def test_dynamic_frequencies_equal_transformers_at_each_length():
+    transformers = pytest.importorskip("transformers")
+    from transformers.modeling_rope_utils import _compute_dynamic_ntk_parameters
+
+    context = 4096
+    config = transformers.LlamaConfig(
+        hidden_size=HEAD_DIM * 4,
+        num_attention_heads=4,
+        max_position_embeddings=context,
+        rope_parameters={**DYNAMIC, "rope_theta": THETA},
+    )
+    scaling = RopeScaling.from_hf(config.to_dict())
+    assert scaling.kind == "dynamic" and scaling.served_context(context) == 2 * context
+    lengths = [1, context, context + 1, 5000, 3 * context + 7]
+    ours = scaling.frequencies_by_length(
+        torch.tensor(lengths), scaling.inv_frequencies(HEAD_DIM, THETA), HEAD_DIM, THETA
+    )
+    for row, length in zip(ours, lengths, strict=True):
+        # transformers' forward passes the length as a tensor: float32 arithmetic, as ours.
+        expected, _ = _compute_dynamic_ntk_parameters(config, seq_len=torch.tensor(length))
+        torch.testing.assert_close(row, expected, rtol=1e-6, atol=0, msg=f"length {length}")
+    assert torch.equal(ours[0], ours[1]) and not torch.allclose(ours[1], ours[2], rtol=1e-6, atol=0)
+
+
+def test_dynamic_rope_batch_of_two_lengths_equals_fresh_transformers_generation_of_each(tmp_path):
+    pytest.importorskip("transformers")
+    # max_position_embeddings 32: the 40-token prompt starts beyond it, the 20-token one crosses it while
+    # decoding. A wider init than transformers' 0.02 makes RoPE errors show in the logits (see below).
+    reference = small_hf_llama(tmp_path, context=32, rope_parameters=DYNAMIC, initializer_range=0.1)
+    lengths, steps = (40, 20), 16
+    generator = torch.Generator().manual_seed(1)
+    prompts = [torch.randint(0, 256, (n,), generator=generator).tolist() for n in lengths]
+    expected = [hf_generation(copy.deepcopy(reference), ids, steps) for ids in prompts]
+    # The check can fail: rotating every token by the final length (one forward) gives other logits.
+    tokens, logits = expected[0]
+    with torch.inference_mode():
+        one_forward = reference(torch.tensor([prompts[0] + tokens[:-1]])).logits[0, lengths[0] - 1 :]
+    assert (one_forward - logits).abs().max() > 1e-2
+
+    model = load_model(tmp_path, device="cpu", dtype=torch.float32)
+    assert model.args.max_seq_len == 64  # factor x max_position_embeddings
+    engine = Engine(model, block_size=16, num_blocks=8)
+    states = [engine.reserve(i, n) for i, n in enumerate(lengths)]
+    split = BatchSplit(lengths, 1)
+    with torch.inference_mode():
+        rows = [prefill_batch(engine, states, [torch.tensor(p) for p in prompts], split, 0, None)]
+        while len(rows) < steps:
+            rows.append(engine.decode_step([0, 1], [int(row.argmax()) for row in rows[-1]]))
+    for i, (tokens, logits) in enumerate(expected):
+        ours = torch.stack([row[i] for row in rows])
+        torch.testing.assert_close(ours, logits, atol=1e-5, rtol=0, msg=f"sequence of {lengths[i]}")
+        assert ours.argmax(-1).tolist() == tokens
