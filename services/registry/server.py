@@ -418,9 +418,9 @@ class RegistryServicer(registry_pb2_grpc.RegistryServiceServicer):
                 return registry_pb2.RegisterResponse(
                     node_id=request.node_id, lease_ms=int(self._membership.settings.lease_s * 1000)
                 )
+            assignment, out = self._membership.register(registration, self._clock())
             # a node held through etcd until now moved here: its commands come here from now on
             self._remote.pop(request.node_id, None)
-            assignment, out = self._membership.register(registration, self._clock())
         except NodeIdInUse:
             # tells a restarted node that the refusal clears once its old session ends
             context.set_trailing_metadata(((convert.REFUSAL_METADATA, convert.REFUSAL_NODE_ID_IN_USE),))
