@@ -25,7 +25,7 @@ import json
 import logging
 import math
 from collections.abc import AsyncIterator
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import grpc
 
@@ -50,9 +50,15 @@ class SessionRecord:
     peer: str
     status: registry_pb2.RankStatus | None
     replica: str
+    # the load its heartbeats report (queued plus running requests), written at most once a lease
+    load: int = 0
     # written last, just before the record is dropped: the node fell silent (the leader need not wait a
     # lease of its own to declare it dead)
     silent: bool = False
+
+    def but(self, **changes: object) -> SessionRecord:
+        """A copy with changes (dataclasses.replace)."""
+        return replace(self, **changes)
 
     @property
     def identity(self) -> str:
@@ -69,6 +75,7 @@ class SessionRecord:
                 "identity": self.identity,
                 "status": base64.b64encode(status).decode() if self.status is not None else None,
                 "replica": self.replica,
+                "load": self.load,
                 "silent": self.silent,
             },
             sort_keys=True,
@@ -82,18 +89,21 @@ class SessionRecord:
         status = None
         if raw.get("status") is not None:
             status = registry_pb2.RankStatus.FromString(base64.b64decode(raw["status"]))
-        return cls(request, raw["peer"], status, raw["replica"], raw.get("silent", False))
+        return cls(request, raw["peer"], status, raw["replica"], raw.get("load", 0), raw.get("silent", False))
 
 
-def acknowledged(message: registry_pb2.SessionResponse, generation: int) -> bool:
-    """True when a node whose heartbeat carries `generation` has acted on message: it runs the assignment
-    it was given, or no longer runs the set it was told to stop. Notices need no action."""
-    kind = message.WhichOneof("body")
-    if kind == "assign":
-        return generation == message.assign.assignment.generation
-    if kind == "stop":
-        return generation != message.stop.generation
-    return True
+def acted_on(streamed: list[registry_pb2.SessionResponse], generation: int) -> list[bool]:
+    """Which of the messages written out to a node (oldest first) are done once its heartbeat carries
+    `generation`: the newest command it has acted on (it runs the assignment it was given, or no longer runs
+    the set it was told to stop) and every command before it (superseded); notices and refusals at once."""
+    last = -1
+    for i, message in enumerate(streamed):
+        kind = message.WhichOneof("body")
+        if (kind == "assign" and generation == message.assign.assignment.generation) or (
+            kind == "stop" and generation != message.stop.generation
+        ):
+            last = i
+    return [i <= last or m.WhichOneof("body") not in ("assign", "stop") for i, m in enumerate(streamed)]
 
 
 @dataclass
@@ -106,6 +116,7 @@ class _Held:
     queue: Queue | None = None
     # messages written out on the Session and not yet acted on, oldest first
     streamed: list[tuple[bytes, registry_pb2.SessionResponse]] = field(default_factory=list)
+    load_written: float = -math.inf
 
 
 class EtcdSessions:
@@ -132,7 +143,7 @@ class EtcdSessions:
         held = self._held.get(request.node_id)
         if held is not None and held.record.identity == record.identity:
             # the same node again (it reconnects): its lease and the status it reported stay
-            record = SessionRecord(request, peer, held.record.status, self._replica)
+            record = held.record.but(request=request, peer=peer)
             lease_id = held.lease_id
         else:
             lease_id = await self._store.grant(self._ttl_s)
@@ -230,15 +241,19 @@ class EtcdSessions:
                 if kind == "heartbeat":
                     generation = request.heartbeat.generation
                     await self._acted_on(node_id, held, generation)
+                    load = request.heartbeat.load
+                    if load != held.record.load and now - held.load_written >= self._lease_s:
+                        # least-loaded routing needs it, a write per heartbeat would not pay: once a lease
+                        held.load_written = now
+                        held.record = held.record.but(load=load)
+                        await self._store.put_session(node_id, held.record.encode(), held.lease_id)
                     if now - acked < ack_every:
                         continue
                     acked = now
                 elif kind == "status":
                     generation = request.status.generation
                     await self._acted_on(node_id, held, generation)
-                    held.record = SessionRecord(
-                        held.record.request, held.record.peer, request.status, self._replica
-                    )
+                    held.record = held.record.but(status=request.status)
                     await self._store.put_session(node_id, held.record.encode(), held.lease_id)
                 else:
                     generation = 0
@@ -250,24 +265,26 @@ class EtcdSessions:
         queue.put_nowait(None)
 
     async def _acted_on(self, node_id: str, held: _Held, generation: int) -> None:
-        """Deletes the streamed messages the node has acted on (the newest one it acted on, and every
-        older one), and keeps the record's assignment the one the node runs, so that a new leader reading
-        the record awaits the node in the right set."""
-        done = [i for i, (_, message) in enumerate(held.streamed) if acknowledged(message, generation)]
-        if not done:
+        """Deletes the streamed messages the node is done with (`acted_on`), and keeps the record's
+        assignment the one the node runs, so that a new leader reading the record awaits the node in the
+        right set."""
+        done = acted_on([message for _, message in held.streamed], generation)
+        if not any(done):
             return
-        last = done[-1]
-        finished, held.streamed = held.streamed[: last + 1], held.streamed[last + 1 :]
+        finished = [item for item, is_done in zip(held.streamed, done, strict=True) if is_done]
+        held.streamed = [item for item, is_done in zip(held.streamed, done, strict=True) if not is_done]
         await self._store.delete([key for key, _ in finished])
         request = registry_pb2.RegisterRequest()
         request.CopyFrom(held.record.request)
         for _, message in finished:
             if message.WhichOneof("body") == "assign":
                 request.current_assignment.CopyFrom(message.assign.assignment)
-            elif message.WhichOneof("body") == "stop":
+            elif message.WhichOneof("body") == "stop" and (
+                request.current_assignment.generation == message.stop.generation
+            ):
                 request.ClearField("current_assignment")
         if request != held.record.request:
-            held.record = SessionRecord(request, held.record.peer, held.record.status, self._replica)
+            held.record = held.record.but(request=request)
             await self._store.put_session(node_id, held.record.encode(), held.lease_id)
 
     async def tick(self, now: float) -> None:
@@ -276,10 +293,8 @@ class EtcdSessions:
         silent = [(node_id, h) for node_id, h in self._held.items() if now - h.heard > self._lease_s]
         for node_id, held in silent:
             log.warning("node missed its lease; session record dropped", extra={"node_id": node_id})
-            record = held.record
             with contextlib.suppress(ServiceError):
-                gone = SessionRecord(record.request, record.peer, record.status, self._replica, silent=True)
-                await self._store.put_session(node_id, gone.encode(), held.lease_id)
+                await self._store.put_session(node_id, held.record.but(silent=True).encode(), held.lease_id)
             await self._drop(node_id, held)
         if self._held and now - self._refreshed_at >= self._ttl_s / 3:
             self._refreshed_at = now

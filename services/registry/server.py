@@ -388,7 +388,7 @@ class RegistryServicer(registry_pb2_grpc.RegistryServiceServicer):
         out: Outgoing = []
         for node_id, record in list(self._remote.items()):
             try:
-                self._membership.heartbeat(node_id, 0, 0, now)
+                self._membership.heartbeat(node_id, 0, record.load, now)
             except NotFound:
                 with contextlib.suppress(ServiceError, ConfigError):
                     out += self._register_record(record, now)

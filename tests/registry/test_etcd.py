@@ -25,6 +25,7 @@ from pcpstack.common.config import EngineConfig
 from pcpstack.common.ports import free_port
 from pcpstack.registry.client import NodeSession, PrefillEndpoint, Resolver
 from pcpstack.registry.etcd_local import EtcdCluster
+from pcpstack.registry.etcd_sessions import acted_on
 from pcpstack.registry.etcd_store import MAX_TXN_OPS, EtcdStore
 from pcpstack.registry.membership import SNAPSHOT_VERSION, Settings
 from pcpstack.registry.server import RegistryServer, start_registry
@@ -204,6 +205,24 @@ def test_registry_flags_refuse_an_etcd_url_that_is_not_http_host_port(tmp_path: 
         RegistryConfig(etcd="127.0.0.1:2379")
     with pytest.raises(ConfigError, match="--snapshot"):
         RegistryConfig(etcd="http://127.0.0.1:2379", snapshot=tmp_path / "s.json")
+
+
+def test_a_node_is_done_with_the_commands_up_to_the_newest_it_acted_on_and_with_notices_at_once():
+    def assign(generation: int) -> registry_pb2.SessionResponse:
+        assignment = registry_pb2.Assignment(set_id="s", generation=generation)
+        return registry_pb2.SessionResponse(assign=registry_pb2.AssignCommand(assignment=assignment))
+
+    stop = registry_pb2.SessionResponse(stop=registry_pb2.StopCommand(set_id="s", generation=1))
+    notice = registry_pb2.SessionResponse(assembly_timeout=registry_pb2.AssemblyTimeout(required=2))
+    streamed = [assign(1), stop, assign(2), notice]
+    # still pooled: it has not run generation 1 yet, so nothing but the notice is done
+    assert acted_on(streamed[:1] + streamed[3:], 0) == [False, True]
+    # it left generation 1: that assignment and its stop are done, the newer assignment is not
+    assert acted_on(streamed, 0) == [True, True, False, True]
+    # it runs generation 2: everything before it is superseded
+    assert acted_on(streamed, 2) == [True, True, True, True]
+    # it runs generation 1: the stop is not acted on yet
+    assert acted_on(streamed[:2], 1) == [True, False]
 
 
 def _replica(etcd: EtcdCluster, prefix: str, port: int, env: dict[str, str]) -> subprocess.Popen:
