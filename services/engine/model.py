@@ -231,6 +231,8 @@ class Transformer(nn.Module):
         per_seq = self.rope_scaling.frequencies_by_length(
             lengths, self.rope_inv_freq, self.args.head_dim, self.args.rope_theta
         )  # [B, head_dim / 2]
+        if meta.query_lens is None and meta.positions.numel() == meta.num_seqs:  # decode: a query each
+            return per_seq
         counts = torch.tensor(meta.query_counts(), device=per_seq.device)
         return per_seq.repeat_interleave(counts, dim=0)  # [n, head_dim / 2]
 

@@ -27,6 +27,7 @@ frequencies, read once from config.json (`rope_scaling` / `rope_parameters`) or 
 
 from __future__ import annotations
 
+import functools
 import math
 from collections.abc import Mapping
 from dataclasses import dataclass
@@ -166,8 +167,7 @@ class RopeScaling:
             return inv_freq.expand(len(lengths), -1)
         stretch = (self.factor * lengths / self.original_context) - (self.factor - 1)  # float32 [B]
         base = theta * stretch ** (head_dim / (head_dim - 2))
-        exponent = torch.arange(0, head_dim, 2, dtype=torch.int64, device=lengths.device).float() / head_dim
-        scaled = 1.0 / (base[:, None] ** exponent[None, :])
+        scaled = 1.0 / (base[:, None] ** _exponents(head_dim, lengths.device)[None, :])
         return torch.where(longer[:, None], scaled, inv_freq[None, :])
 
     @property
@@ -200,6 +200,13 @@ class RopeScaling:
         # ramp 0: dimensions that turn often within the original context keep their frequency; ramp 1:
         # slow ones are interpolated.
         return inv_freq * (1 - ramp) + inv_freq / self.factor * ramp
+
+
+@functools.cache
+def _exponents(head_dim: int, device: torch.device) -> torch.Tensor:
+    """[head_dim / 2] the exponents 2i / head_dim of theta, made once per device (a decode step with dynamic
+    RoPE would otherwise build them every step)."""
+    return torch.arange(0, head_dim, 2, dtype=torch.int64, device=device).float() / head_dim
 
 
 def _yarn_attention_factor(rope: Mapping[str, Any], factor: float) -> float:
