@@ -73,7 +73,7 @@ class NodeSession:
         in_use_patience_s: float | None = None,
     ) -> None:
         """address is the registry's host:port, or several replicas' separated by commas (the session moves
-        to the next one when the one it uses is unreachable or does not lead). role is "prefill", "decode"
+        to the next one when the one it uses is unreachable). role is "prefill", "decode"
         or "kvstore"; load() is read at every heartbeat (queued plus running requests) and steers
         least-loaded routing. A node id still bound to an earlier session (a node
         restarted within its old lease) is retried until that session ends, or for in_use_patience_s when
