@@ -153,8 +153,10 @@ class BlockWeight:
         lib = cpu_kernels.build_library()
         if lib is None:
             raise RuntimeError("the CPU block kernels are not available")
+        if self.next is None:
+            return cpu_kernels.block_matmul(lib, self.kind, x, self.qs, self.scale, self.minimum)
         outs = [cpu_kernels.block_matmul(lib, p.kind, x, p.qs, p.scale, p.minimum) for p in self.parts()]
-        return outs[0] if len(outs) == 1 else torch.cat(outs, dim=1)
+        return torch.cat(outs, dim=1)
 
 
 @dataclass(frozen=True)
@@ -245,8 +247,8 @@ def _fp16_field(raw: np.ndarray, offset: int) -> torch.Tensor:
 
 
 def from_gguf(data: np.ndarray, type_name: str) -> BlockWeight | None:
-    """The blocks of a GGUF tensor's raw bytes ([rows, bytes per row] uint8); None for a type neither form
-    holds (plain types, Q6_K, ...).
+    """The blocks of a GGUF tensor's raw bytes ([rows, bytes per row] uint8); None for a type no form holds
+    (plain types, Q5_K, ...).
 
     Q4_1 block: fp16 scale, fp16 min, 16 bytes of nibbles. Q8_0: fp16 scale, 32 int8. Q4_0: fp16 scale and
     16 bytes of nibbles q, w = scale * (q - 8). Q4_K: 256 weights in 8 sub-blocks of 32, fp16 d and dmin,
