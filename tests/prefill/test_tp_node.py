@@ -4,7 +4,9 @@ a real registry and KV store on loopback.
 The tiny model has 4 query heads and 2 K/V heads, so each TP rank holds one K/V head: the owning PCP rank's
 TP group stores the replica as two objects, one per head. Fetched with each shard's own key, fingerprint
 and capability and placed by head range they give single-rank prefill's KV, and the first token is
-single-rank prefill's.
+single-rank prefill's. A prompt extending a stored one takes its prefix per head (each shard's blocks under
+its own fingerprint), computes only the rest, and the prefix and new shards together are still
+single-rank prefill's KV.
 """
 
 from __future__ import annotations
@@ -17,6 +19,7 @@ from pcpstack.engine.engine import Engine
 from pcpstack.engine.parallel import shard_fingerprint
 from pcpstack.engine.sampling import SamplingParams
 from pcpstack.kvstore.client import KvStoreClient
+from pcpstack.kvstore.prefix import segment_range
 from pcpstack.prefill.client import PrefillClient
 from pcpstack.prefill.job import PrefillJob, ReplicaShard, replica_shards
 from pcpstack.prefill.replica import replica_owner
@@ -92,4 +95,66 @@ def test_tp2_pcp2_replica_shards_and_first_token_equal_single_rank_prefill(stack
     placed = torch.cat(shards, dim=3)
     assert placed.shape == expected.shape
     assert (placed - expected).abs().max().item() <= 1e-4
+    assert stack.run(pinned_bytes(kv.store_address)) == 0
+
+
+@pytest.mark.slow
+def test_tp2_pcp2_a_prompt_extending_a_stored_one_loads_each_heads_prefix_and_its_kv_stays_exact(
+    stack, reference
+) -> None:
+    ids = torch.randint(0, 256, (260,), generator=torch.Generator().manual_seed(23)).tolist()
+
+    async def turns():
+        client = PrefillClient(prefill_address(stack))
+        try:
+            # Each of its two shards (one K/V head each) offers 12 full prefix blocks of 16 (192 tokens).
+            first = await client.prefill("tp-turn-1", ids[:200], GREEDY, timeout=60)
+            second = await client.prefill("tp-turn-2", ids, GREEDY, timeout=60)
+        finally:
+            await client.close()
+        kv, layout = second.kv, second.kv.layout
+        by_head: dict[int, list[torch.Tensor]] = {}  # each head range's pieces, in token order
+        async with KvStoreClient(kv.store_address) as store:
+            for shard in first.kv.shards:
+                await store.release(shard.key, shard.capability)
+            # Decode's read: each head range's prefix segments through the one lease, then its new shard.
+            for segment in kv.prefix_segments:
+                heads = segment.kv_head_end - segment.kv_head_start
+                row = heads * layout.head_dim * 4
+                selection = segment_range(
+                    segment.object_bytes, layout.num_layers * 2, row, segment.token_start, segment.token_count
+                )
+                data, _ = await store.get(
+                    segment.key,
+                    segment.fingerprint,
+                    kv.prefix_lease_capability,
+                    ranges=[selection],
+                    lease_id=kv.prefix_lease_id,
+                )
+                shape = (layout.num_layers, 2, segment.token_count, heads, layout.head_dim)
+                by_head.setdefault(segment.kv_head_start, []).append(
+                    torch.frombuffer(bytearray(data), dtype=torch.float32).view(shape)
+                )
+            for shard in kv.shards:
+                data, _ = await store.get(shard.key, shard.fingerprint, shard.capability)
+                await store.release(shard.key, shard.capability)
+                shape = (layout.num_layers, 2, kv.num_tokens - kv.cached_tokens, 1, layout.head_dim)
+                by_head[shard.kv_head_start].append(
+                    torch.frombuffer(bytearray(data), dtype=torch.float32).view(shape)
+                )
+            assert await store.release(kv.prefix_lease_id, kv.prefix_lease_capability, lease=True)
+        whole = torch.cat([torch.cat(by_head[h], dim=2) for h in sorted(by_head)], dim=3)
+        return second, whole
+
+    second, whole = stack.run(turns())
+    kv = second.kv
+    assert (kv.cached_tokens, second.computed_tokens) == (192, 68)
+    # every head range's prefix, read under that shard's own fingerprint
+    assert sorted({(s.kv_head_start, s.kv_head_end, s.fingerprint) for s in kv.prefix_segments}) == [
+        (h, h + 1, shard_fingerprint(kv.fingerprint, range(h, h + 1), 2)) for h in (0, 1)
+    ]
+    first_token, expected = single_rank(reference, ids)
+    assert second.first_token_id == first_token
+    assert whole.shape == expected.shape
+    assert (whole - expected).abs().max().item() <= 1e-4
     assert stack.run(pinned_bytes(kv.store_address)) == 0
