@@ -64,7 +64,10 @@ class RopeScaling:
         if self.factor <= 0:
             raise ValueError(f"RoPE scaling factor={self.factor} must be > 0")
         if self.kind in ("llama3", "yarn", "dynamic") and self.original_context <= 0:
-            raise ValueError(f"RoPE scaling {self.kind!r} needs original_max_position_embeddings > 0")
+            stated = "max_position_embeddings"
+            if self.kind != "dynamic":  # the others scale from the pre-training context
+                stated = f"original_{stated}"
+            raise ValueError(f"RoPE scaling {self.kind!r} needs {stated} > 0")
         if self.kind == "llama3" and self.high_freq_factor <= self.low_freq_factor:
             raise ValueError(
                 f"llama3 RoPE scaling needs high_freq_factor={self.high_freq_factor} > "
@@ -90,6 +93,8 @@ class RopeScaling:
         factor = rope.get("factor")
         if factor is None and kind == "yarn":  # stated through the two context lengths instead
             factor = config["max_position_embeddings"] / original
+        if factor is None:
+            raise ValueError(f"config.json rope type {kind!r} needs a `factor`")
         return cls(
             kind=kind,
             factor=float(factor),
