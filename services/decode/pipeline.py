@@ -566,9 +566,8 @@ class GeneratePipeline:
         for segment in handle.prefix_segments:
             # A segment without heads (a prefill set without TP) holds every head.
             heads = range(segment.kv_head_start, segment.kv_head_end or layout.num_kv_heads)
-            object_tokens, rest = divmod(
-                segment.object_bytes, layout.num_layers * 2 * max(len(heads), 1) * layout.head_dim * itemsize
-            )
+            token_bytes = layout.num_layers * 2 * len(heads) * layout.head_dim * itemsize
+            object_tokens, rest = divmod(segment.object_bytes, token_bytes) if heads else (0, 0)
             if not heads or rest or segment.token_start + segment.token_count > object_tokens:
                 raise DataLoss(
                     f"cached prefix segment {segment.key} (K/V heads {heads.start}-{heads.stop}) does not "
