@@ -55,7 +55,8 @@ FAMILIES = (
             "folder only, llama.cpp's yarn keys are refused); dynamic NTK RoPE (folder only, GGUF has no "
             "such type), prompt beyond max_position_embeddings: the same PCP=2 path against a fresh "
             "transformers generation, and two sequences of different lengths prefilled in one batch and "
-            "decoded together, each against its own generation (1e-5)"
+            "decoded together, each against its own generation (1e-5), and DCP=2 decode against the single "
+            "engine"
         ),
     ),
     Family(

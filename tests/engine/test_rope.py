@@ -4,7 +4,8 @@ same checkpoint's config.json gives (checked against transformers in test_hf_fol
 
 Dynamic NTK scaling (config.json only: GGUF has no such type): its frequencies at each length equal
 transformers', and sequences of different lengths prefilled in one batched forward and decoded together, the
-frequencies changing under them at every step, equal a fresh transformers generation of each alone."""
+frequencies changing under them at every step, equal a fresh transformers generation of each alone; decode
+split over DCP=2 ranks (each counting only its own keys) equals the single engine."""
 
 import copy
 
@@ -13,6 +14,7 @@ import torch
 
 from pcpstack.engine.engine import Engine
 from pcpstack.engine.rope import RopeScaling
+from pcpstack.engine.tp_engine import TensorParallelEngine
 from pcpstack.engine.weights import load_model
 from pcpstack.prefill.batch import BatchSplit, prefill_batch
 from tests.helpers import hf_generation, small_hf_llama
@@ -114,3 +116,32 @@ def test_dynamic_rope_batch_of_two_lengths_equals_fresh_transformers_generation_
         ours = torch.stack([row[i] for row in rows])
         torch.testing.assert_close(ours, logits, atol=1e-5, rtol=0, msg=f"sequence of {lengths[i]}")
         assert ours.argmax(-1).tolist() == tokens
+
+
+def test_dynamic_rope_dcp2_decode_equals_the_single_engine(tmp_path):
+    """A DCP rank's step counts only its own keys: the frequencies must still follow the whole length."""
+    pytest.importorskip("transformers")
+    # One K/V head over TP=2: DCP=2 splits its tokens between the two ranks.
+    small_hf_llama(tmp_path, heads=2, kv_heads=1, context=32, rope_parameters=DYNAMIC, initializer_range=0.1)
+    reference = Engine(load_model(tmp_path, device="cpu", dtype=torch.float32), block_size=4, num_blocks=32)
+    lengths = {"below": 20, "beyond": 40}
+    generator = torch.Generator().manual_seed(1)
+    threads = torch.get_num_threads()
+    dcp = TensorParallelEngine.start(
+        tmp_path, 2, dtype=torch.float32, block_size=4, num_blocks=32, timeout_s=60.0, threads=1, dcp_size=2
+    )
+    try:
+        tokens = {}
+        for name, n in lengths.items():
+            ids = torch.randint(0, 256, (n,), generator=generator).tolist()
+            tokens[name] = int(reference.prefill(name, ids).argmax())
+            dcp.adopt_sequence(name, reference.export_sequence(name), n)
+        for step in range(16):
+            names = list(tokens)
+            expected = reference.decode_step(names, [tokens[n] for n in names])
+            got = dcp.decode_step(names, [tokens[n] for n in names])
+            torch.testing.assert_close(got, expected, atol=1e-4, rtol=0, msg=f"step {step}")
+            tokens = dict(zip(names, expected.argmax(-1).tolist(), strict=True))
+    finally:
+        dcp.close()
+        torch.set_num_threads(threads)
