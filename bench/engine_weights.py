@@ -104,6 +104,28 @@ def _weights_bytes(model: torch.nn.Module) -> int:
     return total
 
 
+def random_q4_k(
+    rng: np.random.Generator, rows: int, cols: int, d_range: tuple[float, float] = (1e-5, 5e-5)
+) -> np.ndarray:
+    """Random Q4_K bytes [rows, cols / 256 * 144] (gguf has no Q4_K quantizer): any bits for the sub-block
+    scales, mins and nibbles, fp16 d and dmin drawn from `d_range`."""
+    blocks = rng.integers(0, 256, (rows, cols // 256, 144), dtype=np.uint8)
+    d_dmin = rng.uniform(*d_range, (rows, cols // 256, 2)).astype(np.float16)
+    blocks[..., 0:4] = d_dmin.view(np.uint8).reshape(rows, -1, 4)
+    return blocks.reshape(rows, -1)
+
+
+def random_q6_k(
+    rng: np.random.Generator, rows: int, cols: int, d_range: tuple[float, float] = (1e-6, 5e-6)
+) -> np.ndarray:
+    """Random Q6_K bytes [rows, cols / 256 * 210] (gguf has no Q6_K quantizer): any bits for q and the int8
+    sub-block scales, fp16 d drawn from `d_range`."""
+    blocks = rng.integers(0, 256, (rows, cols // 256, 210), dtype=np.uint8)
+    d = rng.uniform(*d_range, (rows, cols // 256, 1)).astype(np.float16)
+    blocks[..., 208:210] = d.view(np.uint8).reshape(rows, -1, 2)
+    return blocks.reshape(rows, -1)
+
+
 def write_synthetic_gguf(
     path: Path, shape: dict[str, int] = SYNTHETIC_1B, seed: int = 0, types: dict[str, str] | None = None
 ) -> Path:
@@ -141,22 +163,15 @@ def write_synthetic_gguf(
         blocks[..., 2:4] = (scale * -8).view(np.uint8).reshape(rows, -1, 2)
         return blocks.reshape(rows, -1)
 
-    def q4_k(rows: int, cols: int) -> np.ndarray:
-        blocks = rng.integers(0, 256, (rows, cols // 256, 144), dtype=np.uint8)
-        d_dmin = rng.uniform(1e-5, 5e-5, (rows, cols // 256, 2)).astype(np.float16)
-        blocks[..., 0:4] = d_dmin.view(np.uint8).reshape(rows, -1, 4)
-        return blocks.reshape(rows, -1)
-
-    def q6_k(rows: int, cols: int) -> np.ndarray:
-        blocks = rng.integers(0, 256, (rows, cols // 256, 210), dtype=np.uint8)
-        d = rng.uniform(1e-6, 5e-6, (rows, cols // 256, 1)).astype(np.float16)
-        blocks[..., 208:210] = d.view(np.uint8).reshape(rows, -1, 2)
-        return blocks.reshape(rows, -1)
-
     def f16(rows: int, cols: int) -> np.ndarray:
         return (rng.standard_normal((rows, cols)) * 0.02).astype(np.float16)
 
-    makers = {"Q4_1": q4_1, "Q4_K": q4_k, "Q6_K": q6_k, "F16": f16}
+    makers = {
+        "Q4_1": q4_1,
+        "Q4_K": lambda rows, cols: random_q4_k(rng, rows, cols),
+        "Q6_K": lambda rows, cols: random_q6_k(rng, rows, cols),
+        "F16": f16,
+    }
     chosen = types or {}
 
     def put(name: str, rows: int, cols: int) -> None:
@@ -215,12 +230,7 @@ def q6_k_projection_ab(
     torch.set_num_threads(threads)
     rng = np.random.default_rng(0)
     copies = max(1, (256 << 20) // (n * k * 4))
-    raw = []
-    for _ in range(copies):
-        blocks = rng.integers(0, 256, (n, k // 256, 210), dtype=np.uint8)
-        blocks[..., 208:210] = rng.uniform(1e-6, 1e-4, (n, k // 256, 1)).astype(np.float16).view(np.uint8)
-        raw.append(blocks.reshape(n, -1))
-    weights = [from_gguf(r, "Q6_K") for r in raw]
+    weights = [from_gguf(random_q6_k(rng, n, k, (1e-6, 1e-4)), "Q6_K") for _ in range(copies)]
     dense = [w.dequantize() for w in weights]
     result: dict = {"shape": [n, k], "threads": threads, "copies": copies, "rounds": rounds}
     result["q6_k_bytes_per_weight"] = round(weights[0].nbytes / (n * k), 3)

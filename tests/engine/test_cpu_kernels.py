@@ -9,6 +9,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from bench.engine_weights import random_q6_k
 from pcpstack.engine import cpu_kernels, quant
 from pcpstack.engine.model import Linear
 from pcpstack.engine.weights import default_model_path, load_model
@@ -73,12 +74,9 @@ def haswell_kernels(tmp_path_factory):
 
 
 def _q6_k_case(rows: int, cols: int) -> tuple[quant.BlockWeight, torch.Tensor]:
-    """Random Q6_K bytes (gguf has no Q6_K quantizer; d as small as real files', so the weights are too) as
-    blocks, and gguf's dense values of them."""
-    rng = np.random.default_rng(rows)
-    raw = rng.integers(0, 256, (rows, cols // 256, 210), dtype=np.uint8)
-    raw[..., 208:210] = rng.uniform(-1e-4, 1e-4, (rows, cols // 256, 1)).astype(np.float16).view(np.uint8)
-    raw = raw.reshape(rows, -1)
+    """Random Q6_K bytes (d as small as real files', so the weights are too) as blocks, and gguf's dense
+    values of them."""
+    raw = random_q6_k(np.random.default_rng(rows), rows, cols, (-1e-4, 1e-4))
     dense = torch.from_numpy(gguf.quants.dequantize(raw, gguf.GGMLQuantizationType.Q6_K))
     return quant.from_gguf(raw, "Q6_K"), dense
 

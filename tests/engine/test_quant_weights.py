@@ -13,7 +13,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from bench.engine_weights import Q4_K_M, write_synthetic_gguf
+from bench.engine_weights import Q4_K_M, random_q4_k, random_q6_k, write_synthetic_gguf
 from pcpstack.engine import cpu_kernels
 from pcpstack.engine.engine import Engine
 from pcpstack.engine.gguf_file import read_gguf
@@ -34,28 +34,16 @@ Q = gguf.GGMLQuantizationType
 SMALL = {"dim": 64, "layers": 2, "hidden": 96, "heads": 4, "kv_heads": 2, "vocab": 256}
 
 
-def _q4_k_bytes(rows: int, cols: int, rng: np.random.Generator) -> np.ndarray:
-    """Random Q4_K super-blocks (gguf has no Q4_K quantizer): any scale/min bits, finite fp16 d and dmin."""
-    raw = rng.integers(0, 256, (rows, cols // 256, 144), dtype=np.uint8)
-    d_dmin = rng.uniform(-0.05, 0.05, (rows, cols // 256, 2)).astype(np.float16)
-    raw[..., 0:4] = d_dmin.view(np.uint8).reshape(rows, -1, 4)
-    return raw.reshape(rows, -1)
-
-
-def _q6_k_bytes(rows: int, cols: int, rng: np.random.Generator) -> np.ndarray:
-    """Random Q6_K super-blocks (gguf has no Q6_K quantizer): any q and int8 scale bits, finite fp16 d."""
-    raw = rng.integers(0, 256, (rows, cols // 256, 210), dtype=np.uint8)
-    d = rng.uniform(-0.05, 0.05, (rows, cols // 256, 1)).astype(np.float16)
-    raw[..., 208:210] = d.view(np.uint8).reshape(rows, -1, 2)
-    return raw.reshape(rows, -1)
+# Random super-blocks with any bits and finite fp16 scales of either sign.
+D_RANGE = (-0.05, 0.05)
 
 
 @pytest.mark.parametrize("kind", [Q.Q4_0, Q.Q4_1, Q.Q8_0, Q.Q4_K, Q.Q6_K])
 def test_every_block_type_dequantizes_to_the_values_gguf_gives(kind):
     rng = np.random.default_rng(int(kind))
     dense = rng.standard_normal((24, 512)).astype(np.float32)
-    random_bytes = {Q.Q4_K: _q4_k_bytes, Q.Q6_K: _q6_k_bytes}.get(kind)
-    data = random_bytes(24, 512, rng) if random_bytes else gguf.quants.quantize(dense, kind)
+    random_bytes = {Q.Q4_K: random_q4_k, Q.Q6_K: random_q6_k}.get(kind)
+    data = random_bytes(rng, 24, 512, D_RANGE) if random_bytes else gguf.quants.quantize(dense, kind)
     expected = gguf.quants.dequantize(data, kind)
     blocks = from_gguf(data, kind.name)
     got = blocks.dequantize().numpy()
@@ -71,7 +59,7 @@ def test_every_block_type_dequantizes_to_the_values_gguf_gives(kind):
 
 def test_a_projection_of_mixed_block_types_is_a_chain_that_multiplies_as_its_parts():
     rng = np.random.default_rng(2)
-    q4_k, q6_k = _q4_k_bytes(40, 512, rng), _q6_k_bytes(24, 512, rng)
+    q4_k, q6_k = random_q4_k(rng, 40, 512, D_RANGE), random_q6_k(rng, 24, 512, D_RANGE)
     fused = BlockWeight.cat([from_gguf(q4_k, "Q4_K"), from_gguf(q6_k, "Q6_K")])
     assert (fused.kind, fused.next.kind, fused.shape) == ("q4_1", "q6_k", (64, 512))
     parts = (gguf.quants.dequantize(q4_k, Q.Q4_K), gguf.quants.dequantize(q6_k, Q.Q6_K))
