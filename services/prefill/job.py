@@ -104,6 +104,17 @@ def replica_shards(kv_key: str, fingerprint: str, args: ModelArgs, tp_size: int)
     return tuple(shards)
 
 
+def shard_holding(shards: Sequence[ReplicaShard], heads: range) -> int:
+    """The index of the stored shard that holds exactly K/V heads `heads` (a TP rank's): with more TP ranks
+    than K/V heads a head is held by several ranks and stored once, by the first of them, so every holder
+    loads its cached prefix from that shard. A shard naming no heads (kv_head_end 0) is the whole replica.
+    ValueError when no shard does."""
+    for index, shard in enumerate(shards):
+        if not shard.kv_head_end or range(shard.kv_head_start, shard.kv_head_end) == heads:
+            return index
+    raise ValueError(f"no stored shard holds exactly K/V heads {heads.start}-{heads.stop}")
+
+
 @dataclass(frozen=True)
 class PrefixRun:
     """Cached prefix tokens [token_start, token_start + token_count) of one store object holding the K/V

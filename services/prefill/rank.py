@@ -80,7 +80,14 @@ from pcpstack.prefill.context_parallel import (
     configure_gloo_interface,
     prefill_chunked,
 )
-from pcpstack.prefill.job import CachedPrefix, PrefillJob, PrefillOutcome, RankShare, ReplicaShard
+from pcpstack.prefill.job import (
+    CachedPrefix,
+    PrefillJob,
+    PrefillOutcome,
+    RankShare,
+    ReplicaShard,
+    shard_holding,
+)
 from pcpstack.prefill.replica import replica_owner
 from pcpstack.prefill.split import DualChunkSplit
 
@@ -439,17 +446,7 @@ class RankWorker:
         cache one by one: joining them first cost a third of the prefix's load)."""
         layout = self.engine.layout
         shards = job.stored_shards(self.fingerprint)
-        heads = self.kv_heads
-        # A shard without heads (kv_head_end 0) is the whole replica; with TP a rank's heads are exactly one
-        # stored shard's (the first holder's, for a replicated head).
-        holders = [
-            i
-            for i, shard in enumerate(shards)
-            if not shard.kv_head_end or range(shard.kv_head_start, shard.kv_head_end) == heads
-        ]
-        if not holders:
-            raise ValueError(f"no stored shard holds exactly K/V heads {heads.start}-{heads.stop}")
-        index = holders[0]
+        index = shard_holding(shards, self.kv_heads)
         fingerprint = shards[index].fingerprint or self.fingerprint
         itemsize = torch.empty(0, dtype=layout.torch_dtype).element_size()
         row = layout.num_kv_heads * layout.head_dim * itemsize

@@ -16,12 +16,12 @@ import torch
 
 from pcpstack.engine.config import ModelArgs
 from pcpstack.engine.engine import Engine
-from pcpstack.engine.parallel import shard_fingerprint
+from pcpstack.engine.parallel import TensorParallelShard, shard_fingerprint
 from pcpstack.engine.sampling import SamplingParams
 from pcpstack.kvstore.client import KvStoreClient
 from pcpstack.kvstore.prefix import segment_range
 from pcpstack.prefill.client import PrefillClient
-from pcpstack.prefill.job import PrefillJob, ReplicaShard, replica_shards
+from pcpstack.prefill.job import PrefillJob, ReplicaShard, replica_shards, shard_holding
 from pcpstack.prefill.replica import replica_owner
 from tests.helpers import pinned_bytes, start_stack
 from tests.prefill.test_service import BLOCK_SIZE, GREEDY, prefill_address, prompt, single_rank
@@ -72,6 +72,15 @@ def test_replica_shards_store_each_kv_head_once_from_its_first_holder() -> None:
     # the job carries them to every rank
     job = PrefillJob("req", kv_key, [1, 2], SamplingParams(), "127.0.0.1:1", 0, shards=shards)
     assert PrefillJob.from_tensor(job.to_tensor()) == job
+
+
+def test_every_holder_of_a_replicated_kv_head_loads_its_prefix_from_the_first_holders_shard() -> None:
+    shards = replica_shards("req.abc/" + "f" * 16, "f" * 64, TINY, 4)  # heads 0, 1 stored by ranks 0, 2
+    holders = [shard_holding(shards, TensorParallelShard(r, 4).kv_head_range(TINY)) for r in range(4)]
+    assert holders == [0, 0, 1, 1]
+    assert shard_holding(replica_shards("req.abc/" + "f" * 16, "f" * 64, TINY, 1), range(0, 2)) == 0
+    with pytest.raises(ValueError, match="heads 0-2"):
+        shard_holding(shards, range(0, 2))  # a TP=1 rank's heads: no TP=4 shard holds them all
 
 
 # 3 tokens: fewer than 2 x PCP, so one PCP rank's DualChunkSwap share is partly empty.
