@@ -152,8 +152,9 @@ class RopeScaling:
         return self.kind == "dynamic"
 
     def served_context(self, max_position_embeddings: int) -> int:
-        """The longest sequence served for a config's max_position_embeddings: factor times it for dynamic
-        (the stretch the factor declares, there on top of the stated context), the stated one otherwise."""
+        """The longest sequence served for a config's max_position_embeddings: factor times it for dynamic,
+        whose config states the pre-training context and how far it stretches; the stated one otherwise, as
+        the other kinds state the extended context itself."""
         if self.kind == "dynamic":
             return int(max_position_embeddings * self.factor)
         return max_position_embeddings
