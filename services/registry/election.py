@@ -48,6 +48,11 @@ class Election:
         self.leading = False
         self._lease_id: int | None = None
 
+    @property
+    def address(self) -> str:
+        """This replica's address, as it campaigns with it."""
+        return self._address.decode()
+
     async def run(self) -> None:
         """Campaigns, leads while the lease lasts, and campaigns again after losing it."""
         client = self._store.client

@@ -117,6 +117,8 @@ class _Held:
     # messages written out on the Session and not yet acted on, oldest first
     streamed: list[tuple[bytes, registry_pb2.SessionResponse]] = field(default_factory=list)
     load_written: float = -math.inf
+    # True while its Session's reader waits on etcd (its next messages wait unread meanwhile)
+    writing: bool = False
 
 
 class EtcdSessions:
@@ -236,33 +238,43 @@ class EtcdSessions:
         try:
             async for request in requests:
                 now = clock()
-                held.heard = now
-                kind = request.WhichOneof("body")
-                if kind == "heartbeat":
-                    generation = request.heartbeat.generation
-                    await self._acted_on(node_id, held, generation)
-                    load = request.heartbeat.load
-                    if load != held.record.load and now - held.load_written >= self._lease_s:
-                        # least-loaded routing needs it, a write per heartbeat would not pay: once a lease
-                        held.load_written = now
-                        held.record = held.record.but(load=load)
-                        await self._store.put_session(node_id, held.record.encode(), held.lease_id)
+                held.heard, held.writing = now, True
+                try:
+                    generation = await self._on_message(node_id, held, request, now)
+                finally:
+                    # a slow etcd kept the node's next messages unread: that silence is not the node's
+                    held.heard, held.writing = clock(), False
+                if request.WhichOneof("body") == "heartbeat":
                     if now - acked < ack_every:
                         continue
                     acked = now
-                elif kind == "status":
-                    generation = request.status.generation
-                    await self._acted_on(node_id, held, generation)
-                    held.record = held.record.but(status=request.status)
-                    await self._store.put_session(node_id, held.record.encode(), held.lease_id)
-                else:
-                    generation = 0
                 queue.put_nowait(
                     (None, registry_pb2.SessionResponse(ack=registry_pb2.HeartbeatAck(generation=generation)))
                 )
         except (ServiceError, grpc.aio.AioRpcError) as exc:
             log.warning("session through etcd ended", extra={"node_id": node_id, "error": str(exc)})
         queue.put_nowait(None)
+
+    async def _on_message(
+        self, node_id: str, held: _Held, request: registry_pb2.SessionRequest, now: float
+    ) -> int:
+        """Writes what a Session message changes to etcd; returns the generation to ack."""
+        kind = request.WhichOneof("body")
+        if kind == "heartbeat":
+            await self._acted_on(node_id, held, request.heartbeat.generation)
+            load = request.heartbeat.load
+            if load != held.record.load and now - held.load_written >= self._lease_s:
+                # least-loaded routing needs it, a write per heartbeat would not pay: once a lease
+                held.load_written = now
+                held.record = held.record.but(load=load)
+                await self._store.put_session(node_id, held.record.encode(), held.lease_id)
+            return request.heartbeat.generation
+        if kind == "status":
+            await self._acted_on(node_id, held, request.status.generation)
+            held.record = held.record.but(status=request.status)
+            await self._store.put_session(node_id, held.record.encode(), held.lease_id)
+            return request.status.generation
+        return 0
 
     async def _acted_on(self, node_id: str, held: _Held, generation: int) -> None:
         """Deletes the streamed messages the node is done with (`acted_on`), and keeps the record's
@@ -290,15 +302,17 @@ class EtcdSessions:
     async def tick(self, now: float) -> None:
         """Refreshes the leases of the nodes heard within their lease (one request for all, at a third of
         the TTL) and drops those that fell silent, so that the leader learns of their death."""
-        silent = [(node_id, h) for node_id, h in self._held.items() if now - h.heard > self._lease_s]
+        lease = self._lease_s
+        silent = [(n, h) for n, h in self._held.items() if not h.writing and now - h.heard > lease]
         for node_id, held in silent:
             log.warning("node missed its lease; session record dropped", extra={"node_id": node_id})
             with contextlib.suppress(ServiceError):
                 await self._store.put_session(node_id, held.record.but(silent=True).encode(), held.lease_id)
             await self._drop(node_id, held)
         if self._held and now - self._refreshed_at >= self._ttl_s / 3:
-            self._refreshed_at = now
             expired = set(await self._store.keep_alive([h.lease_id for h in self._held.values()]))
+            # only a refresh that went through counts: a failed one is tried again at the next tick
+            self._refreshed_at = now
             for node_id, held in [(n, h) for n, h in self._held.items() if h.lease_id in expired]:
                 # etcd dropped the record (this replica was cut off for a whole TTL): the node registers again
                 self._end(held)

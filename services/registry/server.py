@@ -257,6 +257,8 @@ class RegistryServicer(registry_pb2_grpc.RegistryServiceServicer):
         leader = self.election.leader_address
         if not leader:
             raise Unavailable("no registry replica leads yet (an election is under way); retry")
+        if leader == self.election.address:
+            raise Unavailable("this registry replica is taking over as leader; retry")
         if self._leader_channel is None or self._leader_channel[0] != leader:
             if self._leader_channel is not None:
                 await self._leader_channel[1].close()
@@ -295,10 +297,9 @@ class RegistryServicer(registry_pb2_grpc.RegistryServiceServicer):
         self._held = []
         self._dirty = True
         self._shadow.clear()  # a leader answers from its own core
-        # the nodes whose sessions replicas hold through etcd, then every change of their records
-        records, revision = await self._etcd.sessions()
-        await self._sync_records(records)
-        self._records_watch = asyncio.create_task(self._watch_records(revision), name="session-records")
+        # the nodes whose sessions replicas hold through etcd, then every change of their records (in the
+        # background: their sets are awaited from them as from nodes that register again)
+        self._records_watch = asyncio.create_task(self._watch_records(), name="session-records")
 
     def deposed(self) -> None:
         """This replica stopped leading: commands not yet written are dropped (their nodes re-register with
@@ -310,21 +311,20 @@ class RegistryServicer(registry_pb2_grpc.RegistryServiceServicer):
             self._records_watch = None
         self._remote.clear()
 
-    async def _watch_records(self, revision: int) -> None:
-        """Feeds every change of the session records to the core, while leading; a watch that breaks (an
-        etcd member went down) is followed by reading them all again."""
+    async def _watch_records(self) -> None:
+        """Feeds the session records to the core, and every change of them, while leading; a watch that
+        breaks (an etcd member went down) is followed by reading them all again."""
         assert self._etcd is not None
         while True:
             try:
+                records, revision = await self._etcd.sessions()
+                await self._sync_records(records)
                 async for node_id, value in self._etcd.watch_sessions(revision + 1):
                     await self._on_record(node_id, value)
                 return
             except ServiceError as exc:
                 log.warning("session records not read; reading again", extra={"error": str(exc)})
                 await asyncio.sleep(0.2)
-                with contextlib.suppress(ServiceError):
-                    records, revision = await self._etcd.sessions()
-                    await self._sync_records(records)
 
     async def _sync_records(self, records: dict[str, bytes]) -> None:
         for node_id in self._remote.keys() - records.keys():

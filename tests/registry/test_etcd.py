@@ -334,6 +334,8 @@ def test_of_two_registry_replicas_one_leads_and_after_a_kill_9_the_other_leads_w
             clients = await _nodes(",".join(replicas), range(4))
             await until(lambda: _all_assigned(clients))
             await _ready(clients)
+            # the readiness reaches the leader through etcd when a follower holds the nodes' sessions
+            await until(lambda: _states(next(iter(replicas)), {registry_pb2.NODE_STATE_READY: 4}))
             # (No replica is asked Resolve before the kill: the follower keeps the leader's answers to both
             # questions from the first tick the leader answers, and serves them while no leader answers.)
             before = {address: await _list_sets(address) for address in replicas}
