@@ -117,6 +117,8 @@ class _Held:
     # messages written out on the Session and not yet acted on, oldest first
     streamed: list[tuple[bytes, registry_pb2.SessionResponse]] = field(default_factory=list)
     load_written: float = -math.inf
+    # mailbox keys put on the current Session's queue
+    seen: set[bytes] = field(default_factory=set)
     # True while its Session's reader waits on etcd (its next messages wait unread meanwhile)
     writing: bool = False
 
@@ -132,6 +134,8 @@ class EtcdSessions:
         self._ttl_s = max(MIN_LEASE_TTL_S, math.ceil(2 * lease_s))
         self._held: dict[str, _Held] = {}
         self._refreshed_at = -math.inf
+        # one watch over every mailbox, started with the first Session and dispatching to the open ones
+        self._mail_watch: asyncio.Task | None = None
 
     def holds(self, node_id: str, identity: str) -> bool:
         """True when this replica holds the node's session for that session identity."""
@@ -193,8 +197,11 @@ class EtcdSessions:
             raise NotFound(f"node {node_id!r} is not registered with this replica; call Register first")
         self._end(held)
         queue: Queue = asyncio.Queue()
-        held.queue, held.streamed, held.heard = queue, [], clock()
-        mail = asyncio.create_task(self._follow_mailbox(node_id, queue), name=f"mailbox-{node_id}")
+        held.queue, held.streamed, held.seen, held.heard = queue, [], set(), clock()
+        if self._mail_watch is None:
+            self._mail_watch = asyncio.create_task(self._watch_mail(), name="mailboxes")
+        # after the queue is in place: what the watch brings from now on reaches it, the rest is read here
+        mail = asyncio.create_task(self._deliver_pending(node_id, held, queue), name=f"mailbox-{node_id}")
         reader = asyncio.create_task(self._read(node_id, held, requests, clock), name=f"session-{node_id}")
         try:
             while (item := await queue.get()) is not None:
@@ -208,25 +215,40 @@ class EtcdSessions:
             if held.queue is queue:
                 held.queue = None
 
-    async def _follow_mailbox(self, node_id: str, queue: Queue) -> None:
-        """Puts every message of the node's mailbox on the Session's queue, pending ones first; a watch
-        that breaks (an etcd member went down) is read again from the revision it reached."""
-        seen: set[bytes] = set()
+    async def _deliver_pending(self, node_id: str, held: _Held, queue: Queue) -> None:
+        """Puts what waits in the node's mailbox on its Session's queue (the shared watch brings what
+        comes later; a message both bring is put once)."""
+        try:
+            pending, _ = await self._store.mailbox(node_id)
+        except ServiceError as exc:
+            log.warning("mailbox not read; the session ends", extra={"node_id": node_id, "error": str(exc)})
+            queue.put_nowait(None)
+            return
+        for key, value in pending:
+            self._offer(held, queue, key, value)
+
+    @staticmethod
+    def _offer(held: _Held, queue: Queue, key: bytes, value: bytes) -> None:
+        if key not in held.seen:
+            held.seen.add(key)
+            queue.put_nowait((key, registry_pb2.SessionResponse.FromString(value)))
+
+    async def _watch_mail(self) -> None:
+        """Dispatches every message posted to a mailbox to the open Session of its node, if held here; a
+        watch that breaks (an etcd member went down) is resumed after reading every open Session's mailbox
+        again."""
         while True:
             try:
-                pending, revision = await self._store.mailbox(node_id)
-                for key, value in pending:
-                    if key not in seen:
-                        seen.add(key)
-                        queue.put_nowait((key, registry_pb2.SessionResponse.FromString(value)))
-                async for key, value in self._store.watch_mailbox(node_id, revision + 1):
-                    if key not in seen:
-                        seen.add(key)
-                        queue.put_nowait((key, registry_pb2.SessionResponse.FromString(value)))
+                _, revision = await self._store.mailbox("")
+                for node_id, held in list(self._held.items()):
+                    if held.queue is not None:
+                        await self._deliver_pending(node_id, held, held.queue)
+                async for node_id, key, value in self._store.watch_mailboxes(revision + 1):
+                    held = self._held.get(node_id)
+                    if held is not None and held.queue is not None:
+                        self._offer(held, held.queue, key, value)
             except ServiceError as exc:
-                log.warning(
-                    "mailbox watch lost; reading again", extra={"node_id": node_id, "error": str(exc)}
-                )
+                log.warning("mailbox watch lost; reading again", extra={"error": str(exc)})
                 await asyncio.sleep(0.2)
 
     async def _read(self, node_id: str, held: _Held, requests, clock) -> None:
@@ -340,5 +362,7 @@ class EtcdSessions:
     async def close(self) -> None:
         """Ends every Session held here; the records are left to expire (the nodes move to another
         replica, which binds them again)."""
+        if self._mail_watch is not None:
+            self._mail_watch.cancel()
         for held in self._held.values():
             self._end(held)

@@ -299,15 +299,19 @@ class EtcdStore:
             )
 
     async def mailbox(self, node_id: str) -> tuple[list[tuple[bytes, bytes]], int]:
-        """(key, message) of what waits in a node's mailbox, oldest first, and the revision read at."""
-        stored = await self._call(self._client.get_prefix(self.key("mailbox", node_id, "")))
+        """(key, message) of what waits in a node's mailbox, oldest first, and the revision read at (every
+        mailbox's for node_id "")."""
+        prefix = self.key("mailbox", node_id, "") if node_id else self.key("mailbox", "")
+        stored = await self._call(self._client.get_prefix(prefix))
         return sorted((kv.key, kv.value) for kv in stored), stored.header.revision
 
-    async def watch_mailbox(self, node_id: str, start_revision: int) -> AsyncIterator[tuple[bytes, bytes]]:
-        """(key, message) of every message posted to a node's mailbox from start_revision on."""
-        async for event in self._watch(self.key("mailbox", node_id, ""), start_revision):
+    async def watch_mailboxes(self, start_revision: int) -> AsyncIterator[tuple[str, bytes, bytes]]:
+        """(node id, key, message) of every message posted to any mailbox from start_revision on."""
+        prefix = self.key("mailbox", "")
+        async for event in self._watch(prefix, start_revision):
             if event.kind == "PUT":
-                yield event.kv.key, event.kv.value
+                node_id = event.kv.key[len(prefix) :].decode().rpartition("/")[0]
+                yield node_id, event.kv.key, event.kv.value
 
     async def delete(self, keys: list[bytes]) -> None:
         """Deletes the keys (messages a node has acted on) in one transaction per MAX_TXN_OPS."""

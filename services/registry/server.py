@@ -313,45 +313,78 @@ class RegistryServicer(registry_pb2_grpc.RegistryServiceServicer):
 
     async def _watch_records(self) -> None:
         """Feeds the session records to the core, and every change of them, while leading; a watch that
-        breaks (an etcd member went down) is followed by reading them all again."""
+        breaks (an etcd member went down) is followed by reading them all again. Changes are applied in
+        batches, with one write to etcd each: what arrived while the last batch was being written."""
         assert self._etcd is not None
         while True:
+            # (node id, record or None when deleted); None itself: the watch broke
+            changes: asyncio.Queue[tuple[str, bytes | None] | None] = asyncio.Queue()
+            reader: asyncio.Task | None = None
             try:
                 records, revision = await self._etcd.sessions()
-                await self._sync_records(records)
-                async for node_id, value in self._etcd.watch_sessions(revision + 1):
-                    await self._on_record(node_id, value)
-                return
+                gone = [(node_id, None) for node_id in self._remote.keys() - records.keys()]
+                await self._apply_records([*gone, *records.items()])
+                reader = asyncio.create_task(self._read_records(revision + 1, changes))
+                while True:
+                    batch = [await changes.get()]
+                    while not changes.empty():
+                        batch.append(changes.get_nowait())
+                    await self._apply_records([change for change in batch if change is not None])
+                    if None in batch:
+                        raise Unavailable("the watch of session records broke")
             except ServiceError as exc:
                 log.warning("session records not read; reading again", extra={"error": str(exc)})
                 await asyncio.sleep(0.2)
+            finally:
+                if reader is not None:
+                    reader.cancel()
 
-    async def _sync_records(self, records: dict[str, bytes]) -> None:
-        for node_id in self._remote.keys() - records.keys():
-            await self._on_record(node_id, None)
-        for node_id, value in records.items():
-            await self._on_record(node_id, value)
+    async def _read_records(self, start_revision: int, changes: asyncio.Queue) -> None:
+        """Queues every change of the session records from start_revision on; None once the watch ends."""
+        assert self._etcd is not None
+        try:
+            async for change in self._etcd.watch_sessions(start_revision):
+                changes.put_nowait(change)
+        except ServiceError as exc:
+            log.warning("watch of session records broke", extra={"error": str(exc)})
+        changes.put_nowait(None)  # the applying loop reads everything again
 
-    async def _on_record(self, node_id: str, value: bytes | None) -> None:
+    async def _apply_records(self, changes: list[tuple[str, bytes | None]]) -> None:
+        """Applies changed session records to the core, then writes the change and posts its commands."""
+        assert self._etcd is not None
+        out: Outgoing = []
+        refusals: list[tuple[str, bytes]] = []
+        for node_id, value in changes:
+            out += self._record_changed(node_id, value, refusals)
+        try:
+            await self.commit(out)
+            if refusals:
+                await self._etcd.post(refusals)
+        except ServiceError as exc:
+            log.warning("membership not written to etcd", extra={"error": str(exc)})
+
+    def _record_changed(
+        self, node_id: str, value: bytes | None, refusals: list[tuple[str, bytes]]
+    ) -> Outgoing:
         """A node's session record changed (held by some replica through etcd): the core learns of its
         registration and status reports as if the node had called this replica; a deleted record leaves
-        the node to miss its lease."""
+        the node to miss its lease, one marked silent is the node's death. A refusal is added to refusals
+        (the node's Register was answered already: it reads the refusal on its Session)."""
         from pcpstack.registry.etcd_sessions import SessionRecord  # loaded: a record exists
 
         if value is None:
             self._remote.pop(node_id, None)
-            return
+            return []
         record = SessionRecord.decode(value)
+        now = self._clock()
         if record.silent:
             self._remote.pop(node_id, None)
-            await self.commit(self._membership.lapse(node_id, self._clock()))
-            return
+            return self._membership.lapse(node_id, now)
         before = self._remote.get(node_id)
         self._remote[node_id] = record
         self._mailed.add(node_id)
         if before is None:
             self._mailboxes.reset(node_id)  # a session the node held with this replica itself is over
-        now = self._clock()
         out: Outgoing = []
         try:
             if before is None or (before.request, before.peer) != (record.request, record.peer):
@@ -363,15 +396,10 @@ class RegistryServicer(registry_pb2_grpc.RegistryServiceServicer):
                 )
                 out += changes
         except (ServiceError, ConfigError) as exc:
-            # the node's Register was answered already: it reads the refusal on its Session
             log.warning("registration through etcd refused", extra={"node_id": node_id, "error": str(exc)})
             refusal = registry_pb2.SessionResponse(refusal=registry_pb2.Refusal(reason=str(exc)))
-            with contextlib.suppress(ServiceError):
-                await self._etcd.post([(node_id, refusal.SerializeToString())])
-        try:
-            await self.commit(out)
-        except ServiceError as exc:
-            log.warning("membership not written to etcd", extra={"error": str(exc)})
+            refusals.append((node_id, refusal.SerializeToString()))
+        return out
 
     def _register_record(self, record: SessionRecord, now: float) -> Outgoing:
         """Registers a node held through etcd with the core. Its Register was answered without an
