@@ -24,7 +24,7 @@ import contextlib
 import json
 import logging
 import math
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field, replace
 
 import grpc
@@ -187,7 +187,7 @@ class EtcdSessions:
             await self._drop(node_id, held)
 
     async def serve(
-        self, node_id: str, requests: AsyncIterator[registry_pb2.SessionRequest], clock
+        self, node_id: str, requests: AsyncIterator[registry_pb2.SessionRequest], clock: Callable[[], float]
     ) -> AsyncIterator[registry_pb2.SessionResponse]:
         """A node's Session: reads its heartbeats and status reports, and yields what its mailbox holds
         (what was pending first) and acks. Raises NotFound when this replica does not hold the node (it
@@ -251,7 +251,13 @@ class EtcdSessions:
                 log.warning("mailbox watch lost; reading again", extra={"error": str(exc)})
                 await asyncio.sleep(0.2)
 
-    async def _read(self, node_id: str, held: _Held, requests, clock) -> None:
+    async def _read(
+        self,
+        node_id: str,
+        held: _Held,
+        requests: AsyncIterator[registry_pb2.SessionRequest],
+        clock: Callable[[], float],
+    ) -> None:
         # acks only tell the node that the registry hears it: one every half lease is enough
         ack_every = self._lease_s / 2
         acked = -math.inf

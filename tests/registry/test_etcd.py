@@ -225,6 +225,12 @@ def test_a_node_is_done_with_the_commands_up_to_the_newest_it_acted_on_and_with_
     assert acted_on(streamed[:2], 1) == [True, False]
 
 
+def _kill(processes: list[subprocess.Popen]) -> None:
+    for process in processes:
+        process.kill()
+        process.wait()
+
+
 def _replica(etcd: EtcdCluster, prefix: str, port: int, env: dict[str, str]) -> subprocess.Popen:
     """`pcpstack serve registry --etcd ...` as a process of its own, so that it can be killed -9."""
     command = [sys.executable, "-m", "pcpstack.cli", "serve", "registry", "--port", str(port)]
@@ -288,9 +294,7 @@ def test_nodes_held_by_a_follower_replica_are_assembled_and_their_pending_assign
             await until(lambda: _states(leader, {dead: 1, registry_pb2.NODE_STATE_POOLED: 1, ready: 2}))
         finally:
             await _close(clients)
-            for process in processes.values():
-                process.kill()
-                process.wait()
+            _kill(list(processes.values()))
 
     _run(scenario())
 
@@ -389,9 +393,7 @@ def test_of_two_registry_replicas_one_leads_and_after_a_kill_9_the_other_leads_w
             await resolver.close()
         finally:
             await _close(clients)
-            for process in replicas.values():
-                process.kill()
-                process.wait()
+            _kill(list(replicas.values()))
 
     _run(scenario())
 
