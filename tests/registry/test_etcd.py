@@ -22,6 +22,7 @@ from pcpstack.cli.stack import LocalStack, StackOptions
 from pcpstack.cli.status import fetch, render
 from pcpstack.common.channel import open_channel
 from pcpstack.common.config import EngineConfig
+from pcpstack.common.errors import FailedPrecondition
 from pcpstack.common.ports import free_port
 from pcpstack.registry.client import NodeSession, PrefillEndpoint, Resolver
 from pcpstack.registry.etcd_local import EtcdCluster
@@ -249,7 +250,8 @@ def test_nodes_held_by_a_follower_replica_are_assembled_and_their_pending_assign
     etcd, child_env
 ):
     """Three replicas: the first started leads. Three nodes register and hold their sessions with a
-    follower; the leader learns of them from etcd. The follower is stopped (so that it cannot deliver)
+    follower; the leader learns of them from etcd, and another process with one of their ids is refused by
+    the other follower. The follower is stopped (so that it cannot deliver)
     and a fourth node registers with the leader: the sets form, the held nodes' assignments wait in
     their etcd mailboxes, and the follower is killed -9. The nodes move to the other follower, which
     streams the pending assignments from its watch; their readiness reaches the leader through etcd, and
@@ -273,6 +275,12 @@ def test_nodes_held_by_a_follower_replica_are_assembled_and_their_pending_assign
                 await client.wait_registered(timeout=10)
             assert all(client.address == held_by for client in clients)
             await until(lambda: _states(leader, {registry_pb2.NODE_STATE_POOLED: 3}))
+            # the id stays bound to the live session across replicas: another process is refused elsewhere
+            impostor = NodeSession(other, "node-0", "prefill", "127.0.0.1:9100", CONFIG, in_use_patience_s=0)
+            await impostor.start()
+            with pytest.raises(FailedPrecondition, match="bound to another live session"):
+                await impostor.wait_registered(timeout=10)
+            await impostor.close()
 
             processes[held_by].send_signal(signal.SIGSTOP)
             clients += await _nodes(leader, range(3, 4))
