@@ -297,6 +297,30 @@ def _all_ranks(carried: Assignment) -> tuple[Assignment, ...]:
     )
 
 
+def validate(reg: Registration) -> None:
+    """Refuses a registration that is wrong on its own, whatever the registry holds: InvalidArgument for
+    a missing identity, role, address or engine config, FailedPrecondition for too few devices."""
+    if not reg.node_id:
+        raise InvalidArgument("node_id is required (a stable identity of the node)")
+    if reg.role not in ROLES:
+        raise InvalidArgument(f"role is required: one of {', '.join(ROLES)}")
+    try:
+        split_host_port(reg.address)
+    except ValueError as exc:
+        raise InvalidArgument(str(exc)) from None
+    config = reg.engine_config
+    if reg.role != "kvstore" and config is None:
+        raise InvalidArgument(f"engine_config is required for a {reg.role} node")
+    if reg.role == "prefill" and config is not None and reg.device_count:
+        needed = config.tensor_parallel_size * config.pcp_ranks_per_node
+        if reg.device_count < needed:
+            raise FailedPrecondition(
+                f"device_count={reg.device_count} but tensor_parallel_size="
+                f"{config.tensor_parallel_size} x (prefill_context_parallel_size / nnodes)="
+                f"{config.pcp_ranks_per_node} needs {needed} devices per node",
+            )
+
+
 class Membership:
     """The registry's state machine. Not thread-safe: one event loop owns it."""
 
@@ -326,7 +350,7 @@ class Membership:
         """Adds or refreshes a node; returns its assignment (if it has one now) and the commands for
         other nodes. Raises InvalidArgument for bad input, FailedPrecondition for a config that disagrees
         with its peers, and NodeIdInUse when the id is bound to another live session."""
-        self._validate(reg)
+        validate(reg)
         existing = self._nodes.get(reg.node_id)
         if existing is not None and existing.alive:
             self._check_session(existing, reg.session, "register")
@@ -607,27 +631,6 @@ class Membership:
             self._max_generation = max(self._max_generation, head.generation)
 
     # --- internals ---------------------------------------------------------------------------------
-
-    def _validate(self, reg: Registration) -> None:
-        if not reg.node_id:
-            raise InvalidArgument("node_id is required (a stable identity of the node)")
-        if reg.role not in ROLES:
-            raise InvalidArgument(f"role is required: one of {', '.join(ROLES)}")
-        try:
-            split_host_port(reg.address)
-        except ValueError as exc:
-            raise InvalidArgument(str(exc)) from None
-        config = reg.engine_config
-        if reg.role != "kvstore" and config is None:
-            raise InvalidArgument(f"engine_config is required for a {reg.role} node")
-        if reg.role == "prefill" and config is not None and reg.device_count:
-            needed = config.tensor_parallel_size * config.pcp_ranks_per_node
-            if reg.device_count < needed:
-                raise FailedPrecondition(
-                    f"device_count={reg.device_count} but tensor_parallel_size="
-                    f"{config.tensor_parallel_size} x (prefill_context_parallel_size / nnodes)="
-                    f"{config.pcp_ranks_per_node} needs {needed} devices per node",
-                )
 
     def _check_peers(self, group: _Group, reg: Registration) -> None:
         # one peer is enough: every live peer agreed with the group's config when it registered

@@ -49,6 +49,7 @@ from pcpstack.registry.membership import (
     Settings,
     Stop,
     split_host_port,
+    validate,
 )
 from pcpstack.registry.snapshot import read_snapshot, write_snapshot
 from pcpstack.v1 import registry_pb2, registry_pb2_grpc
@@ -439,8 +440,8 @@ class RegistryServicer(registry_pb2_grpc.RegistryServiceServicer):
         try:
             if held_here:
                 assert self.etcd_sessions is not None
-                if not registration.node_id:
-                    raise InvalidArgument("node_id is required (a stable identity of the node)")
+                # what the leader's core would refuse of this node alone is refused here (peers: there)
+                validate(registration)
                 await self.etcd_sessions.register(request, peer_identity(context), self._clock())
                 log.info("registered through etcd", extra={"node_id": request.node_id})
                 return registry_pb2.RegisterResponse(
