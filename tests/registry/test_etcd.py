@@ -1,8 +1,10 @@
 """The registry with its state in a real 3-member etcd cluster (`--etcd`): sets and generations survive a
 registry restart, node records live under an etcd lease, a second registry writing the same state is fenced
-out instead of forming overlapping sets, and of two replicas one leads and the other takes over after a
-kill -9 while a router-like client's reads go on without a failure. Nodes are real NodeSession clients over
-gRPC on loopback. Last, a local stack with two registry replicas runs them on an etcd of its own."""
+out instead of forming overlapping sets, nodes holding their sessions with a follower are assembled and get
+their commands from etcd mailboxes even after that follower's kill -9, and of two replicas one leads and the
+other takes over after a kill -9 while a router-like client's reads go on without a failure. Nodes are real
+NodeSession clients over gRPC on loopback. Last, a local stack with two registry replicas runs them on an
+etcd of its own."""
 
 from __future__ import annotations
 
