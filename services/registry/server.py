@@ -381,6 +381,12 @@ class RegistryServicer(registry_pb2_grpc.RegistryServiceServicer):
         if record.silent:
             self._remote.pop(node_id, None)
             return self._membership.lapse(node_id, now)
+        if record.left:
+            self._remote.pop(node_id, None)
+            # (NodeIdInUse: the id moved to another session meanwhile, which this record does not speak for)
+            with contextlib.suppress(NodeIdInUse):
+                return self._membership.deregister(node_id, now, record.identity)[1]
+            return []
         before = self._remote.get(node_id)
         self._remote[node_id] = record
         self._mailed.add(node_id)
@@ -604,7 +610,7 @@ class RegistryServicer(registry_pb2_grpc.RegistryServiceServicer):
             raise InvalidArgument("node_id is required")
         session = convert.session_identity(request.instance_id, peer_identity(context))
         if self.etcd_sessions is not None and await self.etcd_sessions.release(request.node_id, session):
-            # its record is gone: the leader declares the node dead within its lease
+            # its record was marked as left, then dropped: the leader removes the node at once
             return registry_pb2.DeregisterResponse(removed=True)
         self._require_leader()
         removed, out = self._membership.deregister(

@@ -256,8 +256,8 @@ def test_nodes_held_by_a_follower_replica_are_assembled_and_their_pending_assign
     the other follower. The follower is stopped (so that it cannot deliver)
     and a fourth node registers with the leader: the sets form, the held nodes' assignments wait in
     their etcd mailboxes, and the follower is killed -9. The nodes move to the other follower, which
-    streams the pending assignments from its watch; their readiness reaches the leader through etcd, and
-    one that falls silent is declared dead there."""
+    streams the pending assignments from its watch; their readiness reaches the leader through etcd, one
+    that falls silent is declared dead there, and one that deregisters is removed there."""
 
     async def scenario():
         prefix = _prefix()
@@ -302,11 +302,19 @@ def test_nodes_held_by_a_follower_replica_are_assembled_and_their_pending_assign
             await clients.pop(0).close()
             dead, ready = registry_pb2.NODE_STATE_DEAD, registry_pb2.NODE_STATE_READY
             await until(lambda: _states(leader, {dead: 1, registry_pb2.NODE_STATE_POOLED: 1, ready: 2}))
+            # one that deregisters through the follower is removed at the leader (not left to die)
+            leaving = clients.pop(0)
+            await leaving.close(deregister=True)
+            await until(lambda: _lists_not(leader, leaving.node_id))
         finally:
             await _close(clients)
             _kill(list(processes.values()))
 
     _run(scenario())
+
+
+async def _lists_not(address: str, node_id: str) -> bool:
+    return node_id not in {node.node_id for node in await _list_nodes(address)}
 
 
 async def _names_leader(address: str) -> bool:
