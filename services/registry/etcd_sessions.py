@@ -28,6 +28,7 @@ from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field, replace
 
 import grpc
+from google.protobuf.message import DecodeError
 
 from pcpstack.common.errors import NotFound, ServiceError
 from pcpstack.registry.convert import session_identity
@@ -86,21 +87,24 @@ class SessionRecord:
 
     @classmethod
     def decode(cls, value: bytes) -> SessionRecord:
-        """A record as `encode` wrote it."""
-        raw = json.loads(value)
-        request = registry_pb2.RegisterRequest.FromString(base64.b64decode(raw["request"]))
-        status = None
-        if raw.get("status") is not None:
-            status = registry_pb2.RankStatus.FromString(base64.b64decode(raw["status"]))
-        return cls(
-            request,
-            raw["peer"],
-            status,
-            raw["replica"],
-            raw.get("load", 0),
-            raw.get("silent", False),
-            raw.get("left", False),
-        )
+        """A record as `encode` wrote it; ValueError for anything else."""
+        try:
+            raw = json.loads(value)
+            request = registry_pb2.RegisterRequest.FromString(base64.b64decode(raw["request"]))
+            status = None
+            if raw.get("status") is not None:
+                status = registry_pb2.RankStatus.FromString(base64.b64decode(raw["status"]))
+            return cls(
+                request,
+                raw["peer"],
+                status,
+                raw["replica"],
+                raw.get("load", 0),
+                raw.get("silent", False),
+                raw.get("left", False),
+            )
+        except (KeyError, TypeError, AttributeError, DecodeError) as exc:
+            raise ValueError(f"not a session record: {exc!r}") from exc
 
 
 def acted_on(streamed: list[registry_pb2.SessionResponse], generation: int) -> list[bool]:
@@ -245,7 +249,14 @@ class EtcdSessions:
     def _offer(held: _Held, queue: Queue, key: bytes, value: bytes) -> None:
         if key not in held.seen:
             held.seen.add(key)
-            queue.put_nowait((key, registry_pb2.SessionResponse.FromString(value)))
+            try:
+                message = registry_pb2.SessionResponse.FromString(value)
+            except DecodeError:
+                # one unreadable message must not stop the watch that serves every node held here
+                where = {"key": key.decode(errors="replace")}
+                log.warning("mailbox message unreadable; skipped", extra=where)
+                return
+            queue.put_nowait((key, message))
 
     async def _watch_mail(self) -> None:
         """Dispatches every message posted to a mailbox to the open Session of its node, if held here; a

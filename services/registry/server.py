@@ -376,7 +376,14 @@ class RegistryServicer(registry_pb2_grpc.RegistryServiceServicer):
         if value is None:
             self._remote.pop(node_id, None)
             return []
-        record = SessionRecord.decode(value)
+        try:
+            record = SessionRecord.decode(value)
+        except ValueError as exc:
+            # one node's unreadable record must not stop the watch that feeds every other node to the core
+            where = {"node_id": node_id, "error": str(exc)}
+            log.warning("session record unreadable; node skipped", extra=where)
+            self._remote.pop(node_id, None)
+            return []
         now = self._clock()
         if record.silent:
             self._remote.pop(node_id, None)
