@@ -45,15 +45,9 @@ from pcpstack.kvstore.errors import (
     ProtocolError,
 )
 from pcpstack.kvstore.ranges import ByteRange, ByteRepeat, selection_bytes
-from pcpstack.kvstore.shm import (
-    anonymous_buffer,
-    copy_ranges,
-    copy_segment,
-    fill_segment,
-    shares_memory_with,
-)
+from pcpstack.kvstore.shm import SegmentMaps, anonymous_buffer, shares_memory_with
 from pcpstack.kvstore.stream import DEFAULT_CHUNK_BYTES, ChunkReceiver, ChunkSender, verify_object
-from pcpstack.kvstore.wire import SERVICE_NAME, serialize
+from pcpstack.kvstore.wire import SERVICE_NAME, body_of, chunk_of, parse_with, serialize
 from pcpstack.v1 import kvstore_pb2 as pb
 from pcpstack.v1 import kvstore_pb2_grpc
 
@@ -135,10 +129,19 @@ class KvStoreClient:
             request_serializer=serialize,
             response_deserializer=pb.PutResponse.FromString,
         )
+        # Get reads chunks as views of the received messages (wire.parse_chunk), not copies.
+        self._get = self._channel.stream_stream(
+            f"/{SERVICE_NAME}/Get",
+            request_serializer=pb.GetRequest.SerializeToString,
+            response_deserializer=parse_with(pb.GetResponse),
+        )
         self._shm_dir: str | None = None  # the store's segment directory once known to be shared, else ""
+        self._segments: SegmentMaps | None = None  # kept mappings of the store's segments, when shared
 
     async def close(self) -> None:
-        """Closes the channel."""
+        """Closes the channel and drops the mappings of the store's segments."""
+        if self._segments is not None:
+            self._segments.close()
         await self._channel.close()
 
     async def __aenter__(self) -> KvStoreClient:
@@ -155,6 +158,8 @@ class KvStoreClient:
             else:
                 stat = await self.stat()
                 self._shm_dir = stat.shm_dir if shares_memory_with(stat.shm_dir, stat.shm_probe) else ""
+                if self._shm_dir:
+                    self._segments = SegmentMaps(self._shm_dir)
         return bool(self._shm_dir)
 
     async def put(
@@ -205,9 +210,7 @@ class KvStoreClient:
             if use_shm:
                 crc = 0
                 if accepted.accepted.shm_name:
-                    crc = await asyncio.to_thread(
-                        fill_segment, self._shm_dir, accepted.accepted.shm_name, view
-                    )
+                    crc = await asyncio.to_thread(self._segments.fill, accepted.accepted.shm_name, view)
             else:
                 crc = await self._send_chunks(call, view)
             await call.write(pb.PutRequest(commit=pb.PutCommit(crc32c=crc)))
@@ -235,8 +238,8 @@ class KvStoreClient:
         if message is grpc.aio.EOF:
             # The store ended the stream without a status error: a protocol break, not a refusal.
             raise ProtocolError(f"store ended the stream where {expected} was expected")
-        if message.WhichOneof("body") != expected:
-            raise ProtocolError(f"store sent {message.WhichOneof('body')} where {expected} was expected")
+        if body_of(message) != expected:
+            raise ProtocolError(f"store sent {body_of(message)} where {expected} was expected")
         return message
 
     async def get(
@@ -266,7 +269,7 @@ class KvStoreClient:
             ranges=[r.to_wire() for r in ranges],
             lease_id=lease_id,
         )
-        call = self._stub.Get()
+        call = self._get()
         try:
             await call.write(request)
             header = (await self._read(call, "header")).header
@@ -285,11 +288,11 @@ class KvStoreClient:
                 try:
                     if ranges:
                         data, crc = await asyncio.to_thread(
-                            copy_ranges, self._shm_dir, header.shm_name, header.total_bytes, ranges
+                            self._segments.copy_ranges, header.shm_name, header.total_bytes, ranges
                         )
                     else:
                         data, crc = await asyncio.to_thread(
-                            copy_segment, self._shm_dir, header.shm_name, header.total_bytes
+                            self._segments.copy_out, header.shm_name, header.total_bytes
                         )
                 finally:
                     await call.done_writing()  # the half-close: the store may reuse the segment now
@@ -307,14 +310,14 @@ class KvStoreClient:
     async def _receive_chunks(call, key: str, size: int, chunk_size: int, announced_crc: int) -> memoryview:
         data = anonymous_buffer(size)
 
-        def write(offset: int, chunk: bytes) -> None:
+        def write(offset: int, chunk: bytes | memoryview) -> None:
             data[offset : offset + len(chunk)] = chunk
 
         receiver = ChunkReceiver(key, size, chunk_size, write, malformed=ProtocolError)
         while (message := await call.read()) is not grpc.aio.EOF:
-            if message.WhichOneof("body") != "chunk":
-                raise ProtocolError(f"store sent {message.WhichOneof('body')} among the chunks of {key!r}")
-            receiver.add(message.chunk)
+            if body_of(message) != "chunk":
+                raise ProtocolError(f"store sent {body_of(message)} among the chunks of {key!r}")
+            receiver.add(chunk_of(message))
         receiver.finish(announced_crc, "the store")
         return data
 

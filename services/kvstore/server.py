@@ -34,7 +34,7 @@ from pcpstack.kvstore.store import (
     StoreStats,
 )
 from pcpstack.kvstore.stream import DEFAULT_CHUNK_BYTES, ChunkReceiver, ChunkSender, verify_object
-from pcpstack.kvstore.wire import SERVICE_NAME, serialize
+from pcpstack.kvstore.wire import SERVICE_NAME, body_of, chunk_of, parse_with, serialize
 from pcpstack.v1 import kvstore_pb2 as pb
 from pcpstack.v1 import kvstore_pb2_grpc
 
@@ -98,7 +98,7 @@ class KvStoreServicer(kvstore_pb2_grpc.KvStoreServiceServicer):
         refused = False  # the store turned the put down, as opposed to the writer going away
         try:
             first = await anext(request_iterator, None)
-            if first is None or first.WhichOneof("body") != "header":
+            if first is None or body_of(first) != "header":
                 raise InvalidArgument("the first message of a Put must be a header")
             header = first.header
             if not header.use_shm and header.total_bytes and not 0 < header.chunk_size <= self._max_chunk:
@@ -159,7 +159,7 @@ class KvStoreServicer(kvstore_pb2_grpc.KvStoreServiceServicer):
         message = await anext(requests, None)
         if message is None:
             raise _StreamEnded(f"Put stream of key {pending.key!r} ended before its commit")
-        if message.WhichOneof("body") != "commit":
+        if body_of(message) != "commit":
             raise InvalidArgument("on the shared-memory path the message after the header must be the commit")
         actual = 0 if segment is None else await asyncio.to_thread(segment.crc32c, pending.total_bytes)
         return verify_object(pending.key, actual, message.commit.crc32c, "its commit")
@@ -179,12 +179,12 @@ class KvStoreServicer(kvstore_pb2_grpc.KvStoreServiceServicer):
             malformed=InvalidArgument,
         )
         async for message in requests:
-            kind = message.WhichOneof("body")
+            kind = body_of(message)
             if kind == "commit":
                 return receiver.finish(message.commit.crc32c, "its commit")
             if kind != "chunk":
                 raise InvalidArgument(f"unexpected {kind} in a Put after the header")
-            receiver.add(message.chunk)
+            receiver.add(chunk_of(message))
         raise _StreamEnded(f"Put stream of key {pending.key!r} ended before its commit")
 
     async def Get(
@@ -315,10 +315,11 @@ class KvStoreServicer(kvstore_pb2_grpc.KvStoreServiceServicer):
 
 def _register(servicer: KvStoreServicer, server: grpc.aio.Server) -> None:
     """What the generated add_KvStoreServiceServicer_to_server does, except that Get may send chunks
-    already encoded by wire.encode_chunk (one copy instead of three)."""
+    already encoded by wire.encode_chunk (one copy instead of three) and Put reads chunks as views of the
+    received messages (wire.parse_chunk)."""
     handlers = {
         "Put": grpc.stream_stream_rpc_method_handler(
-            servicer.Put, pb.PutRequest.FromString, pb.PutResponse.SerializeToString
+            servicer.Put, parse_with(pb.PutRequest), pb.PutResponse.SerializeToString
         ),
         "Get": grpc.stream_stream_rpc_method_handler(servicer.Get, pb.GetRequest.FromString, serialize),
         "Release": grpc.unary_unary_rpc_method_handler(

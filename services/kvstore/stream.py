@@ -15,7 +15,7 @@ from collections.abc import Callable, Iterator
 from pcpstack.common.errors import ServiceError
 from pcpstack.kvstore.checksum import crc32c, crc32c_combine
 from pcpstack.kvstore.errors import ChecksumMismatch
-from pcpstack.kvstore.wire import encode_chunk
+from pcpstack.kvstore.wire import Chunk, encode_chunk
 from pcpstack.v1 import kvstore_pb2 as pb
 
 DEFAULT_CHUNK_BYTES = 1 << 20  # measured best of 512 KiB..16 MiB on the gRPC path here
@@ -67,7 +67,7 @@ class ChunkReceiver:
         key: str,
         total_bytes: int,
         chunk_size: int,
-        write: Callable[[int, bytes], None],
+        write: Callable[[int, bytes | memoryview], None],
         malformed: type[ServiceError],
     ) -> None:
         self.key = key
@@ -78,7 +78,7 @@ class ChunkReceiver:
         self._malformed = malformed
         self._crc = 0
 
-    def add(self, chunk: pb.PutChunk) -> None:
+    def add(self, chunk: pb.PutChunk | Chunk) -> None:
         """Checks one chunk (its offset, its size, its CRC32C) and writes its bytes."""
         expected = min(self.chunk_size, self.total_bytes - self.received)
         if chunk.offset != self.received:

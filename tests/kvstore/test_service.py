@@ -23,7 +23,7 @@ from pcpstack.kvstore.errors import (
     InvalidArgument,
     NotFound,
 )
-from pcpstack.kvstore.shm import fill_segment
+from pcpstack.kvstore.shm import SegmentMaps
 from pcpstack.v1 import kvstore_pb2 as pb
 from pcpstack.v1 import kvstore_pb2_grpc
 from tests.kvstore.conftest import running_store, segment_files
@@ -161,7 +161,9 @@ def test_shm_put_whose_segment_differs_from_its_commit_is_rejected_and_leaves_no
             await call.write(pb.PutRequest(header=header))
             name = (await call.read()).accepted.shm_name
             shm_dir = str(server.servicer.segments.directory)
-            crc = fill_segment(shm_dir, name, memoryview(payload))
+            maps = SegmentMaps(shm_dir)
+            crc = maps.fill(name, memoryview(payload))
+            maps.close()
             with open(os.path.join(shm_dir, name), "r+b") as segment:  # one bit flips in the second half
                 segment.seek(size - 7)
                 segment.write(bytes([payload[size - 7] ^ 1]))

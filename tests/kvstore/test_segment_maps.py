@@ -1,0 +1,81 @@
+"""The client side of the shared-memory path: copies with their CRC32C, and the mappings a client keeps of
+the store's segments (reused from one transfer to the next, dropped once the store unlinks a segment)."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+
+from pcpstack.kvstore.checksum import crc32c
+from pcpstack.kvstore.shm import SegmentMaps, SegmentStore, copy_with_crc
+
+
+@pytest.mark.parametrize(
+    "sizes",
+    [[0], [5], [1 << 20, 3], [(9 << 20) + 1, 7, (8 << 20) - 3], [(17 << 20) + 5], [1, (40 << 20) + 11]],
+    ids=["empty", "small", "two-pieces", "cut-inside-a-piece", "two-threads", "cut-in-the-last-piece"],
+)
+@pytest.mark.parametrize("crc_of_copy", [False, True], ids=["crc-of-source", "crc-of-copy"])
+def test_copy_with_crc_copies_every_byte_in_order_and_returns_their_crc(sizes, crc_of_copy):
+    pieces = [random.randbytes(size) for size in sizes]
+    whole = b"".join(pieces)
+    out = bytearray(len(whole) + 3)  # the copy stops where the pieces end
+    crc = copy_with_crc(memoryview(out), [memoryview(p) for p in pieces], crc_of_copy=crc_of_copy)
+    assert bytes(out[: len(whole)]) == whole and out[len(whole) :] == b"\0\0\0"
+    assert crc == crc32c(whole)
+
+
+@pytest.fixture
+def segments(tmp_path):
+    store = SegmentStore(tmp_path)
+    yield store
+    store.close()
+
+
+def test_maps_are_kept_and_a_later_transfer_reads_what_an_earlier_one_wrote(segments):
+    maps = SegmentMaps(str(segments.directory))
+    first, second = segments.allocate(3 << 20), segments.allocate(1 << 20)
+    payload = random.randbytes(3 << 20)
+    assert maps.fill(first.name, [memoryview(payload[:5]), memoryview(payload[5:])]) == crc32c(payload)
+    assert maps.fill(second.name, memoryview(payload[: 1 << 20])) == crc32c(payload[: 1 << 20])
+    with first.view(0, 3 << 20) as stored:
+        assert stored == payload  # through the store's own mapping
+    data, crc = maps.copy_out(first.name, 3 << 20)
+    assert (bytes(data), crc) == (payload, crc32c(payload))
+    assert maps.mapped == [second.name, first.name]  # least recently used first
+    maps.close()
+    assert maps.mapped == []
+
+
+def test_a_segment_the_store_unlinked_is_unmapped_at_the_next_transfer(segments):
+    maps = SegmentMaps(str(segments.directory))
+    gone, kept = segments.allocate(1 << 20), segments.allocate(1 << 20)
+    maps.fill(gone.name, memoryview(bytes(1 << 20)))
+    gone.destroy()
+    assert maps.mapped == [gone.name]
+    maps.fill(kept.name, memoryview(bytes(1 << 20)))
+    assert maps.mapped == [kept.name]
+
+
+def test_at_most_max_mapped_segments_stay_mapped(segments):
+    maps = SegmentMaps(str(segments.directory), max_mapped=2)
+    names = [segments.allocate(4096).name for _ in range(3)]
+    for name in names:
+        maps.fill(name, memoryview(bytes(4096)))
+    assert maps.mapped == names[1:]
+    with pytest.raises(ValueError, match="max_mapped must be >= 1"):
+        SegmentMaps(str(segments.directory), max_mapped=0)
+
+
+def test_a_segment_the_store_grew_is_mapped_again_at_its_new_size(segments):
+    maps = SegmentMaps(str(segments.directory))
+    segment = segments.allocate(4096)
+    maps.fill(segment.name, memoryview(bytes(4096)))
+    segments.recycle(segment)
+    grown = segments.allocate(3 << 20)
+    assert grown is segment  # the pooled segment, resized
+    payload = random.randbytes(3 << 20)
+    assert maps.fill(grown.name, memoryview(payload)) == crc32c(payload)
+    with grown.view(0, 3 << 20) as stored:
+        assert stored == payload
