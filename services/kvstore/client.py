@@ -21,7 +21,9 @@ store checksums the selection from its copy and the client verifies what it rece
 by chunk on the streaming path, over the bytes it copied on the shared-memory path.
 
 Tensors: pass `tensor.numpy()` (or any C-contiguous buffer) to put; `torch.frombuffer(data, dtype=...)`
-reads what get returns without a copy.
+reads what get returns without a copy. What get returns is the reader's for as long as it (or anything made
+from it) is alive; the client then reuses that memory for a later get (receive_pool_bytes, 0 for a fresh
+buffer every time), which spares the kernel's zeroing of fresh pages.
 """
 
 from __future__ import annotations
@@ -45,7 +47,7 @@ from pcpstack.kvstore.errors import (
     ProtocolError,
 )
 from pcpstack.kvstore.ranges import ByteRange, ByteRepeat, selection_bytes
-from pcpstack.kvstore.shm import SegmentMaps, anonymous_buffer, shares_memory_with
+from pcpstack.kvstore.shm import ReceiveBuffers, SegmentMaps, shares_memory_with
 from pcpstack.kvstore.stream import DEFAULT_CHUNK_BYTES, ChunkReceiver, ChunkSender, verify_object
 from pcpstack.kvstore.wire import SERVICE_NAME, body_of, chunk_of, parse_with, serialize
 from pcpstack.v1 import kvstore_pb2 as pb
@@ -54,6 +56,7 @@ from pcpstack.v1 import kvstore_pb2_grpc
 __all__ = ["ByteRange", "ByteRepeat", "KvStoreClient", "StoredReplica", "make_key"]
 
 FINGERPRINT_KEY_CHARS = 16
+DEFAULT_RECEIVE_POOL_BYTES = 512 << 20  # buffers of finished gets a client keeps for the next ones
 
 
 def make_key(request_id: str, fingerprint: str) -> str:
@@ -115,8 +118,11 @@ class KvStoreClient:
         prefer_shm: bool = True,
         chunk_bytes: int = DEFAULT_CHUNK_BYTES,
         deadline_s: float = 60.0,
+        receive_pool_bytes: int = DEFAULT_RECEIVE_POOL_BYTES,
     ) -> None:
         self.address = address
+        # Gets land in reused buffers once their readers drop them (shm.ReceiveBuffers): no page zeroing.
+        self._buffers = ReceiveBuffers(receive_pool_bytes)
         self._prefer_shm = prefer_shm
         self._chunk_bytes = chunk_bytes
         self._channel = open_channel(
@@ -142,6 +148,7 @@ class KvStoreClient:
         """Closes the channel and drops the mappings of the store's segments."""
         if self._segments is not None:
             self._segments.close()
+        self._buffers.close()
         await self._channel.close()
 
     async def __aenter__(self) -> KvStoreClient:
@@ -286,14 +293,13 @@ class KvStoreClient:
             )
             if header.shm_name:
                 try:
+                    data = self._buffers.take(size)
                     if ranges:
-                        data, crc = await asyncio.to_thread(
-                            self._segments.copy_ranges, header.shm_name, header.total_bytes, ranges
+                        crc = await asyncio.to_thread(
+                            self._segments.copy_ranges, header.shm_name, header.total_bytes, ranges, data
                         )
                     else:
-                        data, crc = await asyncio.to_thread(
-                            self._segments.copy_out, header.shm_name, header.total_bytes
-                        )
+                        crc = await asyncio.to_thread(self._segments.copy_out, header.shm_name, data)
                 finally:
                     await call.done_writing()  # the half-close: the store may reuse the segment now
                 verify_object(key, crc, announced, "the store")
@@ -306,9 +312,10 @@ class KvStoreClient:
         finally:
             await _end_stream(call)
 
-    @staticmethod
-    async def _receive_chunks(call, key: str, size: int, chunk_size: int, announced_crc: int) -> memoryview:
-        data = anonymous_buffer(size)
+    async def _receive_chunks(
+        self, call, key: str, size: int, chunk_size: int, announced_crc: int
+    ) -> memoryview:
+        data = self._buffers.take(size)
 
         def write(offset: int, chunk: bytes | memoryview) -> None:
             data[offset : offset + len(chunk)] = chunk

@@ -27,6 +27,7 @@ import fcntl
 import mmap
 import os
 import secrets
+import sys
 import threading
 from collections import OrderedDict
 from collections.abc import Iterator, Sequence
@@ -36,7 +37,7 @@ from pathlib import Path
 import numpy as np
 
 from pcpstack.kvstore.checksum import crc32c, crc32c_combine, crc32c_two_threads
-from pcpstack.kvstore.ranges import ByteRange, gather_with_crc, selection_bytes
+from pcpstack.kvstore.ranges import ByteRange, gather_with_crc
 
 PREFIX = "pcpkv-"
 _HUGE_PAGE = 2 << 20
@@ -201,10 +202,14 @@ def anonymous_buffer(size: int) -> memoryview:
     transparent huge pages, which fault in ~4x faster than 4 KiB pages."""
     if size < _HUGE_PAGE:
         return memoryview(bytearray(size))
+    return memoryview(_anonymous_map(size))
+
+
+def _anonymous_map(size: int) -> mmap.mmap:
     buf = mmap.mmap(-1, size, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
     with contextlib.suppress(OSError):  # huge pages are an optimisation only
         buf.madvise(mmap.MADV_HUGEPAGE)
-    return memoryview(buf)
+    return buf
 
 
 _FUSED_CHUNK = 1 << 20  # a piece is checksummed right after its copy, while it is still in cache
@@ -343,22 +348,77 @@ class SegmentMaps:
         with self._view(name, size, populate=True) as segment:
             return copy_with_crc(segment, pieces)
 
-    def copy_out(self, name: str, size: int) -> tuple[memoryview, int]:
-        """A private copy of the segment's first size bytes and its CRC32C, computed over the copy (reader
-        side of the fast path)."""
-        out = anonymous_buffer(size)
-        with self._view(name, size, populate=True) as segment:
-            return out, copy_with_crc(out, [segment], crc_of_copy=True)
+    def copy_out(self, name: str, out: memoryview) -> int:
+        """Copies the segment's first len(out) bytes into out and returns their CRC32C, computed over the
+        copy (reader side of the fast path)."""
+        with self._view(name, len(out), populate=True) as segment:
+            return copy_with_crc(out, [segment], crc_of_copy=True)
 
-    def copy_ranges(self, name: str, size: int, ranges: list[ByteRange]) -> tuple[memoryview, int]:
-        """A private copy of the selected ranges of the segment (of size bytes) and its CRC32C; a segment
-        not mapped yet is mapped without populating it, so only the pages the ranges touch are read."""
-        out = anonymous_buffer(selection_bytes(ranges))
+    def copy_ranges(self, name: str, size: int, ranges: list[ByteRange], out: memoryview) -> int:
+        """Copies the selected ranges of the segment (of size bytes) into out and returns their CRC32C; a
+        segment not mapped yet is mapped without populating it, so only the pages the ranges touch are
+        read."""
         with self._view(name, size, populate=False) as segment:
-            return out, gather_with_crc(segment, ranges, out)
+            return gather_with_crc(segment, ranges, out)
 
     def close(self) -> None:
         """Drops every mapping (one in use goes when its transfer ends)."""
         with self._lock:
             for name in list(self._maps):
                 self._drop(name)
+
+
+class ReceiveBuffers:
+    """The buffers a client's gets land in, reused once their reader has let go of them.
+
+    A fresh anonymous buffer is paid for at first touch: a page fault and the kernel zeroing every page,
+    which on this VM costs more than copying the object into it. A buffer handed out stays in the pool;
+    once nothing but the pool refers to it (its memoryview, and every array or tensor made from it, are
+    gone) the next get of a size it fits reuses it, already faulted in. The pool holds at most
+    max_pooled_bytes (buffers in use beyond that are forgotten, freed when their reader drops them);
+    small buffers (under 2 MiB) and, with max_pooled_bytes=0, all buffers are fresh each time.
+    """
+
+    def __init__(self, max_pooled_bytes: int) -> None:
+        if max_pooled_bytes < 0:
+            raise ValueError(f"max_pooled_bytes must be >= 0, got {max_pooled_bytes}")
+        self._max_pooled_bytes = max_pooled_bytes
+        self._buffers: list[mmap.mmap] = []  # least recently handed out first
+        self._lock = threading.Lock()
+
+    @property
+    def pooled_bytes(self) -> int:
+        """Bytes of the buffers the pool holds, in use or not."""
+        with self._lock:
+            return sum(len(buffer) for buffer in self._buffers)
+
+    def _unused(self, index: int) -> bool:
+        # The pool's list and getrefcount's argument are the only references: no view of it is alive.
+        return sys.getrefcount(self._buffers[index]) == 2
+
+    def take(self, size: int) -> memoryview:
+        """A writable buffer of size bytes (contents undefined: the caller overwrites all of it)."""
+        if size < _HUGE_PAGE or size > self._max_pooled_bytes:
+            return anonymous_buffer(size)
+        with self._lock:
+            fits = [
+                i
+                for i in range(len(self._buffers))
+                if size <= len(self._buffers[i]) <= 2 * size and self._unused(i)
+            ]
+            if fits:
+                buffer = self._buffers.pop(min(fits, key=lambda i: len(self._buffers[i])))
+            else:
+                while self._buffers and sum(map(len, self._buffers)) + size > self._max_pooled_bytes:
+                    if self._unused(0):
+                        self._buffers[0].close()
+                    del self._buffers[0]
+                buffer = _anonymous_map(size)
+            self._buffers.append(buffer)
+            with memoryview(buffer) as whole:
+                return whole[:size]
+
+    def close(self) -> None:
+        """Forgets every buffer (one in use is freed when its reader drops it)."""
+        with self._lock:
+            self._buffers.clear()

@@ -1,14 +1,16 @@
-"""The client side of the shared-memory path: copies with their CRC32C, and the mappings a client keeps of
-the store's segments (reused from one transfer to the next, dropped once the store unlinks a segment)."""
+"""The client side of a transfer: copies with their CRC32C, the mappings a client keeps of the store's
+segments (reused from one transfer to the next, dropped once the store unlinks a segment), and the buffers
+its gets land in (reused once their reader lets go)."""
 
 from __future__ import annotations
 
 import random
 
 import pytest
+import torch
 
 from pcpstack.kvstore.checksum import crc32c
-from pcpstack.kvstore.shm import SegmentMaps, SegmentStore, copy_with_crc
+from pcpstack.kvstore.shm import ReceiveBuffers, SegmentMaps, SegmentStore, copy_with_crc
 
 
 @pytest.mark.parametrize(
@@ -41,8 +43,8 @@ def test_maps_are_kept_and_a_later_transfer_reads_what_an_earlier_one_wrote(segm
     assert maps.fill(second.name, memoryview(payload[: 1 << 20])) == crc32c(payload[: 1 << 20])
     with first.view(0, 3 << 20) as stored:
         assert stored == payload  # through the store's own mapping
-    data, crc = maps.copy_out(first.name, 3 << 20)
-    assert (bytes(data), crc) == (payload, crc32c(payload))
+    data = bytearray(3 << 20)
+    assert maps.copy_out(first.name, memoryview(data)) == crc32c(payload) and data == payload
     assert maps.mapped == [second.name, first.name]  # least recently used first
     maps.close()
     assert maps.mapped == []
@@ -79,3 +81,31 @@ def test_a_segment_the_store_grew_is_mapped_again_at_its_new_size(segments):
     assert maps.fill(grown.name, memoryview(payload)) == crc32c(payload)
     with grown.view(0, 3 << 20) as stored:
         assert stored == payload
+
+
+def test_a_receive_buffer_is_reused_only_once_nothing_refers_to_it():
+    buffers = ReceiveBuffers(max_pooled_bytes=64 << 20)
+    first = buffers.take(8 << 20)
+    first[:3] = b"abc"
+    held = buffers.take(8 << 20)  # first is still referred to: a new buffer
+    held[:3] = b"xyz"
+    assert first[:3] == b"abc" and buffers.pooled_bytes == 16 << 20
+    tensor = torch.frombuffer(held, dtype=torch.uint8)
+    del first, held
+    again = buffers.take(6 << 20)  # the first buffer, free now; the tensor still holds the second
+    assert bytes(again[:3]) == b"abc" and len(again) == 6 << 20
+    assert bytes(tensor[:3].numpy()) == b"xyz" and buffers.pooled_bytes == 16 << 20
+
+
+def test_receive_buffers_hold_at_most_max_pooled_bytes():
+    buffers = ReceiveBuffers(max_pooled_bytes=20 << 20)
+    for _ in range(3):
+        buffers.take(8 << 20)  # each dropped at once, so reused
+    assert buffers.pooled_bytes == 8 << 20
+    kept = [buffers.take(8 << 20) for _ in range(3)]  # three in use: the oldest is forgotten, not freed
+    assert buffers.pooled_bytes == 16 << 20 and all(len(k) == 8 << 20 for k in kept)
+    small, huge = buffers.take(4096), buffers.take(32 << 20)  # neither is pooled
+    assert (len(small), len(huge), buffers.pooled_bytes) == (4096, 32 << 20, 16 << 20)
+    assert ReceiveBuffers(0).take(8 << 20) is not None
+    with pytest.raises(ValueError, match="max_pooled_bytes must be >= 0"):
+        ReceiveBuffers(-1)
