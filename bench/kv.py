@@ -2,7 +2,8 @@
 
 The store runs in its own process (as in production), started with `pcpstack serve kvstore --port 0`;
 the client runs here. Each repeat puts a fresh object, reads it back (checksums verified), then deletes
-it, so later repeats measure the store's steady state with its warm segment pool. A first, untimed round
+it, so later repeats measure the steady state: the store's warm segment pool, and on the client its kept
+mappings of those segments and the receive buffer the previous get left behind. A first, untimed round
 warms both processes' memory (on this VM the first touch of fresh memory costs up to 3x); it is reported
 apart as `first_*`. Reports medians of the timed repeats.
 """
