@@ -619,66 +619,146 @@ static inline void rope_head(float *h, const float *cos, const float *sin, int64
     }
 }
 
-/* One decoder layer for m decode rows (one new token per sequence), in one parallel region: RMSNorm, the qkv
+/* Scratch of a decode step for m rows (one parallel region's buffers): shared by the region's threads, the qkv
+ * rows, the attention output, the attention and FFN projections' outputs and gate/up; each thread's own, the
+ * normed input, the residual and SiLU(gate) * up, which every thread computes whole (they are a few rows, and
+ * so no barrier waits for them: each `omp for` here ends in one, the matmuls' included). */
+typedef struct {
+    float *qkv, *att, *proj, *ffn_out, *gate_up, *owned;
+    int64_t own; /* floats of each thread's own part */
+} layer_scratch;
+
+/* Cache-line aligned, as are the parts for the usual model sizes (multiples of 16 floats): a vector load
+ * across two lines costs two. `extra` floats more follow the buffers (the model step's hidden rows). Returns
+ * -2 when out of memory, else 0; the caller frees `qkv`. */
+static int layer_scratch_alloc(const decode_layer_weights *lw, int64_t m, int threads, int64_t extra,
+                               layer_scratch *s) {
+    const int64_t dim = lw->dim, q_dim = lw->heads * lw->head_dim, kv_dim = lw->kv_heads * lw->head_dim;
+    const int64_t qkv_dim = q_dim + 2 * kv_dim, hidden = lw->hidden;
+    const int64_t shared = m * (qkv_dim + q_dim + 2 * dim + 2 * hidden);
+    s->own = m * (2 * dim + hidden);
+    s->qkv = aligned_alloc(64, (sizeof(float) * (size_t)(shared + threads * s->own + extra) + 63) / 64 * 64);
+    if (!s->qkv) return -2;
+    s->att = s->qkv + m * qkv_dim;
+    s->proj = s->att + m * q_dim;
+    s->ffn_out = s->proj + m * dim;
+    s->gate_up = s->ffn_out + m * dim;
+    s->owned = s->gate_up + m * 2 * hidden;
+    return 0;
+}
+
+/* 0 when every slot lies in the cache and the tables and lengths pass check_tables, else -1. */
+static int check_step(int64_t m, int64_t num_blocks, int64_t block_size, const int64_t *slots,
+                      const int64_t *block_tables, int64_t width, const int64_t *context_lens) {
+    if (check_tables(m, num_blocks, block_size, block_tables, width, context_lens) != 0) return -1;
+    for (int64_t r = 0; r < m; r++)
+        if (slots[r] < 0 || slots[r] >= num_blocks * block_size) return -1;
+    return 0;
+}
+
+/* One decoder layer for m decode rows, called by every thread of a parallel region: RMSNorm, the qkv
  * projection, RoPE, the K/V rows written to the cache at `slots`, paged attention, the output projection and
- * residual, RMSNorm, gate/up, SiLU(gate) * up, the down projection and residual. The same arithmetic as
- * model.Block with the block matmuls and paged_decode_attention, in one call instead of some fifty PyTorch
- * operations and five kernel calls. x, out [m, dim]; cos, sin [m, head_dim]; caches as in
+ * residual, RMSNorm, gate/up, SiLU(gate) * up, the down projection and residual. Ends in a barrier, with
+ * `out` complete. */
+static void layer_step(const decode_layer_weights *lw, const float *x, int64_t m, float *out, const float *cos,
+                       const float *sin, float *k_cache, float *v_cache, int64_t block_size, const int64_t *slots,
+                       const int64_t *block_tables, int64_t width, const int64_t *context_lens,
+                       const layer_scratch *s, int threads) {
+    const int64_t dim = lw->dim, heads = lw->heads, kv_heads = lw->kv_heads, hd = lw->head_dim;
+    const int64_t q_dim = heads * hd, kv_dim = kv_heads * hd, qkv_dim = q_dim + 2 * kv_dim, hidden = lw->hidden;
+    const float eps = (float)lw->eps, scale = 1.0f / sqrtf((float)hd);
+    float *qkv = s->qkv, *normed = s->owned + omp_get_thread_num() * s->own, *residual = normed + m * dim;
+    float *act = residual + m * dim;
+    rms_norm_rows(x, m, dim, lw->attn_norm, eps, normed);
+    matmul_rows(&lw->qkv, normed, m, qkv);
+#pragma omp for schedule(static)
+    for (int64_t r = 0; r < m; r++) {
+        float *row = qkv + r * qkv_dim;
+        for (int64_t h = 0; h < heads + kv_heads; h++) rope_head(row + h * hd, cos + r * hd, sin + r * hd, hd);
+        memcpy(k_cache + slots[r] * kv_dim, row + q_dim, sizeof(float) * (size_t)kv_dim);
+        memcpy(v_cache + slots[r] * kv_dim, row + q_dim + kv_dim, sizeof(float) * (size_t)kv_dim);
+    }
+    attend_tasks(qkv, qkv_dim, m, heads, kv_heads, hd, k_cache, v_cache, block_size, block_tables, width,
+                 context_lens, scale, s->att, threads);
+    matmul_rows(&lw->wo, s->att, m, s->proj);
+    /* The residual: this thread's share of `out` (the same share as the last loop's, both static over the
+     * same range, so no other thread touches it in between), and the whole of it for its own norm. */
+#pragma omp for schedule(static) nowait
+    for (int64_t i = 0; i < m * dim; i++) out[i] = x[i] + s->proj[i];
+    for (int64_t i = 0; i < m * dim; i++) residual[i] = x[i] + s->proj[i];
+    rms_norm_rows(residual, m, dim, lw->ffn_norm, eps, normed);
+    matmul_rows(&lw->w13, normed, m, s->gate_up);
+    for (int64_t r = 0; r < m; r++) {
+        const float *gate = s->gate_up + r * 2 * hidden, *up = gate + hidden;
+        float *a = act + r * hidden;
+#pragma omp simd
+        for (int64_t i = 0; i < hidden; i++) a[i] = gate[i] / (1.0f + expf(-gate[i])) * up[i];
+    }
+    matmul_rows(&lw->w2, act, m, s->ffn_out);
+#pragma omp for schedule(static)
+    for (int64_t i = 0; i < m * dim; i++) out[i] += s->ffn_out[i];
+}
+
+/* One decoder layer for m decode rows (one new token per sequence) in one parallel region: layer_step, the
+ * same arithmetic as model.Block with the block matmuls and paged_decode_attention, in one call instead of
+ * some fifty PyTorch operations and five kernel calls. x, out [m, dim]; cos, sin [m, head_dim]; caches as in
  * paged_decode_attention; slots [m]. Returns -1, having changed nothing, for a slot, table or length outside
  * the cache, -2 when out of memory. */
 int decode_layer(const decode_layer_weights *lw, const float *x, int64_t m, float *out, const float *cos,
                  const float *sin, float *k_cache, float *v_cache, int64_t num_blocks, int64_t block_size,
                  const int64_t *slots, const int64_t *block_tables, int64_t width, const int64_t *context_lens,
                  int threads) {
-    const int64_t dim = lw->dim, heads = lw->heads, kv_heads = lw->kv_heads, hd = lw->head_dim;
-    const int64_t q_dim = heads * hd, kv_dim = kv_heads * hd, qkv_dim = q_dim + 2 * kv_dim, hidden = lw->hidden;
-    const float eps = (float)lw->eps, scale = 1.0f / sqrtf((float)hd);
-    if (check_tables(m, num_blocks, block_size, block_tables, width, context_lens) != 0) return -1;
-    for (int64_t r = 0; r < m; r++)
-        if (slots[r] < 0 || slots[r] >= num_blocks * block_size) return -1;
-    /* Shared scratch: qkv, attention output, the attention and FFN projections' outputs, gate/up. Each thread's
-     * own: the normed input, the residual and SiLU(gate) * up, which every thread computes whole (they are a
-     * few rows, and so no barrier waits for them: each `omp for` here ends in one, the matmuls' included). */
-    const int64_t own = m * (2 * dim + hidden), shared = m * (qkv_dim + q_dim + 2 * dim + 2 * hidden);
-    /* Cache-line aligned, as are the parts for the usual model sizes (multiples of 16 floats): a vector load
-     * across two lines costs two. */
-    float *scratch = aligned_alloc(64, (sizeof(float) * (size_t)(shared + threads * own) + 63) / 64 * 64);
-    if (!scratch) return -2;
-    float *qkv = scratch, *att = qkv + m * qkv_dim, *proj = att + m * q_dim, *ffn_out = proj + m * dim;
-    float *gate_up = ffn_out + m * dim, *owned = gate_up + m * 2 * hidden;
+    if (check_step(m, num_blocks, block_size, slots, block_tables, width, context_lens) != 0) return -1;
+    layer_scratch s;
+    if (layer_scratch_alloc(lw, m, threads, 0, &s) != 0) return -2;
+#pragma omp parallel num_threads(threads)
+    layer_step(lw, x, m, out, cos, sin, k_cache, v_cache, block_size, slots, block_tables, width, context_lens, &s,
+               threads);
+    free(s.qkv);
+    return 0;
+}
+
+/* A whole model's decode step for decode_model (mirrored by DecodeModelWeightsC in cpu_kernels.py): its
+ * layers in order (each as decode_layer reads it, all of one shape), the final norm and the logits
+ * projection. */
+typedef struct {
+    const decode_layer_weights *const *layers;
+    int64_t num_layers;
+    const float *norm;
+    double eps;
+    block_weight head;
+} decode_model_weights;
+
+/* The decode step of every layer, the final RMSNorm and the logits projection for m rows, in one parallel
+ * region: per step one call, one scratch allocation and one team of threads instead of one of each per layer
+ * and two more Python calls (at batch 1 those cost a tenth of the step). x [m, dim] the embedded tokens;
+ * logits [m, vocab]; kv_cache [layers, 2, num_blocks, block_size, kv_heads, head_dim] (K then V of each
+ * layer); the rest as in decode_layer. Returns -1, having changed nothing, for a slot, table or length outside
+ * the cache, -2 when out of memory. */
+int decode_model(const decode_model_weights *mw, const float *x, int64_t m, float *logits, const float *cos,
+                 const float *sin, float *kv_cache, int64_t num_blocks, int64_t block_size, const int64_t *slots,
+                 const int64_t *block_tables, int64_t width, const int64_t *context_lens, int threads) {
+    if (check_step(m, num_blocks, block_size, slots, block_tables, width, context_lens) != 0) return -1;
+    const decode_layer_weights *first = mw->layers[0];
+    const int64_t dim = first->dim, kv_dim = first->kv_heads * first->head_dim;
+    const int64_t cache_stride = num_blocks * block_size * kv_dim; /* floats from a layer's K to its V */
+    layer_scratch s;
+    /* Two [m, dim] hidden states after the buffers: each layer reads one and writes the other. */
+    if (layer_scratch_alloc(first, m, threads, 2 * m * dim, &s) != 0) return -2;
+    float *hidden[2] = {s.owned + threads * s.own, s.owned + threads * s.own + m * dim};
 #pragma omp parallel num_threads(threads)
     {
-        float *normed = owned + omp_get_thread_num() * own, *residual = normed + m * dim;
-        float *act = residual + m * dim;
-        rms_norm_rows(x, m, dim, lw->attn_norm, eps, normed);
-        matmul_rows(&lw->qkv, normed, m, qkv);
-#pragma omp for schedule(static)
-        for (int64_t r = 0; r < m; r++) {
-            float *row = qkv + r * qkv_dim;
-            for (int64_t h = 0; h < heads + kv_heads; h++) rope_head(row + h * hd, cos + r * hd, sin + r * hd, hd);
-            memcpy(k_cache + slots[r] * kv_dim, row + q_dim, sizeof(float) * (size_t)kv_dim);
-            memcpy(v_cache + slots[r] * kv_dim, row + q_dim + kv_dim, sizeof(float) * (size_t)kv_dim);
+        const float *in = x;
+        for (int64_t l = 0; l < mw->num_layers; l++) {
+            float *k_cache = kv_cache + 2 * l * cache_stride;
+            layer_step(mw->layers[l], in, m, hidden[l % 2], cos, sin, k_cache, k_cache + cache_stride, block_size,
+                       slots, block_tables, width, context_lens, &s, threads);
+            in = hidden[l % 2];
         }
-        attend_tasks(qkv, qkv_dim, m, heads, kv_heads, hd, k_cache, v_cache, block_size, block_tables, width,
-                     context_lens, scale, att, threads);
-        matmul_rows(&lw->wo, att, m, proj);
-        /* The residual: this thread's share of `out` (the same share as the last loop's, both static over
-         * the same range, so no other thread touches it in between), and the whole of it for its own norm. */
-#pragma omp for schedule(static) nowait
-        for (int64_t i = 0; i < m * dim; i++) out[i] = x[i] + proj[i];
-        for (int64_t i = 0; i < m * dim; i++) residual[i] = x[i] + proj[i];
-        rms_norm_rows(residual, m, dim, lw->ffn_norm, eps, normed);
-        matmul_rows(&lw->w13, normed, m, gate_up);
-        for (int64_t r = 0; r < m; r++) {
-            const float *gate = gate_up + r * 2 * hidden, *up = gate + hidden;
-            float *a = act + r * hidden;
-#pragma omp simd
-            for (int64_t i = 0; i < hidden; i++) a[i] = gate[i] / (1.0f + expf(-gate[i])) * up[i];
-        }
-        matmul_rows(&lw->w2, act, m, ffn_out);
-#pragma omp for schedule(static)
-        for (int64_t i = 0; i < m * dim; i++) out[i] += ffn_out[i];
+        float *normed = s.owned + omp_get_thread_num() * s.own;
+        rms_norm_rows(in, m, dim, mw->norm, (float)mw->eps, normed);
+        matmul_rows(&mw->head, normed, m, logits);
     }
-    free(scratch);
+    free(s.qkv);
     return 0;
 }

@@ -52,8 +52,11 @@ _SIGNATURES = {
     # weights, x, m, out, cos, sin, k_cache, v_cache, num_blocks, block_size, slots, tables, width, lens,
     # threads; returns 0, -1 for a slot, table or length outside the cache, -2 when out of memory.
     "decode_layer": (_ptr, _ptr, _i64, *[_ptr] * 5, _i64, _i64, _ptr, _ptr, _i64, _ptr, _int),
+    # weights, x, m, logits, cos, sin, kv_cache, num_blocks, block_size, slots, tables, width, lens, threads;
+    # returns as decode_layer.
+    "decode_model": (_ptr, _ptr, _i64, *[_ptr] * 4, _i64, _i64, _ptr, _ptr, _i64, _ptr, _int),
 }
-_RESTYPES = {"paged_decode_attention": ctypes.c_int, "decode_layer": ctypes.c_int}
+_RESTYPES = {name: ctypes.c_int for name in ("paged_decode_attention", "decode_layer", "decode_model")}
 # Block kinds as cpu_kernels.c numbers them.
 KIND_CODES = {"q4_1": 0, "q8_0": 1, "q6_k": 2}
 
@@ -92,6 +95,18 @@ class DecodeLayerWeightsC(ctypes.Structure):
         ("kv_heads", _i64),
         ("head_dim", _i64),
         ("hidden", _i64),
+    ]
+
+
+class DecodeModelWeightsC(ctypes.Structure):
+    """cpu_kernels.c's decode_model_weights: a whole model's decode step as `decode_model` reads it."""
+
+    _fields_ = [
+        ("layers", ctypes.POINTER(ctypes.POINTER(DecodeLayerWeightsC))),
+        ("num_layers", _i64),
+        ("norm", _ptr),
+        ("eps", ctypes.c_double),
+        ("head", BlockWeightC),
     ]
 
 
@@ -381,3 +396,47 @@ def decode_layer(
     if status != 0:
         raise MemoryError("decode_layer: no memory for its scratch buffers")
     return out
+
+
+def decode_model(
+    lib: ctypes.CDLL,
+    weights: DecodeModelWeightsC,
+    vocab: int,
+    x: torch.Tensor,
+    cos: torch.Tensor,
+    sin: torch.Tensor,
+    kv_cache: torch.Tensor,
+    slots: torch.Tensor,
+    block_tables: torch.Tensor,
+    context_lens: torch.Tensor,
+) -> torch.Tensor:
+    """A whole model's decode step after the embedding for x [m, dim] fp32, one new token per sequence (cos,
+    sin [m, head_dim]): every layer, its K/V rows written to the fp32 cache [layers, 2, blocks, block_size,
+    kv_heads, head_dim] at `slots` [m], the final norm and the logits projection (`vocab` rows) -> logits
+    [m, vocab]."""
+    if not kv_cache.is_contiguous():
+        raise ValueError("decode_model needs a contiguous K/V cache")
+    x, cos, sin = x.contiguous(), cos.contiguous(), sin.contiguous()
+    slots, tables, lens = (t.to(torch.int64).contiguous() for t in (slots, block_tables, context_lens))
+    logits = torch.empty(x.shape[0], vocab, dtype=torch.float32)
+    status = lib.decode_model(
+        ctypes.byref(weights),
+        x.data_ptr(),
+        x.shape[0],
+        logits.data_ptr(),
+        cos.data_ptr(),
+        sin.data_ptr(),
+        kv_cache.data_ptr(),
+        kv_cache.shape[2],
+        kv_cache.shape[3],
+        slots.data_ptr(),
+        tables.data_ptr(),
+        tables.shape[1],
+        lens.data_ptr(),
+        torch.get_num_threads(),
+    )
+    if status == -1:
+        raise ValueError("decode_model: slots, block tables or context lengths lie outside the cache")
+    if status != 0:
+        raise MemoryError("decode_model: no memory for its scratch buffers")
+    return logits

@@ -19,7 +19,7 @@ from pcpstack.engine.attention import AttentionMetadata, paged_attention
 from pcpstack.engine.config import ModelArgs
 from pcpstack.engine.kv_cache import PagedKVCache
 from pcpstack.engine.parallel import tensor_parallel_sum
-from pcpstack.engine.quant import MAX_ROWS, BlockWeight, DecodeLayerKernel, project
+from pcpstack.engine.quant import MAX_ROWS, BlockWeight, DecodeLayerKernel, DecodeModelKernel, project
 from pcpstack.engine.rope import NO_SCALING, rotation
 
 
@@ -211,11 +211,23 @@ class Transformer(nn.Module):
         self.output = None if args.tie_embeddings else nn.Linear(args.dim, args.vocab_size, bias=False)
         # The logits projection's quantized blocks (the embedding's when tied), for decode.
         self.output_blocks: BlockWeight | None = None
+        # Every layer, the final norm and the logits of a decode step as one C call (`fuse_decode`).
+        self.decode_kernel: DecodeModelKernel | None = None
         # RoPE frequencies (scaled as the checkpoint declares) computed once, not per step; dynamic scaling
         # derives each step's from them and the sequences' lengths (`rope_frequencies`).
         self.rope_scaling = args.rope_scaling or NO_SCALING
         self.rope_inv_freq = self.rope_scaling.inv_frequencies(args.head_dim, args.rope_theta)
         self.rope_scale = self.rope_scaling.cos_sin_scale
+
+    def fuse_decode(self) -> bool:
+        """Run a decode step's layers, final norm and logits projection as one C call, where every layer
+        runs fused (Block.fuse_decode) and the logits projection is in blocks. Returns whether it does."""
+        layers = [layer.decode_kernel for layer in self.layers]
+        if self.output_blocks is None or any(kernel is None for kernel in layers):
+            return False
+        norm = self.norm
+        self.decode_kernel = DecodeModelKernel.build(layers, norm.weight, norm.eps, self.output_blocks)
+        return True
 
     def output_weight(self) -> torch.Tensor | None:
         """[vocab, dim] dense weight of the logits projection (the embedding when tied); None when it is kept
@@ -248,8 +260,20 @@ class Transformer(nn.Module):
         # Weights kept in blocks or in 16-bit give rows in another dtype than the run's (the norms').
         x = self.tok_embeddings(token_ids).to(self.norm.weight.dtype)  # [n, dim]
         cos, sin = rotation(positions, self.rope_frequencies(meta), self.rope_scale, x.dtype)
+        if logits_indices is None and self._fused_step(x, meta):
+            tables = (meta.slot_mapping, meta.block_tables, meta.context_lens)
+            return self.decode_kernel(x, cos, sin, kv_cache.data, *tables)  # [n, vocab]
         for layer in self.layers:
             x = layer(x, cos, sin, kv_cache, meta)
         if logits_indices is not None:
             x = x[logits_indices]  # [len(logits_indices), dim]
         return project(self.norm(x), self.output_weight(), self.output_blocks)  # [rows, vocab]
+
+    def _fused_step(self, x: torch.Tensor, meta: AttentionMetadata) -> bool:
+        """Whether the whole step runs as one C call: a plain decode step, and every layer still fused (a
+        layer's kernel may be taken away to run its modules)."""
+        return (
+            self.decode_kernel is not None
+            and _plain_decode(x, meta)
+            and all(layer.decode_kernel is not None for layer in self.layers)
+        )

@@ -185,25 +185,7 @@ class DecodeLayerKernel:
         tensors: list[torch.Tensor] = [*norms, *([] if qkv_bias is None else [qkv_bias])]
 
         def part(name: str, bias: torch.Tensor | None = None) -> cpu_kernels.BlockWeightC:
-            structs = []
-            row = 0
-            for w in projections[name].parts():
-                tensors.extend(t for t in (w.qs, w.scale, w.minimum) if t is not None)
-                # Each part's bias starts at its own first row.
-                part_bias = None if bias is None else bias[row:]
-                pointers = (w.qs, w.scale, w.minimum, part_bias)
-                structs.append(
-                    cpu_kernels.BlockWeightC(
-                        cpu_kernels.KIND_CODES[w.kind],
-                        *w.shape,
-                        *(None if t is None else t.data_ptr() for t in pointers),
-                    )
-                )
-                row += w.shape[0]
-            # Back to front, so each part links to a finished successor (ctypes keeps it alive with it).
-            for struct, successor in zip(structs[-2::-1], structs[:0:-1], strict=True):
-                struct.next = ctypes.pointer(successor)
-            return structs[0]
+            return _block_weight_struct(projections[name], bias, tensors)
 
         if any(t.dtype != torch.float32 or not t.is_contiguous() for t in tensors):
             raise ValueError("the fused decode layer needs contiguous fp32 norm weights and bias")
@@ -240,6 +222,77 @@ class DecodeLayerKernel:
             raise RuntimeError("the CPU block kernels are not available")
         tables = (slots, block_tables, context_lens)
         return cpu_kernels.decode_layer(lib, self.weights, x, cos, sin, *caches, *tables)
+
+
+@dataclass(frozen=True)
+class DecodeModelKernel:
+    """A whole model's decode step after the embedding as one call of cpu_kernels.c's `decode_model`: every
+    layer's DecodeLayerKernel in turn, the final norm and the logits projection, in one parallel region (per
+    step one C call instead of one per layer and one more for the logits)."""
+
+    weights: cpu_kernels.DecodeModelWeightsC
+    vocab: int
+    # What `weights` points into (the layer kernels, the pointer array, tensors), kept alive with it.
+    keep: tuple[object, ...]
+
+    @staticmethod
+    def build(
+        layers: "list[DecodeLayerKernel]", norm: torch.Tensor, eps: float, head: BlockWeight
+    ) -> "DecodeModelKernel":
+        """From the layers' kernels in order, the final norm's weight (fp32) and the logits projection."""
+        if norm.dtype != torch.float32 or not norm.is_contiguous():
+            raise ValueError("the fused decode step needs a contiguous fp32 final norm weight")
+        tensors: list[torch.Tensor] = [norm]
+        head_struct = _block_weight_struct(head, None, tensors)
+        pointers = (ctypes.POINTER(cpu_kernels.DecodeLayerWeightsC) * len(layers))(
+            *(ctypes.pointer(layer.weights) for layer in layers)
+        )
+        weights = cpu_kernels.DecodeModelWeightsC(pointers, len(layers), norm.data_ptr(), eps, head_struct)
+        keep = (tuple(layers), pointers, head_struct, tuple(tensors))
+        return DecodeModelKernel(weights, head.shape[0], keep)
+
+    def __call__(
+        self,
+        x: torch.Tensor,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        kv_cache: torch.Tensor,
+        slots: torch.Tensor,
+        block_tables: torch.Tensor,
+        context_lens: torch.Tensor,
+    ) -> torch.Tensor:
+        """Logits [m, vocab] for x [m, dim], one new token per sequence (see decode_model)."""
+        lib = cpu_kernels.build_library()
+        if lib is None:
+            raise RuntimeError("the CPU block kernels are not available")
+        tables = (slots, block_tables, context_lens)
+        return cpu_kernels.decode_model(lib, self.weights, self.vocab, x, cos, sin, kv_cache, *tables)
+
+
+def _block_weight_struct(
+    blocks: BlockWeight, bias: torch.Tensor | None, tensors: list[torch.Tensor]
+) -> cpu_kernels.BlockWeightC:
+    """cpu_kernels.c's block_weight for `blocks` (a chain of structures for a chain of forms) and its bias;
+    the tensors it points into are appended to `tensors`, for the caller to keep alive."""
+    structs = []
+    row = 0
+    for w in blocks.parts():
+        tensors.extend(t for t in (w.qs, w.scale, w.minimum) if t is not None)
+        # Each part's bias starts at its own first row.
+        part_bias = None if bias is None else bias[row:]
+        pointers = (w.qs, w.scale, w.minimum, part_bias)
+        structs.append(
+            cpu_kernels.BlockWeightC(
+                cpu_kernels.KIND_CODES[w.kind],
+                *w.shape,
+                *(None if t is None else t.data_ptr() for t in pointers),
+            )
+        )
+        row += w.shape[0]
+    # Back to front, so each part links to a finished successor (ctypes keeps it alive with it).
+    for struct, successor in zip(structs[-2::-1], structs[:0:-1], strict=True):
+        struct.next = ctypes.pointer(successor)
+    return structs[0]
 
 
 def _fp16_field(raw: np.ndarray, offset: int) -> torch.Tensor:

@@ -287,6 +287,7 @@ def _build(
     model.rope_inv_freq = model.rope_inv_freq.to(device)
     for layer in model.layers:
         layer.fuse_decode()
+    model.fuse_decode()
     return model.requires_grad_(False).eval()
 
 

@@ -276,6 +276,47 @@ def test_fused_decode_layers_equal_the_layer_modules(smollm, smollm_engine):
     torch.testing.assert_close(decode(True), decode(False), atol=1e-4, rtol=0)
 
 
+@pytest.mark.parametrize("lengths", [(530,), (1, 17, 40, 2, 5, 9, 12, 3, 7)])
+def test_fused_decode_step_equals_the_fused_layers_and_logits_projection(smollm, smollm_engine, lengths):
+    """The whole step as one C call (layers, final norm, logits) computes what the layer kernels called one by
+    one, the norm module and the logits block matmul compute, and picks the same tokens: one stream at a long
+    context, and nine of them."""
+    model = smollm.model
+    assert model.decode_kernel is not None
+    generator = torch.Generator().manual_seed(3)
+    prompts = [torch.randint(0, smollm.args.vocab_size, (n,), generator=generator).tolist() for n in lengths]
+
+    def decode(whole: bool) -> torch.Tensor:
+        kernel, model.decode_kernel = model.decode_kernel, model.decode_kernel if whole else None
+        seqs = [("whole", whole, i) for i in range(len(prompts))]
+        try:
+            tokens = [int(smollm_engine.prefill(s, p).argmax()) for s, p in zip(seqs, prompts, strict=True)]
+            steps = []
+            for _ in range(3):
+                steps.append(smollm_engine.decode_step(seqs, tokens))
+                tokens = steps[-1].argmax(-1).tolist()
+            return torch.stack(steps)
+        finally:
+            model.decode_kernel = kernel
+            for s in seqs:
+                smollm_engine.free(s)
+
+    # The layers run the same code either way; only the final norm sums its squares in another order.
+    whole, by_layer = decode(True), decode(False)
+    torch.testing.assert_close(whole, by_layer, atol=1e-4, rtol=0)
+    assert torch.equal(whole.argmax(-1), by_layer.argmax(-1))
+
+
+def test_fused_decode_step_refuses_a_slot_outside_the_cache(smollm):
+    args = smollm.args
+    cache = torch.zeros(args.n_layers, 2, 2, 16, args.n_kv_heads, args.head_dim)
+    x, cos, sin = torch.zeros(1, args.dim), torch.ones(1, args.head_dim), torch.zeros(1, args.head_dim)
+    tables, lens = torch.tensor([[0]]), torch.tensor([1])
+    with pytest.raises(ValueError, match="outside the cache"):
+        smollm.model.decode_kernel(x, cos, sin, cache, torch.tensor([32]), tables, lens)
+    assert not cache.any()  # refused before writing anything
+
+
 def test_fused_decode_layer_refuses_a_slot_outside_the_cache(smollm):
     layer = smollm.model.layers[0]
     kv_heads, head_dim = smollm.args.n_kv_heads, smollm.args.head_dim
