@@ -315,6 +315,34 @@ def test_32_concurrent_writers_and_readers_stay_correct(prefer_shm: bool):
     asyncio.run(body())
 
 
+@PATHS
+@pytest.mark.timeout(60)
+def test_concurrent_large_gets_keep_every_held_result_intact_while_buffers_are_reused(prefer_shm: bool):
+    async def body():
+        async with (
+            running_store() as server,
+            KvStoreClient(server.address, prefer_shm=prefer_shm, receive_pool_bytes=48 << 20) as client,
+        ):
+            sizes = [(2 << 20) + 1, 3 << 20, (17 << 20) + 3, 5 << 20, (16 << 20) - 7, 2 << 20]
+            payloads = {f"big{i}": random.randbytes(size) for i, size in enumerate(sizes)}
+            capabilities = {
+                key: (await client.put(key, "fp", data)).capability for key, data in payloads.items()
+            }
+
+            async def read(key: str) -> memoryview:
+                data, _ = await client.get(key, "fp", capabilities[key])
+                return data
+
+            held = await asyncio.gather(*(read(key) for key in payloads))  # all held at once
+            for _ in range(2):  # dropped results are reused by later gets, held ones never
+                again = await asyncio.gather(*(read(key) for key in reversed(payloads)))
+                assert [bytes(d) for d in reversed(again)] == list(payloads.values())
+                del again
+            assert [bytes(d) for d in held] == list(payloads.values())
+
+    asyncio.run(body())
+
+
 def test_stop_frees_every_segment():
     async def body():
         async with running_store() as server, KvStoreClient(server.address) as client:
