@@ -120,6 +120,8 @@ class KvStoreClient:
         deadline_s: float = 60.0,
         receive_pool_bytes: int = DEFAULT_RECEIVE_POOL_BYTES,
     ) -> None:
+        if receive_pool_bytes < 0:
+            raise ValueError(f"receive_pool_bytes must be >= 0 (0: no reuse), got {receive_pool_bytes}")
         self.address = address
         # Gets land in reused buffers once their readers drop them (shm.ReceiveBuffers): no page zeroing.
         self._buffers = ReceiveBuffers(receive_pool_bytes)

@@ -4,12 +4,14 @@ its gets land in (reused once their reader lets go)."""
 
 from __future__ import annotations
 
+import asyncio
 import random
 
 import pytest
 import torch
 
 from pcpstack.kvstore.checksum import crc32c
+from pcpstack.kvstore.client import KvStoreClient
 from pcpstack.kvstore.shm import ReceiveBuffers, SegmentMaps, SegmentStore, copy_with_crc
 
 
@@ -109,3 +111,11 @@ def test_receive_buffers_hold_at_most_max_pooled_bytes():
     assert ReceiveBuffers(0).take(8 << 20) is not None
     with pytest.raises(ValueError, match="max_pooled_bytes must be >= 0"):
         ReceiveBuffers(-1)
+
+
+def test_a_client_refuses_a_negative_receive_pool_naming_it():
+    async def body():
+        with pytest.raises(ValueError, match="receive_pool_bytes must be >= 0"):
+            KvStoreClient("127.0.0.1:1", receive_pool_bytes=-1)
+
+    asyncio.run(body())
