@@ -229,38 +229,60 @@ def attend_sequences(
 
 _flash_cpu = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu.default
 
+# Query rows per causal diagonal block in `attend_runs`. The CPU flash kernel computes the last key block of a
+# causal call in full (up to 512 keys wide), so one long causal run costs well over its share: a PCP=2 rank's
+# run of 1,024-2,048 queries took 1.15-1.30x half of the whole prompt's causal call (SmolLM2's shapes, one
+# thread). Blocks of 256 bound that waste (1.10-1.15x), and the keys before a block are plain, unmasked
+# work; 192 and 512 measured slower. The one-shot prompt keeps the whole causal call: blocks were no faster.
+DIAGONAL_BLOCK = 256
+
 
 def attend_runs(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, runs: list[tuple[int, int]], q_per_kv: int
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    runs: list[tuple[int, int]],
+    q_per_kv: int,
+    block: int = DIAGONAL_BLOCK,
 ) -> torch.Tensor:
     """Causal attention of queries made of runs of consecutive positions to a whole prompt's K/V (CPU).
 
-    q: [n, H, D], the queries of `runs` in order; k, v: [ctx, kv_heads, D] in position order. A run
-    [s, e) sees every key before s (a plain block, no mask) and the diagonal block [s, e) causally; the two
-    partial results are merged with their log-sum-exp weights. Unlike a masked kernel this skips the
-    masked-out work, which is what gives context-parallel ranks their share of the causal saving.
-    Returns [n, H * D].
+    q: [n, H, D], the queries of `runs` in order; k, v: [ctx, kv_heads, D] in position order. Each run is
+    cut into blocks of at most `block` queries; a block [s, e) sees every key before s (a plain block, no
+    mask) and the diagonal block [s, e) causally; the two partial results are merged with their log-sum-exp
+    weights. Unlike a masked kernel this skips the masked-out work, which is what gives context-parallel
+    ranks their share of the causal saving. Returns [n, H * D].
     """
-    n_heads, head_dim = q.shape[1:]
-    n_kv_heads = k.shape[1]
     outputs, offset = [], 0
-    for start, end in runs:
-        length = end - start
-        run = q[offset : offset + length]
-        offset += length
-        # Diagonal block: per-head copies of this block's K/V only (small), so the causal kernel applies.
-        diag_k = k[start:end].repeat_interleave(q_per_kv, dim=1).transpose(0, 1)[None]
-        diag_v = v[start:end].repeat_interleave(q_per_kv, dim=1).transpose(0, 1)[None]
-        out, lse = _flash_cpu(run.transpose(0, 1)[None], diag_k, diag_v, 0.0, True)  # [1, H, L, D], [1, H, L]
-        if start > 0:
-            # Prefix block: queries sharing a K/V head side by side, no K/V copies.
-            grouped = run.view(1, length, n_kv_heads, q_per_kv, head_dim).permute(0, 2, 3, 1, 4)
-            grouped = grouped.reshape(1, n_kv_heads, q_per_kv * length, head_dim)
-            prefix_k, prefix_v = k[:start].transpose(0, 1)[None], v[:start].transpose(0, 1)[None]
-            prefix_out, prefix_lse = _flash_cpu(grouped, prefix_k, prefix_v, 0.0, False)
-            prefix_out = prefix_out.reshape(1, n_heads, length, head_dim)
-            prefix_lse = prefix_lse.reshape(1, n_heads, length)
-            total = torch.logaddexp(lse, prefix_lse)
-            out = out * (lse - total).exp()[..., None] + prefix_out * (prefix_lse - total).exp()[..., None]
-        outputs.append(out[0].transpose(0, 1).reshape(length, n_heads * head_dim))
+    for run_start, run_end in runs:
+        for start in range(run_start, run_end, block):
+            end = min(start + block, run_end)
+            length = end - start
+            rows = q[offset : offset + length]
+            offset += length
+            outputs.append(_attend_block(rows, k, v, start, end, q_per_kv))
     return torch.cat(outputs)
+
+
+def _attend_block(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, start: int, end: int, q_per_kv: int
+) -> torch.Tensor:
+    """Queries q [L, H, D] at positions [start, end) attending causally to k, v [ctx, kv_heads, D] (position
+    order): the diagonal block causally, the keys before it plainly, merged. Returns [L, H * D]."""
+    length, n_heads, head_dim = q.shape
+    n_kv_heads = k.shape[1]
+    # Diagonal block: per-head copies of this block's K/V only (small), so the causal kernel applies.
+    diag_k = k[start:end].repeat_interleave(q_per_kv, dim=1).transpose(0, 1)[None]
+    diag_v = v[start:end].repeat_interleave(q_per_kv, dim=1).transpose(0, 1)[None]
+    out, lse = _flash_cpu(q.transpose(0, 1)[None], diag_k, diag_v, 0.0, True)  # [1, H, L, D], [1, H, L]
+    if start > 0:
+        # Prefix block: queries sharing a K/V head side by side, no K/V copies.
+        grouped = q.view(1, length, n_kv_heads, q_per_kv, head_dim).permute(0, 2, 3, 1, 4)
+        grouped = grouped.reshape(1, n_kv_heads, q_per_kv * length, head_dim)
+        prefix_k, prefix_v = k[:start].transpose(0, 1)[None], v[:start].transpose(0, 1)[None]
+        prefix_out, prefix_lse = _flash_cpu(grouped, prefix_k, prefix_v, 0.0, False)
+        prefix_out = prefix_out.reshape(1, n_heads, length, head_dim)
+        prefix_lse = prefix_lse.reshape(1, n_heads, length)
+        total = torch.logaddexp(lse, prefix_lse)
+        out = out * (lse - total).exp()[..., None] + prefix_out * (prefix_lse - total).exp()[..., None]
+    return out[0].transpose(0, 1).reshape(length, n_heads * head_dim)

@@ -1,0 +1,66 @@
+"""The run-wise causal kernel (attention.attend_runs) against dense masked attention: queries in runs of
+consecutive positions, cut into diagonal blocks, attend to a whole prompt's K/V exactly as one masked
+softmax over every key at or before each query would."""
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from pcpstack.engine.attention import DIAGONAL_BLOCK, attend_runs, position_runs
+from pcpstack.prefill.split import DualChunkSplit
+
+ATOL = 1e-5
+N_HEADS, N_KV_HEADS, HEAD_DIM = 6, 2, 16
+
+
+def dense_reference(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, positions: torch.Tensor
+) -> torch.Tensor:
+    """q [n, H, D] at `positions` over k, v [ctx, kv_heads, D]: one masked softmax per query, [n, H * D]."""
+    group = N_HEADS // N_KV_HEADS
+    keys, values = k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1)
+    visible = torch.arange(k.shape[0])[None] <= positions[:, None]  # [n, ctx]
+    out = F.scaled_dot_product_attention(
+        q.transpose(0, 1), keys.transpose(0, 1), values.transpose(0, 1), attn_mask=visible
+    )  # [H, n, D]
+    return out.transpose(0, 1).reshape(len(positions), N_HEADS * HEAD_DIM)
+
+
+def random_qkv(context: int, positions: list[int]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    generator = torch.Generator().manual_seed(context)
+    q = torch.randn(len(positions), N_HEADS, HEAD_DIM, generator=generator)
+    k = torch.randn(context, N_KV_HEADS, HEAD_DIM, generator=generator)
+    v = torch.randn(context, N_KV_HEADS, HEAD_DIM, generator=generator)
+    return q, k, v
+
+
+@pytest.mark.parametrize("block", [7, 64, DIAGONAL_BLOCK])
+@pytest.mark.parametrize("context", [1, 5, 300, 601])
+def test_a_whole_prompt_in_blocks_equals_masked_attention(context: int, block: int) -> None:
+    positions = list(range(context))
+    q, k, v = random_qkv(context, positions)
+    got = attend_runs(q, k, v, [(0, context)], N_HEADS // N_KV_HEADS, block=block)
+    torch.testing.assert_close(got, dense_reference(q, k, v, torch.tensor(positions)), atol=ATOL, rtol=0)
+
+
+@pytest.mark.parametrize("pcp", [2, 3])
+@pytest.mark.parametrize("context", [3, 17, 777, 1031])
+def test_each_dual_chunk_share_equals_masked_attention(context: int, pcp: int) -> None:
+    split = DualChunkSplit(context, pcp)
+    for rank in range(pcp):
+        positions = split.positions(rank)
+        if not positions:
+            continue
+        q, k, v = random_qkv(context, positions)
+        got = attend_runs(q, k, v, position_runs(positions), N_HEADS // N_KV_HEADS)
+        want = dense_reference(q, k, v, torch.tensor(positions))
+        torch.testing.assert_close(got, want, atol=ATOL, rtol=0)
+
+
+def test_block_size_changes_the_result_only_by_rounding() -> None:
+    context = 700
+    q, k, v = random_qkv(context, list(range(context)))
+    one_block = attend_runs(q, k, v, [(0, context)], N_HEADS // N_KV_HEADS, block=context)
+    for block in (100, DIAGONAL_BLOCK):
+        blocked = attend_runs(q, k, v, [(0, context)], N_HEADS // N_KV_HEADS, block=block)
+        torch.testing.assert_close(blocked, one_block, atol=ATOL, rtol=0)
