@@ -100,23 +100,29 @@ class KvAllGather:
     ) -> None:
         self.split = split
         self.group = group
-        self._index = split.gather_index
+        # Each rank sends one buffer [2, width, kv_heads, head_dim] (its K rows, then its V rows, padded to
+        # the widest share); gathered rank-major, rank r's local row i of K sits at r * 2 * width + i.
+        width = split.max_local_tokens
+        index = split.gather_index
+        self._k_rows = index + (index // width) * width
+        self._v_rows = self._k_rows + width
         # Called after every collective, so a node can tell a long prefill from a stuck group.
         self._on_progress = on_progress
 
     def __call__(self, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         pcp, width = self.split.pcp_size, self.split.max_local_tokens
-        local = torch.stack((k, v))  # [2, n_local, kv_heads, head_dim]
-        if local.shape[1] < width:
-            pad = local.new_zeros((2, width - local.shape[1], *local.shape[2:]))
-            local = torch.cat((local, pad), dim=1)
-        shares = [torch.empty_like(local) for _ in range(pcp)]
-        dist.all_gather(shares, local.contiguous(), group=self.group)
+        n_local, kv_heads, head_dim = k.shape
+        local = k.new_empty((2, width, kv_heads, head_dim))
+        local[0, :n_local], local[1, :n_local] = k, v
+        local[:, n_local:] = 0  # padding: sent, then dropped by the row indices
+        gathered = k.new_empty((pcp * 2 * width, kv_heads, head_dim))
+        # Into one buffer: no per-rank outputs to concatenate afterwards.
+        dist.all_gather_into_tensor(gathered, local.view(2 * width, kv_heads, head_dim), group=self.group)
         if self._on_progress is not None:
             self._on_progress()
-        # [2, pcp * width, kv_heads, head_dim] rank-major -> [2, n, kv_heads, head_dim] in position order.
-        full = torch.cat(shares, dim=1).index_select(1, self._index.to(local.device))
-        return full[0], full[1]
+        # Rank-major padded shares -> [n, kv_heads, head_dim] each, in position order.
+        k_rows, v_rows = self._k_rows.to(gathered.device), self._v_rows.to(gathered.device)
+        return gathered.index_select(0, k_rows), gathered.index_select(0, v_rows)
 
 
 def prefill_share(
