@@ -283,6 +283,6 @@ def _attend_block(
         prefix_out, prefix_lse = _flash_cpu(grouped, prefix_k, prefix_v, 0.0, False)
         prefix_out = prefix_out.reshape(1, n_heads, length, head_dim)
         prefix_lse = prefix_lse.reshape(1, n_heads, length)
-        total = torch.logaddexp(lse, prefix_lse)
-        out = out * (lse - total).exp()[..., None] + prefix_out * (prefix_lse - total).exp()[..., None]
+        # The diagonal part's weight exp(lse) / (exp(lse) + exp(prefix_lse)), blended in one pass (lerp).
+        out = torch.lerp(prefix_out, out, torch.sigmoid(lse - prefix_lse)[..., None])
     return out[0].transpose(0, 1).reshape(length, n_heads * head_dim)
