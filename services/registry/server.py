@@ -62,10 +62,14 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 SERVICE_NAME = registry_pb2.DESCRIPTOR.services_by_name["RegistryService"].full_name
-# A follower refreshes its copy of the leader's answers this often, and serves a copy at most this old
-# while no leader answers (a failover takes the leader key's TTL, 2 s, plus a poll).
+# A follower refreshes its copy of the leader's answers this often (sooner again after a try the leader did
+# not answer), giving the leader SHADOW_ASK_S to answer each question, and serves a copy at most
+# SHADOW_MAX_AGE_S old while no leader answers (a failover takes the leader key's TTL, 2 s, plus a poll; on
+# a loaded machine, and with an etcd member lost at the same time, several times that).
 SHADOW_EVERY_S = 0.5
-SHADOW_MAX_AGE_S = 10.0
+SHADOW_RETRY_S = 0.1
+SHADOW_ASK_S = 5.0
+SHADOW_MAX_AGE_S = 30.0
 
 
 def peer_identity(context: grpc.aio.ServicerContext) -> str:
@@ -130,7 +134,6 @@ class RegistryServicer(registry_pb2_grpc.RegistryServiceServicer):
         self._leader_channel: tuple[str, grpc.aio.Channel] | None = None
         # the leader's last answers to reads, by (method, request bytes): (when, reply)
         self._shadow: dict[tuple[str, bytes], tuple[float, object]] = {}
-        self._shadowed_at = -math.inf
         self._verify_peer_address = verify_peer_address
         self._clock = clock
         self._mailboxes = Mailboxes()
@@ -280,10 +283,19 @@ class RegistryServicer(registry_pb2_grpc.RegistryServiceServicer):
             ("Resolve", registry_pb2.ResolveRequest()),
         ):
             with contextlib.suppress(ServiceError):
-                reply = await self._ask_leader(method, request, 1.0)
+                reply = await self._ask_leader(method, request, SHADOW_ASK_S)
                 self._shadow[(method, request.SerializeToString(deterministic=True))] = (self._clock(), reply)
                 answered += 1
         return answered == 2
+
+    async def keep_shadow(self) -> None:
+        """While this replica follows, keeps its copy of the leader's answers fresh (`_shadow_leader`);
+        runs until cancelled. A task of its own, not a step of the clock: a leader slow to answer on a
+        loaded machine must neither hold up this replica's ticks nor, asked with a tick's short deadline,
+        leave it with no copy to serve when that leader dies."""
+        while True:
+            answered = self._following and await self._shadow_leader()
+            await asyncio.sleep(SHADOW_EVERY_S if answered else SHADOW_RETRY_S)
 
     async def lead(self) -> None:
         """Takes over as leader: the state etcd holds becomes this replica's core, whose sets are awaited
@@ -647,10 +659,6 @@ class RegistryServicer(registry_pb2_grpc.RegistryServiceServicer):
                 if self.etcd_sessions is not None:
                     self.etcd_sessions.excuse(late, now)
                 log.warning("event loop held up; leases extended", extra={"stalled_s": round(late, 2)})
-            # Until the leader answers (it is not known yet, or not up), every tick tries again: a follower
-            # that waited SHADOW_EVERY_S after a failed try had nothing to serve if the leader died meanwhile.
-            if self._following and now - self._shadowed_at >= SHADOW_EVERY_S and await self._shadow_leader():
-                self._shadowed_at = now
             if self.etcd_sessions is not None:
                 try:
                     await self.etcd_sessions.tick(now)
@@ -674,7 +682,8 @@ class RegistryServicer(registry_pb2_grpc.RegistryServiceServicer):
 
 
 class RegistryServer:
-    """A running registry: the gRPC server plus its clock."""
+    """A running registry: the gRPC server plus its clock (and, as a replica on etcd, its campaign and the
+    follower's copy of the leader's answers)."""
 
     def __init__(
         self,
@@ -682,13 +691,13 @@ class RegistryServer:
         servicer: RegistryServicer,
         clock_task: asyncio.Task,
         etcd: EtcdStore | None = None,
-        election_task: asyncio.Task | None = None,
+        replica_tasks: tuple[asyncio.Task, ...] = (),
     ) -> None:
         self.running = running
         self.servicer = servicer
         self._clock_task = clock_task
         self._etcd = etcd
-        self._election_task = election_task
+        self._replica_tasks = replica_tasks
 
     @property
     def address(self) -> str:
@@ -698,11 +707,10 @@ class RegistryServer:
     async def stop(self, grace: float | None = None) -> None:
         """Stops the clock and the server; a leading replica resigns so that another takes over at once
         (node leases in etcd are left to expire)."""
-        for task in (self._clock_task, self._election_task):
-            if task is not None:
-                task.cancel()
-                with contextlib.suppress(asyncio.CancelledError):
-                    await task
+        for task in (self._clock_task, *self._replica_tasks):
+            task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await task
         if self.servicer.election is not None:
             await self.servicer.election.resign()
         self.servicer.deposed()
@@ -751,13 +759,16 @@ async def start_registry(
         [SERVICE_NAME],
         options,
     )
-    election_task = None
+    replica_tasks: tuple[asyncio.Task, ...] = ()
     if etcd is not None and elect:
         from pcpstack.registry.election import Election
         from pcpstack.registry.etcd_sessions import EtcdSessions
 
         servicer.etcd_sessions = EtcdSessions(etcd, running.address, settings.lease_s)
         servicer.election = Election(etcd, running.address, servicer.lead, servicer.deposed)
-        election_task = asyncio.create_task(servicer.election.run(), name="registry-election")
+        replica_tasks = (
+            asyncio.create_task(servicer.election.run(), name="registry-election"),
+            asyncio.create_task(servicer.keep_shadow(), name="registry-shadow"),
+        )
     clock = asyncio.create_task(servicer.run_clock(min(0.25, settings.lease_s / 4)))
-    return RegistryServer(running, servicer, clock, etcd, election_task)
+    return RegistryServer(running, servicer, clock, etcd, replica_tasks)
