@@ -242,6 +242,16 @@ class DecodeModelKernel:
         """From the layers' kernels in order, the final norm's weight (fp32) and the logits projection."""
         if norm.dtype != torch.float32 or not norm.is_contiguous():
             raise ValueError("the fused decode step needs a contiguous fp32 final norm weight")
+        # decode_model sizes its scratch by the first layer.
+        shapes = {
+            tuple(getattr(k.weights, f) for f in ("dim", "heads", "kv_heads", "head_dim", "hidden"))
+            for k in layers
+        }
+        if len(shapes) != 1:
+            raise ValueError(
+                "the fused decode step needs at least one layer, all of one shape; got (dim, heads, "
+                f"kv_heads, head_dim, hidden) {sorted(shapes)}"
+            )
         tensors: list[torch.Tensor] = [norm]
         head_struct = _block_weight_struct(head, None, tensors)
         pointers = (ctypes.POINTER(cpu_kernels.DecodeLayerWeightsC) * len(layers))(

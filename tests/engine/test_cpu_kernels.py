@@ -317,6 +317,15 @@ def test_fused_decode_step_refuses_a_slot_outside_the_cache(smollm):
     assert not cache.any()  # refused before writing anything
 
 
+def test_fused_decode_step_refuses_layers_of_different_shapes(smollm):
+    model = smollm.model
+    layers = [layer.decode_kernel for layer in model.layers]
+    narrow = quant.DecodeLayerKernel(cpu_kernels.DecodeLayerWeightsC(), ())  # a layer of shape 0
+    for chosen in ([], [layers[0], narrow]):
+        with pytest.raises(ValueError, match="all of one shape"):
+            quant.DecodeModelKernel.build(chosen, model.norm.weight, model.norm.eps, model.output_blocks)
+
+
 def test_fused_decode_layer_refuses_a_slot_outside_the_cache(smollm):
     layer = smollm.model.layers[0]
     kv_heads, head_dim = smollm.args.n_kv_heads, smollm.args.head_dim
