@@ -13,12 +13,17 @@ Each prefill is timed from the prompt to its first token; each length gets one w
 timed runs (median, min, max). Decode reports tokens/s of one stream after a prompt of --decode-context
 tokens.
 A peer that cannot run here is reported as {"available": false, "reason": ...}, never left out silently.
+Each peer runs in a process of its own: a peer library that crashes the process (a llama.cpp build whose
+instructions this machine refuses ends in SIGILL) is reported with how its process ended, and the other
+peers still run.
 """
 
 from __future__ import annotations
 
 import argparse
 import importlib.metadata
+import multiprocessing
+import signal
 import statistics
 import time
 from collections.abc import Callable
@@ -214,20 +219,55 @@ def _llama_cpp(gguf: Path, args: argparse.Namespace) -> dict:
     }
 
 
+PEER_RUNS: dict[str, Callable[[Path, argparse.Namespace], dict]] = {
+    "transformers": _transformers,
+    "llama.cpp": _llama_cpp,
+}
+
+
+def _peer_process(peer: Callable, gguf: Path, args: argparse.Namespace, results) -> None:
+    """A peer's process: its result (or the exception it raised) goes back through results."""
+    torch.set_num_threads(args.threads)
+    try:
+        outcome = ("result", peer(gguf, args))
+    except Exception as exc:  # re-raised in the parent: a peer's own error still fails the bench
+        outcome = ("error", exc)
+    results.send(outcome)
+    results.close()
+
+
+def in_own_process(name: str, peer: Callable, gguf: Path, args: argparse.Namespace) -> dict:
+    """peer(gguf, args) run in a spawned process; a process that ends before it reports (killed by a
+    signal, or exited) makes the peer unavailable, with how its process ended as the reason."""
+    context = multiprocessing.get_context("spawn")
+    receive, send = context.Pipe(duplex=False)
+    child = context.Process(target=_peer_process, args=(peer, gguf, args, send), name=f"peer-{name}")
+    child.start()
+    send.close()  # the child holds the only sending end: its death ends the wait below
+    try:
+        kind, value = receive.recv()
+    except EOFError:
+        kind, value = "died", None
+    finally:
+        receive.close()
+        child.join()
+    if kind == "error":
+        raise value
+    if kind == "result":
+        return value
+    code = child.exitcode
+    killed = code is not None and code < 0
+    how = f"was killed by {signal.Signals(-code).name}" if killed else f"exited ({code})"
+    return {"available": False, "reason": f"{name}'s process {how} before reporting"}
+
+
 def run(args: argparse.Namespace) -> dict:
     """Runs each requested peer; returns per-peer prefill rows and decode rates."""
     gguf = Path(args.gguf) if args.gguf else default_model_path()
     if not gguf.is_file():
         raise SystemExit(f"--gguf={gguf} is not a file; give the GGUF the engine loads")
     facts = machine_facts()
-    previous = torch.get_num_threads()
-    torch.set_num_threads(args.threads)
-    peers = {}
-    try:
-        for name in args.peers:
-            peers[name] = (_transformers if name == "transformers" else _llama_cpp)(gguf, args)
-    finally:
-        torch.set_num_threads(previous)
+    peers = {name: in_own_process(name, PEER_RUNS[name], gguf, args) for name in args.peers}
     return {
         "benchmark": "peers",
         "model": gguf.name,
