@@ -241,7 +241,9 @@ def in_own_process(name: str, peer: Callable, gguf: Path, args: argparse.Namespa
     signal, or exited) makes the peer unavailable, with how its process ended as the reason."""
     context = multiprocessing.get_context("spawn")
     receive, send = context.Pipe(duplex=False)
-    child = context.Process(target=_peer_process, args=(peer, gguf, args, send), name=f"peer-{name}")
+    # the options only: the command line's handler (a function of the __main__ module) cannot be sent
+    options = argparse.Namespace(**{key: value for key, value in vars(args).items() if not callable(value)})
+    child = context.Process(target=_peer_process, args=(peer, gguf, options, send), name=f"peer-{name}")
     child.start()
     send.close()  # the child holds the only sending end: its death ends the wait below
     try:

@@ -14,7 +14,8 @@ import pytest
 
 from bench.peers import in_own_process
 
-ARGS = argparse.Namespace(threads=1)
+# as the command line gives them: with its handler, a function the spawned process could not import
+ARGS = argparse.Namespace(threads=1, func=lambda args: None)
 
 
 def _answers(gguf: Path, args: argparse.Namespace) -> dict:
