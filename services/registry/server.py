@@ -294,7 +294,8 @@ class RegistryServicer(registry_pb2_grpc.RegistryServiceServicer):
         loaded machine must neither hold up this replica's ticks nor, asked with a tick's short deadline,
         leave it with no copy to serve when that leader dies."""
         while True:
-            answered = self._following and await self._shadow_leader()
+            # while leading there is nothing to copy; a follower whose try went unanswered tries again soon
+            answered = not self._following or await self._shadow_leader()
             await asyncio.sleep(SHADOW_EVERY_S if answered else SHADOW_RETRY_S)
 
     async def lead(self) -> None:
