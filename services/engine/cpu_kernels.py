@@ -391,11 +391,17 @@ def decode_layer(
         lens.data_ptr(),
         torch.get_num_threads(),
     )
-    if status == -1:
-        raise ValueError("decode_layer: slots, block tables or context lengths lie outside the cache")
-    if status != 0:
-        raise MemoryError("decode_layer: no memory for its scratch buffers")
+    _check_step("decode_layer", status)
     return out
+
+
+def _check_step(name: str, status: int) -> None:
+    """Raises for a decode kernel's failure status: -1 for tables that lie outside the cache (nothing
+    written), any other non-zero for scratch memory it could not get."""
+    if status == -1:
+        raise ValueError(f"{name}: slots, block tables or context lengths lie outside the cache")
+    if status != 0:
+        raise MemoryError(f"{name}: no memory for its scratch buffers")
 
 
 def decode_model(
@@ -435,8 +441,5 @@ def decode_model(
         lens.data_ptr(),
         torch.get_num_threads(),
     )
-    if status == -1:
-        raise ValueError("decode_model: slots, block tables or context lengths lie outside the cache")
-    if status != 0:
-        raise MemoryError("decode_model: no memory for its scratch buffers")
+    _check_step("decode_model", status)
     return logits

@@ -260,7 +260,7 @@ class Transformer(nn.Module):
         # Weights kept in blocks or in 16-bit give rows in another dtype than the run's (the norms').
         x = self.tok_embeddings(token_ids).to(self.norm.weight.dtype)  # [n, dim]
         cos, sin = rotation(positions, self.rope_frequencies(meta), self.rope_scale, x.dtype)
-        if logits_indices is None and self._fused_step(x, meta):
+        if logits_indices is None and self.decode_kernel is not None and _plain_decode(x, meta):
             tables = (meta.slot_mapping, meta.block_tables, meta.context_lens)
             return self.decode_kernel(x, cos, sin, kv_cache.data, *tables)  # [n, vocab]
         for layer in self.layers:
@@ -268,12 +268,3 @@ class Transformer(nn.Module):
         if logits_indices is not None:
             x = x[logits_indices]  # [len(logits_indices), dim]
         return project(self.norm(x), self.output_weight(), self.output_blocks)  # [rows, vocab]
-
-    def _fused_step(self, x: torch.Tensor, meta: AttentionMetadata) -> bool:
-        """Whether the whole step runs as one C call: a plain decode step, and every layer still fused (a
-        layer's kernel may be taken away to run its modules)."""
-        return (
-            self.decode_kernel is not None
-            and _plain_decode(x, meta)
-            and all(layer.decode_kernel is not None for layer in self.layers)
-        )

@@ -44,6 +44,15 @@ MAX_ROWS = 16
 MAX_ROWS_WITHOUT_DENSE = 128
 
 
+def _kernels() -> ctypes.CDLL:
+    """The built C kernels. Blocks and fused kernels exist only where the engine chose the kernels
+    (weights.py asks cpu_kernels.library()), so their absence here is a bug, not a configuration."""
+    lib = cpu_kernels.build_library()
+    if lib is None:
+        raise RuntimeError("the CPU block kernels are not available")
+    return lib
+
+
 @dataclass(frozen=True)
 class BlockWeight:
     """A [rows, cols] weight in 32-wide blocks along cols: Q4_1 (w = scale * q + min), Q8_0 or Q6_K
@@ -149,10 +158,7 @@ class BlockWeight:
         """x [m, cols] fp32 @ W^T -> [m, rows] fp32, on the block kernels."""
         if x.dim() != 2 or x.shape[1] != self.shape[1]:
             raise ValueError(f"block matmul: x has shape {tuple(x.shape)}, expected [m, {self.shape[1]}]")
-        # Blocks exist only where the engine chose the kernels (weights.py asks cpu_kernels.library()).
-        lib = cpu_kernels.build_library()
-        if lib is None:
-            raise RuntimeError("the CPU block kernels are not available")
+        lib = _kernels()
         if self.next is None:
             return cpu_kernels.block_matmul(lib, self.kind, x, self.qs, self.scale, self.minimum)
         outs = [cpu_kernels.block_matmul(lib, p.kind, x, p.qs, p.scale, p.minimum) for p in self.parts()]
@@ -217,9 +223,7 @@ class DecodeLayerKernel:
         context_lens: torch.Tensor,
     ) -> torch.Tensor:
         """The layer's output [m, dim] for x [m, dim], one new token per sequence (see decode_layer)."""
-        lib = cpu_kernels.build_library()
-        if lib is None:
-            raise RuntimeError("the CPU block kernels are not available")
+        lib = _kernels()
         tables = (slots, block_tables, context_lens)
         return cpu_kernels.decode_layer(lib, self.weights, x, cos, sin, *caches, *tables)
 
@@ -272,9 +276,7 @@ class DecodeModelKernel:
         context_lens: torch.Tensor,
     ) -> torch.Tensor:
         """Logits [m, vocab] for x [m, dim], one new token per sequence (see decode_model)."""
-        lib = cpu_kernels.build_library()
-        if lib is None:
-            raise RuntimeError("the CPU block kernels are not available")
+        lib = _kernels()
         tables = (slots, block_tables, context_lens)
         return cpu_kernels.decode_model(lib, self.weights, self.vocab, x, cos, sin, kv_cache, *tables)
 

@@ -255,8 +255,11 @@ def test_fused_decode_layers_equal_the_layer_modules(smollm, smollm_engine):
     prompts = [torch.randint(0, vocab, (n,), generator=generator).tolist() for n in lengths]
     kernels = [layer.decode_kernel for layer in smollm.model.layers]
     assert all(k is not None for k in kernels)
+    whole_step = smollm.model.decode_kernel
 
     def decode(fused: bool) -> torch.Tensor:
+        # unfused: neither the layers' kernels nor the whole-step call made of them
+        smollm.model.decode_kernel = whole_step if fused else None
         for layer, kernel in zip(smollm.model.layers, kernels, strict=True):
             layer.decode_kernel = kernel if fused else None
         seqs = [("fused", fused, i) for i in range(len(prompts))]
@@ -270,6 +273,7 @@ def test_fused_decode_layers_equal_the_layer_modules(smollm, smollm_engine):
         finally:
             for s in seqs:
                 smollm_engine.free(s)
+            smollm.model.decode_kernel = whole_step
             for layer, kernel in zip(smollm.model.layers, kernels, strict=True):
                 layer.decode_kernel = kernel
 
