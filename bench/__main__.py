@@ -15,7 +15,7 @@ from pathlib import Path
 
 from bench.report import RESULTS_DIR
 
-AREAS = ("engine", "registry", "kv", "prefill", "decode", "peers", "e2e", "all")
+AREAS = ("engine", "registry", "kv", "prefill", "decode", "peers", "e2e", "isa", "all")
 
 
 def _run_area(args: argparse.Namespace) -> int:

@@ -61,12 +61,14 @@ def _time_prefill(engine: Engine, length: int, repeats: int) -> dict[str, float]
     return {"median_s": statistics.median(seconds), "min_s": min(seconds), "max_s": max(seconds)}
 
 
-def _time_decode(engine: Engine, batch: int, steps: int, repeats: int) -> dict[str, float]:
+def _time_decode(
+    engine: Engine, batch: int, steps: int, repeats: int, context: int = DECODE_CONTEXT
+) -> dict[str, float]:
     """`repeats` timed runs of `steps` steps, one after another on the same sequences (the context grows
-    from DECODE_CONTEXT by steps * repeats + 1 tokens)."""
+    from `context` by steps * repeats + 1 tokens)."""
     seqs = [("decode", i) for i in range(batch)]
     tokens = [
-        int(engine.prefill(s, _prompt(DECODE_CONTEXT, engine.args.vocab_size, i)).argmax())
+        int(engine.prefill(s, _prompt(context, engine.args.vocab_size, i)).argmax())
         for i, s in enumerate(seqs)
     ]
     tokens = engine.decode_step(seqs, tokens).argmax(-1).tolist()  # warm-up step

@@ -23,7 +23,7 @@ RESULTS_DIR = Path("bench") / "results"
 REPORT_PATH = Path("BENCHMARKS.md")
 PLOTS_DIR = Path("bench") / "plots"
 NOTES_PATH = Path("bench") / "notes.md"
-AREAS = ("prefill", "peers", "engine", "decode", "e2e", "kv", "registry")
+AREAS = ("prefill", "peers", "engine", "decode", "e2e", "kv", "registry", "isa")
 NOT_MEASURED = "not measured yet"
 LLAMA = "llama.cpp"
 HF = "transformers"
@@ -498,6 +498,7 @@ def _machine(results: dict, folder: Path) -> list[str]:
     threads = {
         "prefill": lambda r: f"{r.get('threads_per_rank')} per rank",
         "peers": lambda r: f"{r.get('threads')}",
+        "isa": lambda r: f"{r.get('threads')}",
         "engine": lambda r: f"{r.get('threads')}",
         "e2e": lambda r: f"{r.get('threads_per_rank')} per rank × PCP={r.get('pcp')}",
         "decode": lambda r: f"{r.get('threads_per_rank')} per rank × TP={r.get('tp')}",
@@ -1090,6 +1091,45 @@ def _peers_section(results: dict) -> list[str]:
     return lines
 
 
+def _isa_section(results: dict) -> list[str]:
+    """Decode with both sides built for a narrower instruction set on this CPU (bench/isa.py)."""
+    lines = ["## Narrower instruction set on this CPU", ""]
+    isa = results.get("isa")
+    if not isa:
+        return [*lines, f"{NOT_MEASURED} (`pcpstack bench isa --llama-path DIR`).", ""]
+    llama = isa.get("llama.cpp", {})
+    rate = llama.get("decode", {}).get("tokens_per_s_median") if llama.get("available") else None
+    lines += [
+        f"`pcpstack bench isa`: {isa.get('model')}, {isa.get('threads')} threads, {isa.get('context')} "
+        f"tokens of context, {isa.get('repeats')} runs. A stand-in for a CPU without AVX-512: the same "
+        "instructions on this CPU, not another CPU's cores and memory.",
+        "",
+    ]
+    if rate is None:
+        lines += [f"- llama.cpp: unavailable: {llama.get('reason')}"]
+    else:
+        lines += [
+            f"- llama.cpp {llama.get('version')} from `{llama.get('path')}`: {llama.get('system_info')}"
+        ]
+    rows = []
+    for arch, side in isa.get("pcpstack", {}).items():
+        if not side.get("available"):
+            lines += [f"- pcpstack -march={arch}: unavailable: {side.get('reason')}"]
+            continue
+        for batch, row in side["decode"].items():
+            spread = _spread(row["tokens_per_s"], row["tokens_per_s_min"], row["tokens_per_s_max"], "")
+            ratio = f"{row['tokens_per_s'] / rate:.2f}×" if rate else ""
+            rows.append([f"pcpstack -march={arch}", batch.removeprefix("batch_"), spread, ratio])
+    if rate is not None:
+        d = llama["decode"]
+        spread = _spread(d["tokens_per_s_median"], d["tokens_per_s_min"], d["tokens_per_s_max"], "")
+        rows.append(["llama.cpp (same set)", "1", spread, "1.00×"])
+    lines.append("")
+    if rows:
+        lines += _table(["decode", "streams", "tokens/s", "÷ llama.cpp 1 stream"], rows)
+    return lines
+
+
 def _families_section() -> list[str]:
     """The model families the engine serves (engine/families.py) and what the tests verify of each."""
     from pcpstack.engine.families import FAMILIES
@@ -1128,6 +1168,7 @@ def render(results: dict, folder: Path, plots: dict[str, Path], report: Path, no
         *_e2e_section(results, plots, report),
         *_registry_section(results),
         *_peers_section(results),
+        *_isa_section(results),
         *_families_section(),
     ]
     if notes:
