@@ -12,8 +12,8 @@ core leaves free (`trim`).
 
 Clients keep their mappings of the store's segments too (`SegmentMaps`), since the store reuses them: with
 4 KiB tmpfs pages, mapping and unmapping a segment per transfer (or a pwrite, which does the same per-page
-work) costs about as much as the copy. A client copies with the CRC32C fused in (`copy_with_crc`), on two
-threads for large objects.
+work) costs about as much as the copy. A client copies with the CRC32C fused in (`copy_with_crc`: one C
+pass, copy_crc.c, where it builds), on two threads for large objects.
 
 Python's multiprocessing.shared_memory is not used: it registers every segment with the resource
 tracker, which unlinks (and warns about) segments the store still owns when a client exits.
@@ -36,6 +36,7 @@ from pathlib import Path
 
 import numpy as np
 
+from pcpstack.kvstore import copy_crc
 from pcpstack.kvstore.checksum import crc32c, crc32c_combine, crc32c_two_threads
 from pcpstack.kvstore.ranges import ByteRange, gather_with_crc
 
@@ -217,8 +218,14 @@ _PARALLEL_MIN_BYTES = 16 << 20  # below this a second thread costs more than it 
 
 
 def _copy_spans(spans: Sequence[tuple[memoryview, memoryview]], crc_of_copy: bool) -> int:
-    """Copies each (dst, src) span in order and returns the CRC32C of the bytes, piece by piece."""
+    """Copies each (dst, src) span in order and returns the CRC32C of the bytes: in one pass with the
+    fused C copy, else piece by piece."""
     crc = 0
+    fused = copy_crc.library()
+    if fused is not None:  # its CRC is of each word as loaded and stored: the source's and the copy's
+        for dst, src in spans:
+            crc = copy_crc.copy_crc32c(fused, dst, src, crc)
+        return crc
     for dst, src in spans:
         for start in range(0, len(src), _FUSED_CHUNK):
             to, piece = dst[start : start + _FUSED_CHUNK], src[start : start + _FUSED_CHUNK]

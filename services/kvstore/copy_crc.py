@@ -1,0 +1,129 @@
+"""Builds and loads copy_crc.c: a copy that computes the CRC32C of the bytes in the same pass.
+
+The library is compiled on first use with the machine's C compiler (SSE4.2's crc32 and PCLMULQDQ, which
+every x86-64 CPU of the last decade has) and cached under `~/.cache/pcpstack/kernels` (or
+$PCPSTACK_KERNEL_CACHE, the engine's kernels' cache) by a hash of the source, flags and compiler, so
+every process after the first loads it in milliseconds. ctypes releases the GIL during the call, so two
+threads copy at once.
+
+PCPSTACK_COPY_CRC=0 never builds it. Where it is off, the CPU lacks the instructions or no compiler
+works, `library()` is None and shm.py copies with numpy and checksums with the crc32c package: same
+bytes, same CRC.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+import hashlib
+import logging
+import os
+import platform
+import shutil
+import subprocess
+import tempfile
+from pathlib import Path
+
+import numpy as np
+
+log = logging.getLogger(__name__)
+
+SOURCE = Path(__file__).with_name("copy_crc.c")
+ENABLE_ENV = "PCPSTACK_COPY_CRC"
+CACHE_ENV = "PCPSTACK_KERNEL_CACHE"
+_FLAGS = ("-O3", "-msse4.2", "-mpclmul", "-shared", "-fPIC")
+_CPU_FLAGS_NEEDED = ("sse4_2", "pclmulqdq")
+
+
+def _cpu_has_instructions() -> bool:
+    if platform.machine() not in ("x86_64", "AMD64"):
+        return False
+    try:
+        cpuinfo = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return False
+    for line in cpuinfo.splitlines():
+        if line.startswith("flags"):
+            flags = set(line.split(":", 1)[1].split())
+            return all(flag in flags for flag in _CPU_FLAGS_NEEDED)
+    return False
+
+
+def _cache_dir() -> Path:
+    if os.environ.get(CACHE_ENV):
+        return Path(os.environ[CACHE_ENV])
+    try:
+        return Path.home() / ".cache" / "pcpstack" / "kernels"
+    except RuntimeError:  # no home directory (a container user without a passwd entry)
+        return Path(tempfile.gettempdir()) / f"pcpstack-kernels-{os.getuid()}"
+
+
+def _library_path(compiler: str) -> Path:
+    version = subprocess.run([compiler, "--version"], capture_output=True, text=True, check=True).stdout
+    key = hashlib.sha256("\0".join((SOURCE.read_text(), " ".join(_FLAGS), version)).encode()).hexdigest()
+    return _cache_dir() / f"copy_crc-{key[:16]}.so"
+
+
+def _build(compiler: str, target: Path) -> None:
+    target.parent.mkdir(parents=True, exist_ok=True)
+    # Compile beside the target and rename: processes starting together never load a half-written file.
+    with tempfile.NamedTemporaryFile(dir=target.parent, suffix=".so", delete=False) as tmp:
+        partial = Path(tmp.name)
+    try:
+        subprocess.run(
+            [compiler, *_FLAGS, "-o", str(partial), str(SOURCE)],
+            capture_output=True,
+            text=True,
+            check=True,
+            timeout=120,
+        )
+        partial.replace(target)
+    finally:
+        partial.unlink(missing_ok=True)
+
+
+@functools.cache
+def library() -> ctypes.CDLL | None:
+    """The fused copy, built first if needed; None when switched off, when the CPU lacks SSE4.2 or
+    PCLMULQDQ, or when no compiler can build it (callers then take the numpy + crc32c path)."""
+    setting = os.environ.get(ENABLE_ENV, "")
+    if setting not in ("", "0", "1"):
+        raise ValueError(f"{ENABLE_ENV} must be 0 (off) or 1 (on), got {setting!r}")
+    if setting == "0":
+        return None
+    if not _cpu_has_instructions():
+        log.info("this CPU lacks SSE4.2 crc32 or PCLMULQDQ: KV copies use numpy and the crc32c package")
+        return None
+    compiler = os.environ.get("CC") or shutil.which("gcc") or shutil.which("cc")
+    if compiler is None:
+        log.warning("no C compiler found: KV copies use numpy and the crc32c package (slower)")
+        return None
+    try:
+        path = _library_path(compiler)
+        if not path.exists():
+            _build(compiler, path)
+        lib = ctypes.CDLL(str(path))
+    except (OSError, subprocess.SubprocessError) as error:
+        detail = getattr(error, "stderr", "") or error
+        log.warning("fused copy unavailable, KV copies use numpy and the crc32c package (slower): %s", detail)
+        return None
+    lib.copy_crc32c.argtypes = (ctypes.c_void_p, ctypes.c_void_p, ctypes.c_size_t, ctypes.c_uint32)
+    lib.copy_crc32c.restype = ctypes.c_uint32
+    return lib
+
+
+def _address(buffer) -> int:
+    """Address of a contiguous buffer's first byte (read-only ones too)."""
+    return np.frombuffer(buffer, np.uint8).ctypes.data if len(buffer) else 0
+
+
+def copy_crc32c(lib: ctypes.CDLL, dst: memoryview, src: memoryview, value: int = 0) -> int:
+    """Copies src into dst (of the same length) and returns the CRC32C of the bytes, continuing from
+    value; the GIL is released for the copy."""
+    if dst.nbytes != src.nbytes:
+        raise ValueError(f"dst holds {dst.nbytes} bytes, src {src.nbytes}: a copy needs equal lengths")
+    if dst.readonly:
+        raise ValueError("dst is read-only")
+    if not src.nbytes:
+        return value
+    return lib.copy_crc32c(_address(dst), _address(src), src.nbytes, value)

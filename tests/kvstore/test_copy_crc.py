@@ -1,0 +1,106 @@
+"""The fused C copy (copy_crc.c) against the crc32c package and numpy's copy, and the fallback without it."""
+
+from __future__ import annotations
+
+import os
+import shutil
+
+import crc32c
+import numpy as np
+import pytest
+
+from pcpstack.kvstore import copy_crc
+from pcpstack.kvstore.shm import copy_with_crc
+
+_CAN_BUILD = copy_crc._cpu_has_instructions() and bool(
+    os.environ.get("CC") or shutil.which("gcc") or shutil.which("cc")
+)
+needs_build = pytest.mark.skipif(not _CAN_BUILD, reason="no C compiler or no SSE4.2/PCLMULQDQ here")
+
+
+@pytest.fixture
+def fresh_library(monkeypatch):
+    """library() decided again under the test's environment, and again after it."""
+    copy_crc.library.cache_clear()
+    yield monkeypatch
+    monkeypatch.undo()
+    copy_crc.library.cache_clear()
+
+
+def _random(size: int, seed: int) -> np.ndarray:
+    return np.random.default_rng(seed).integers(0, 256, size, dtype=np.uint8)
+
+
+# Around the lane block (3 x 4096 bytes), the 8-byte word and the streaming threshold (4 MiB).
+_LENGTHS = [0, 1, 7, 8, 63, 4095, 12287, 12288, 12289, 3 * 12288 + 13, (4 << 20) + 3, (5 << 20) + 12288]
+
+
+@needs_build
+@pytest.mark.parametrize("length", _LENGTHS)
+@pytest.mark.parametrize("start", [0, 1, 3, 8])
+def test_fused_copy_equals_numpy_copy_and_crc32c_package(length: int, start: int) -> None:
+    lib = copy_crc.library()
+    assert lib is not None
+    source = _random(length + 16, length + start)
+    target = np.zeros(length + 16, np.uint8)
+    src, dst = memoryview(source)[start : start + length], memoryview(target)[start : start + length]
+    for value in (0, 0x12345678):
+        target[:] = 0
+        assert copy_crc.copy_crc32c(lib, dst, src, value) == crc32c.crc32c(src, value)
+        assert bytes(target[start : start + length]) == bytes(src)
+        assert not target[:start].any() and not target[start + length :].any()  # nothing written outside
+
+
+@needs_build
+def test_fused_copy_reads_read_only_sources() -> None:
+    lib = copy_crc.library()
+    assert lib is not None
+    data = bytes(_random(100_003, 1))
+    out = bytearray(len(data))
+    assert copy_crc.copy_crc32c(lib, memoryview(out), memoryview(data)) == crc32c.crc32c(data)
+    assert out == data
+
+
+@needs_build
+def test_fused_copy_refuses_unequal_lengths_and_read_only_targets() -> None:
+    lib = copy_crc.library()
+    assert lib is not None
+    with pytest.raises(ValueError, match="equal lengths"):
+        copy_crc.copy_crc32c(lib, memoryview(bytearray(9)), memoryview(bytes(8)))
+    with pytest.raises(ValueError, match="read-only"):
+        copy_crc.copy_crc32c(lib, memoryview(bytes(8)), memoryview(bytes(8)))
+
+
+def _pieces() -> list[np.ndarray]:
+    # Odd lengths over 16 MiB in all, so copy_with_crc splits them over two threads inside a piece.
+    return [_random(n, n) for n in (1, 4095, (9 << 20) + 7, 12289, (8 << 20) + 63)]
+
+
+@pytest.mark.parametrize("crc_of_copy", [False, True])
+@pytest.mark.parametrize("fused", [pytest.param(True, marks=needs_build), False])
+def test_copy_with_crc_of_pieces_on_two_threads(fresh_library, fused: bool, crc_of_copy: bool) -> None:
+    fresh_library.setenv(copy_crc.ENABLE_ENV, "1" if fused else "0")
+    assert (copy_crc.library() is not None) == fused
+    pieces = _pieces()
+    whole = np.concatenate(pieces)
+    out = np.zeros(whole.size, np.uint8)
+    crc = copy_with_crc(memoryview(out), [memoryview(p) for p in pieces], crc_of_copy=crc_of_copy)
+    assert crc == crc32c.crc32c(whole)
+    assert np.array_equal(out, whole)
+
+
+def test_forbidding_the_build_leaves_the_numpy_path(fresh_library, tmp_path) -> None:
+    fresh_library.setenv(copy_crc.ENABLE_ENV, "0")
+    fresh_library.setenv(copy_crc.CACHE_ENV, str(tmp_path))
+    assert copy_crc.library() is None
+    data = _random(1 << 20, 7)
+    out = bytearray(data.size)
+    assert copy_with_crc(memoryview(out), [memoryview(data)]) == crc32c.crc32c(data)
+    assert out == data.tobytes()
+    assert not list(tmp_path.iterdir())  # nothing was built
+
+
+def test_bad_setting_is_refused_naming_the_variable(fresh_library) -> None:
+    fresh_library.setenv(copy_crc.ENABLE_ENV, "yes")
+    with pytest.raises(ValueError, match="PCPSTACK_COPY_CRC must be 0"):
+        copy_crc.library()
