@@ -2,6 +2,7 @@
 
 `crc32c_combine` is zlib's crc32_combine (multiplication modulo the generator polynomial in GF(2)) for the
 Castagnoli polynomial, so a writer or reader that checks every chunk gets the object's CRC for free.
+The CRC itself is copy_crc.c's for large buffers where that library builds, else the crc32c package's.
 """
 
 from __future__ import annotations
@@ -11,11 +12,20 @@ from functools import lru_cache
 
 import crc32c as _crc32c
 
+from pcpstack.kvstore import copy_crc
+
 _POLY = 0x82F63B78  # CRC-32C (Castagnoli), bit-reflected
 
 
+_C_MIN_BYTES = 64 << 10  # below this the ctypes call costs more than the C loop saves
+
+
 def crc32c(data, value: int = 0) -> int:
-    """CRC32C of a bytes-like object, continuing from value (the GIL is released for large buffers)."""
+    """CRC32C of a bytes-like object, continuing from value (the GIL is released for large buffers):
+    copy_crc.c's loop where it is built, else the crc32c package."""
+    lib = copy_crc.library()
+    if lib is not None and memoryview(data).nbytes >= _C_MIN_BYTES:
+        return copy_crc.crc32c(lib, data, value)
     return _crc32c.crc32c(data, value)
 
 
@@ -23,8 +33,8 @@ _SPLIT_MIN_BYTES = 16 << 20  # below this a second thread costs more than it sav
 
 
 def crc32c_two_threads(data: memoryview) -> int:
-    """CRC32C of a large buffer, its halves checksummed at once on two threads (the library releases the
-    GIL) and combined: ~1.5x faster than one pass when the second core is free."""
+    """CRC32C of a large buffer, its halves checksummed at once on two threads (both the C loop and the
+    package release the GIL) and combined: ~1.5x faster than one pass when the second core is free."""
     if len(data) < _SPLIT_MIN_BYTES:
         return crc32c(data)
     half = len(data) // 2

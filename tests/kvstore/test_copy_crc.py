@@ -1,4 +1,4 @@
-"""The fused C copy (copy_crc.c) against the crc32c package and numpy's copy, and the fallback without it."""
+"""The C copy and CRC (copy_crc.c) against the crc32c package and numpy, and the fallback without it."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ import crc32c
 import numpy as np
 import pytest
 
-from pcpstack.kvstore import copy_crc
+from pcpstack.kvstore import checksum, copy_crc
 from pcpstack.kvstore.shm import copy_with_crc
 
 _CAN_BUILD = copy_crc._cpu_has_instructions() and bool(
@@ -49,6 +49,26 @@ def test_fused_copy_equals_numpy_copy_and_crc32c_package(length: int, start: int
         assert copy_crc.copy_crc32c(lib, dst, src, value) == crc32c.crc32c(src, value)
         assert bytes(target[start : start + length]) == bytes(src)
         assert not target[:start].any() and not target[start + length :].any()  # nothing written outside
+
+
+@needs_build
+@pytest.mark.parametrize("length", _LENGTHS)
+@pytest.mark.parametrize("start", [0, 1, 3])
+def test_c_crc_equals_crc32c_package(length: int, start: int) -> None:
+    lib = copy_crc.library()
+    assert lib is not None
+    data = memoryview(_random(length + 8, length))[start : start + length]
+    for value in (0, 0x9ABCDEF0):
+        assert copy_crc.crc32c(lib, data, value) == crc32c.crc32c(data, value)
+
+
+@pytest.mark.parametrize("fused", [pytest.param(True, marks=needs_build), False])
+def test_checksum_crc32c_of_large_and_small_buffers(fresh_library, fused: bool) -> None:
+    fresh_library.setenv(copy_crc.ENABLE_ENV, "1" if fused else "0")
+    assert (copy_crc.library() is not None) == fused
+    for data in (_random(100, 3), _random((1 << 20) + 5, 4), _random((17 << 20) + 1, 5)):
+        assert checksum.crc32c(data, 77) == crc32c.crc32c(data, 77)
+        assert checksum.crc32c_two_threads(memoryview(data)) == crc32c.crc32c(data)
 
 
 @needs_build
