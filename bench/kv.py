@@ -20,6 +20,7 @@ import time
 from bench.machine import machine_facts
 from pcpstack.cli.launch import spawn_and_wait_listening
 from pcpstack.common.tunables import ensure_glibc_tunables
+from pcpstack.kvstore.stream import DEFAULT_CHUNK_BYTES
 
 _UNITS = {
     "": 1,
@@ -46,7 +47,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     """Adds the benchmark's options."""
     parser.add_argument("--bytes", type=parse_size, default=256 << 20, help="object size (e.g. 256MiB)")
     parser.add_argument("--repeats", type=int, default=5, help="puts and gets per path")
-    parser.add_argument("--chunk-bytes", type=parse_size, default=1 << 20, help="chunk size on the gRPC path")
+    parser.add_argument(
+        "--chunk-bytes", type=parse_size, default=DEFAULT_CHUNK_BYTES, help="chunk size on the gRPC path"
+    )
 
 
 def _start_store(capacity: int) -> tuple[subprocess.Popen, str]:

@@ -47,7 +47,7 @@ from pcpstack.kvstore.errors import (
     ProtocolError,
 )
 from pcpstack.kvstore.ranges import ByteRange, ByteRepeat, selection_bytes
-from pcpstack.kvstore.shm import ReceiveBuffers, SegmentMaps, shares_memory_with
+from pcpstack.kvstore.shm import ReceiveBuffers, SegmentMaps, copy_with_crc, shares_memory_with
 from pcpstack.kvstore.stream import DEFAULT_CHUNK_BYTES, ChunkReceiver, ChunkSender, verify_object
 from pcpstack.kvstore.wire import SERVICE_NAME, body_of, chunk_of, parse_with, serialize
 from pcpstack.v1 import kvstore_pb2 as pb
@@ -319,10 +319,10 @@ class KvStoreClient:
     ) -> memoryview:
         data = self._buffers.take(size)
 
-        def write(offset: int, chunk: bytes | memoryview) -> None:
-            data[offset : offset + len(chunk)] = chunk
+        def copy(offset: int, chunk: memoryview) -> int:
+            return copy_with_crc(data[offset : offset + len(chunk)], [chunk])
 
-        receiver = ChunkReceiver(key, size, chunk_size, write, malformed=ProtocolError)
+        receiver = ChunkReceiver(key, size, chunk_size, copy, malformed=ProtocolError)
         while (message := await call.read()) is not grpc.aio.EOF:
             if body_of(message) != "chunk":
                 raise ProtocolError(f"store sent {body_of(message)} among the chunks of {key!r}")

@@ -24,7 +24,7 @@ from pcpstack.common.server import RunningServer, ServerOptions, start_server
 from pcpstack.common.telemetry import meter
 from pcpstack.kvstore.errors import CapacityExceeded, InvalidArgument
 from pcpstack.kvstore.ranges import ByteRange, check_ranges, gather_with_crc
-from pcpstack.kvstore.shm import Segment, SegmentStore, anonymous_buffer
+from pcpstack.kvstore.shm import Segment, SegmentStore, anonymous_buffer, copy_with_crc
 from pcpstack.kvstore.store import (
     DEFAULT_MAX_LEASE_MS,
     KvStore,
@@ -171,12 +171,12 @@ class KvStoreServicer(kvstore_pb2_grpc.KvStoreServiceServicer):
         segment: Segment | None,
         chunk_size: int,
     ) -> int:
+        def copy(offset: int, data: memoryview) -> int:
+            with segment.view(offset, len(data)) as place:
+                return copy_with_crc(place, [data])
+
         receiver = ChunkReceiver(
-            pending.key,
-            pending.total_bytes,
-            chunk_size,
-            write=lambda offset, data: segment.write(offset, data),
-            malformed=InvalidArgument,
+            pending.key, pending.total_bytes, chunk_size, copy, malformed=InvalidArgument
         )
         async for message in requests:
             kind = body_of(message)

@@ -6,6 +6,10 @@ is combined from theirs without a second pass. The receiving end (`ChunkReceiver
 client on a Get) checks the same rules in the same order and ends with the object's CRC compared with the
 one its peer announced. Only who is blamed differs: a store refuses a writer's malformed stream as an
 InvalidArgument; a client that reads a malformed stream from the store raises a ProtocolError.
+
+A receiver checks a chunk's CRC32C as it copies the chunk into place (one pass over the bytes, not two), so
+a chunk that fails its check has already landed; the whole transfer is then refused and its destination
+(a put's pending segment, a get's buffer) is never shown to anyone.
 """
 
 from __future__ import annotations
@@ -18,7 +22,9 @@ from pcpstack.kvstore.errors import ChecksumMismatch
 from pcpstack.kvstore.wire import Chunk, encode_chunk
 from pcpstack.v1 import kvstore_pb2 as pb
 
-DEFAULT_CHUNK_BYTES = 1 << 20  # measured best of 512 KiB..16 MiB on the gRPC path here
+# Measured best of 1..8 MiB on the gRPC path here (CPU of both ends per 256 MiB): fewer messages to handle,
+# and a receiver's copy into place this large streams past the cache.
+DEFAULT_CHUNK_BYTES = 4 << 20
 
 
 def verify_object(key: str, actual: int, announced: int, announced_by: str) -> int:
@@ -57,7 +63,8 @@ class ChunkSender:
 
 
 class ChunkReceiver:
-    """Checks the chunks of one object as they arrive and hands their bytes to `write(offset, data)`.
+    """Checks the chunks of one object as they arrive; `copy(offset, data)` puts a chunk's bytes in place
+    and returns their CRC32C, which the receiver compares with the one the chunk carries.
 
     malformed: the error kind for a stream that breaks the rules (the peer's fault).
     """
@@ -67,19 +74,19 @@ class ChunkReceiver:
         key: str,
         total_bytes: int,
         chunk_size: int,
-        write: Callable[[int, bytes | memoryview], None],
+        copy: Callable[[int, memoryview], int],
         malformed: type[ServiceError],
     ) -> None:
         self.key = key
         self.total_bytes = total_bytes
         self.chunk_size = chunk_size
         self.received = 0
-        self._write = write
+        self._copy = copy
         self._malformed = malformed
         self._crc = 0
 
     def add(self, chunk: pb.PutChunk | Chunk) -> None:
-        """Checks one chunk (its offset, its size, its CRC32C) and writes its bytes."""
+        """Checks one chunk's offset and size, copies its bytes into place and checks their CRC32C."""
         expected = min(self.chunk_size, self.total_bytes - self.received)
         if chunk.offset != self.received:
             raise self._malformed(
@@ -91,13 +98,12 @@ class ChunkReceiver:
                 f"chunk at offset {chunk.offset} of key {self.key!r} has {len(chunk.data)} bytes; expected "
                 f"{expected} (chunk_size={self.chunk_size}, total_bytes={self.total_bytes})"
             )
-        chunk_crc = crc32c(chunk.data)
+        chunk_crc = self._copy(self.received, memoryview(chunk.data))
         if chunk_crc != chunk.crc32c:
             raise ChecksumMismatch(
                 f"chunk at offset {chunk.offset} of key {self.key!r} has CRC32C {chunk_crc:#010x}, "
                 f"message says {chunk.crc32c:#010x}"
             )
-        self._write(self.received, chunk.data)
         self._crc = crc32c_combine(self._crc, chunk_crc, expected)
         self.received += expected
 

@@ -25,10 +25,11 @@ def _chunks(data: bytes, chunk_size: int) -> tuple[list[pb.PutChunk], int]:
 
 
 def _receiver(total: int, chunk_size: int, into: bytearray) -> ChunkReceiver:
-    def write(offset: int, data: bytes) -> None:
+    def copy(offset: int, data: memoryview) -> int:
         into[offset : offset + len(data)] = data
+        return crc32c(into[offset : offset + len(data)])
 
-    return ChunkReceiver("k", total, chunk_size, write, malformed=ProtocolError)
+    return ChunkReceiver("k", total, chunk_size, copy, malformed=ProtocolError)
 
 
 @given(st.binary(max_size=2000), st.integers(1, 300))
