@@ -5,7 +5,8 @@ A `ByteRange` is a piece of `length` bytes repeated on nested strides, like an a
 blocks of one K/V head range in every (layer, K/V) plane fit in one such range, so a rank's share of a
 replica is a handful of ranges rather than one per block. The store checks a request's ranges once
 (`check_ranges`, INVALID_ARGUMENT naming the field) and both ends gather with the same function
-(`gather`), so the reader's copy and the store's checksum cover the same bytes in the same order.
+(`gather_with_crc`), so the reader's copy and the store's checksum cover the same bytes in the same
+order; where copy_crc.c is built it copies and checksums each range's pieces in one pass.
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from pcpstack.kvstore import copy_crc
 from pcpstack.kvstore.checksum import crc32c_two_threads
 from pcpstack.kvstore.errors import InvalidArgument
 from pcpstack.v1 import kvstore_pb2 as pb
@@ -122,7 +124,23 @@ def gather(source, ranges: Sequence[ByteRange], out) -> None:
 
 
 def gather_with_crc(source, ranges: Sequence[ByteRange], out) -> int:
-    """gather, then the CRC32C of what was gathered (out's first selection_bytes(ranges) bytes)."""
-    gather(source, ranges, out)
-    with memoryview(out) as view, view[: selection_bytes(ranges)] as selected:
-        return crc32c_two_threads(selected.cast("B") if selected.format != "B" else selected)
+    """gather, and the CRC32C of what was gathered (out's first selection_bytes(ranges) bytes): in one
+    pass per range with copy_crc.c where it is built, else gather then checksum."""
+    lib = copy_crc.library()
+    if lib is None:
+        gather(source, ranges, out)
+        with memoryview(out) as view, view[: selection_bytes(ranges)] as selected:
+            return crc32c_two_threads(_bytes(selected))
+    crc, at = 0, 0
+    with memoryview(source) as src_view, memoryview(out) as out_view:
+        src, dst = _bytes(src_view), _bytes(out_view)
+        for byte_range in ranges:
+            repeats = [(repeat.stride, repeat.count) for repeat in byte_range.repeats]
+            piece = dst[at : at + byte_range.nbytes]
+            crc = copy_crc.gather_crc32c(lib, piece, src, byte_range.offset, byte_range.length, repeats, crc)
+            at += byte_range.nbytes
+    return crc
+
+
+def _bytes(view: memoryview) -> memoryview:
+    return view if view.format == "B" else view.cast("B")

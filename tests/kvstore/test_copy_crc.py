@@ -10,6 +10,7 @@ import numpy as np
 import pytest
 
 from pcpstack.kvstore import checksum, copy_crc
+from pcpstack.kvstore.ranges import ByteRange, ByteRepeat, gather_with_crc
 from pcpstack.kvstore.shm import copy_with_crc
 
 _CAN_BUILD = copy_crc._cpu_has_instructions() and bool(
@@ -124,3 +125,44 @@ def test_bad_setting_is_refused_naming_the_variable(fresh_library) -> None:
     fresh_library.setenv(copy_crc.ENABLE_ENV, "yes")
     with pytest.raises(ValueError, match="PCPSTACK_COPY_CRC must be 0"):
         copy_crc.library()
+
+
+def _numpy_gather(source: np.ndarray, byte_range: ByteRange) -> np.ndarray:
+    """The range's pieces, one after another, picked by plain indexing."""
+    starts = np.array([byte_range.offset])
+    for repeat in byte_range.repeats:  # outermost first: row-major order of the pieces
+        starts = (starts[:, None] + np.arange(repeat.count) * repeat.stride).reshape(-1)
+    return np.concatenate([source[s : s + byte_range.length] for s in starts])
+
+
+_RANGES = [
+    ByteRange(5, 1),
+    ByteRange(3, 4099, (ByteRepeat(10_000, 7),)),
+    ByteRange(1, 63, (ByteRepeat(70_001, 3), ByteRepeat(128, 5), ByteRepeat(64, 2))),
+    ByteRange(17, 13_000, (ByteRepeat(1 << 20, 4), ByteRepeat(20_000, 3))),
+    ByteRange(11, (4 << 20) + 9, (ByteRepeat((4 << 20) + 100, 2),)),  # pieces past the streaming size
+]
+
+
+@pytest.mark.parametrize("fused", [pytest.param(True, marks=needs_build), False])
+def test_gather_with_crc_copies_and_checksums_each_ranges_pieces(fresh_library, fused: bool) -> None:
+    fresh_library.setenv(copy_crc.ENABLE_ENV, "1" if fused else "0")
+    assert (copy_crc.library() is not None) == fused
+    source = _random(9 << 20, 11)
+    expected = np.concatenate([_numpy_gather(source, r) for r in _RANGES])
+    out = np.zeros(expected.size + 5, np.uint8)
+    assert gather_with_crc(memoryview(source), _RANGES, memoryview(out)) == crc32c.crc32c(expected)
+    assert np.array_equal(out[: expected.size], expected) and not out[expected.size :].any()
+
+
+@needs_build
+def test_c_gather_refuses_a_range_beyond_its_source_or_a_wrong_sized_target() -> None:
+    lib = copy_crc.library()
+    assert lib is not None
+    src, dst = memoryview(bytes(100)), memoryview(bytearray(30))
+    with pytest.raises(ValueError, match="ends at byte 101"):
+        copy_crc.gather_crc32c(lib, dst, src, 1, 10, [(45, 3)])
+    with pytest.raises(ValueError, match="selects 20"):
+        copy_crc.gather_crc32c(lib, dst, src, 0, 10, [(45, 2)])
+    with pytest.raises(ValueError, match="at most 8"):
+        copy_crc.gather_crc32c(lib, dst[:10], src, 0, 10, [(0, 1)] * 9)
