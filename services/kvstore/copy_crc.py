@@ -8,9 +8,10 @@ $PCPSTACK_KERNEL_CACHE, the engine's kernels' cache) by a hash of the source, fl
 every process after the first loads it in milliseconds. ctypes releases the GIL during the call, so two
 threads copy at once.
 
-PCPSTACK_COPY_CRC=0 never builds it. Where it is off, the CPU lacks the instructions or no compiler
-works, `library()` is None: shm.py and ranges.py copy with numpy and checksum.py uses the crc32c
-package (same bytes, same CRC).
+PCPSTACK_COPY_CRC=0 never builds it; =1 requires it (an error where it cannot be had); unset uses it
+where it builds. Where it is off, the CPU lacks the instructions or no compiler works, `library()` is
+None: shm.py and ranges.py copy with numpy and checksum.py uses the crc32c package (same bytes, same
+CRC).
 """
 
 from __future__ import annotations
@@ -89,29 +90,37 @@ def _build(compiler: str, target: Path) -> None:
 
 @functools.cache
 def library() -> ctypes.CDLL | None:
-    """The fused copy, built first if needed; None when switched off, when the CPU lacks AVX2, SSE4.2 or
-    PCLMULQDQ, or when no compiler can build it (callers then take the numpy + crc32c path)."""
+    """The fused copy, built first if needed; None when switched off, or (unless PCPSTACK_COPY_CRC=1
+    demands it) when the CPU lacks AVX2, SSE4.2 or PCLMULQDQ or no compiler can build it: callers then
+    take the numpy + crc32c path."""
     setting = os.environ.get(ENABLE_ENV, "")
     if setting not in ("", "0", "1"):
-        raise ValueError(f"{ENABLE_ENV} must be 0 (off) or 1 (on), got {setting!r}")
+        raise ValueError(f"{ENABLE_ENV} must be 0 (off) or 1 (required), or unset, got {setting!r}")
     if setting == "0":
         return None
-    if not _cpu_has_instructions():
-        log.info("this CPU lacks AVX2, SSE4.2 crc32 or PCLMULQDQ: KV copies use numpy and the crc32c package")
+    lib, missing = _load()
+    if lib is None:
+        if setting == "1":
+            raise RuntimeError(f"{ENABLE_ENV}=1 but the fused copy is unavailable: {missing}")
+        log.warning("KV copies use numpy and the crc32c package (slower): %s", missing)
         return None
+    return lib
+
+
+def _load() -> tuple[ctypes.CDLL | None, str]:
+    """The library, or None and why not."""
+    if not _cpu_has_instructions():
+        return None, "this CPU lacks AVX2, SSE4.2's crc32 or PCLMULQDQ"
     compiler = os.environ.get("CC") or shutil.which("gcc") or shutil.which("cc")
     if compiler is None:
-        log.warning("no C compiler found: KV copies use numpy and the crc32c package (slower)")
-        return None
+        return None, "no C compiler found"
     try:
         path = _library_path(compiler)
         if not path.exists():
             _build(compiler, path)
         lib = ctypes.CDLL(str(path))
     except (OSError, subprocess.SubprocessError) as error:
-        detail = getattr(error, "stderr", "") or error
-        log.warning("fused copy unavailable, KV copies use numpy and the crc32c package (slower): %s", detail)
-        return None
+        return None, f"building or loading {SOURCE.name} failed: {getattr(error, 'stderr', '') or error}"
     lib.copy_crc32c.argtypes = (ctypes.c_void_p, ctypes.c_void_p, ctypes.c_size_t, ctypes.c_uint32)
     lib.copy_crc32c.restype = ctypes.c_uint32
     lib.crc32c.argtypes = (ctypes.c_void_p, ctypes.c_size_t, ctypes.c_uint32)
@@ -127,7 +136,7 @@ def library() -> ctypes.CDLL | None:
         ctypes.c_uint32,
     )
     lib.gather_crc32c.restype = ctypes.c_uint32
-    return lib
+    return lib, ""
 
 
 def _address(buffer) -> int:

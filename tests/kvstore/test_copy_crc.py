@@ -121,6 +121,21 @@ def test_forbidding_the_build_leaves_the_numpy_path(fresh_library, tmp_path) -> 
     assert not list(tmp_path.iterdir())  # nothing was built
 
 
+def test_without_a_compiler_the_numpy_path_serves_unless_the_c_path_is_required(fresh_library, tmp_path):
+    fresh_library.setenv("CC", str(tmp_path / "no-such-cc"))
+    fresh_library.setenv(copy_crc.CACHE_ENV, str(tmp_path))  # no library built earlier to load
+    fresh_library.delenv(copy_crc.ENABLE_ENV, raising=False)
+    assert copy_crc.library() is None
+    data = _random((17 << 20) + 3, 9)
+    out = bytearray(data.size)
+    assert copy_with_crc(memoryview(out), [memoryview(data)]) == crc32c.crc32c(data)
+    assert out == data.tobytes()
+    copy_crc.library.cache_clear()
+    fresh_library.setenv(copy_crc.ENABLE_ENV, "1")
+    with pytest.raises(RuntimeError, match="PCPSTACK_COPY_CRC=1 but the fused copy is unavailable"):
+        copy_crc.library()
+
+
 def test_bad_setting_is_refused_naming_the_variable(fresh_library) -> None:
     fresh_library.setenv(copy_crc.ENABLE_ENV, "yes")
     with pytest.raises(ValueError, match="PCPSTACK_COPY_CRC must be 0"):
