@@ -25,23 +25,35 @@ from pcpstack.engine.rope import NO_SCALING, rotation
 
 class Linear(nn.Linear):
     """nn.Linear that runs few-row inputs (decode) on the weight's quantized blocks when it has them. With
-    `keep_blocks` the blocks are its only copy of the weight (`weight` is None): more rows dequantize them
-    per call (quant.project)."""
+    `keep_blocks` the blocks are its only stored copy of the weight (`weight` is None): more rows take the
+    blocks dequantized (quant.project), once and kept with `keep_dequantized`, else again on every call."""
 
     blocks: BlockWeight | None = None
+    keep_dequantized: bool = False
+    # With `keep_dequantized`: the fp32 weight dequantized from `blocks` for the first long input.
+    dequantized: torch.Tensor | None = None
 
-    def keep_blocks(self, blocks: BlockWeight, dense: bool) -> None:
-        """Use `blocks` for few rows; without `dense`, hold no dense weight (load no `weight` then)."""
-        self.blocks = blocks
+    def keep_blocks(self, blocks: BlockWeight, dense: bool, keep_dequantized: bool = False) -> None:
+        """Use `blocks` for few rows; without `dense`, hold no dense weight (load no `weight` then), and with
+        `keep_dequantized` keep the dense weight that long inputs dequantize from the blocks."""
+        self.blocks, self.keep_dequantized = blocks, keep_dequantized
         if not dense:
             self.weight = None
 
     def dense_weight(self) -> torch.Tensor:
-        """The weight as the dense matmul uses it: the kept one, or the blocks dequantized (a temporary)."""
-        return self.weight if self.weight is not None else self.blocks.dequantize()
+        """The weight as the dense matmul uses it: the loaded one, the cached one, or the blocks dequantized
+        (kept with `keep_dequantized`, else a temporary)."""
+        if self.weight is not None:
+            return self.weight
+        if self.dequantized is not None:
+            return self.dequantized
+        weight = self.blocks.dequantize()
+        if self.keep_dequantized:
+            self.dequantized = weight
+        return weight
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = project(x, self.weight, self.blocks)
+        y = project(x, self.weight, self.blocks, self.dense_weight)
         return y if self.bias is None else y + self.bias
 
 

