@@ -9,6 +9,7 @@ from hypothesis import strategies as st
 
 from pcpstack.kvstore.checksum import crc32c
 from pcpstack.kvstore.errors import ChecksumMismatch, ProtocolError
+from pcpstack.kvstore.shm import copy_with_crc
 from pcpstack.kvstore.stream import ChunkReceiver, ChunkSender
 from pcpstack.v1 import kvstore_pb2 as pb
 
@@ -70,3 +71,29 @@ def test_stream_that_ends_early_or_announces_another_crc_is_refused():
         whole.add(chunk)
     with pytest.raises(ChecksumMismatch, match="the sender says"):
         whole.finish(crc ^ 1, "the sender")
+
+
+def _fused_receiver(total: int, chunk_size: int, place: memoryview) -> ChunkReceiver:
+    """A receiver copying as the store and the client do: the CRC32C comes from the pass that copies."""
+
+    def copy(offset: int, data: memoryview) -> int:
+        return copy_with_crc(place[offset : offset + len(data)], [data])
+
+    return ChunkReceiver("k", total, chunk_size, copy, malformed=ProtocolError)
+
+
+def test_receiver_copying_with_the_fused_copy_lands_every_byte_and_refuses_a_corrupt_chunk():
+    data = bytes(range(256)) * 4099  # not a multiple of the chunk size
+    chunks, crc = _chunks(data, 65_537)
+    out = bytearray(len(data))
+    receiver = _fused_receiver(len(data), 65_537, memoryview(out))
+    for chunk in chunks:
+        receiver.add(chunk)
+    assert receiver.finish(crc, "the sender") == crc
+    assert bytes(out) == data
+    chunks[3].data = chunks[3].data[:-1] + bytes([chunks[3].data[-1] ^ 1])
+    again = _fused_receiver(len(data), 65_537, memoryview(bytearray(len(data))))
+    for chunk in chunks[:3]:
+        again.add(chunk)
+    with pytest.raises(ChecksumMismatch, match=f"offset {3 * 65_537}"):
+        again.add(chunks[3])
