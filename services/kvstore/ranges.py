@@ -13,12 +13,13 @@ from __future__ import annotations
 
 import math
 from collections.abc import Sequence
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
 import numpy as np
 
 from pcpstack.kvstore import copy_crc
-from pcpstack.kvstore.checksum import crc32c_two_threads
+from pcpstack.kvstore.checksum import crc32c_combine, crc32c_two_threads
 from pcpstack.kvstore.errors import InvalidArgument
 from pcpstack.v1 import kvstore_pb2 as pb
 
@@ -125,21 +126,69 @@ def gather(source, ranges: Sequence[ByteRange], out) -> None:
 
 def gather_with_crc(source, ranges: Sequence[ByteRange], out) -> int:
     """gather, and the CRC32C of what was gathered (out's first selection_bytes(ranges) bytes): in one
-    pass per range with copy_crc.c where it is built, else gather then checksum."""
+    pass per range with copy_crc.c where it is built (a large selection's halves on two threads, their
+    CRCs combined), else gather then checksum."""
     lib = copy_crc.library()
     if lib is None:
         gather(source, ranges, out)
         with memoryview(out) as view, view[: selection_bytes(ranges)] as selected:
             return crc32c_two_threads(_bytes(selected))
-    crc, at = 0, 0
+    total = selection_bytes(ranges)
     with memoryview(source) as src_view, memoryview(out) as out_view:
         src, dst = _bytes(src_view), _bytes(out_view)
-        for byte_range in ranges:
-            repeats = [(repeat.stride, repeat.count) for repeat in byte_range.repeats]
-            piece = dst[at : at + byte_range.nbytes]
-            crc = copy_crc.gather_crc32c(lib, piece, src, byte_range.offset, byte_range.length, repeats, crc)
-            at += byte_range.nbytes
+        if total < _PARALLEL_MIN_BYTES:
+            return _gather_fused(lib, src, ranges, dst)
+        first, second = _halves(ranges, total // 2)
+        split = selection_bytes(first)
+        with ThreadPoolExecutor(1) as helper:
+            first_crc = helper.submit(_gather_fused, lib, src, first, dst[:split])
+            second_crc = _gather_fused(lib, src, second, dst[split:total])
+            return crc32c_combine(first_crc.result(), second_crc, total - split)
+
+
+_PARALLEL_MIN_BYTES = 16 << 20  # below this a second thread costs more than it saves
+
+
+def _gather_fused(lib, src: memoryview, ranges: Sequence[ByteRange], dst: memoryview) -> int:
+    crc, at = 0, 0
+    for byte_range in ranges:
+        repeats = [(repeat.stride, repeat.count) for repeat in byte_range.repeats]
+        piece = dst[at : at + byte_range.nbytes]
+        crc = copy_crc.gather_crc32c(lib, piece, src, byte_range.offset, byte_range.length, repeats, crc)
+        at += byte_range.nbytes
     return crc
+
+
+def _halves(ranges: Sequence[ByteRange], at: int) -> tuple[list[ByteRange], list[ByteRange]]:
+    """The ranges cut in two near byte `at` of the selection: the range holding it is cut between two of
+    its outermost repeats, or (without repeats) at that byte; one whose outer count is 1 is not cut."""
+    first: list[ByteRange] = []
+    for i, byte_range in enumerate(ranges):
+        if at >= byte_range.nbytes:
+            first.append(byte_range)
+            at -= byte_range.nbytes
+            continue
+        rest = list(ranges[i + 1 :])
+        if not byte_range.repeats:
+            if at == 0:
+                return first, [byte_range, *rest]
+            cut = (
+                ByteRange(byte_range.offset, at),
+                ByteRange(byte_range.offset + at, byte_range.length - at),
+            )
+            return [*first, cut[0]], [cut[1], *rest]
+        outer, *inner = byte_range.repeats
+        if outer.count < 2:
+            return [*first, byte_range], rest
+        k = min(max(round(at / (byte_range.nbytes // outer.count)), 1), outer.count - 1)
+        head = ByteRange(byte_range.offset, byte_range.length, (ByteRepeat(outer.stride, k), *inner))
+        tail = ByteRange(
+            byte_range.offset + k * outer.stride,
+            byte_range.length,
+            (ByteRepeat(outer.stride, outer.count - k), *inner),
+        )
+        return [*first, head], [tail, *rest]
+    return first, []
 
 
 def _bytes(view: memoryview) -> memoryview:

@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 from pcpstack.kvstore import checksum, copy_crc
-from pcpstack.kvstore.ranges import ByteRange, ByteRepeat, gather_with_crc
+from pcpstack.kvstore.ranges import ByteRange, ByteRepeat, _halves, gather_with_crc, selection_bytes
 from pcpstack.kvstore.shm import copy_with_crc
 
 _CAN_BUILD = copy_crc._cpu_has_instructions() and bool(
@@ -168,6 +168,40 @@ def test_gather_with_crc_copies_and_checksums_each_ranges_pieces(fresh_library, 
     out = np.zeros(expected.size + 5, np.uint8)
     assert gather_with_crc(memoryview(source), _RANGES, memoryview(out)) == crc32c.crc32c(expected)
     assert np.array_equal(out[: expected.size], expected) and not out[expected.size :].any()
+
+
+# Selections over 16 MiB, gathered in two halves on two threads: the middle byte inside a range's outer
+# repeats, inside a range without repeats, and inside a range whose outer count is 1 (not cut).
+_LARGE_SELECTIONS = [
+    [ByteRange(3, 1000, (ByteRepeat(2000, 10_000),)), ByteRange(7, 9 << 20)],
+    [ByteRange(5, 1), ByteRange(0, (17 << 20) + 1)],
+    [ByteRange(9, 4096, (ByteRepeat(0, 1), ByteRepeat(8192, 4500)))],
+]
+
+
+@pytest.mark.parametrize("selection", range(len(_LARGE_SELECTIONS)))
+@pytest.mark.parametrize("fused", [pytest.param(True, marks=needs_build), False])
+def test_gather_with_crc_of_large_selections_on_two_threads(fresh_library, fused: bool, selection: int):
+    fresh_library.setenv(copy_crc.ENABLE_ENV, "1" if fused else "0")
+    assert (copy_crc.library() is not None) == fused
+    ranges = _LARGE_SELECTIONS[selection]
+    source = _random(40 << 20, selection)
+    expected = np.concatenate([_numpy_gather(source, r) for r in ranges])
+    assert expected.size >= 16 << 20
+    out = np.zeros(expected.size, np.uint8)
+    assert gather_with_crc(memoryview(source), ranges, memoryview(out)) == crc32c.crc32c(expected)
+    assert np.array_equal(out, expected)
+
+
+@pytest.mark.parametrize("selection", [0, 1])
+def test_a_large_selection_is_cut_into_two_halves_that_keep_its_order(selection: int) -> None:
+    ranges = _LARGE_SELECTIONS[selection]
+    source = _random(40 << 20, selection)
+    total = selection_bytes(ranges)
+    first, second = _halves(ranges, total // 2)
+    assert abs(selection_bytes(first) - total // 2) <= 2000  # cut between two pieces of 1000 bytes
+    halves = [np.concatenate([_numpy_gather(source, r) for r in half]) for half in (first, second)]
+    assert np.array_equal(np.concatenate(halves), np.concatenate([_numpy_gather(source, r) for r in ranges]))
 
 
 @needs_build
