@@ -1,15 +1,16 @@
 // CRC32C (Castagnoli) computed while copying, in one pass over the bytes (copy_crc.py builds and loads it).
 //
-// The SSE4.2 crc32 instruction takes 3 cycles but can start one every cycle, so a single chain of it
-// runs at a third of its speed. The loop below keeps three chains busy: a block is cut into three lanes
-// of LANE bytes (what is left after the whole blocks, into three shorter lanes), each lane's CRC runs on
-// its own, and the three are joined by shifting the earlier lanes' CRCs past the later lanes' bytes (a
-// carry-less multiply by x^(8 * lane bytes) modulo the polynomial). Each
-// 64 bytes of a lane are copied with two AVX2 loads and stores, then fed to the lane's chain as 8-byte
-// words read back from L1, so the CRC is of the bytes as they were copied; the next block is prefetched
-// while this one is copied (the hardware prefetcher stops at every 4 KiB page). Large copies store past
-// the cache (streaming stores): the destination is not read again soon, and skipping the
-// read-for-ownership of each destination line saves a third of the memory traffic.
+// The SSE4.2 crc32 instruction takes 3 cycles but can start one every cycle, so a single chain of it runs at
+// a third of its speed. The loop below keeps three chains busy: a block is cut into three lanes of LANE bytes
+// (what is left after the whole blocks, into three shorter lanes), each lane's CRC runs on its own, and the
+// three are joined by shifting the earlier lanes' CRCs past the later lanes' bytes (a carry-less multiply by
+// x^(8 * lane bytes) modulo the polynomial). Each 64 bytes of a lane are copied with two AVX2 loads and
+// stores, and the same two registers are kept in an L1 scratch that the lane's chain reads as 8-byte words,
+// so the CRC is of the bytes as they were stored (a source that changed during the copy shows as a mismatch,
+// never as a good CRC). The next block is prefetched while this one is copied (the hardware prefetcher stops
+// at every 4 KiB page). Large copies store past the cache (streaming stores): the destination is not read
+// again soon, and skipping the read-for-ownership of each destination line saves a third of the memory
+// traffic.
 
 #include <immintrin.h>
 #include <stddef.h>
@@ -78,6 +79,8 @@ static inline uint32_t copy_blocks(uint8_t *dst, const uint8_t *src, size_t bloc
         uint64_t c0 = crc, c1 = 0, c2 = 0;
         int ahead = b + 1 < blocks;  // past the last block lie bytes the copy does not read (a gather's gaps)
         for (size_t i = 0; i < lane; i += 64) {
+            // What was stored, per lane, for the CRC (read back from the store buffer or L1).
+            uint64_t stored[3][8] __attribute__((aligned(32)));
             for (size_t l = 0; l < 3; l++) {
                 const uint8_t *from = src + l * lane + i;
                 uint8_t *to = dst + l * lane + i;
@@ -91,11 +94,13 @@ static inline uint32_t copy_blocks(uint8_t *dst, const uint8_t *src, size_t bloc
                     _mm256_storeu_si256((__m256i *)to, low);
                     _mm256_storeu_si256((__m256i *)(to + 32), high);
                 }
+                _mm256_store_si256((__m256i *)stored[l], low);
+                _mm256_store_si256((__m256i *)(stored[l] + 4), high);
             }
-            for (size_t j = i; j < i + 64; j += 8) {
-                c0 = _mm_crc32_u64(c0, load64(src + j));
-                c1 = _mm_crc32_u64(c1, load64(src + lane + j));
-                c2 = _mm_crc32_u64(c2, load64(src + 2 * lane + j));
+            for (size_t j = 0; j < 8; j++) {
+                c0 = _mm_crc32_u64(c0, stored[0][j]);
+                c1 = _mm_crc32_u64(c1, stored[1][j]);
+                c2 = _mm_crc32_u64(c2, stored[2][j]);
             }
         }
         crc = shift((uint32_t)c0, k2) ^ shift((uint32_t)c1, k1) ^ (uint32_t)c2;

@@ -222,7 +222,7 @@ def _copy_spans(spans: Sequence[tuple[memoryview, memoryview]], crc_of_copy: boo
     fused C copy, else piece by piece."""
     crc = 0
     fused = copy_crc.library()
-    if fused is not None:  # its CRC is of each word as loaded and stored: the source's and the copy's
+    if fused is not None:  # its CRC is of the words it stored: the copy's, and the source's if it held still
         for dst, src in spans:
             crc = copy_crc.copy_crc32c(fused, dst, src, crc)
         return crc
