@@ -17,12 +17,10 @@ PyTorch path: same results up to summation order.
 
 import ctypes
 import functools
-import hashlib
 import json
 import logging
 import os
 import platform
-import shutil
 import subprocess
 import tempfile
 import time
@@ -30,11 +28,13 @@ from pathlib import Path
 
 import torch
 
+from pcpstack.common import native
+
 log = logging.getLogger(__name__)
 
 SOURCE = Path(__file__).with_name("cpu_kernels.c")
 ENABLE_ENV = "PCPSTACK_CPU_KERNELS"
-CACHE_ENV = "PCPSTACK_KERNEL_CACHE"
+CACHE_ENV = native.CACHE_ENV
 ARCH_ENV = "PCPSTACK_KERNEL_ARCH"
 # How much faster than torch's dense matmul the kernels must be to be used (1.0: at least as fast).
 MIN_SPEEDUP_ENV = "PCPSTACK_KERNEL_MIN_SPEEDUP"
@@ -119,50 +119,13 @@ def _cpu_flags() -> str:
     return platform.processor()
 
 
-def _compiler() -> str | None:
-    return os.environ.get("CC") or shutil.which("gcc") or shutil.which("cc")
-
-
 def _flags() -> tuple[str, ...]:
     arch = os.environ.get(ARCH_ENV) or "native"
     return ("-O3", f"-march={arch}", "-fopenmp", "-fno-math-errno", "-shared", "-fPIC")
 
 
 def _library_path(compiler: str) -> Path:
-    version = subprocess.run([compiler, "--version"], capture_output=True, text=True, check=True).stdout
-    key = hashlib.sha256(
-        "\0".join(
-            (SOURCE.read_text(), " ".join(_flags() + LIBS), version, platform.machine(), _cpu_flags())
-        ).encode()
-    ).hexdigest()[:16]
-    return _cache_dir() / f"cpu_kernels-{key}.so"
-
-
-def _cache_dir() -> Path:
-    if os.environ.get(CACHE_ENV):
-        return Path(os.environ[CACHE_ENV])
-    try:
-        return Path.home() / ".cache" / "pcpstack" / "kernels"
-    except RuntimeError:  # no home directory (a container user without a passwd entry)
-        return Path(tempfile.gettempdir()) / f"pcpstack-kernels-{os.getuid()}"
-
-
-def _build(compiler: str, target: Path) -> None:
-    target.parent.mkdir(parents=True, exist_ok=True)
-    # Compile beside the target and rename: processes starting together never load a half-written file.
-    with tempfile.NamedTemporaryFile(dir=target.parent, suffix=".so", delete=False) as tmp:
-        partial = Path(tmp.name)
-    try:
-        subprocess.run(
-            [compiler, *_flags(), "-o", str(partial), str(SOURCE), *LIBS],
-            capture_output=True,
-            text=True,
-            check=True,
-            timeout=300,
-        )
-        partial.replace(target)
-    finally:
-        partial.unlink(missing_ok=True)
+    return native.library_path(compiler, SOURCE, _flags() + LIBS, platform.machine(), _cpu_flags())
 
 
 @functools.cache
@@ -170,7 +133,7 @@ def build_library() -> ctypes.CDLL | None:
     """The kernels, built first if needed; None when switched off or when no compiler can build them."""
     if os.environ.get(ENABLE_ENV, "") == "0":
         return None
-    compiler = _compiler()
+    compiler = native.compiler()
     if compiler is None:
         log.warning("no C compiler found: decode runs on plain PyTorch kernels (slower)")
         return None
@@ -180,7 +143,7 @@ def build_library() -> ctypes.CDLL | None:
             # `progress`: a local stack relays these to its user (a first build takes a while).
             started = time.monotonic()
             log.info("building CPU kernels with %s into %s", compiler, path, extra={"progress": "kernels"})
-            _build(compiler, path)
+            native.build(compiler, SOURCE, _flags(), LIBS, path, timeout_s=300)
             log.info("CPU kernels built in %.1f s", time.monotonic() - started, extra={"progress": "kernels"})
         lib = ctypes.CDLL(str(path))
     except (OSError, subprocess.SubprocessError) as error:

@@ -18,24 +18,22 @@ from __future__ import annotations
 
 import ctypes
 import functools
-import hashlib
 import logging
 import math
 import os
 import platform
-import shutil
 import subprocess
-import tempfile
 from collections.abc import Sequence
 from pathlib import Path
 
 import numpy as np
 
+from pcpstack.common import native
+
 log = logging.getLogger(__name__)
 
 SOURCE = Path(__file__).with_name("copy_crc.c")
 ENABLE_ENV = "PCPSTACK_COPY_CRC"
-CACHE_ENV = "PCPSTACK_KERNEL_CACHE"
 _FLAGS = ("-O3", "-mavx2", "-msse4.2", "-mpclmul", "-shared", "-fPIC")
 _CPU_FLAGS_NEEDED = ("avx2", "sse4_2", "pclmulqdq")
 MAX_DEPTH = 8  # copy_crc.c's MAX_DEPTH: levels of repeats one gathered range may have
@@ -53,39 +51,6 @@ def _cpu_has_instructions() -> bool:
             flags = set(line.split(":", 1)[1].split())
             return all(flag in flags for flag in _CPU_FLAGS_NEEDED)
     return False
-
-
-def _cache_dir() -> Path:
-    if os.environ.get(CACHE_ENV):
-        return Path(os.environ[CACHE_ENV])
-    try:
-        return Path.home() / ".cache" / "pcpstack" / "kernels"
-    except RuntimeError:  # no home directory (a container user without a passwd entry)
-        return Path(tempfile.gettempdir()) / f"pcpstack-kernels-{os.getuid()}"
-
-
-def _library_path(compiler: str) -> Path:
-    version = subprocess.run([compiler, "--version"], capture_output=True, text=True, check=True).stdout
-    key = hashlib.sha256("\0".join((SOURCE.read_text(), " ".join(_FLAGS), version)).encode()).hexdigest()
-    return _cache_dir() / f"copy_crc-{key[:16]}.so"
-
-
-def _build(compiler: str, target: Path) -> None:
-    target.parent.mkdir(parents=True, exist_ok=True)
-    # Compile beside the target and rename: processes starting together never load a half-written file.
-    with tempfile.NamedTemporaryFile(dir=target.parent, suffix=".so", delete=False) as tmp:
-        partial = Path(tmp.name)
-    try:
-        subprocess.run(
-            [compiler, *_FLAGS, "-o", str(partial), str(SOURCE)],
-            capture_output=True,
-            text=True,
-            check=True,
-            timeout=120,
-        )
-        partial.replace(target)
-    finally:
-        partial.unlink(missing_ok=True)
 
 
 @functools.cache
@@ -111,13 +76,13 @@ def _load() -> tuple[ctypes.CDLL | None, str]:
     """The library, or None and why not."""
     if not _cpu_has_instructions():
         return None, "this CPU lacks AVX2, SSE4.2's crc32 or PCLMULQDQ"
-    compiler = os.environ.get("CC") or shutil.which("gcc") or shutil.which("cc")
+    compiler = native.compiler()
     if compiler is None:
         return None, "no C compiler found"
     try:
-        path = _library_path(compiler)
+        path = native.library_path(compiler, SOURCE, _FLAGS)
         if not path.exists():
-            _build(compiler, path)
+            native.build(compiler, SOURCE, _FLAGS, (), path, timeout_s=120)
         lib = ctypes.CDLL(str(path))
     except (OSError, subprocess.SubprocessError) as error:
         return None, f"building or loading {SOURCE.name} failed: {getattr(error, 'stderr', '') or error}"

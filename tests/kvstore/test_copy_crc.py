@@ -9,6 +9,7 @@ import crc32c
 import numpy as np
 import pytest
 
+from pcpstack.common import native
 from pcpstack.kvstore import checksum, copy_crc
 from pcpstack.kvstore.ranges import ByteRange, ByteRepeat, _halves, gather_with_crc, selection_bytes
 from pcpstack.kvstore.shm import copy_with_crc
@@ -112,7 +113,7 @@ def test_copy_with_crc_of_pieces_on_two_threads(fresh_library, fused: bool, crc_
 
 def test_forbidding_the_build_leaves_the_numpy_path(fresh_library, tmp_path) -> None:
     fresh_library.setenv(copy_crc.ENABLE_ENV, "0")
-    fresh_library.setenv(copy_crc.CACHE_ENV, str(tmp_path))
+    fresh_library.setenv(native.CACHE_ENV, str(tmp_path))
     assert copy_crc.library() is None
     data = _random(1 << 20, 7)
     out = bytearray(data.size)
@@ -123,7 +124,7 @@ def test_forbidding_the_build_leaves_the_numpy_path(fresh_library, tmp_path) -> 
 
 def test_without_a_compiler_the_numpy_path_serves_unless_the_c_path_is_required(fresh_library, tmp_path):
     fresh_library.setenv("CC", str(tmp_path / "no-such-cc"))
-    fresh_library.setenv(copy_crc.CACHE_ENV, str(tmp_path))  # no library built earlier to load
+    fresh_library.setenv(native.CACHE_ENV, str(tmp_path))  # no library built earlier to load
     fresh_library.delenv(copy_crc.ENABLE_ENV, raising=False)
     assert copy_crc.library() is None
     data = _random((17 << 20) + 3, 9)
