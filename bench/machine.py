@@ -51,3 +51,41 @@ def machine_facts() -> dict:
         "loadavg_1m_at_start": round(os.getloadavg()[0], 2),
         "measured_at": time.strftime("%Y-%m-%d %H:%M", time.gmtime()),
     }
+
+
+def _matmul_rate(seconds: float, start, rates) -> None:
+    """One thread's fp32 matmul GFLOP/s over `seconds`, after `start` (a barrier) lets every process go."""
+    import torch
+
+    torch.set_num_threads(1)
+    a, b = torch.randn(512, 512), torch.randn(512, 512)
+    torch.mm(a, b)
+    start.wait()
+    count, began = 0, time.perf_counter()
+    while (elapsed := time.perf_counter() - began) < seconds:
+        torch.mm(a, b)
+        count += 1
+    rates.put(count * 2 * 512**3 / elapsed / 1e9)
+
+
+def two_process_scaling(seconds: float = 2.0) -> dict:
+    """How much two single-thread processes get done together against one alone (fp32 matmul, the work of a
+    prefill rank): the most PCP=2 over PCP=1 can reach on this machine with one thread per rank. Two vCPUs
+    that share a physical core, or a host that slows its cores when both are busy, show here below 2x."""
+    import multiprocessing
+
+    context = multiprocessing.get_context("spawn")
+
+    def together(n: int) -> list[float]:
+        start, rates = context.Barrier(n), context.Queue()
+        procs = [context.Process(target=_matmul_rate, args=(seconds, start, rates)) for _ in range(n)]
+        for proc in procs:
+            proc.start()
+        found = [rates.get(timeout=60 + seconds) for _ in procs]
+        for proc in procs:
+            proc.join()
+        return found
+
+    alone = round(together(1)[0], 1)
+    pair = [round(rate, 1) for rate in together(2)]
+    return {"alone_gflops": alone, "pair_gflops": pair, "scaling": round(sum(pair) / alone, 2)}

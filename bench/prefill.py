@@ -21,7 +21,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from bench.machine import machine_facts
+from bench.machine import machine_facts, two_process_scaling
 from pcpstack.common.config import served_model_name
 from pcpstack.common.ports import free_port
 from pcpstack.engine.engine import Engine
@@ -124,6 +124,8 @@ def run(args: argparse.Namespace) -> dict:
     """Runs every (tokens, tp, pcp) configuration; returns medians, spread and the PCP speedups of TP=1 (a
     TP row's speedup over TP=1 x PCP=1 is the report's to compute from the rows)."""
     facts = machine_facts()  # before any rank loads: the load average says how busy the machine already was
+    # What two one-thread processes get done together against one alone: the ceiling of PCP=2 over PCP=1.
+    scaling = two_process_scaling(seconds=1.0 if args.repeats <= 1 else 3.0)
     settings = {
         "model": args.model,
         "tokens": args.tokens,
@@ -158,6 +160,7 @@ def run(args: argparse.Namespace) -> dict:
         "threads_per_rank": args.threads_per_rank,
         "repeats": args.repeats,
         **facts,
+        "two_process_scaling": scaling,
         "results": rows,
         "speedup": speedups,
     }

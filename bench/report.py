@@ -583,6 +583,15 @@ def _prefill_section(results: dict, plots: dict[str, Path], report: Path) -> lis
         for r in rows
     ]
     lines += _table(["tokens", "PCP", "TTFT", "tokens/s", "speedup over PCP=1"], table)
+    scaling = prefill.get("two_process_scaling")
+    if scaling:
+        lines += [
+            f"Two one-thread processes together did {scaling['scaling']:.2f}× the fp32 matmul work of one "
+            f"alone on this machine in the same run ({scaling['alone_gflops']} GFLOP/s alone, "
+            f"{' + '.join(str(g) for g in scaling['pair_gflops'])} together): the ceiling of PCP=2 over "
+            "PCP=1 with one thread per rank.",
+            "",
+        ]
     lines += _image("prefill", plots, report)
     lines += _tensor_parallel_table(results)
     lines += ["### Against the peers", ""]
