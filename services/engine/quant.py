@@ -2,10 +2,11 @@
 
 Dequantized to fp32, SmolLM2's weights are 540 MB; in their Q4_1/Q8_0 blocks they are about 100 MB, and a
 decode step is bound by the bytes of weights it reads. With weights kept stored (weights.py) a `BlockWeight`
-is the only copy of a projection the engine keeps: `BlockWeight.matmul` computes x @ W^T for a few rows
+is the only copy of a projection the engine loads: `BlockWeight.matmul` computes x @ W^T for a few rows
 (decode, short prompts) straight from the blocks with the C kernels of cpu_kernels.c; for more rows
-`project` dequantizes the projection to a temporary fp32 weight and runs the BLAS matmul, and an embedding
-lookup dequantizes only the rows it looks up.
+`project` runs the BLAS matmul on the projection dequantized to fp32 (by default kept from the first such
+input on, model.Linear; with weights "stored" a temporary each call), and an embedding lookup dequantizes
+only the rows it looks up.
 
 Three forms hold every type the kernels run, 32 weights a block, scales and mins in fp32: "q4_1" (w = scale
 * q + min, 4-bit q), "q8_0" (w = scale * q, int8 q) and "q6_k" (w = scale * q, q in [-32, 31] held as int8,
@@ -40,7 +41,8 @@ SCALE_GROUP = {"q4_1": BLOCK, "q8_0": BLOCK, "q6_k": 16}
 MAX_ROWS = 16
 # Up to this many rows, a projection held only in blocks runs on the block kernels too: below that,
 # dequantizing it for the BLAS matmul costs more (SmolLM2's four projections of a layer, one thread, CPU time:
-# 13 against 18 ms at 128 rows, 24 against 22 at 192; bench/engine_weights.py measures whole prompts).
+# 13 against 18 ms at 128 rows, 24 against 22 at 192; bench/engine_weights.py measures whole prompts). That
+# was with weights "stored"; "cached" keeps the limit, so that its logits equal stored's bit for bit.
 MAX_ROWS_WITHOUT_DENSE = 128
 
 
