@@ -93,14 +93,10 @@ class RMSNorm(nn.Module):
 
 
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """Rotate x [n, heads, head_dim] by the angles of its positions; pairs are (i, i + head_dim / 2):
-    x * cos + rotate_half(x) * sin, with the rotated half written in place (two temporaries, not five: a
-    long prompt's are tens of MB, and each fresh one is page-faulted in)."""
+    """Rotate x [n, heads, head_dim] by the angles of its positions; pairs are (i, i + head_dim / 2)."""
     half = x.shape[-1] // 2
-    rotated = torch.empty_like(x)
-    torch.neg(x[..., half:], out=rotated[..., :half])
-    rotated[..., half:] = x[..., :half]
-    return rotated.mul_(sin[:, None]).add_(x * cos[:, None])
+    rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+    return x * cos[:, None] + rotated * sin[:, None]
 
 
 class Attention(nn.Module):
@@ -144,8 +140,7 @@ class FeedForward(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate, up = self.w13(x).chunk(2, dim=-1)
-        # One [n, hidden] temporary, multiplied in place: the same products.
-        return tensor_parallel_sum(self.w2(F.silu(gate).mul_(up)), self.tp_group)
+        return tensor_parallel_sum(self.w2(F.silu(gate) * up), self.tp_group)
 
 
 class Block(nn.Module):
@@ -192,7 +187,7 @@ class Block(nn.Module):
             tables = (meta.slot_mapping, meta.block_tables, meta.context_lens)
             return self.decode_kernel(x, cos, sin, caches, *tables)
         h = x + self.attention(self.attention_norm(x), cos, sin, kv_cache, meta)
-        return h.add_(self.feed_forward(self.ffn_norm(h)))  # h is this layer's own temporary
+        return h + self.feed_forward(self.ffn_norm(h))
 
 
 def _plain_decode(x: torch.Tensor, meta: AttentionMetadata) -> bool:
