@@ -38,8 +38,6 @@ pushes and reports per job, so each job gets its own outcome; one job alone runs
 from __future__ import annotations
 
 import asyncio
-import contextlib
-import ctypes
 import logging
 import os
 import time
@@ -98,9 +96,6 @@ _tracer = tracer(__name__)
 T = TypeVar("T")
 
 OP_IDLE, OP_PREFILL, OP_STOP = 0, 1, 2
-# glibc's mallopt parameters (malloc.h), and the environment through which a user tunes malloc instead.
-_M_TRIM_THRESHOLD, _M_MMAP_MAX = -1, -4
-_MALLOC_ENV = ("MALLOC_TRIM_THRESHOLD_", "MALLOC_MMAP_MAX_", "MALLOC_MMAP_THRESHOLD_", "GLIBC_TUNABLES")
 # A store's refusal of one replica: a fresh channel would be refused the same way.
 _REFUSALS = {
     "INVALID_ARGUMENT",
@@ -533,21 +528,6 @@ class RankWorker:
         )
 
 
-def keep_freed_memory() -> bool:
-    """Has glibc keep the memory a forward frees for the next forward instead of handing it back to the
-    system; returns whether it does. A long prompt's activations are tens of MB each (SmolLM2's gate/up
-    output: 50 MB at 4,096 tokens) and by default the largest are mapped afresh and page-faulted in at every
-    layer: a 2,048-token forward took 1.12x the thread CPU time. The rank then holds its largest forward's
-    activations (a few hundred MB at 16k tokens for SmolLM2). Left to the user where the environment tunes
-    malloc, and skipped off glibc."""
-    if any(name in os.environ for name in _MALLOC_ENV):
-        return False
-    with contextlib.suppress(OSError, AttributeError):
-        mallopt = ctypes.CDLL(None).mallopt
-        return bool(mallopt(_M_MMAP_MAX, 0) and mallopt(_M_TRIM_THRESHOLD, 2**31 - 1))
-    return False
-
-
 def _use_device(device: torch.device) -> None:
     """Makes `device` this process's current accelerator, as NCCL/HCCL expect of a rank."""
     if device.type != "cpu":
@@ -575,9 +555,6 @@ def rank_main(spec: RankSpec, conn: Connection, progress: Synchronized) -> None:
         loaded = load_model(spec.model, device, shard=groups.shard())
         num_blocks = blocks_needed(spec.kv_cache_tokens, spec.block_size)
         engine = Engine(loaded, block_size=spec.block_size, num_blocks=num_blocks)
-        # After the load, whose temporaries are gone: only forwards reuse what they free.
-        if device.type == "cpu":
-            keep_freed_memory()
         fingerprint = KvLayout.for_model(
             loaded.model_id, loaded.full_args, loaded.dtype, spec.block_size
         ).fingerprint()
