@@ -86,7 +86,7 @@ def _llama(gguf: Path, args: argparse.Namespace) -> dict:
     import llama_cpp
 
     if not Path(llama_cpp.__file__).resolve().is_relative_to(folder):
-        raise SystemExit(f"--llama-path={folder}: llama_cpp was imported from {llama_cpp.__file__} instead")
+        raise RuntimeError(f"--llama-path={folder}: llama_cpp was imported from {llama_cpp.__file__} instead")
     system_info = llama_cpp.llama_print_system_info().decode()
     result = _llama_cpp(gguf, argparse.Namespace(**{**vars(args), "tokens": []}))
     return {**result, "path": str(folder), "system_info": system_info}
@@ -103,6 +103,7 @@ def run(args: argparse.Namespace) -> dict:
         raise SystemExit(f"--threads={args.threads}: must be >= 1")
     if args.llama_path is not None and not Path(args.llama_path).is_dir():
         raise SystemExit(f"--llama-path={args.llama_path} is not a folder")
+    facts = machine_facts()  # before the runs: the load average says how busy the machine already was
     gguf = default_model_path()
     ours = {
         arch: in_own_process(f"pcpstack-{arch}", _ours, gguf, _with(args, arch=arch))
@@ -119,7 +120,7 @@ def run(args: argparse.Namespace) -> dict:
         "repeats": args.repeats,
         "context": args.decode_context,
         "torch": torch.__version__,
-        **machine_facts(),
+        **facts,
         "pcpstack": ours,
         "llama.cpp": llama,
     }
