@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import os
 import platform
+import statistics
 import time
 from pathlib import Path
 
@@ -68,10 +69,11 @@ def _matmul_rate(seconds: float, start, rates) -> None:
     rates.put(count * 2 * 512**3 / elapsed / 1e9)
 
 
-def two_process_scaling(seconds: float = 2.0) -> dict:
+def two_process_scaling(seconds: float = 2.0, rounds: int = 3) -> dict:
     """How much two single-thread processes get done together against one alone (fp32 matmul, the work of a
     prefill rank): the most PCP=2 over PCP=1 can reach on this machine with one thread per rank. Two vCPUs
-    that share a physical core, or a host that slows its cores when both are busy, show here below 2x."""
+    that share a physical core, or a host that slows its cores when both are busy, show here below 2x. The
+    pair's rates are the medians of the slower and of the faster process of each round."""
     import multiprocessing
 
     context = multiprocessing.get_context("spawn")
@@ -86,6 +88,17 @@ def two_process_scaling(seconds: float = 2.0) -> dict:
             proc.join()
         return found
 
-    alone = round(together(1)[0], 1)
-    pair = [round(rate, 1) for rate in together(2)]
-    return {"alone_gflops": alone, "pair_gflops": pair, "scaling": round(sum(pair) / alone, 2)}
+    # Alone and as a pair in turn, `rounds` times: one window of a few seconds on a shared host drifts by
+    # more than the difference being measured; the medians of each are compared.
+    alones, pairs = [], []
+    for _ in range(rounds):
+        alones.append(together(1)[0])
+        pairs.append(together(2))
+    alone = round(statistics.median(alones), 1)
+    pair = [round(statistics.median(rates), 1) for rates in zip(*(sorted(p) for p in pairs), strict=True)]
+    return {
+        "alone_gflops": alone,
+        "pair_gflops": pair,
+        "scaling": round(sum(pair) / alone, 2),
+        "rounds": rounds,
+    }

@@ -125,7 +125,9 @@ def run(args: argparse.Namespace) -> dict:
     TP row's speedup over TP=1 x PCP=1 is the report's to compute from the rows)."""
     facts = machine_facts()  # before any rank loads: the load average says how busy the machine already was
     # What two one-thread processes get done together against one alone: the ceiling of PCP=2 over PCP=1.
-    scaling = two_process_scaling(seconds=1.0 if args.repeats <= 1 else 3.0)
+    scaling = two_process_scaling(
+        seconds=0.5 if args.repeats <= 1 else 2.0, rounds=1 if args.repeats <= 1 else 3
+    )
     settings = {
         "model": args.model,
         "tokens": args.tokens,
