@@ -1,5 +1,6 @@
 """Paged KV cache: block allocation, slot arithmetic, layout fingerprints and replica export/import."""
 
+import itertools
 import subprocess
 import sys
 
@@ -66,14 +67,24 @@ def test_export_then_import_into_other_blocks_round_trips():
     torch.testing.assert_close(target.data[:, :, 7], source.data[:, :, 1], rtol=0, atol=0)
 
 
+@pytest.mark.parametrize(
+    ("table", "num_tokens", "runs"),
+    [([3, 1, 6], 10, 3), ([2, 3, 4, 0, 1], 18, 2), ([5, 6, 7], 12, 1), ([0, 1, 2, 3, 4, 5, 6, 7], 29, 1)],
+)
 @pytest.mark.parametrize("start", [0, 3, 4, 9])
-def test_sequence_pieces_hold_the_exported_bytes_in_order_without_a_copy(start):
+def test_sequence_pieces_hold_the_exported_bytes_in_order_without_a_copy(table, num_tokens, runs, start):
     cache = PagedKVCache(LAYOUT, 8)
     cache.data.copy_(torch.randn_like(cache.data))
-    pieces = cache.sequence_pieces([3, 1, 6], num_tokens=10, start=start)
+    pieces = cache.sequence_pieces(table, num_tokens=num_tokens, start=start)
     assert all(p.is_contiguous() and p.untyped_storage().data_ptr() == cache.data.data_ptr() for p in pieces)
     joined = torch.cat([p.reshape(-1) for p in pieces])
-    assert torch.equal(joined, cache.export_sequence([3, 1, 6], num_tokens=10)[:, :, start:].reshape(-1))
+    assert torch.equal(joined, cache.export_sequence(table, num_tokens=num_tokens)[:, :, start:].reshape(-1))
+    # consecutive block ids are one piece per layer and K/V (blocks before `start` are not visited)
+    skipped = start // LAYOUT.block_size
+    visited = table[skipped : -(-num_tokens // LAYOUT.block_size)]
+    expected_runs = 1 + sum(b != a + 1 for a, b in itertools.pairwise(visited))
+    assert expected_runs == runs or start >= LAYOUT.block_size  # the declared count, from block 0
+    assert len(pieces) == LAYOUT.num_layers * 2 * expected_runs
 
 
 def test_import_refuses_replica_of_another_shape():
