@@ -7,6 +7,7 @@ The CRC itself is copy_crc.c's for large buffers where that library builds, else
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from functools import lru_cache
 
@@ -29,19 +30,25 @@ def crc32c(data, value: int = 0) -> int:
     return _crc32c.crc32c(data, value)
 
 
-_SPLIT_MIN_BYTES = 16 << 20  # below this a second thread costs more than it saves
+TWO_THREADS_MIN_BYTES = 16 << 20  # below this a second thread costs more than it saves
+
+
+def on_two_threads(first: Callable[[], int], second: Callable[[], int], second_bytes: int) -> int:
+    """The CRC32C of two halves of one pass (each callable returns its half's CRC), run at once (the first
+    on a helper thread: the C loops, numpy's copy and the crc32c package release the GIL) and combined."""
+    with ThreadPoolExecutor(1) as helper:
+        head = helper.submit(first)
+        tail = second()
+        return crc32c_combine(head.result(), tail, second_bytes)
 
 
 def crc32c_two_threads(data: memoryview) -> int:
-    """CRC32C of a large buffer, its halves checksummed at once on two threads (both the C loop and the
-    package release the GIL) and combined: ~1.5x faster than one pass when the second core is free."""
-    if len(data) < _SPLIT_MIN_BYTES:
+    """CRC32C of a large buffer, its halves checksummed at once on two threads and combined: ~1.5x faster
+    than one pass when the second core is free."""
+    if len(data) < TWO_THREADS_MIN_BYTES:
         return crc32c(data)
     half = len(data) // 2
-    with ThreadPoolExecutor(1) as helper:
-        first = helper.submit(crc32c, data[:half])
-        second = crc32c(data[half:])
-        return crc32c_combine(first.result(), second, len(data) - half)
+    return on_two_threads(lambda: crc32c(data[:half]), lambda: crc32c(data[half:]), len(data) - half)
 
 
 def _multmodp(a: int, b: int) -> int:

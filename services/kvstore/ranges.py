@@ -13,13 +13,12 @@ from __future__ import annotations
 
 import math
 from collections.abc import Sequence
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
 import numpy as np
 
 from pcpstack.kvstore import copy_crc
-from pcpstack.kvstore.checksum import crc32c_combine, crc32c_two_threads
+from pcpstack.kvstore.checksum import TWO_THREADS_MIN_BYTES, crc32c_two_threads, on_two_threads
 from pcpstack.kvstore.errors import InvalidArgument
 from pcpstack.v1 import kvstore_pb2 as pb
 
@@ -136,17 +135,15 @@ def gather_with_crc(source, ranges: Sequence[ByteRange], out) -> int:
     total = selection_bytes(ranges)
     with memoryview(source) as src_view, memoryview(out) as out_view:
         src, dst = _bytes(src_view), _bytes(out_view)
-        if total < _PARALLEL_MIN_BYTES:
+        if total < TWO_THREADS_MIN_BYTES:
             return _gather_fused(lib, src, ranges, dst)
         first, second = _halves(ranges, total // 2)
         split = selection_bytes(first)
-        with ThreadPoolExecutor(1) as helper:
-            first_crc = helper.submit(_gather_fused, lib, src, first, dst[:split])
-            second_crc = _gather_fused(lib, src, second, dst[split:total])
-            return crc32c_combine(first_crc.result(), second_crc, total - split)
-
-
-_PARALLEL_MIN_BYTES = 16 << 20  # below this a second thread costs more than it saves
+        return on_two_threads(
+            lambda: _gather_fused(lib, src, first, dst[:split]),
+            lambda: _gather_fused(lib, src, second, dst[split:total]),
+            total - split,
+        )
 
 
 def _gather_fused(lib, src: memoryview, ranges: Sequence[ByteRange], dst: memoryview) -> int:

@@ -31,13 +31,12 @@ import sys
 import threading
 from collections import OrderedDict
 from collections.abc import Iterator, Sequence
-from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import numpy as np
 
 from pcpstack.kvstore import copy_crc
-from pcpstack.kvstore.checksum import crc32c, crc32c_combine, crc32c_two_threads
+from pcpstack.kvstore.checksum import TWO_THREADS_MIN_BYTES, crc32c, crc32c_two_threads, on_two_threads
 from pcpstack.kvstore.ranges import ByteRange, gather_with_crc
 
 PREFIX = "pcpkv-"
@@ -214,7 +213,6 @@ def _anonymous_map(size: int) -> mmap.mmap:
 
 
 _FUSED_CHUNK = 1 << 20  # a piece is checksummed right after its copy, while it is still in cache
-_PARALLEL_MIN_BYTES = 16 << 20  # below this a second thread costs more than it saves
 
 
 def _copy_spans(spans: Sequence[tuple[memoryview, memoryview]], crc_of_copy: bool) -> int:
@@ -254,14 +252,13 @@ def copy_with_crc(dst: memoryview, sources: Sequence[memoryview], *, crc_of_copy
     for src in sources:
         spans.append((dst[offset : offset + len(src)], src))
         offset += len(src)
-    if offset < _PARALLEL_MIN_BYTES:
+    if offset < TWO_THREADS_MIN_BYTES:
         return _copy_spans(spans, crc_of_copy)
     half = offset // 2
     first, second = _split(spans, half)
-    with ThreadPoolExecutor(1) as helper:
-        first_crc = helper.submit(_copy_spans, first, crc_of_copy)
-        second_crc = _copy_spans(second, crc_of_copy)
-        return crc32c_combine(first_crc.result(), second_crc, offset - half)
+    return on_two_threads(
+        lambda: _copy_spans(first, crc_of_copy), lambda: _copy_spans(second, crc_of_copy), offset - half
+    )
 
 
 class _Mapping:
