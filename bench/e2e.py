@@ -25,6 +25,8 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
+import os
 import statistics
 import tempfile
 import time
@@ -41,6 +43,8 @@ from pcpstack.common.telemetry import read_span_file
 from pcpstack.decode.client import DecodeClient, build_request
 from pcpstack.engine.engine import Engine
 from pcpstack.engine.parallel import ParallelLayout
+
+_CLOCK_TICKS = os.sysconf("SC_CLK_TCK")
 
 # The phases of one request's TTFT in path order; they add up to the client's TTFT (ttft_breakdown).
 TTFT_PHASES = (
@@ -298,13 +302,65 @@ def ttft_breakdown(spans: list[dict], timing: Timing) -> dict:
     }
 
 
-async def _load(address: str, vocab: int, args: argparse.Namespace) -> list[dict]:
+def _process_tree(pid: int) -> list[int]:
+    """pid and every process below it (a prefill node's rank processes), from /proc."""
+    pids = [pid]
+    with contextlib.suppress(OSError):
+        for task in os.listdir(f"/proc/{pid}/task"):
+            with open(f"/proc/{pid}/task/{task}/children") as children:
+                for child in children.read().split():
+                    pids += _process_tree(int(child))
+    return pids
+
+
+def _cpu_s(pid: int) -> float:
+    """User + system CPU seconds of one live process, all its threads; 0 once it is gone."""
+    try:
+        with open(f"/proc/{pid}/stat") as stat:
+            fields = stat.read().rsplit(")", 1)[1].split()
+    except OSError:
+        return 0.0
+    return (int(fields[11]) + int(fields[12])) / _CLOCK_TICKS
+
+
+def _cpu_by_role(stack: LocalStack) -> dict[str, float]:
+    """CPU seconds so far of each kind of service of the stack (prefill: the nodes and their ranks) and of
+    this process (the clients)."""
+    used: dict[str, float] = {"clients": _cpu_s(os.getpid())}
+    for service in stack.services:
+        role = service.name.split("-")[0]
+        used[role] = used.get(role, 0.0) + sum(_cpu_s(p) for p in _process_tree(service.process.pid))
+    return used
+
+
+def _where_cores_went(before: dict[str, float], after: dict[str, float], wall_s: float) -> dict[str, float]:
+    """CPU seconds each role used between two _cpu_by_role readings, and `idle`: what the cores this
+    process may use had left over in wall_s (negative only through the clock tick's rounding)."""
+    used = {role: round(after[role] - before.get(role, 0.0), 2) for role in after}
+    used["idle"] = round(len(os.sched_getaffinity(0)) * wall_s - sum(used.values()), 2)
+    return used
+
+
+def _ttft_floor(prefill_cpu_s: float, clients: int, prefill_threads: int) -> float:
+    """TTFT p50 of `clients` prompts prefilled back to back, each taking the wall time its share of the
+    prefill CPU would take on the set's threads with nothing else running (the k-th first token after k
+    such forwards): what the set could reach at the cost its forwards had in this run, were it never
+    descheduled or kept waiting. Only a cheaper forward lowers it (batched prompts share no work but
+    the forward's fixed costs)."""
+    forward_s = prefill_cpu_s / clients / prefill_threads
+    return round(statistics.median(k * forward_s for k in range(1, clients + 1)), 3)
+
+
+async def _load(stack: LocalStack, vocab: int, args: argparse.Namespace) -> list[dict]:
+    address = stack.decode_addresses[0]
     rows = []
     for clients in args.concurrency:
         prompts = [_prompt(vocab, args.prompt_tokens, 1000 * clients + i) for i in range(clients)]
+        before = _cpu_by_role(stack)
         started = time.perf_counter()
         results = await asyncio.gather(*(_one(address, p, args.max_tokens) for p in prompts))
         wall = time.perf_counter() - started
+        cores = _where_cores_went(before, _cpu_by_role(stack), wall)
         rows.append(
             {
                 "clients": clients,
@@ -313,6 +369,11 @@ async def _load(address: str, vocab: int, args: argparse.Namespace) -> list[dict
                 "ttft_s": _summary([r.ttft_s for r in results]),
                 "tpot_s": _summary([r.tpot_s for r in results]),
                 "output_tokens_per_s": round(clients * args.max_tokens / wall, 1),
+                "wall_s": round(wall, 2),
+                "cpu_s": cores,
+                "ttft_p50_floor_s": _ttft_floor(
+                    cores.get("prefill", 0.0), clients, args.pcp * args.threads_per_rank
+                ),
             }
         )
     return rows
@@ -337,7 +398,7 @@ async def _stacks(args: argparse.Namespace, vocab: int, trace_dir: Path) -> dict
             address = stack.decode_addresses[0]
             await _one(address, _prompt(vocab, 16, 0), 2)  # warm-up
             if pcp == args.pcp:
-                measured["load"] = await _load(address, vocab, args)
+                measured["load"] = await _load(stack, vocab, args)
                 # New prompts each time: a repeated one would be served from the prefix cache.
                 overhead = [_prompt(vocab, args.overhead_tokens, 7 + r) for r in range(args.repeats)]
                 measured["overhead_ids"] = overhead[0]
@@ -362,7 +423,7 @@ async def _stacks(args: argparse.Namespace, vocab: int, trace_dir: Path) -> dict
         async with LocalStack(options, progress=lambda m: None) as stack:
             address = stack.decode_addresses[0]
             await _one(address, _prompt(vocab, 16, 0), 2)  # warm-up
-            measured["load_unbatched"] = await _load(address, vocab, args)
+            measured["load_unbatched"] = await _load(stack, vocab, args)
     return measured
 
 
@@ -471,6 +532,7 @@ def run(args: argparse.Namespace) -> dict:
     if args.served_tokens:
         result["served"] = _served_result(args, measured)
     if args.compare_batching:
+        result["load_unbatched"] = measured["load_unbatched"]
         result["batching"] = _batching(measured["load"], measured["load_unbatched"])
     if args.multi_turn:
         result["multi_turn"] = {

@@ -806,6 +806,7 @@ def _e2e_section(results: dict, plots: dict[str, Path], report: Path) -> list[st
     ]
     lines += _table(["clients", "prompt", "output", "TTFT", "TPOT", "output tokens/s"], rows)
     lines += _image("e2e", plots, report)
+    lines += _cores_under_load(e2e)
     overhead = e2e.get("overhead")
     if overhead:
         path, local = overhead["path_ttft_s"], overhead["in_process_prefill_s"]
@@ -817,6 +818,37 @@ def _e2e_section(results: dict, plots: dict[str, Path], report: Path) -> list[st
             "",
         ]
     return lines + _served_section(e2e) + _multi_turn_section(e2e) + _batching_section(e2e)
+
+
+def _cores_under_load(e2e: dict) -> list[str]:
+    """CPU seconds each kind of process used during each load run, the cores' idle time, and the TTFT p50
+    a set prefilling the prompts back to back at that cost would have given."""
+    runs = [("default", r) for r in e2e.get("load", [])]
+    runs += [("one prompt a forward", r) for r in e2e.get("load_unbatched", [])]
+    runs = [(name, r) for name, r in runs if "cpu_s" in r]
+    if not runs:
+        return []
+    lines = [
+        "Where the cores went during each load run (CPU seconds; idle: what the cores had left over in "
+        "the run's wall time), and the TTFT p50 floor: the p50 the set would give prefilling the prompts "
+        "back to back, each forward at the CPU cost it had here, never descheduled or kept waiting.",
+        "",
+    ]
+    rows = [
+        [
+            name,
+            str(r["clients"]),
+            f"{_num(r['wall_s'])} s",
+            *(_num(r["cpu_s"].get(role, 0.0)) for role in ("prefill", "decode", "clients")),
+            _num(sum(v for k, v in r["cpu_s"].items() if k not in ("prefill", "decode", "clients", "idle"))),
+            _num(r["cpu_s"]["idle"]),
+            f"{_num(r['ttft_s']['median'])} s",
+            f"{_num(r['ttft_p50_floor_s'])} s",
+        ]
+        for name, r in runs
+    ]
+    header = ["stack", "clients", "wall", "prefill", "decode", "clients", "other services", "idle"]
+    return lines + _table([*header, "TTFT p50", "p50 floor"], rows)
 
 
 def _multi_turn_section(e2e: dict) -> list[str]:

@@ -1,0 +1,49 @@
+"""bench e2e's accounting of the cores under load: CPU seconds per kind of process and the TTFT p50 floor."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import time
+
+import pytest
+
+from bench.e2e import _cpu_s, _process_tree, _ttft_floor, _where_cores_went
+
+
+def test_ttft_floor_is_the_median_first_token_of_back_to_back_forwards() -> None:
+    # 16 CPU-s over 4 prompts on 2 threads: 2 s a forward, first tokens at 2, 4, 6, 8 s.
+    assert _ttft_floor(16.0, 4, 2) == 5.0
+    assert _ttft_floor(3.0, 1, 1) == 3.0
+
+
+def test_idle_is_what_the_cores_had_left() -> None:
+    cores = len(os.sched_getaffinity(0))
+    used = _where_cores_went({"prefill": 1.0, "decode": 0.5}, {"prefill": 3.0, "decode": 1.5}, 2.0)
+    assert used == {"prefill": 2.0, "decode": 1.0, "idle": round(2.0 * cores - 3.0, 2)}
+
+
+@pytest.mark.skipif(not os.path.exists("/proc/self/task"), reason="reads /proc")
+def test_a_process_tree_and_its_cpu_are_read_from_proc() -> None:
+    # A child that burns CPU under a parent that sleeps: the tree holds both, the child's seconds count.
+    burn = "import time\nt = time.process_time()\nwhile time.process_time() - t < 0.3: pass\ntime.sleep(30)"
+    spawn = (
+        f"import subprocess, sys, time\nsubprocess.Popen([sys.executable, '-c', {burn!r}])\ntime.sleep(30)"
+    )
+    parent = subprocess.Popen([sys.executable, "-c", spawn])
+    try:
+        deadline = time.monotonic() + 20
+        while time.monotonic() < deadline:
+            tree = _process_tree(parent.pid)
+            if len(tree) == 2 and _cpu_s(tree[1]) >= 0.3:
+                break
+            time.sleep(0.1)
+        assert tree[0] == parent.pid and len(tree) == 2
+        assert _cpu_s(tree[1]) >= 0.3
+        assert _cpu_s(parent.pid) < 0.3
+    finally:
+        for pid in reversed(_process_tree(parent.pid)):
+            os.kill(pid, 9)
+        parent.wait()
+    assert _cpu_s(parent.pid) == 0.0  # gone
