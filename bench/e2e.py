@@ -1,8 +1,11 @@
 """`pcpstack bench e2e`: the whole request path under load, and what the services cost over bare prefill.
 
 A local stack (registry, KV store, one PCP set, one decode worker: real processes on loopback) serves
-concurrent clients. For 1, 4 and 16 clients it reports time to first token and time per output token
-(medians, 90th percentiles and spread over all requests); with --compare-batching the same load runs again
+concurrent clients. After one warm-up prompt of the load's length, for 1, 4 and 16 clients it reports time
+to first token and time per output token (medians, 90th percentiles and spread over all requests), where
+the cores went meanwhile (CPU seconds of the prefill set, decode, the clients and the other services, and
+the cores' idle time) and the TTFT p50 floor of prefilling the prompts back to back at the cost their
+forwards had (_ttft_floor); with --compare-batching the same load runs again
 on a stack whose prefill set takes one prompt a forward (--prefill-batch-max 1), so the result holds TTFT
 p50 and p90 with and without batched prefill, measured in the same run. It then compares the whole path's
 TTFT for one prompt of --overhead-tokens with the engine's in-process prefill of the same prompt (one
@@ -353,6 +356,10 @@ def _ttft_floor(prefill_cpu_s: float, clients: int, prefill_threads: int) -> flo
 
 async def _load(stack: LocalStack, vocab: int, args: argparse.Namespace) -> list[dict]:
     address = stack.decode_addresses[0]
+    # One prompt of the load's length first: a rank's first long forward keeps its dequantized weights
+    # (PCPSTACK_WEIGHTS=cached) and touches its activations' pages for the first time, a one-off cost (a
+    # 512-token SmolLM2 prompt: 3.4 CPU-s against 1.6 after) that would otherwise land on the first client.
+    await _one(address, _prompt(vocab, args.prompt_tokens, 1), 2)
     rows = []
     for clients in args.concurrency:
         prompts = [_prompt(vocab, args.prompt_tokens, 1000 * clients + i) for i in range(clients)]
