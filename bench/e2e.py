@@ -3,9 +3,9 @@
 A local stack (registry, KV store, one PCP set, one decode worker: real processes on loopback) serves
 concurrent clients. After one warm-up prompt of the load's length, for 1, 4 and 16 clients it reports time
 to first token and time per output token (medians, 90th percentiles and spread over all requests), where
-the cores went meanwhile (CPU seconds of the prefill set, decode, the clients and the other services, and
-the cores' idle time) and the TTFT p50 floor of prefilling the prompts back to back at the cost their
-forwards had (_ttft_floor); with --compare-batching the same load runs again
+the cores went meanwhile (CPU seconds of the prefill set, decode, the clients and the other services, the
+cores' idle time, and what other processes took) and the TTFT p50 floor of prefilling the prompts back to
+back at the cost their forwards had (_ttft_floor); with --compare-batching the same load runs again
 on a stack whose prefill set takes one prompt a forward (--prefill-batch-max 1), so the result holds TTFT
 p50 and p90 with and without batched prefill, measured in the same run. It then compares the whole path's
 TTFT for one prompt of --overhead-tokens with the engine's in-process prefill of the same prompt (one
@@ -326,10 +326,18 @@ def _cpu_s(pid: int) -> float:
     return (int(fields[11]) + int(fields[12])) / _CLOCK_TICKS
 
 
+def _idle_s() -> float:
+    """Idle seconds so far (idle + iowait, /proc/stat) of the CPUs this process may run on."""
+    cpus = {f"cpu{n}" for n in os.sched_getaffinity(0)}
+    with open("/proc/stat") as stat:
+        rows = [line.split() for line in stat if line.split(maxsplit=1)[0] in cpus]
+    return sum(int(row[4]) + int(row[5]) for row in rows) / _CLOCK_TICKS
+
+
 def _cpu_by_role(stack: LocalStack) -> dict[str, float]:
-    """CPU seconds so far of each kind of service of the stack (prefill: the nodes and their ranks) and of
-    this process (the clients)."""
-    used: dict[str, float] = {"clients": _cpu_s(os.getpid())}
+    """CPU seconds so far of each kind of service of the stack (prefill: the nodes and their ranks), of
+    this process (the clients), and the idle seconds of the cores."""
+    used: dict[str, float] = {"clients": _cpu_s(os.getpid()), "idle": _idle_s()}
     for service in stack.services:
         role = service.name.split("-")[0]
         used[role] = used.get(role, 0.0) + sum(_cpu_s(p) for p in _process_tree(service.process.pid))
@@ -337,10 +345,11 @@ def _cpu_by_role(stack: LocalStack) -> dict[str, float]:
 
 
 def _where_cores_went(before: dict[str, float], after: dict[str, float], wall_s: float) -> dict[str, float]:
-    """CPU seconds each role used between two _cpu_by_role readings, and `idle`: what the cores this
-    process may use had left over in wall_s (negative only through the clock tick's rounding)."""
-    used = {role: round(after[role] - before.get(role, 0.0), 2) for role in after}
-    used["idle"] = round(len(os.sched_getaffinity(0)) * wall_s - sum(used.values()), 2)
+    """Seconds of each kind of use between two _cpu_by_role readings, plus `elsewhere`: the cores' time
+    in wall_s that was neither the stack's, the clients' nor idle (other processes on the machine; a few
+    hundredths either way are the clock tick's rounding)."""
+    used = {role: round(after[role] - before[role], 2) for role in after}
+    used["elsewhere"] = round(len(os.sched_getaffinity(0)) * wall_s - sum(used.values()), 2)
     return used
 
 

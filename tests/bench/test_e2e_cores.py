@@ -9,7 +9,7 @@ import time
 
 import pytest
 
-from bench.e2e import _cpu_s, _process_tree, _ttft_floor, _where_cores_went
+from bench.e2e import _cpu_s, _idle_s, _process_tree, _ttft_floor, _where_cores_went
 
 
 def test_ttft_floor_is_the_median_first_token_of_back_to_back_forwards() -> None:
@@ -18,10 +18,17 @@ def test_ttft_floor_is_the_median_first_token_of_back_to_back_forwards() -> None
     assert _ttft_floor(3.0, 1, 1) == 3.0
 
 
-def test_idle_is_what_the_cores_had_left() -> None:
+def test_elsewhere_is_what_neither_the_stack_nor_idle_took() -> None:
     cores = len(os.sched_getaffinity(0))
-    used = _where_cores_went({"prefill": 1.0, "decode": 0.5}, {"prefill": 3.0, "decode": 1.5}, 2.0)
-    assert used == {"prefill": 2.0, "decode": 1.0, "idle": round(2.0 * cores - 3.0, 2)}
+    before = {"prefill": 1.0, "decode": 0.5, "idle": 10.0}
+    used = _where_cores_went(before, {"prefill": 3.0, "decode": 1.5, "idle": 10.5}, 2.0)
+    assert used == {"prefill": 2.0, "decode": 1.0, "idle": 0.5, "elsewhere": round(2.0 * cores - 3.5, 2)}
+
+
+def test_idle_seconds_grow_while_this_process_sleeps() -> None:
+    before = _idle_s()
+    time.sleep(0.5)
+    assert _idle_s() > before  # the cores idle at least a tick in half a second with this process asleep
 
 
 @pytest.mark.skipif(not os.path.exists("/proc/self/task"), reason="reads /proc")
