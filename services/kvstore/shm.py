@@ -8,7 +8,11 @@ that was killed (its lock is free). The lock file doubles as the same-host probe
 
 Freed segments stay mapped in a warm pool: on this kind of machine a fresh tmpfs page costs a page fault
 and zeroing (~1 GB/s), a reused one is plain memcpy (>10 GB/s). The pool never exceeds the budget the
-core leaves free (`trim`).
+core leaves free (`trim`). A put reuses a pooled segment up to a quarter larger than itself as it is, so
+objects of similar sizes keep landing in warm pages instead of shrinking a segment and growing it again;
+the price is that tmpfs may hold up to 1.25x the store's capacity (a segment's slack is not counted
+against it). A segment more than that larger is shrunk to the object (its tail pages go back
+to the system).
 
 Clients keep their mappings of the store's segments too (`SegmentMaps`), since the store reuses them: with
 4 KiB tmpfs pages, mapping and unmapping a segment per transfer (or a pwrite, which does the same per-page
@@ -41,6 +45,7 @@ from pcpstack.kvstore.ranges import ByteRange, gather_with_crc
 
 PREFIX = "pcpkv-"
 _HUGE_PAGE = 2 << 20
+MAX_SLACK_FRACTION = 4  # a pooled segment up to 1/4 larger than a put is reused without resizing
 
 
 class Segment:
@@ -132,8 +137,14 @@ class SegmentStore:
         return sum(seg.size for seg in self._pool)
 
     def allocate(self, size: int) -> Segment:
-        """A segment of exactly size bytes: the best-fitting pooled one resized, or a new one."""
+        """A segment of at least size bytes: the smallest pooled one at most a quarter larger, as it is;
+        else the best-fitting pooled one resized to size (shrunk, or the largest grown); else a new one."""
         if self._pool:
+            warm = [seg for seg in self._pool if size <= seg.size <= size + size // MAX_SLACK_FRACTION]
+            if warm:
+                seg = min(warm, key=lambda s: s.size)
+                self._pool.remove(seg)
+                return seg
             bigger = [seg for seg in self._pool if seg.size >= size]
             seg = min(bigger, key=lambda s: s.size) if bigger else max(self._pool, key=lambda s: s.size)
             self._pool.remove(seg)
@@ -333,7 +344,9 @@ class SegmentMaps:
             if held < size:  # touching a mapping past the file's end would kill this process (SIGBUS)
                 raise ValueError(f"segment {name!r} holds {held} bytes, fewer than the {size} to copy")
             flags = mmap.MAP_SHARED | (mmap.MAP_POPULATE if populate else 0)
-            return mmap.mmap(fd, max(size, 1), flags=flags)
+            # The whole file: the store reuses a segment for objects up to its size, so a larger object
+            # next time needs no new mapping.
+            return mmap.mmap(fd, max(held, 1), flags=flags)
         finally:
             os.close(fd)
 

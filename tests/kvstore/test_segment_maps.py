@@ -85,6 +85,31 @@ def test_a_segment_the_store_grew_is_mapped_again_at_its_new_size(segments):
         assert stored == payload
 
 
+def test_pool_reuses_a_segment_at_most_a_quarter_larger_as_it_is_and_resizes_others(segments):
+    segment = segments.allocate(4 << 20)
+    segments.recycle(segment)
+    reused = segments.allocate(13 << 18)  # 3.25 MiB: the 4 MiB segment is at most a quarter larger
+    assert reused is segment and reused.size == reused.path.stat().st_size == 4 << 20
+    maps = SegmentMaps(str(segments.directory))
+    payload = random.randbytes(13 << 18)
+    assert maps.fill(reused.name, memoryview(payload)) == crc32c(payload)
+    with reused.view(0, len(payload)) as stored:
+        assert stored == payload
+    segments.recycle(reused)
+    shrunk = segments.allocate(1 << 20)  # 4x the object: its tail goes back to the system
+    assert shrunk is segment and shrunk.size == shrunk.path.stat().st_size == 1 << 20
+    segments.recycle(shrunk)
+    grown = segments.allocate(2 << 20)
+    assert grown is segment and grown.size == grown.path.stat().st_size == 2 << 20
+    payload = random.randbytes(2 << 20)
+    assert maps.fill(grown.name, memoryview(payload)) == crc32c(payload)
+    with grown.view(0, 2 << 20) as stored:
+        assert stored == payload
+    segments.recycle(grown)
+    assert segments.pooled_bytes == 2 << 20
+    maps.close()
+
+
 def test_a_receive_buffer_is_reused_only_once_nothing_refers_to_it():
     buffers = ReceiveBuffers(max_pooled_bytes=64 << 20)
     first = buffers.take(8 << 20)

@@ -13,7 +13,7 @@ import random
 import grpc
 import pytest
 
-from pcpstack.kvstore.client import KvStoreClient, make_key
+from pcpstack.kvstore.client import ByteRange, KvStoreClient, make_key
 from pcpstack.kvstore.errors import (
     AlreadyExists,
     CapabilityDenied,
@@ -477,3 +477,42 @@ def test_refused_put_and_get_leave_no_task_to_be_destroyed_pending(prefer_shm: b
     with caplog.at_level(logging.ERROR, logger="asyncio"):
         asyncio.run(body())
     assert not [r for r in caplog.records if "destroyed but it is pending" in r.getMessage()]
+
+
+@pytest.mark.timeout(60)
+def test_objects_of_changing_sizes_in_reused_segments_read_back_exactly_on_every_path():
+    """One pooled segment serves puts of changing sizes: kept whole for a slightly smaller object, shrunk
+    for a much smaller one, grown for a larger one. Every object reads back exactly, whole through shared
+    memory or gRPC and ranged, however much larger than the object its segment is."""
+
+    async def body():
+        async with (
+            running_store() as server,
+            KvStoreClient(server.address) as writer,
+            KvStoreClient(server.address, prefer_shm=False, chunk_bytes=CHUNK) as streamed,
+        ):
+            assert await writer.uses_shm()
+            # (object size, the pooled segment's size once the object is deleted)
+            for i, (size, pooled) in enumerate(
+                [
+                    (8 << 20, 8 << 20),
+                    ((7 << 20) + 1, 8 << 20),
+                    (2 << 20, 2 << 20),
+                    ((9 << 20) + 5, (9 << 20) + 5),
+                ]
+            ):
+                payload = random.randbytes(size)
+                replica = await writer.put(f"k{i}", "fp", payload)
+                for reader in (writer, streamed):
+                    data, _ = await reader.get(replica.key, "fp", replica.capability)
+                    assert bytes(data) == payload
+                    del data
+                    tail = ByteRange(offset=size - 1000, length=1000)
+                    data, _ = await reader.get(replica.key, "fp", replica.capability, ranges=[tail])
+                    assert bytes(data) == payload[-1000:]
+                    del data
+                assert await writer.delete(replica.key, replica.capability)
+                assert (await writer.stat()).pooled_bytes == pooled
+                assert len(segment_files(server)) == 1
+
+    asyncio.run(body())
