@@ -285,6 +285,18 @@ def compute_targets(results: dict) -> list[Target]:
     ]
 
 
+def _floor_note(load: list[dict], batching: dict) -> str:
+    """What the batched run's TTFT p50 floor (bench e2e's _ttft_floor) says of the target: the p50 that
+    back-to-back forwards at that run's cost would give, against half of one prompt a forward's p50."""
+    row = next((r for r in load if r["clients"] == batching["clients"] and "ttft_p50_floor_s" in r), None)
+    if row is None:
+        return ""
+    return (
+        f"; TTFT p50 floor of back-to-back forwards {_num(row['ttft_p50_floor_s'])} s against a goal of "
+        f"{_num(batching['ttft_p50_s']['unbatched'] / 2)} s"
+    )
+
+
 def _reuse_targets(results: dict) -> list[Target]:
     """Issue 18: later turns' TTFT against a cold prefill of the same prompt (the worst later turn), and
     TTFT p50 at the most clients with batched prefill against one prompt a forward, in the same run."""
@@ -311,6 +323,7 @@ def _reuse_targets(results: dict) -> list[Target]:
             "×",
             round(1 / batching["p50_speedup"], 3) if batching else None,
             f"bench e2e --compare-batching, {batching['clients']} clients, {e2e.get('model')}"
+            + _floor_note(e2e.get("load", []), batching)
             if batching
             else f"{NOT_MEASURED}: no bench e2e --compare-batching result",
         ),
