@@ -5,7 +5,9 @@ the client runs here. Each repeat puts a fresh object, reads it back (checksums 
 it, so later repeats measure the steady state: the store's warm segment pool, and on the client its kept
 mappings of those segments and the receive buffer the previous get left behind. A first, untimed round
 warms both processes' memory (on this VM the first touch of fresh memory costs up to 3x); it is reported
-apart as `first_*`. Reports medians of the timed repeats.
+apart as `first_*`. Reports medians of the timed repeats, and the CPU time each side spent: the client's
+(all its threads) per put and get, and the store's per put (its process's clock ticks, 10 ms each, summed
+over the timed puts and averaged). On a busy machine wall times swing widely; CPU times hold.
 """
 
 from __future__ import annotations
@@ -13,9 +15,11 @@ from __future__ import annotations
 import argparse
 import asyncio
 import os
+import resource
 import statistics
 import subprocess
 import time
+from pathlib import Path
 
 from bench.machine import machine_facts
 from pcpstack.cli.launch import spawn_and_wait_listening
@@ -56,22 +60,38 @@ def _start_store(capacity: int) -> tuple[subprocess.Popen, str]:
     return spawn_and_wait_listening("kvstore", ["--port", "0", "--capacity-bytes", str(capacity)])
 
 
-async def _measure(address: str, prefer_shm: bool, size: int, repeats: int, chunk: int) -> dict:
+def _own_cpu_s() -> float:
+    usage = resource.getrusage(resource.RUSAGE_SELF)
+    return usage.ru_utime + usage.ru_stime
+
+
+def _process_cpu_s(pid: int) -> float:
+    """User + system CPU of a process and all its threads, dead ones included (clock-tick resolution)."""
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+async def _measure(
+    address: str, store_pid: int, prefer_shm: bool, size: int, repeats: int, chunk: int
+) -> dict:
     from pcpstack.kvstore.client import KvStoreClient
 
     payload = os.urandom(size)
-    puts, gets = [], []
+    puts, gets, put_cpu, get_cpu, store_put_cpu = [], [], [], [], []
     async with KvStoreClient(address, prefer_shm=prefer_shm, chunk_bytes=chunk) as client:
         if await client.uses_shm() != prefer_shm:
             raise RuntimeError(f"client could not take the {'shm' if prefer_shm else 'gRPC'} path")
         for i in range(repeats + 1):
             key = f"bench-{prefer_shm}-{i}"
-            start = time.perf_counter()
+            store_cpu, cpu, start = _process_cpu_s(store_pid), _own_cpu_s(), time.perf_counter()
             capability = (await client.put(key, "bench", payload)).capability
             puts.append(time.perf_counter() - start)
-            start = time.perf_counter()
+            put_cpu.append(_own_cpu_s() - cpu)
+            store_put_cpu.append(_process_cpu_s(store_pid) - store_cpu)
+            cpu, start = _own_cpu_s(), time.perf_counter()
             data, _ = await client.get(key, "bench", capability)
             gets.append(time.perf_counter() - start)
+            get_cpu.append(_own_cpu_s() - cpu)
             if data.nbytes != size:
                 raise RuntimeError(f"read back {data.nbytes} bytes of {size}")
             del data
@@ -84,6 +104,9 @@ async def _measure(address: str, prefer_shm: bool, size: int, repeats: int, chun
         "get_mb_s_all": [round(size / t / 1e6, 1) for t in gets],
         "first_put_mb_s": round(size / first_put / 1e6, 1),
         "first_get_mb_s": round(size / first_get / 1e6, 1),
+        "put_client_cpu_ms": round(statistics.median(put_cpu[1:]) * 1e3, 1),
+        "put_store_cpu_ms": round(statistics.mean(store_put_cpu[1:]) * 1e3, 1),
+        "get_client_cpu_ms": round(statistics.median(get_cpu[1:]) * 1e3, 1),
     }
 
 
@@ -101,7 +124,9 @@ def run(args: argparse.Namespace) -> dict:
             "glibc_tunables": os.environ.get("GLIBC_TUNABLES", ""),
         }
         for name, shm in (("grpc", False), ("shm", True)):
-            results[name] = asyncio.run(_measure(address, shm, args.bytes, args.repeats, args.chunk_bytes))
+            results[name] = asyncio.run(
+                _measure(address, proc.pid, shm, args.bytes, args.repeats, args.chunk_bytes)
+            )
         return results
     finally:
         proc.terminate()
