@@ -35,9 +35,9 @@ SMOKE_ARGS: dict[str, list[str]] = {
     "e2e": [
         *("--model", "tiny", "--concurrency", "1,2", "--prompt-tokens", "16", "--max-tokens", "4"),
         *("--overhead-tokens", "64", "--repeats", "1"),
-        # Served PCP on the stack under load only (no PCP=1 stack), without the raw prefill reference
-        # (bench prefill's own code, smoke-run there): served TTFT and its breakdown from real spans.
-        *("--served-pcp", "2", "--served-tokens", "64", "--no-raw-prefill"),
+        # Served PCP on the stack under load only (no PCP=1 stack): served TTFT, its breakdown from real
+        # spans, and the raw prefill run after the timed request.
+        *("--served-pcp", "2", "--served-tokens", "64"),
         # Two turns: the second reads the first's 18 full prefix blocks of 16 (288 tokens) from the store.
         *("--multi-turn", "2", "--history-tokens", "300", "--turn-tokens", "8"),
     ],

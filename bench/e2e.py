@@ -13,10 +13,11 @@ process, the same total threads).
 
 Served PCP: for each size in --served-pcp (1 and 2) a stack of that PCP serves prompts of --served-tokens
 (2048 and 4096), one request at a time, each prompt new (a repeated one would come from the prefix cache);
-the same rank processes then run without the services as `bench prefill` runs them (same threads per rank,
-same model). The result holds the client-measured TTFT, the ranks' raw prefill time, the whole-path overhead
-over it in %, PCP=2 over PCP=1 for both, and the breakdown of one request's TTFT at each size and length
-from its trace spans (see ttft_breakdown).
+after each timed request the same rank processes run once without the services, as `bench prefill` runs
+them (same threads per rank, same model; the stack idle meanwhile), so that each served request and its
+reference ran back to back. The result holds the client-measured TTFT, the ranks' raw prefill time, the
+whole-path overhead over it in %, PCP=2 over PCP=1 for both, and the breakdown of one request's TTFT at
+each size and length from its trace spans (see ttft_breakdown).
 
 Multi-turn (--multi-turn, issue 18's prefix reuse): on the stack under load, conversations whose every turn
 sends the whole history again (the last prompt, its answer, a few new user tokens). Each turn runs warm, with
@@ -395,16 +396,34 @@ async def _load(stack: LocalStack, vocab: int, args: argparse.Namespace) -> list
     return rows
 
 
-async def _served(address: str, vocab: int, tokens: int, repeats: int, seed: int) -> list[Timing]:
+async def _served(address: str, vocab: int, tokens: int, pcp: int, args: argparse.Namespace) -> tuple:
     """A warm-up and `repeats` timed requests of `tokens` tokens, one at a time, every prompt new; the
-    warm-up first (it pays for first-touch allocations of this length, as bench prefill's warm-up does)."""
+    warm-up first (it pays for first-touch allocations of this length, as bench prefill's warm-up does).
+    With the raw reference, each timed request is followed by one raw prefill of the same ranks (bench
+    prefill's rank processes, their own warm-up forward, then one timed), so that each pair compared ran
+    back to back rather than minutes apart (this machine's speed drifts that much). Returns the requests'
+    timings and the raw prefill times."""
+    seed = 100 * tokens + pcp
+    settings = {
+        "model": args.model,
+        "tokens": [tokens],
+        "threads": args.threads_per_rank,
+        "repeats": 1,
+        "block_size": 128,
+    }
     # Two tokens: the second waits for the KV fetch, so the trace holds decode.kv_fetch too.
-    return [await _one(address, _prompt(vocab, tokens, seed + r), 2) for r in range(repeats + 1)]
+    timings, raw = [await _one(address, _prompt(vocab, tokens, seed), 2)], []
+    for repeat in range(1, args.repeats + 1):
+        timings.append(await _one(address, _prompt(vocab, tokens, seed + repeat), 2))
+        if args.raw_prefill:
+            layout = ParallelLayout(tp_size=1, pcp_size=pcp)
+            raw += (await asyncio.to_thread(raw_prefill_times, layout, settings))[tokens]
+    return timings, raw
 
 
 async def _stacks(args: argparse.Namespace, vocab: int, trace_dir: Path) -> dict:
     """Runs the stack under load (PCP=args.pcp) and one stack per served PCP size, one after another."""
-    measured: dict = {"served": {}}
+    measured: dict = {"served": {}, "raw": {}}
     for pcp in sorted({args.pcp, *args.served_pcp} if args.served_tokens else {args.pcp}):
         spans_file = trace_dir / f"spans-pcp{pcp}.jsonl"
         options = StackOptions(
@@ -423,8 +442,9 @@ async def _stacks(args: argparse.Namespace, vocab: int, trace_dir: Path) -> dict
                     measured["multi_turn"] = await _conversations(address, vocab, args)
             if pcp in args.served_pcp:
                 for tokens in args.served_tokens:
-                    timings = await _served(address, vocab, tokens, args.repeats, 100 * tokens + pcp)
+                    timings, raw = await _served(address, vocab, tokens, pcp, args)
                     measured["served"][(pcp, tokens)] = timings
+                    measured["raw"][(pcp, tokens)] = raw
         spans = read_span_file(spans_file)  # complete once the stack has stopped
         for (size, tokens), timings in measured["served"].items():
             if size == pcp:  # the first request of the length (the warm-up) and the last timed one
@@ -474,18 +494,10 @@ def _in_process(args: argparse.Namespace, ids: list[int]) -> list[float]:
 
 
 def _served_result(args: argparse.Namespace, measured: dict) -> dict:
-    """Served TTFT against the same ranks' raw prefill (bench prefill's _measure), and the PCP speedups."""
-    settings = {
-        "model": args.model,
-        "tokens": args.served_tokens,
-        "threads": args.threads_per_rank,
-        "repeats": args.repeats,
-        "block_size": 128,
-    }
+    """Served TTFT against the same ranks' raw prefill (bench prefill's _measure, each run right after a
+    served request: _served), and the PCP speedups."""
     rows = []
     for pcp in args.served_pcp:
-        layout = ParallelLayout(tp_size=1, pcp_size=pcp)
-        raw = raw_prefill_times(layout, settings) if args.raw_prefill else {}
         for tokens in args.served_tokens:
             warm_up, *timed = measured["served"][(pcp, tokens)]
             served = [t.ttft_s for t in timed]
@@ -496,9 +508,10 @@ def _served_result(args: argparse.Namespace, measured: dict) -> dict:
                 # The first request of this length on the stack, as a one-off `generate --local` sees it.
                 "first_request_ttft_s": round(warm_up.ttft_s, 4),
             }
+            raw = measured["raw"][(pcp, tokens)]
             if raw:
-                served_median, raw_median = statistics.median(served), statistics.median(raw[tokens])
-                row["raw_prefill_s"] = _summary(raw[tokens])
+                served_median, raw_median = statistics.median(served), statistics.median(raw)
+                row["raw_prefill_s"] = _summary(raw)
                 row["overhead_pct"] = round(100 * (served_median - raw_median) / raw_median, 1)
             rows.append(row)
 

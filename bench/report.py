@@ -935,7 +935,8 @@ def _served_section(e2e: dict) -> list[str]:
     lines += [
         f"Each PCP size's stack serves one request at a time ({served.get('threads_per_rank')} thread(s) per "
         f"rank, {served.get('repeats')} repeat(s) after a warm-up, every prompt new); raw prefill is the "
-        "same ranks run as `bench prefill` runs them. Medians (min–max).",
+        "same ranks run as `bench prefill` runs them, once right after each timed request (the stack idle), "
+        "so each pair ran back to back. Medians (min–max).",
         "",
     ]
 

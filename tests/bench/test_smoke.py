@@ -36,6 +36,9 @@ def test_benchmark_smoke_run_writes_json(area, tmp_path, child_env) -> None:
         second = saved["multi_turn"]["turns"][1]
         assert (second["cached_tokens"], second["cold_cached_tokens"]) == (288, 0)
         assert second["same_answers"]
+        # The served request and the raw prefill run after it, both measured.
+        (row,) = saved["served"]["rows"]
+        assert row["served_ttft_s"]["median"] > 0 and row["raw_prefill_s"]["median"] > 0
         # Where the cores went under load: the set's ranks prefilled, the decode worker decoded.
         for row in saved["load"]:
             assert row["cpu_s"]["prefill"] > 0 and row["cpu_s"]["decode"] > 0
