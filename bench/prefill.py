@@ -8,14 +8,22 @@ the prefill service runs (DualChunkSwap share, K/V all-gather per layer over its
 all-reduces, last-position logits, first-token sampling). The time is global rank 0's wall clock from a
 barrier to the moment every rank is done, median over repeats after one warm-up. On a machine with fewer
 cores than ranks, TP adds processes, not cores: the rows then show its communication cost, not its speedup.
+
+Beside the wall clock each row gives what tells the code from the host: the slowest rank's thread CPU time
+(its work; PCP=2 over PCP=1 in CPU time is `cpu_speedup`) and the cores other processes kept busy during
+the timed runs (`background_cores_median`, from /proc/stat). Ranks that exchange K/V every layer move at
+the pace of the slower one, so background load on a machine with as many cores as ranks stretches PCP=2
+and not PCP=1: a wall speedup far below the CPU one, with background above 0, is the host, not the code.
 """
 
 from __future__ import annotations
 
 import argparse
+import os
 import queue as queue_module
 import statistics
 import time
+from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
@@ -52,6 +60,18 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--block-size", type=int, default=128)
 
 
+def _machine_busy_s() -> float | None:
+    """CPU seconds every core of the machine has spent busy since boot (/proc/stat, in clock ticks of
+    10 ms: fine for runs of seconds), None where unknown."""
+    try:
+        with open("/proc/stat") as stat:
+            fields = [int(x) for x in stat.readline().split()[1:]]
+    except (OSError, ValueError):
+        return None
+    user, nice, system, _idle, _iowait, irq, softirq, steal = fields[:8]
+    return (user + nice + system + irq + softirq + steal) / os.sysconf("SC_CLK_TCK")
+
+
 def _rank(global_rank: int, layout: ParallelLayout, port: int, args: dict, queue) -> None:
     torch.set_num_threads(args["threads"])
     distributed = layout.world_size > 1
@@ -65,38 +85,54 @@ def _rank(global_rank: int, layout: ParallelLayout, port: int, args: dict, queue
     engine = Engine(loaded, block_size=block_size, num_blocks=blocks_needed(max(args["tokens"]), block_size))
     vocab_size = loaded.full_args.vocab_size
     params = SamplingParams(max_tokens=1, temperature=0)
-    timings: dict[int, list[float]] = {}
+    timings: dict[int, list[RunTiming]] = {}
     for n in args["tokens"]:
         prompt = torch.randint(0, vocab_size, (n,), generator=torch.Generator().manual_seed(n))
         split = DualChunkSplit(n, layout.pcp_size)
         for repeat in range(args["repeats"] + 1):
             if distributed:
                 dist.barrier()
-            started = time.perf_counter()
+            busy, process_cpu = _machine_busy_s(), time.process_time()
+            started, thread_cpu = time.perf_counter(), time.thread_time()
             state = engine.reserve("bench", n)
             exchange = KvAllGather(split, group=pcp_group) if layout.pcp_size > 1 else None
             logits = prefill_share(engine, state, prompt, split, pcp_rank, exchange)
             if logits is not None:
                 sample(logits, params, make_generator(None))
+            thread_cpu = time.thread_time() - thread_cpu  # this rank's work, without the wait for the others
             if distributed:
                 dist.barrier()  # TTFT ends when the slowest rank is done (the last token may be elsewhere)
             elapsed = time.perf_counter() - started
+            busy_after = _machine_busy_s()
+            machine_busy = None if busy is None or busy_after is None else busy_after - busy
+            run = RunTiming(elapsed, thread_cpu, time.process_time() - process_cpu, machine_busy)
             engine.free("bench")
             if repeat:  # the first run warms up allocators and caches
-                timings.setdefault(n, []).append(elapsed)
+                timings.setdefault(n, []).append(run)
     if distributed:
         dist.destroy_process_group()
     queue.put((global_rank, timings))
 
 
-def _measure(layout: ParallelLayout, args: dict) -> dict[int, list[float]]:
+@dataclass(frozen=True)
+class RunTiming:
+    """One rank's view of one timed prefill."""
+
+    wall_s: float  # barrier to barrier: the TTFT on global rank 0
+    thread_cpu_s: float  # the rank's thread CPU time in its prefill (its work, not its waits)
+    process_cpu_s: float  # every thread of the rank process (gloo's included), to leave out of the busy time
+    machine_busy_s: float | None  # CPU seconds all cores spent busy meanwhile (None: no /proc/stat)
+
+
+def _measure(layout: ParallelLayout, args: dict) -> dict[int, list[list[RunTiming]]]:
+    """Runs one configuration; per prompt length, per timed repeat, every global rank's RunTiming."""
     ctx = mp.get_context("spawn")
     queue = ctx.Queue()
     port = free_port()
     procs = [ctx.Process(target=_rank, args=(g, layout, port, args, queue)) for g in range(layout.world_size)]
     for proc in procs:
         proc.start()
-    results: dict[int, dict[int, list[float]]] = {}
+    results: dict[int, dict[int, list[RunTiming]]] = {}
     try:
         while len(results) < len(procs):
             try:
@@ -117,7 +153,34 @@ def _measure(layout: ParallelLayout, args: dict) -> dict[int, list[float]]:
             proc.join(timeout=60)
             if proc.is_alive():
                 proc.kill()
-    return results[0]
+    ranks = [results[g] for g in range(layout.world_size)]
+    return {n: [list(runs) for runs in zip(*(r[n] for r in ranks), strict=True)] for n in results[0]}
+
+
+def _row(n: int, tp: int, pcp: int, repeats: list[list[RunTiming]]) -> dict:
+    """The result row of one configuration at n tokens from every repeat's RunTimings (global rank 0's
+    first)."""
+    times = [runs[0].wall_s for runs in repeats]
+    row = {
+        "tokens": n,
+        "tp": tp,
+        "pcp": pcp,
+        "ttft_s_median": round(statistics.median(times), 4),
+        "ttft_s_min": round(min(times), 4),
+        "ttft_s_max": round(max(times), 4),
+        "tokens_per_s": round(n / statistics.median(times), 1),
+        "slowest_rank_cpu_s_median": round(
+            statistics.median(max(run.thread_cpu_s for run in runs) for runs in repeats), 4
+        ),
+    }
+    if all(runs[0].machine_busy_s is not None for runs in repeats):
+        # Busy core-seconds not spent by the ranks themselves, per second of the run.
+        background = [
+            (runs[0].machine_busy_s - sum(run.process_cpu_s for run in runs)) / runs[0].wall_s
+            for runs in repeats
+        ]
+        row["background_cores_median"] = round(max(statistics.median(background), 0.0), 2)
+    return row
 
 
 def run(args: argparse.Namespace) -> dict:
@@ -138,24 +201,8 @@ def run(args: argparse.Namespace) -> dict:
     rows = []
     for tp in args.tp:
         for pcp in args.pcp:
-            for n, times in _measure(ParallelLayout(tp_size=tp, pcp_size=pcp), settings).items():
-                rows.append(
-                    {
-                        "tokens": n,
-                        "tp": tp,
-                        "pcp": pcp,
-                        "ttft_s_median": round(statistics.median(times), 4),
-                        "ttft_s_min": round(min(times), 4),
-                        "ttft_s_max": round(max(times), 4),
-                        "tokens_per_s": round(n / statistics.median(times), 1),
-                    }
-                )
-    base = {r["tokens"]: r["ttft_s_median"] for r in rows if r["pcp"] == 1 and r["tp"] == 1}
-    speedups = {
-        f"pcp{r['pcp']}_over_pcp1_at_{r['tokens']}": round(base[r["tokens"]] / r["ttft_s_median"], 3)
-        for r in rows
-        if r["pcp"] > 1 and r["tp"] == 1 and r["tokens"] in base
-    }
+            for n, repeats in _measure(ParallelLayout(tp_size=tp, pcp_size=pcp), settings).items():
+                rows.append(_row(n, tp, pcp, repeats))
     return {
         "benchmark": "prefill",
         "model": served_model_name(args.model),
@@ -163,6 +210,21 @@ def run(args: argparse.Namespace) -> dict:
         "repeats": args.repeats,
         **facts,
         "two_process_scaling": scaling,
+        # PCP ranks exchange K/V every layer, so a pair moves at its slower process's pace: twice the slower
+        # one's rate over one alone is the ceiling of PCP=2 over PCP=1 (the sum of both rates is not).
+        "lockstep_scaling": round(2 * min(scaling["pair_gflops"]) / scaling["alone_gflops"], 2),
         "results": rows,
-        "speedup": speedups,
+        "speedup": _speedups(rows, "ttft_s_median"),
+        # The same ratio in the slowest rank's CPU time: what the code scales, whatever else the host runs.
+        "cpu_speedup": _speedups(rows, "slowest_rank_cpu_s_median"),
+    }
+
+
+def _speedups(rows: list[dict], key: str) -> dict[str, float]:
+    """PCP=1's `key` over PCP=n's at each length, for TP=1."""
+    base = {r["tokens"]: r[key] for r in rows if r["pcp"] == 1 and r["tp"] == 1}
+    return {
+        f"pcp{r['pcp']}_over_pcp1_at_{r['tokens']}": round(base[r["tokens"]] / r[key], 3)
+        for r in rows
+        if r["pcp"] > 1 and r["tp"] == 1 and r["tokens"] in base
     }
