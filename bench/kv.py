@@ -26,6 +26,7 @@ from pcpstack.cli.launch import spawn_and_wait_listening
 from pcpstack.common.tunables import ensure_glibc_tunables
 from pcpstack.kvstore.stream import DEFAULT_CHUNK_BYTES
 
+PATHS = ("grpc", "shm")
 _UNITS = {
     "": 1,
     "B": 1,
@@ -53,6 +54,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--repeats", type=int, default=5, help="puts and gets per path")
     parser.add_argument(
         "--chunk-bytes", type=parse_size, default=DEFAULT_CHUNK_BYTES, help="chunk size on the gRPC path"
+    )
+    parser.add_argument(
+        "--paths",
+        nargs="+",
+        choices=PATHS,
+        default=list(PATHS),
+        help="transfer paths to measure (default: both; shm alone takes seconds, gRPC tens of seconds)",
     )
 
 
@@ -123,7 +131,8 @@ def run(args: argparse.Namespace) -> dict:
             "chunk_bytes": args.chunk_bytes,
             "glibc_tunables": os.environ.get("GLIBC_TUNABLES", ""),
         }
-        for name, shm in (("grpc", False), ("shm", True)):
+        for name in args.paths:
+            shm = name == "shm"
             results[name] = asyncio.run(
                 _measure(address, proc.pid, shm, args.bytes, args.repeats, args.chunk_bytes)
             )
