@@ -45,7 +45,7 @@ from pcpstack.kvstore.ranges import ByteRange, gather_with_crc
 
 PREFIX = "pcpkv-"
 _HUGE_PAGE = 2 << 20
-MAX_SLACK_FRACTION = 4  # a pooled segment up to 1/4 larger than a put is reused without resizing
+MAX_REUSE_SLACK = 0.25  # a pooled segment at most this share larger than a put is reused as it is
 
 
 class Segment:
@@ -140,7 +140,7 @@ class SegmentStore:
         """A segment of at least size bytes: the smallest pooled one at most a quarter larger, as it is;
         else the best-fitting pooled one resized to size (shrunk, or the largest grown); else a new one."""
         if self._pool:
-            warm = [seg for seg in self._pool if size <= seg.size <= size + size // MAX_SLACK_FRACTION]
+            warm = [seg for seg in self._pool if size <= seg.size <= size + int(size * MAX_REUSE_SLACK)]
             if warm:
                 seg = min(warm, key=lambda s: s.size)
                 self._pool.remove(seg)
