@@ -516,3 +516,40 @@ def test_objects_of_changing_sizes_in_reused_segments_read_back_exactly_on_every
                 assert len(segment_files(server)) == 1
 
     asyncio.run(body())
+
+
+def test_shm_put_in_a_larger_reused_segment_with_its_last_byte_flipped_is_rejected():
+    """The store checks exactly the object's bytes of a segment kept larger than the object: a flip in the
+    object's last byte is refused, and the segment's slack past the object plays no part."""
+
+    async def body():
+        async with (
+            running_store() as server,
+            KvStoreClient(server.address) as client,
+            grpc.aio.insecure_channel(server.address) as channel,
+        ):
+            earlier = await client.put("earlier", "fp", random.randbytes(4 << 20))
+            assert await client.delete(earlier.key, earlier.capability)
+            size = (7 << 19) + 3  # the pooled 4 MiB segment is at most a quarter larger: reused as it is
+            payload = random.randbytes(size)
+            call = kvstore_pb2_grpc.KvStoreServiceStub(channel).Put(timeout=10)
+            header = pb.PutHeader(key="k", fingerprint="fp", total_bytes=size, use_shm=True)
+            await call.write(pb.PutRequest(header=header))
+            name = (await call.read()).accepted.shm_name
+            shm_dir = str(server.servicer.segments.directory)
+            assert os.path.getsize(os.path.join(shm_dir, name)) == 4 << 20
+            maps = SegmentMaps(shm_dir)
+            crc = maps.fill(name, memoryview(payload))
+            maps.close()
+            with open(os.path.join(shm_dir, name), "r+b") as segment:
+                segment.seek(size - 1)
+                segment.write(bytes([payload[-1] ^ 0x80]))
+            await call.write(pb.PutRequest(commit=pb.PutCommit(crc32c=crc)))
+            with contextlib.suppress(grpc.aio.AioRpcError):
+                await call.read()
+            assert await call.code() == grpc.StatusCode.DATA_LOSS and "commit says" in await call.details()
+            stats = await _settled(server, lambda s: (s.objects, s.reserved_bytes) == (0, 0))
+            assert (stats.objects, stats.reserved_bytes) == (0, 0)
+            assert server.servicer.segments.pooled_bytes == 4 << 20
+
+    asyncio.run(body())
