@@ -6,8 +6,10 @@ PCP rank, one PCP group per TP rank, as the prefill service builds them; TP=1 x 
 group), each rank with --threads-per-rank torch threads, its TP shard of the model, and the same code path
 the prefill service runs (DualChunkSwap share, K/V all-gather per layer over its PCP group, the TP
 all-reduces, last-position logits, first-token sampling). The time is global rank 0's wall clock from a
-barrier to the moment every rank is done, median over repeats after one warm-up. On a machine with fewer
-cores than ranks, TP adds processes, not cores: the rows then show its communication cost, not its speedup.
+barrier to the moment every rank is done, median over repeats after one warm-up round. The PCP sizes of one
+TP size run interleaved (their sets all up, one prefill each in turn, round after round), so their ratio
+holds on a host whose speed drifts by tens of percent over minutes. On a machine with fewer cores than
+ranks, TP adds processes, not cores: the rows then show its communication cost, not its speedup.
 
 Beside the wall clock each row gives what tells the code from the host: the slowest rank's thread CPU time
 (its work; PCP=2 over PCP=1 in CPU time is `cpu_speedup`) and the cores other processes kept busy during
@@ -72,7 +74,19 @@ def _machine_busy_s() -> float | None:
     return (user + nice + system + irq + softirq + steal) / os.sysconf("SC_CLK_TCK")
 
 
-def _rank(global_rank: int, layout: ParallelLayout, port: int, args: dict, queue) -> None:
+@dataclass(frozen=True)
+class RunTiming:
+    """One rank's view of one timed prefill."""
+
+    wall_s: float  # barrier to barrier: the TTFT on global rank 0
+    thread_cpu_s: float  # the rank's thread CPU time in its prefill (its work, not its waits)
+    process_cpu_s: float  # every thread of the rank process (gloo's included), to leave out of the busy time
+    machine_busy_s: float | None  # CPU seconds all cores spent busy meanwhile (None: no /proc/stat)
+
+
+def _rank(global_rank: int, layout: ParallelLayout, port: int, args: dict, commands, results) -> None:
+    """One rank of a configuration: loads its shard, then runs one timed prefill of n tokens for each n
+    `commands` brings (every rank of the set gets the same ones), until None."""
     torch.set_num_threads(args["threads"])
     distributed = layout.world_size > 1
     pcp_rank, pcp_group, shard = 0, None, SINGLE_RANK
@@ -85,76 +99,101 @@ def _rank(global_rank: int, layout: ParallelLayout, port: int, args: dict, queue
     engine = Engine(loaded, block_size=block_size, num_blocks=blocks_needed(max(args["tokens"]), block_size))
     vocab_size = loaded.full_args.vocab_size
     params = SamplingParams(max_tokens=1, temperature=0)
-    timings: dict[int, list[RunTiming]] = {}
-    for n in args["tokens"]:
+    while (n := commands.get()) is not None:
         prompt = torch.randint(0, vocab_size, (n,), generator=torch.Generator().manual_seed(n))
         split = DualChunkSplit(n, layout.pcp_size)
-        for repeat in range(args["repeats"] + 1):
-            if distributed:
-                dist.barrier()
-            busy, process_cpu = _machine_busy_s(), time.process_time()
-            started, thread_cpu = time.perf_counter(), time.thread_time()
-            state = engine.reserve("bench", n)
-            exchange = KvAllGather(split, group=pcp_group) if layout.pcp_size > 1 else None
-            logits = prefill_share(engine, state, prompt, split, pcp_rank, exchange)
-            if logits is not None:
-                sample(logits, params, make_generator(None))
-            thread_cpu = time.thread_time() - thread_cpu  # this rank's work, without the wait for the others
-            if distributed:
-                dist.barrier()  # TTFT ends when the slowest rank is done (the last token may be elsewhere)
-            elapsed = time.perf_counter() - started
-            busy_after = _machine_busy_s()
-            machine_busy = None if busy is None or busy_after is None else busy_after - busy
-            run = RunTiming(elapsed, thread_cpu, time.process_time() - process_cpu, machine_busy)
-            engine.free("bench")
-            if repeat:  # the first run warms up allocators and caches
-                timings.setdefault(n, []).append(run)
+        if distributed:
+            dist.barrier()
+        busy, process_cpu = _machine_busy_s(), time.process_time()
+        started, thread_cpu = time.perf_counter(), time.thread_time()
+        state = engine.reserve("bench", n)
+        exchange = KvAllGather(split, group=pcp_group) if layout.pcp_size > 1 else None
+        logits = prefill_share(engine, state, prompt, split, pcp_rank, exchange)
+        if logits is not None:
+            sample(logits, params, make_generator(None))
+        thread_cpu = time.thread_time() - thread_cpu  # this rank's work, without the wait for the others
+        if distributed:
+            dist.barrier()  # TTFT ends when the slowest rank is done (the last token may be elsewhere)
+        elapsed = time.perf_counter() - started
+        busy_after = _machine_busy_s()
+        machine_busy = None if busy is None or busy_after is None else busy_after - busy
+        engine.free("bench")
+        results.put(
+            (global_rank, RunTiming(elapsed, thread_cpu, time.process_time() - process_cpu, machine_busy))
+        )
     if distributed:
         dist.destroy_process_group()
-    queue.put((global_rank, timings))
 
 
-@dataclass(frozen=True)
-class RunTiming:
-    """One rank's view of one timed prefill."""
+class _RankSet:
+    """The processes of one configuration (TP x PCP real ranks), alive across the rounds of the benchmark,
+    each waiting for the next prompt length to prefill."""
 
-    wall_s: float  # barrier to barrier: the TTFT on global rank 0
-    thread_cpu_s: float  # the rank's thread CPU time in its prefill (its work, not its waits)
-    process_cpu_s: float  # every thread of the rank process (gloo's included), to leave out of the busy time
-    machine_busy_s: float | None  # CPU seconds all cores spent busy meanwhile (None: no /proc/stat)
+    def __init__(self, ctx, layout: ParallelLayout, args: dict) -> None:
+        self.layout = layout
+        self._commands = [ctx.Queue() for _ in range(layout.world_size)]
+        self._results = ctx.Queue()
+        port = free_port()
+        self._procs = [
+            ctx.Process(target=_rank, args=(g, layout, port, args, self._commands[g], self._results))
+            for g in range(layout.world_size)
+        ]
+        for proc in self._procs:
+            proc.start()
 
-
-def _measure(layout: ParallelLayout, args: dict) -> dict[int, list[list[RunTiming]]]:
-    """Runs one configuration; per prompt length, per timed repeat, every global rank's RunTiming."""
-    ctx = mp.get_context("spawn")
-    queue = ctx.Queue()
-    port = free_port()
-    procs = [ctx.Process(target=_rank, args=(g, layout, port, args, queue)) for g in range(layout.world_size)]
-    for proc in procs:
-        proc.start()
-    results: dict[int, dict[int, list[RunTiming]]] = {}
-    try:
-        while len(results) < len(procs):
+    def prefill(self, n: int) -> list[RunTiming]:
+        """One timed prefill of n tokens on every rank; their timings in global rank order."""
+        for commands in self._commands:
+            commands.put(n)
+        timings: dict[int, RunTiming] = {}
+        while len(timings) < len(self._procs):
             try:
-                global_rank, timings = queue.get(timeout=1.0)
-                results[global_rank] = timings
+                global_rank, timing = self._results.get(timeout=1.0)
+                timings[global_rank] = timing
             except queue_module.Empty:
                 # A rank that died (a port taken under it, out of memory) would leave the others waiting.
-                failed = [g for g, proc in enumerate(procs) if proc.exitcode not in (None, 0)]
+                failed = [g for g, proc in enumerate(self._procs) if proc.exitcode not in (None, 0)]
                 if failed:
-                    for proc in procs:
-                        proc.kill()
+                    layout = self.layout
                     raise RuntimeError(
                         f"bench prefill: rank {failed[0]} of TP={layout.tp_size} x PCP={layout.pcp_size} "
-                        f"exited with status {procs[failed[0]].exitcode} (its error is above)"
+                        f"exited with status {self._procs[failed[0]].exitcode} (its error is above)"
                     ) from None
-    finally:
-        for proc in procs:
+        return [timings[g] for g in range(len(self._procs))]
+
+    def close(self) -> None:
+        """Lets the ranks finish (killing those that do not)."""
+        for commands in self._commands:
+            commands.put(None)
+        for proc in self._procs:
             proc.join(timeout=60)
             if proc.is_alive():
                 proc.kill()
-    ranks = [results[g] for g in range(layout.world_size)]
-    return {n: [list(runs) for runs in zip(*(r[n] for r in ranks), strict=True)] for n in results[0]}
+
+
+def _measure(
+    layouts: list[ParallelLayout], args: dict
+) -> dict[ParallelLayout, dict[int, list[list[RunTiming]]]]:
+    """Runs the configurations `layouts` side by side: every set stays up, and each round prefills every
+    length on one set after the other (the order reversed every other round), so a host whose speed drifts
+    over minutes slows them alike. Round 0 warms up. Per layout, per length, per timed round: every global
+    rank's RunTiming."""
+    ctx = mp.get_context("spawn")
+    sets = []
+    try:
+        for layout in layouts:
+            sets.append(_RankSet(ctx, layout, args))
+        timings: dict[ParallelLayout, dict[int, list[list[RunTiming]]]] = {layout: {} for layout in layouts}
+        for round_index in range(args["repeats"] + 1):
+            for n in args["tokens"]:
+                for rank_set in sets if round_index % 2 else reversed(sets):
+                    runs = rank_set.prefill(n)
+                    if round_index:  # the first round warms up allocators and caches
+                        timings[rank_set.layout].setdefault(n, []).append(runs)
+        return timings
+    finally:
+        for rank_set in sets:
+            rank_set.close()
 
 
 def _row(n: int, tp: int, pcp: int, repeats: list[list[RunTiming]]) -> dict:
@@ -200,9 +239,11 @@ def run(args: argparse.Namespace) -> dict:
     }
     rows = []
     for tp in args.tp:
-        for pcp in args.pcp:
-            for n, repeats in _measure(ParallelLayout(tp_size=tp, pcp_size=pcp), settings).items():
-                rows.append(_row(n, tp, pcp, repeats))
+        # The PCP sizes of one TP size run interleaved: their ratio is the speedup the report gives.
+        layouts = [ParallelLayout(tp_size=tp, pcp_size=pcp) for pcp in args.pcp]
+        for layout, by_length in _measure(layouts, settings).items():
+            for n, repeats in by_length.items():
+                rows.append(_row(n, tp, layout.pcp_size, repeats))
     return {
         "benchmark": "prefill",
         "model": served_model_name(args.model),
