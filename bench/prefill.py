@@ -171,7 +171,7 @@ class _RankSet:
                 proc.kill()
 
 
-def _measure(
+def _measure_side_by_side(
     layouts: list[ParallelLayout], args: dict
 ) -> dict[ParallelLayout, dict[int, list[list[RunTiming]]]]:
     """Runs the configurations `layouts` side by side: every set stays up, and each round prefills every
@@ -194,6 +194,12 @@ def _measure(
     finally:
         for rank_set in sets:
             rank_set.close()
+
+
+def _measure(layout: ParallelLayout, args: dict) -> dict[int, list[float]]:
+    """One configuration alone (bench e2e's raw reference): per length, global rank 0's wall times."""
+    timings = _measure_side_by_side([layout], args)[layout]
+    return {n: [runs[0].wall_s for runs in repeats] for n, repeats in timings.items()}
 
 
 def _row(n: int, tp: int, pcp: int, repeats: list[list[RunTiming]]) -> dict:
@@ -241,7 +247,7 @@ def run(args: argparse.Namespace) -> dict:
     for tp in args.tp:
         # The PCP sizes of one TP size run interleaved: their ratio is the speedup the report gives.
         layouts = [ParallelLayout(tp_size=tp, pcp_size=pcp) for pcp in args.pcp]
-        for layout, by_length in _measure(layouts, settings).items():
+        for layout, by_length in _measure_side_by_side(layouts, settings).items():
             for n, repeats in by_length.items():
                 rows.append(_row(n, tp, layout.pcp_size, repeats))
     return {
