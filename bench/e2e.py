@@ -39,7 +39,7 @@ from pathlib import Path
 
 import torch
 
-from bench.machine import machine_facts
+from bench.machine import machine_facts, process_cpu_s
 from bench.prefill import _measure as raw_prefill_times
 from pcpstack.cli.stack import LocalStack, StackOptions
 from pcpstack.common.config import served_model_name
@@ -317,16 +317,6 @@ def _process_tree(pid: int) -> list[int]:
     return pids
 
 
-def _cpu_s(pid: int) -> float:
-    """User + system CPU seconds of one live process, all its threads; 0 once it is gone."""
-    try:
-        with open(f"/proc/{pid}/stat") as stat:
-            fields = stat.read().rsplit(")", 1)[1].split()
-    except OSError:
-        return 0.0
-    return (int(fields[11]) + int(fields[12])) / _CLOCK_TICKS
-
-
 def _idle_s() -> float:
     """Idle seconds so far (idle + iowait, /proc/stat) of the CPUs this process may run on."""
     cpus = {f"cpu{n}" for n in os.sched_getaffinity(0)}
@@ -338,10 +328,10 @@ def _idle_s() -> float:
 def _cpu_by_role(stack: LocalStack) -> dict[str, float]:
     """CPU seconds so far of each kind of service of the stack (prefill: the nodes and their ranks), of
     this process (the clients), and the idle seconds of the cores."""
-    used: dict[str, float] = {"clients": _cpu_s(os.getpid()), "idle": _idle_s()}
+    used: dict[str, float] = {"clients": process_cpu_s(os.getpid()), "idle": _idle_s()}
     for service in stack.services:
         role = service.name.split("-")[0]
-        used[role] = used.get(role, 0.0) + sum(_cpu_s(p) for p in _process_tree(service.process.pid))
+        used[role] = used.get(role, 0.0) + sum(process_cpu_s(p) for p in _process_tree(service.process.pid))
     return used
 
 

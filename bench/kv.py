@@ -19,9 +19,8 @@ import resource
 import statistics
 import subprocess
 import time
-from pathlib import Path
 
-from bench.machine import machine_facts
+from bench.machine import machine_facts, process_cpu_s
 from pcpstack.cli.launch import spawn_and_wait_listening
 from pcpstack.common.tunables import ensure_glibc_tunables
 from pcpstack.kvstore.stream import DEFAULT_CHUNK_BYTES
@@ -73,12 +72,6 @@ def _own_cpu_s() -> float:
     return usage.ru_utime + usage.ru_stime
 
 
-def _process_cpu_s(pid: int) -> float:
-    """User + system CPU of a process and all its threads, dead ones included (clock-tick resolution)."""
-    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
-
-
 async def _measure(
     address: str, store_pid: int, prefer_shm: bool, size: int, repeats: int, chunk: int
 ) -> dict:
@@ -91,11 +84,11 @@ async def _measure(
             raise RuntimeError(f"client could not take the {'shm' if prefer_shm else 'gRPC'} path")
         for i in range(repeats + 1):
             key = f"bench-{prefer_shm}-{i}"
-            store_cpu, cpu, start = _process_cpu_s(store_pid), _own_cpu_s(), time.perf_counter()
+            store_cpu, cpu, start = process_cpu_s(store_pid), _own_cpu_s(), time.perf_counter()
             capability = (await client.put(key, "bench", payload)).capability
             puts.append(time.perf_counter() - start)
             put_cpu.append(_own_cpu_s() - cpu)
-            store_put_cpu.append(_process_cpu_s(store_pid) - store_cpu)
+            store_put_cpu.append(process_cpu_s(store_pid) - store_cpu)
             cpu, start = _own_cpu_s(), time.perf_counter()
             data, _ = await client.get(key, "bench", capability)
             gets.append(time.perf_counter() - start)

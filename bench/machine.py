@@ -40,6 +40,16 @@ def cpu_model() -> str:
     return _cpuinfo().get("model name") or platform.processor() or platform.machine()
 
 
+def process_cpu_s(pid: int) -> float:
+    """User + system CPU seconds of a live process, all its threads (/proc, in clock ticks of 10 ms: fine
+    for runs of seconds); 0.0 once it is gone."""
+    try:
+        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    except OSError:
+        return 0.0
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
 def machine_facts() -> dict:
     """CPU model, its vector flags among VECTOR_FLAGS, core count, the 1-minute load average now, and when
     (UTC; a results file's modification time changes with every checkout)."""

@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import os
 import statistics
 import subprocess
 import tempfile
@@ -27,7 +26,7 @@ from collections.abc import Awaitable, Callable
 from pathlib import Path
 from typing import TypeVar
 
-from bench.machine import machine_facts
+from bench.machine import machine_facts, process_cpu_s
 from pcpstack.cli.launch import spawn_service
 from pcpstack.common.channel import open_channel
 from pcpstack.common.config import ConfigError, EngineConfig
@@ -84,11 +83,6 @@ class _Budget:
                 f"registry bench: {phase} did not finish within --budget={self.seconds:g} s ({progress()}); "
                 "the machine may be too busy, or the registry cannot hold this many nodes at this lease"
             ) from None
-
-
-def _cpu_seconds(pid: int) -> float:
-    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
 async def _list_sets(address: str, timeout: float = 1.0) -> registry_pb2.ListSetsResponse:
@@ -187,10 +181,10 @@ async def _measure(
         ready_s = time.perf_counter() - started
         await asyncio.sleep(2.0)  # settle into the steady heartbeat rhythm
         client_cpu0, wall0 = time.process_time(), time.perf_counter()
-        cpu0 = {name: sum(map(_cpu_seconds, ids)) for name, ids in pids.items()}
+        cpu0 = {name: sum(map(process_cpu_s, ids)) for name, ids in pids.items()}
         await asyncio.sleep(duration)
         client_cpu1, wall1 = time.process_time(), time.perf_counter()
-        cpu1 = {name: sum(map(_cpu_seconds, ids)) for name, ids in pids.items()}
+        cpu1 = {name: sum(map(process_cpu_s, ids)) for name, ids in pids.items()}
         lost = [c.node_id for c in clients if c.assignment is None]
         if lost:
             raise BenchFailed(

@@ -9,7 +9,8 @@ import time
 
 import pytest
 
-from bench.e2e import _cpu_s, _idle_s, _process_tree, _ttft_floor, _where_cores_went
+from bench.e2e import _idle_s, _process_tree, _ttft_floor, _where_cores_went
+from bench.machine import process_cpu_s
 
 
 def test_ttft_floor_is_the_median_first_token_of_back_to_back_forwards() -> None:
@@ -43,14 +44,14 @@ def test_a_process_tree_and_its_cpu_are_read_from_proc() -> None:
         deadline = time.monotonic() + 20
         while time.monotonic() < deadline:
             tree = _process_tree(parent.pid)
-            if len(tree) == 2 and _cpu_s(tree[1]) >= 0.3:
+            if len(tree) == 2 and process_cpu_s(tree[1]) >= 0.3:
                 break
             time.sleep(0.1)
         assert tree[0] == parent.pid and len(tree) == 2
-        assert _cpu_s(tree[1]) >= 0.3
-        assert _cpu_s(parent.pid) < 0.3
+        assert process_cpu_s(tree[1]) >= 0.3
+        assert process_cpu_s(parent.pid) < 0.3
     finally:
         for pid in reversed(_process_tree(parent.pid)):
             os.kill(pid, 9)
         parent.wait()
-    assert _cpu_s(parent.pid) == 0.0  # gone
+    assert process_cpu_s(parent.pid) == 0.0  # gone
