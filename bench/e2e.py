@@ -30,6 +30,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import multiprocessing as mp
 import os
 import statistics
 import tempfile
@@ -40,7 +41,7 @@ from pathlib import Path
 import torch
 
 from bench.machine import machine_facts, process_cpu_s
-from bench.prefill import _measure as raw_prefill_times
+from bench.prefill import _RankSet
 from pcpstack.cli.stack import LocalStack, StackOptions
 from pcpstack.common.config import served_model_name
 from pcpstack.common.telemetry import read_span_file
@@ -386,29 +387,40 @@ async def _load(stack: LocalStack, vocab: int, args: argparse.Namespace) -> list
     return rows
 
 
-async def _served(address: str, vocab: int, tokens: int, pcp: int, args: argparse.Namespace) -> tuple:
+async def _served(
+    address: str, vocab: int, tokens: int, pcp: int, args: argparse.Namespace, raw_set: _RankSet | None
+) -> tuple[list[Timing], list[float]]:
     """A warm-up and `repeats` timed requests of `tokens` tokens, one at a time, every prompt new; the
     warm-up first (it pays for first-touch allocations of this length, as bench prefill's warm-up does).
-    With the raw reference, each timed request is followed by one raw prefill of the same ranks (bench
-    prefill's rank processes, their own warm-up forward, then one timed), so that each pair compared ran
-    back to back rather than minutes apart (this machine's speed drifts that much). Returns the requests'
-    timings and the raw prefill times."""
+    With raw_set (the same ranks without the services, as bench prefill runs them, kept up beside the
+    stack), it warms up too and each timed request is followed by one raw prefill, so that each pair
+    compared ran back to back rather than minutes apart (this machine's speed drifts that much). Returns
+    the requests' timings and the raw prefill times (global rank 0's, barrier to barrier)."""
     seed = 100 * tokens + pcp
-    settings = {
-        "model": args.model,
-        "tokens": [tokens],
-        "threads": args.threads_per_rank,
-        "repeats": 1,
-        "block_size": 128,
-    }
+    if raw_set is not None:  # first, so its ranks have loaded before the stack's first request
+        await asyncio.to_thread(raw_set.prefill, tokens)
     # Two tokens: the second waits for the KV fetch, so the trace holds decode.kv_fetch too.
     timings, raw = [await _one(address, _prompt(vocab, tokens, seed), 2)], []
     for repeat in range(1, args.repeats + 1):
         timings.append(await _one(address, _prompt(vocab, tokens, seed + repeat), 2))
-        if args.raw_prefill:
-            layout = ParallelLayout(tp_size=1, pcp_size=pcp)
-            raw += (await asyncio.to_thread(raw_prefill_times, layout, settings))[tokens]
+        if raw_set is not None:
+            raw.append((await asyncio.to_thread(raw_set.prefill, tokens))[0].wall_s)
     return timings, raw
+
+
+def _raw_rank_set(args: argparse.Namespace, pcp: int) -> contextlib.AbstractContextManager:
+    """bench prefill's rank processes for TP=1 x PCP=pcp (up until the block ends), or None without
+    --raw-prefill."""
+    if not args.raw_prefill:
+        return contextlib.nullcontext()
+    settings = {
+        "model": args.model,
+        "tokens": args.served_tokens,
+        "threads": args.threads_per_rank,
+        "block_size": 128,
+    }
+    layout = ParallelLayout(tp_size=1, pcp_size=pcp)
+    return contextlib.closing(_RankSet(mp.get_context("spawn"), layout, settings))
 
 
 async def _stacks(args: argparse.Namespace, vocab: int, trace_dir: Path) -> dict:
@@ -431,10 +443,11 @@ async def _stacks(args: argparse.Namespace, vocab: int, trace_dir: Path) -> dict
                 if args.multi_turn:
                     measured["multi_turn"] = await _conversations(address, vocab, args)
             if pcp in args.served_pcp:
-                for tokens in args.served_tokens:
-                    timings, raw = await _served(address, vocab, tokens, pcp, args)
-                    measured["served"][(pcp, tokens)] = timings
-                    measured["raw"][(pcp, tokens)] = raw
+                with _raw_rank_set(args, pcp) as raw_set:
+                    for tokens in args.served_tokens:
+                        timings, raw = await _served(address, vocab, tokens, pcp, args, raw_set)
+                        measured["served"][(pcp, tokens)] = timings
+                        measured["raw"][(pcp, tokens)] = raw
         spans = read_span_file(spans_file)  # complete once the stack has stopped
         for (size, tokens), timings in measured["served"].items():
             if size == pcp:  # the first request of the length (the warm-up) and the last timed one
@@ -484,7 +497,7 @@ def _in_process(args: argparse.Namespace, ids: list[int]) -> list[float]:
 
 
 def _served_result(args: argparse.Namespace, measured: dict) -> dict:
-    """Served TTFT against the same ranks' raw prefill (bench prefill's _measure, each run right after a
+    """Served TTFT against the same ranks' raw prefill (bench prefill's ranks, each run right after a
     served request: _served), and the PCP speedups."""
     rows = []
     for pcp in args.served_pcp:
