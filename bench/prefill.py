@@ -4,8 +4,9 @@ tensor parallelism inside each PCP rank (`--tp 1,3`: every TP x PCP pair).
 Each configuration runs as TP x PCP real processes joined by real gloo groups over loopback (one TP group per
 PCP rank, one PCP group per TP rank, as the prefill service builds them; TP=1 x PCP=1 is one process with no
 group), each rank with --threads-per-rank torch threads, its TP shard of the model, and the same code path
-the prefill service runs (DualChunkSwap share, K/V all-gather per layer over its PCP group, the TP
-all-reduces, last-position logits, first-token sampling). The time is global rank 0's wall clock from a
+the prefill service runs (DualChunkSwap share, K/V all-gather per layer over its PCP group, through shared
+memory as the service's ranks on one host do, the TP all-reduces, last-position logits, first-token
+sampling). The time is global rank 0's wall clock from a
 barrier to the moment every rank is done, median over repeats after one warm-up round. The PCP sizes of one
 TP size run interleaved (their sets all up, one prefill each in turn, round after round), so their ratio
 holds on a host whose speed drifts by tens of percent over minutes. On a machine with fewer cores than
@@ -39,7 +40,7 @@ from pcpstack.engine.kv_cache import blocks_needed
 from pcpstack.engine.parallel import SINGLE_RANK, ParallelLayout, init_parallel_groups
 from pcpstack.engine.sampling import SamplingParams, make_generator, sample
 from pcpstack.engine.weights import load_model
-from pcpstack.prefill.context_parallel import KvAllGather, prefill_share
+from pcpstack.prefill.context_parallel import KvAllGather, pcp_exchange_group, prefill_share
 from pcpstack.prefill.split import DualChunkSplit
 
 
@@ -89,12 +90,17 @@ def _rank(global_rank: int, layout: ParallelLayout, port: int, args: dict, comma
     `commands` brings (every rank of the set gets the same ones), until None."""
     torch.set_num_threads(args["threads"])
     distributed = layout.world_size > 1
-    pcp_rank, pcp_group, shard = 0, None, SINGLE_RANK
+    pcp_rank, groups, shard = 0, None, SINGLE_RANK
+    device = torch.device("cpu")
     if distributed:
-        device = torch.device("cpu")
         groups = init_parallel_groups(layout, global_rank, "127.0.0.1", port, device, timeout_seconds=600)
-        pcp_rank, pcp_group, shard = groups.pcp_rank, groups.pcp_group, groups.shard()
+        pcp_rank, shard = groups.pcp_rank, groups.shard()
     loaded = load_model(args["model"], "cpu", shard=shard)
+    exchange_group = None
+    if groups is not None:  # as a prefill rank does: shared memory when the set shares a host
+        kv_row_bytes = loaded.args.n_kv_heads * loaded.args.head_dim * loaded.dtype.itemsize
+        longest = max(args["tokens"])
+        exchange_group = pcp_exchange_group(groups, device, longest, kv_row_bytes, str(port), 600)
     block_size = args["block_size"]
     engine = Engine(loaded, block_size=block_size, num_blocks=blocks_needed(max(args["tokens"]), block_size))
     vocab_size = loaded.full_args.vocab_size
@@ -107,7 +113,7 @@ def _rank(global_rank: int, layout: ParallelLayout, port: int, args: dict, comma
         busy, process_cpu = _machine_busy_s(), time.process_time()
         started, thread_cpu = time.perf_counter(), time.thread_time()
         state = engine.reserve("bench", n)
-        exchange = KvAllGather(split, group=pcp_group) if layout.pcp_size > 1 else None
+        exchange = KvAllGather(split, group=exchange_group) if layout.pcp_size > 1 else None
         logits = prefill_share(engine, state, prompt, split, pcp_rank, exchange)
         if logits is not None:
             sample(logits, params, make_generator(None))

@@ -6,6 +6,10 @@ largest share, all-gathers them over the PCP process group, and restores positio
 writes the whole prompt's K/V into its own cache (a complete replica) and attends its local queries to it
 under a causal mask on true positions. Only the rank holding the last prompt position computes logits.
 
+On the CPU, when every rank of the set shares this host (one kernel, one /dev/shm), the exchange goes
+through a shared-memory HostGroup (engine.host_group) instead of gloo's TCP ring: at 4,096 SmolLM2 tokens,
+PCP=2, a rank's wait beyond its own work fell from 0.55 to 0.20 s (medians of 6 interleaved rounds).
+
 The same step appends new tokens after tokens every rank already holds in its cache (`start` > 0): only the
 new tokens are split and exchanged, and they attend to the held prefix and to each other at their true
 positions. Chunked prefill (`prefill_chunked`) is that step repeated, chunk after chunk; prefix reuse is the
@@ -15,15 +19,18 @@ same step after loading a cached prefix into every rank.
 from __future__ import annotations
 
 import datetime
+import hashlib
 import os
 from collections.abc import Callable
+from pathlib import Path
 from typing import Protocol
 
 import torch
 import torch.distributed as dist
 
 from pcpstack.engine.engine import Engine, SequenceState
-from pcpstack.engine.parallel import distributed_backend
+from pcpstack.engine.host_group import HostGroup, host_collectives_available
+from pcpstack.engine.parallel import ParallelGroups, distributed_backend
 from pcpstack.prefill.split import DualChunkSplit
 
 
@@ -76,6 +83,55 @@ def configure_gloo_interface(address: str) -> None:
         os.environ["GLOO_SOCKET_IFNAME"] = name
 
 
+def _host_identity() -> int:
+    """Equal on processes that share a kernel and a /dev/shm mount, so a segment one creates the others open
+    (containers on one host may each have their own /dev/shm)."""
+    boot = Path("/proc/sys/kernel/random/boot_id").read_text().strip()
+    shm = os.stat("/dev/shm").st_dev
+    return int.from_bytes(hashlib.blake2b(f"{boot}:{shm}".encode(), digest_size=7).digest(), "little")
+
+
+def pcp_exchange_group(
+    groups: ParallelGroups,
+    device: torch.device,
+    max_tokens: int,
+    kv_row_bytes: int,
+    tag: str,
+    timeout_s: float,
+) -> dist.ProcessGroup | HostGroup:
+    """The group this rank's KvAllGather exchanges over: a shared-memory HostGroup of its PCP group when the
+    ranks run on the CPU and the whole set shares this host and has room in /dev/shm, else the PCP process
+    group. Collective over the set's world (every rank calls it, in the same order).
+
+    The slots hold the widest share of a `max_tokens` prompt (the longest forward), `kv_row_bytes` per K or V
+    row of this rank's heads; a longer exchange goes over the PCP process group (HostGroup's fallback).
+    `tag` must be unique among the host's live groups (e.g. the set's master port)."""
+    layout = groups.layout
+    if layout.pcp_size == 1:
+        return groups.pcp_group
+    slot_bytes = 2 * DualChunkSplit(max_tokens, layout.pcp_size).max_local_tokens * kv_row_bytes
+    identity, usable = 0, device.type == "cpu" and host_collectives_available()
+    if usable:
+        identity = _host_identity()
+        shm = os.statvfs("/dev/shm")
+        # Twice the segments: /dev/shm is shared with the KV store's objects on this host.
+        usable = shm.f_bavail * shm.f_frsize >= 2 * (2 * layout.pcp_size * slot_bytes) * layout.tp_size
+    # One decision for all (a rank deciding alone would leave the others in HostGroup.create): every rank
+    # able to, on the same host, with room for every PCP group's segment.
+    vote = torch.tensor([identity, usable], dtype=torch.long)
+    votes = [torch.empty_like(vote) for _ in range(layout.world_size)]
+    dist.all_gather(votes, vote, group=groups.control)
+    if any(not torch.equal(other, vote) or not other[1] for other in votes):
+        return groups.pcp_group
+    mine: HostGroup | None = None
+    for tp_rank in range(layout.tp_size):
+        ranks = layout.pcp_group_ranks(tp_rank)
+        created = HostGroup.create(ranks, f"{tag}-pcp{tp_rank}", slot_bytes, timeout_s, groups.pcp_group)
+        mine = created or mine
+    assert mine is not None  # every rank is in one PCP group
+    return mine
+
+
 class GatherPlan(Protocol):
     """What the K/V all-gather needs of a split: one prompt's (DualChunkSplit) or a batch's (BatchSplit)."""
 
@@ -95,9 +151,11 @@ class KvAllGather:
     def __init__(
         self,
         split: GatherPlan,
-        group: dist.ProcessGroup | None = None,
+        group: dist.ProcessGroup | HostGroup | None = None,
         on_progress: Callable[[], None] | None = None,
     ) -> None:
+        """group: the PCP process group, or its shared-memory HostGroup (pcp_exchange_group); None: the
+        default group."""
         self.split = split
         self.group = group
         # Each rank sends one buffer [2, width, kv_heads, head_dim] (its K rows, then its V rows, padded to
@@ -115,9 +173,13 @@ class KvAllGather:
         local = k.new_empty((2, width, kv_heads, head_dim))
         local[0, :n_local], local[1, :n_local] = k, v
         local[:, n_local:] = 0  # padding: sent, then dropped by the row indices
-        gathered = k.new_empty((pcp * 2 * width, kv_heads, head_dim))
-        # Into one buffer: no per-rank outputs to concatenate afterwards.
-        dist.all_gather_into_tensor(gathered, local.view(2 * width, kv_heads, head_dim), group=self.group)
+        if isinstance(self.group, HostGroup):
+            gathered = self.group.all_gather(local.view(2 * width, kv_heads, head_dim))
+            gathered = gathered.view(pcp * 2 * width, kv_heads, head_dim)
+        else:
+            gathered = k.new_empty((pcp * 2 * width, kv_heads, head_dim))
+            # Into one buffer: no per-rank outputs to concatenate afterwards.
+            dist.all_gather_into_tensor(gathered, local.view(2 * width, kv_heads, head_dim), group=self.group)
         if self._on_progress is not None:
             self._on_progress()
         # Rank-major padded shares -> [n, kv_heads, head_dim] each, in position order.

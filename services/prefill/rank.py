@@ -58,6 +58,7 @@ from pcpstack.common.logs import setup_logging
 from pcpstack.common.telemetry import setup_telemetry, shutdown_telemetry, tracer
 from pcpstack.engine.device import device_for_rank
 from pcpstack.engine.engine import DEFAULT_CACHE_TOKENS, Engine, SequenceState
+from pcpstack.engine.host_group import HostGroup
 from pcpstack.engine.kv_cache import KvLayout, blocks_needed
 from pcpstack.engine.parallel import ParallelGroups, ParallelLayout, TensorParallelShard, init_parallel_groups
 from pcpstack.engine.sampling import (
@@ -78,6 +79,7 @@ from pcpstack.prefill.context_parallel import (
     KvAllGather,
     chunk_bounds,
     configure_gloo_interface,
+    pcp_exchange_group,
     prefill_chunked,
 )
 from pcpstack.prefill.job import (
@@ -260,11 +262,14 @@ class RankWorker:
         groups: ParallelGroups,
         fingerprint: str,
         on_progress: Callable[[], None],
+        exchange_group: dist.ProcessGroup | HostGroup,
     ) -> None:
-        """fingerprint: the replica fingerprint (the whole model's KV layout, not this shard's)."""
+        """fingerprint: the replica fingerprint (the whole model's KV layout, not this shard's);
+        exchange_group: what the K/V all-gather runs over (context_parallel.pcp_exchange_group)."""
         self.spec = spec
         self.engine = engine
         self.groups = groups
+        self.exchange_group = exchange_group
         self.on_progress = on_progress
         self.fingerprint = fingerprint
         # The K/V heads (of the whole model) this rank computes with: a cached prefix loads these.
@@ -370,7 +375,7 @@ class RankWorker:
         if len(jobs) == 1:
 
             def exchange_for(split: DualChunkSplit) -> KvAllGather:
-                return KvAllGather(split, group=self.groups.pcp_group, on_progress=self.on_progress)
+                return KvAllGather(split, group=self.exchange_group, on_progress=self.on_progress)
 
             return [
                 prefill_chunked(
@@ -385,7 +390,7 @@ class RankWorker:
                 )
             ]
         split = BatchSplit(tuple(len(t) for t in tokens), spec.pcp_size)
-        exchange = KvAllGather(split, group=self.groups.pcp_group, on_progress=self.on_progress)
+        exchange = KvAllGather(split, group=self.exchange_group, on_progress=self.on_progress)
         return prefill_batch(engine, states, tokens, split, spec.pcp_rank, exchange, cached)
 
     def _finish(
@@ -558,8 +563,19 @@ def rank_main(spec: RankSpec, conn: Connection, progress: Synchronized) -> None:
         fingerprint = KvLayout.for_model(
             loaded.model_id, loaded.full_args, loaded.dtype, spec.block_size
         ).fingerprint()
+        # The longest forward: a whole prompt the cache holds, or a chunk of one.
+        longest = min(spec.kv_cache_tokens, spec.prefill_chunk_tokens or spec.kv_cache_tokens)
+        kv_row_bytes = loaded.args.n_kv_heads * loaded.args.head_dim * loaded.dtype.itemsize
+        exchange_group = pcp_exchange_group(
+            groups, device, longest, kv_row_bytes, str(spec.master_port), spec.collective_timeout_s
+        )
         worker = RankWorker(
-            spec, engine, groups, fingerprint, on_progress=lambda: setattr(progress, "value", time.time())
+            spec,
+            engine,
+            groups,
+            fingerprint,
+            on_progress=lambda: setattr(progress, "value", time.time()),
+            exchange_group=exchange_group,
         )
         args = loaded.full_args
         conn.send(RankReady(spec.global_rank, fingerprint, args.vocab_size, args.max_seq_len))

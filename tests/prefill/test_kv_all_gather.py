@@ -1,14 +1,19 @@
-"""The K/V all-gather of context-parallel prefill (KvAllGather) over a real gloo group: every rank hands in
-the K/V rows of its DualChunkSwap share and gets back the whole prompt's (or a batch's) K/V in position
-order, bit for bit, padding dropped."""
+"""The K/V all-gather of context-parallel prefill (KvAllGather) over a real gloo group, and over the
+shared-memory HostGroup that ranks on one host use: every rank hands in the K/V rows of its DualChunkSwap
+share and gets back the whole prompt's (or a batch's) K/V in position order, bit for bit, padding dropped."""
 
 from __future__ import annotations
 
+import os
+
 import pytest
 import torch
+import torch.distributed as dist
 
+from pcpstack.engine.host_group import HostGroup, host_collectives_available
+from pcpstack.engine.parallel import ParallelGroups, ParallelLayout
 from pcpstack.prefill.batch import BatchSplit
-from pcpstack.prefill.context_parallel import KvAllGather
+from pcpstack.prefill.context_parallel import KvAllGather, pcp_exchange_group
 from pcpstack.prefill.split import DualChunkSplit
 from tests.prefill.cp_harness import run_group
 
@@ -50,5 +55,46 @@ def test_every_rank_gets_the_whole_kv_in_position_order(pcp: int) -> None:
     batches = [(1,), (2,), (2 * pcp,), (2 * pcp + 1,), (1031,), (5, 1, 64), (1, 2 * pcp + 3)]
     ranks = run_group(pcp, _exchange, batches)
     for rank in range(pcp):
+        for lengths, (_, gathered) in zip(batches, ranks[rank], strict=True):
+            assert torch.equal(gathered, whole_kv(sum(lengths))), f"rank {rank}, lengths {lengths}"
+
+
+def _exchange_on_one_host(pcp_rank: int, pcp_size: int, batches: list[tuple[int, ...]], slot_tokens: int):
+    world = dist.group.WORLD
+    groups = ParallelGroups(ParallelLayout(1, pcp_size), pcp_rank, world, world, world)
+    row_bytes = KV_HEADS * HEAD_DIM * 4
+    tag = f"test{os.getppid()}"  # the test process: one tag for all its ranks, unique on the host
+    group = pcp_exchange_group(groups, torch.device("cpu"), slot_tokens, row_bytes, tag, 60)
+    if host_collectives_available():
+        assert isinstance(group, HostGroup), f"rank {pcp_rank} got {group} on one host"
+    else:
+        assert group is world
+    results = []
+    for lengths in batches:
+        plan = DualChunkSplit(lengths[0], pcp_size) if len(lengths) == 1 else BatchSplit(lengths, pcp_size)
+        kv = whole_kv(sum(lengths))
+        rows = torch.tensor(local_rows(plan, pcp_rank), dtype=torch.long)
+        k, v = KvAllGather(plan, group=group)(kv[0, rows], kv[1, rows])
+        results.append((None, torch.stack((k, v))))
+    return results
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("pcp", [2, 3])
+def test_ranks_on_one_host_exchange_through_shared_memory_with_the_same_result(pcp: int) -> None:
+    # Slots for a 64-token prompt: the short ones go through shared memory, 1031 through the gloo fallback.
+    batches = [(1,), (2 * pcp + 1,), (64,), (1031,), (5, 1, 64), (1, 2 * pcp + 3)]
+    ranks = run_group(pcp, _exchange_on_one_host, batches, 64)
+    for rank in range(pcp):
+        for lengths, (_, gathered) in zip(batches, ranks[rank], strict=True):
+            assert torch.equal(gathered, whole_kv(sum(lengths))), f"rank {rank}, lengths {lengths}"
+
+
+@pytest.mark.slow
+def test_host_collectives_turned_off_leave_the_exchange_on_the_process_group(monkeypatch) -> None:
+    monkeypatch.setenv("PCPSTACK_HOST_COLLECTIVES", "0")  # the spawned ranks inherit it
+    batches = [(7,), (64,)]
+    ranks = run_group(2, _exchange_on_one_host, batches, 64)
+    for rank in range(2):
         for lengths, (_, gathered) in zip(batches, ranks[rank], strict=True):
             assert torch.equal(gathered, whole_kv(sum(lengths))), f"rank {rank}, lengths {lengths}"
