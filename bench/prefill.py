@@ -202,12 +202,6 @@ def _measure_side_by_side(
             rank_set.close()
 
 
-def _measure(layout: ParallelLayout, args: dict) -> dict[int, list[float]]:
-    """One configuration alone (bench e2e's raw reference): per length, global rank 0's wall times."""
-    timings = _measure_side_by_side([layout], args)[layout]
-    return {n: [runs[0].wall_s for runs in repeats] for n, repeats in timings.items()}
-
-
 def _row(n: int, tp: int, pcp: int, repeats: list[list[RunTiming]]) -> dict:
     """The result row of one configuration at n tokens from every repeat's RunTimings (global rank 0's
     first)."""
