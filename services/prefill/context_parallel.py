@@ -84,11 +84,14 @@ def configure_gloo_interface(address: str) -> None:
 
 
 def _host_identity() -> int:
-    """Equal on processes that share a kernel and a /dev/shm mount, so a segment one creates the others open
-    (containers on one host may each have their own /dev/shm)."""
+    """Equal on processes that share a kernel, a /dev/shm mount and a network namespace: a segment one
+    creates the others open (containers on one host may each have their own /dev/shm), and ranks placed in
+    network namespaces of their own (as the cross-host tests place them) are treated as the separate hosts
+    they stand for, exchanging over the network."""
     boot = Path("/proc/sys/kernel/random/boot_id").read_text().strip()
     shm = os.stat("/dev/shm").st_dev
-    return int.from_bytes(hashlib.blake2b(f"{boot}:{shm}".encode(), digest_size=7).digest(), "little")
+    net = os.stat("/proc/self/ns/net").st_ino
+    return int.from_bytes(hashlib.blake2b(f"{boot}:{shm}:{net}".encode(), digest_size=7).digest(), "little")
 
 
 def pcp_exchange_group(

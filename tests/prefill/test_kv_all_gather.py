@@ -5,6 +5,8 @@ share and gets back the whole prompt's (or a batch's) K/V in position order, bit
 from __future__ import annotations
 
 import os
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -13,7 +15,7 @@ import torch.distributed as dist
 from pcpstack.engine.host_group import HostGroup, host_collectives_available
 from pcpstack.engine.parallel import ParallelGroups, ParallelLayout
 from pcpstack.prefill.batch import BatchSplit
-from pcpstack.prefill.context_parallel import KvAllGather, pcp_exchange_group
+from pcpstack.prefill.context_parallel import KvAllGather, _host_identity, pcp_exchange_group
 from pcpstack.prefill.split import DualChunkSplit
 from tests.prefill.cp_harness import run_group
 
@@ -98,3 +100,18 @@ def test_host_collectives_turned_off_leave_the_exchange_on_the_process_group(mon
     for rank in range(2):
         for lengths, (_, gathered) in zip(batches, ranks[rank], strict=True):
             assert torch.equal(gathered, whole_kv(sum(lengths))), f"rank {rank}, lengths {lengths}"
+
+
+@pytest.mark.skipif(
+    os.geteuid() != 0 or not os.path.exists("/proc/self/ns/net"), reason="needs root (unshare)"
+)
+def test_a_rank_in_a_network_namespace_of_its_own_counts_as_another_host() -> None:
+    # The cross-host tests put ranks in network namespaces to stand for hosts: those must exchange over
+    # the network, not through this host's shared memory, so they may not share a host identity.
+    code = "from pcpstack.prefill.context_parallel import _host_identity; print(_host_identity())"
+    here = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    apart = subprocess.run(
+        ["unshare", "-n", sys.executable, "-c", code], capture_output=True, text=True, check=True
+    )
+    assert int(here.stdout) == _host_identity()  # the same for processes of one host and namespace
+    assert int(apart.stdout) != _host_identity()
