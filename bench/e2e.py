@@ -41,7 +41,7 @@ from pathlib import Path
 import torch
 
 from bench.machine import machine_facts, process_cpu_s
-from bench.prefill import _RankSet
+from bench.prefill import RankSet
 from pcpstack.cli.stack import LocalStack, StackOptions
 from pcpstack.common.config import served_model_name
 from pcpstack.common.telemetry import read_span_file
@@ -388,7 +388,7 @@ async def _load(stack: LocalStack, vocab: int, args: argparse.Namespace) -> list
 
 
 async def _served(
-    address: str, vocab: int, tokens: int, pcp: int, args: argparse.Namespace, raw_set: _RankSet | None
+    address: str, vocab: int, tokens: int, pcp: int, args: argparse.Namespace, raw_set: RankSet | None
 ) -> tuple[list[Timing], list[float]]:
     """A warm-up and `repeats` timed requests of `tokens` tokens, one at a time, every prompt new; the
     warm-up first (it pays for first-touch allocations of this length, as bench prefill's warm-up does).
@@ -420,7 +420,7 @@ def _raw_rank_set(args: argparse.Namespace, pcp: int) -> contextlib.AbstractCont
         "block_size": 128,
     }
     layout = ParallelLayout(tp_size=1, pcp_size=pcp)
-    return contextlib.closing(_RankSet(mp.get_context("spawn"), layout, settings))
+    return contextlib.closing(RankSet(mp.get_context("spawn"), layout, settings))
 
 
 async def _stacks(args: argparse.Namespace, vocab: int, trace_dir: Path) -> dict:

@@ -131,7 +131,7 @@ def _rank(global_rank: int, layout: ParallelLayout, port: int, args: dict, comma
         dist.destroy_process_group()
 
 
-class _RankSet:
+class RankSet:
     """The processes of one configuration (TP x PCP real ranks), alive across the rounds of the benchmark,
     each waiting for the next prompt length to prefill."""
 
@@ -188,7 +188,7 @@ def _measure_side_by_side(
     sets = []
     try:
         for layout in layouts:
-            sets.append(_RankSet(ctx, layout, args))
+            sets.append(RankSet(ctx, layout, args))
         timings: dict[ParallelLayout, dict[int, list[list[RunTiming]]]] = {layout: {} for layout in layouts}
         for round_index in range(args["repeats"] + 1):
             for n in args["tokens"]:
