@@ -151,26 +151,35 @@ def test_corrupted_chunk_is_rejected_and_leaves_nothing():
     asyncio.run(body())
 
 
+async def _shm_put_with_a_flipped_byte(server, channel, size: int, offset: int, mask: int) -> str:
+    """An shm put of `size` random bytes whose segment, once filled, has the byte at `offset` XORed with
+    `mask` before the commit carries the fill's CRC; asserts the store refuses it (DATA_LOSS). Returns the
+    segment's name."""
+    payload = random.randbytes(size)
+    call = kvstore_pb2_grpc.KvStoreServiceStub(channel).Put(timeout=10)
+    header = pb.PutHeader(key="k", fingerprint="fp", total_bytes=size, use_shm=True)
+    await call.write(pb.PutRequest(header=header))
+    name = (await call.read()).accepted.shm_name
+    shm_dir = str(server.servicer.segments.directory)
+    maps = SegmentMaps(shm_dir)
+    crc = maps.fill(name, memoryview(payload))
+    maps.close()
+    with open(os.path.join(shm_dir, name), "r+b") as segment:
+        segment.seek(offset)
+        segment.write(bytes([payload[offset] ^ mask]))
+    await call.write(pb.PutRequest(commit=pb.PutCommit(crc32c=crc)))
+    with contextlib.suppress(grpc.aio.AioRpcError):
+        await call.read()
+    assert await call.code() == grpc.StatusCode.DATA_LOSS and "commit says" in await call.details()
+    return name
+
+
 def test_shm_put_whose_segment_differs_from_its_commit_is_rejected_and_leaves_nothing():
     async def body():
         async with running_store() as server, grpc.aio.insecure_channel(server.address) as channel:
             size = (32 << 20) + 5  # large enough for the store to verify on two threads
-            payload = random.randbytes(size)
-            call = kvstore_pb2_grpc.KvStoreServiceStub(channel).Put(timeout=10)
-            header = pb.PutHeader(key="k", fingerprint="fp", total_bytes=size, use_shm=True)
-            await call.write(pb.PutRequest(header=header))
-            name = (await call.read()).accepted.shm_name
-            shm_dir = str(server.servicer.segments.directory)
-            maps = SegmentMaps(shm_dir)
-            crc = maps.fill(name, memoryview(payload))
-            maps.close()
-            with open(os.path.join(shm_dir, name), "r+b") as segment:  # one bit flips in the second half
-                segment.seek(size - 7)
-                segment.write(bytes([payload[size - 7] ^ 1]))
-            await call.write(pb.PutRequest(commit=pb.PutCommit(crc32c=crc)))
-            with contextlib.suppress(grpc.aio.AioRpcError):
-                await call.read()
-            assert await call.code() == grpc.StatusCode.DATA_LOSS and "commit says" in await call.details()
+            # One bit flips in the second half.
+            await _shm_put_with_a_flipped_byte(server, channel, size, offset=size - 7, mask=1)
             stats = await _settled(
                 server, lambda s: (s.objects, s.reserved_bytes, s.refused_puts) == (0, 0, 1)
             )
@@ -531,23 +540,8 @@ def test_shm_put_in_a_larger_reused_segment_with_its_last_byte_flipped_is_reject
             earlier = await client.put("earlier", "fp", random.randbytes(4 << 20))
             assert await client.delete(earlier.key, earlier.capability)
             size = (7 << 19) + 3  # the pooled 4 MiB segment is at most a quarter larger: reused as it is
-            payload = random.randbytes(size)
-            call = kvstore_pb2_grpc.KvStoreServiceStub(channel).Put(timeout=10)
-            header = pb.PutHeader(key="k", fingerprint="fp", total_bytes=size, use_shm=True)
-            await call.write(pb.PutRequest(header=header))
-            name = (await call.read()).accepted.shm_name
-            shm_dir = str(server.servicer.segments.directory)
-            assert os.path.getsize(os.path.join(shm_dir, name)) == 4 << 20
-            maps = SegmentMaps(shm_dir)
-            crc = maps.fill(name, memoryview(payload))
-            maps.close()
-            with open(os.path.join(shm_dir, name), "r+b") as segment:
-                segment.seek(size - 1)
-                segment.write(bytes([payload[-1] ^ 0x80]))
-            await call.write(pb.PutRequest(commit=pb.PutCommit(crc32c=crc)))
-            with contextlib.suppress(grpc.aio.AioRpcError):
-                await call.read()
-            assert await call.code() == grpc.StatusCode.DATA_LOSS and "commit says" in await call.details()
+            name = await _shm_put_with_a_flipped_byte(server, channel, size, offset=size - 1, mask=0x80)
+            assert os.path.getsize(os.path.join(server.servicer.segments.directory, name)) == 4 << 20
             stats = await _settled(server, lambda s: (s.objects, s.reserved_bytes) == (0, 0))
             assert (stats.objects, stats.reserved_bytes) == (0, 0)
             assert server.servicer.segments.pooled_bytes == 4 << 20
