@@ -585,6 +585,7 @@ def _prefill_section(results: dict, plots: dict[str, Path], report: Path) -> lis
         "",
     ]
     base = {r["tokens"]: r["ttft_s_median"] for r in rows if r["pcp"] == 1}
+    header = ["tokens", "PCP", "TTFT", "tokens/s", "speedup over PCP=1"]
     table = [
         [
             str(r["tokens"]),
@@ -595,14 +596,22 @@ def _prefill_section(results: dict, plots: dict[str, Path], report: Path) -> lis
         ]
         for r in rows
     ]
-    lines += _table(["tokens", "PCP", "TTFT", "tokens/s", "speedup over PCP=1"], table)
+    if all("slowest_rank_cpu_s_median" in r for r in rows):
+        # The ranks' own work, without their waits for one another: where the wall speedup is lost.
+        cpu = {r["tokens"]: r["slowest_rank_cpu_s_median"] for r in rows if r["pcp"] == 1}
+        header += ["slowest rank's CPU", "CPU speedup"]
+        for cells, r in zip(table, rows, strict=True):
+            own = r["slowest_rank_cpu_s_median"]
+            cells += [f"{_num(own)} s", f"{cpu[r['tokens']] / own:.2f}×" if r["tokens"] in cpu else ""]
+    lines += _table(header, table)
     scaling = prefill.get("two_process_scaling")
     if scaling:
         lines += [
             f"Two one-thread processes together did {scaling['scaling']:.2f}× the fp32 matmul work of one "
             f"alone on this machine in the same run ({scaling['alone_gflops']} GFLOP/s alone, "
-            f"{' + '.join(str(g) for g in scaling['pair_gflops'])} together): the ceiling of PCP=2 over "
-            "PCP=1 with one thread per rank.",
+            f"{' + '.join(str(g) for g in scaling['pair_gflops'])} together); ranks in step go at the "
+            "slower one's pace, so the ceiling of PCP=2 over PCP=1 with one thread per rank is twice the "
+            f"slower one over one alone: {prefill.get('lockstep_scaling', scaling['scaling']):.2f}×.",
             "",
         ]
     lines += _image("prefill", plots, report)

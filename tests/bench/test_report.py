@@ -243,6 +243,7 @@ def test_full_results_give_tables_ratios_targets_and_plots(tmp_path) -> None:
         registry=_registry(),
     )
     assert "2.00× | **met**" in _line(text, "| PCP=2 TTFT speedup over PCP=1 at 4096")
+    assert "| tokens | PCP | TTFT | tokens/s | speedup over PCP=1 |\n" in text  # no CPU columns without them
     # 2048 / 13.6533 s = 150 tokens/s against llama.cpp's 100
     assert "1.50× | **missed**" in _line(text, "| pcpstack PCP=2 prefill tokens/s ÷ llama.cpp's at 2048")
     # 16 clients ÷ 0.05 s TPOT = 320 tokens/s against llama.cpp's 100 single stream
@@ -429,3 +430,15 @@ def test_served_rows_without_raw_prefill_leave_the_overhead_target_not_measured(
     assert "**not measured yet**" in _line(text, "| whole-path TTFT over the same ranks' raw prefill")
     assert "1.79× | **missed**" in _line(text, "| served PCP=2 TTFT speedup over PCP=1 at 4096")
     assert "| 4096 | 2 | 28.0 s (28.0–30.8) | not measured yet |  | 1.79× |  | 35.0 s |" in text
+
+
+def test_prefill_rows_with_rank_cpu_give_the_cpu_speedup_and_the_lockstep_ceiling(tmp_path) -> None:
+    prefill = _prefill()
+    for row, cpu in zip(prefill["results"], (20.0, 49.0, 11.0, 28.0), strict=True):
+        row["slowest_rank_cpu_s_median"] = cpu
+    prefill["two_process_scaling"] = {"alone_gflops": 100.0, "pair_gflops": [80.0, 110.0], "scaling": 1.9}
+    prefill["lockstep_scaling"] = 1.6
+    text, _ = _generate(tmp_path, prefill=prefill)
+    assert "| 4096 | 2 | 25.0 s (22.5–30.0) | 164 | 2.00× | 28.0 s | 1.75× |" in text
+    assert "| 2048 | 1 | 20.5 s (18.4–24.6) | 100 | 1.00× | 20.0 s | 1.00× |" in text
+    assert "twice the slower one over one alone: 1.60×." in text
