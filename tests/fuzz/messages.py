@@ -4,6 +4,10 @@ Fields get random values of their type plus the values that break naive code: em
 invalid ids, boundary and out-of-range integers, NaN, unknown enum numbers, long repeated fields and random
 bytes. `overrides` pins chosen fields ("Message.field") to a strategy of their own, e.g. addresses that
 must not make a service dial the outside world.
+
+One drawn message holds at most MAX_MESSAGE_BYTES of field values, nested messages included: a field whose
+value would cross it stays unset. Without the cap, eight repeated messages three levels deep, each with
+eight 1 MiB byte strings, make a rare draw of several GB in the test process itself.
 """
 
 from __future__ import annotations
@@ -26,6 +30,7 @@ ODD_STRINGS = [
     "%s%n",
 ]
 ODD_BYTES = [b"", b"\x00" * (1 << 20), b"\xff" * 7]
+MAX_MESSAGE_BYTES = 16 << 20
 
 _INT_RANGES = {
     FieldDescriptor.CPPTYPE_INT32: (-(2**31), 2**31 - 1),
@@ -61,19 +66,52 @@ def scalar(field: FieldDescriptor) -> st.SearchStrategy:
     return st.one_of(st.text(max_size=40), st.sampled_from(ODD_STRINGS))
 
 
+class _Budget:
+    """Bytes of field values one top-level message may still take (shared by its nested messages)."""
+
+    def __init__(self) -> None:
+        self.left = MAX_MESSAGE_BYTES
+
+    def take(self, value) -> bool:
+        cost = _cost(value)
+        if cost > self.left:
+            return False
+        self.left -= cost
+        return True
+
+
+def _cost(value) -> int:
+    """Roughly what value adds to a message: its encoded length for strings and bytes, 10 bytes per number
+    (a varint's most)."""
+    if isinstance(value, (list, tuple)):
+        return sum(_cost(item) for item in value)
+    if isinstance(value, str):
+        return len(value.encode("utf-8", "surrogatepass"))
+    if isinstance(value, bytes):
+        return len(value)
+    return 0 if value is None or hasattr(value, "ByteSize") else 10  # messages were charged as built
+
+
 def messages(
-    descriptor: Descriptor, overrides: Mapping[str, st.SearchStrategy] | None = None, depth: int = 3
+    descriptor: Descriptor,
+    overrides: Mapping[str, st.SearchStrategy] | None = None,
+    depth: int = 3,
+    budget: _Budget | None = None,
 ) -> st.SearchStrategy:
     """Messages of descriptor's type; each field is set or left unset at random, one member per oneof."""
     overrides = overrides or {}
     cls = message_factory.GetMessageClass(descriptor)
+    top = budget is None
+    budget = budget or _Budget()
 
     def value_of(field: FieldDescriptor) -> st.SearchStrategy:
         pinned = overrides.get(f"{descriptor.name}.{field.name}")
         if pinned is not None:
             return pinned
         if field.cpp_type == FieldDescriptor.CPPTYPE_MESSAGE:
-            return messages(field.message_type, overrides, depth - 1) if depth > 0 else st.just(None)
+            if depth == 0:
+                return st.just(None)
+            return messages(field.message_type, overrides, depth - 1, budget)
         return scalar(field)
 
     def field_values(field: FieldDescriptor) -> st.SearchStrategy:
@@ -92,6 +130,8 @@ def messages(
 
     @st.composite
     def build(draw):
+        if top:
+            budget.left = MAX_MESSAGE_BYTES
         message = cls()
         chosen = [f for f in plain if draw(st.booleans())]
         for oneof in oneofs:
@@ -99,7 +139,9 @@ def messages(
             if member is not None:
                 chosen.append(member)
         for field in chosen:
-            _assign(message, field, draw(field_values(field)))
+            value = draw(field_values(field))
+            if budget.take(value):
+                _assign(message, field, value)
         return message
 
     return build()
