@@ -34,10 +34,10 @@ SMOKE_ARGS: dict[str, list[str]] = {
     "peers": ["--tokens", "32", "--repeats", "1", "--decode-context", "32", "--decode-tokens", "4"],
     "e2e": [
         *("--model", "tiny", "--concurrency", "1,2", "--prompt-tokens", "16", "--max-tokens", "4"),
-        *("--overhead-tokens", "64", "--repeats", "1"),
-        # Served PCP on the stack under load only (no PCP=1 stack): served TTFT, its breakdown from real
-        # spans, and the raw prefill run after the timed request.
-        *("--served-pcp", "2", "--served-tokens", "64"),
+        *("--overhead-tokens", "64", "--repeats", "2"),
+        # Served PCP, both sizes' stacks up together, two rounds (the second in flipped order): served
+        # TTFT, its breakdown from real spans, and the raw prefill beside each timed request.
+        *("--served-pcp", "1,2", "--served-tokens", "64"),
         # Two turns: the second reads the first's 18 full prefix blocks of 16 (288 tokens) from the store.
         *("--multi-turn", "2", "--history-tokens", "300", "--turn-tokens", "8"),
     ],

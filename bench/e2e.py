@@ -13,11 +13,12 @@ process, the same total threads).
 
 Served PCP: for each size in --served-pcp (1 and 2) a stack of that PCP serves prompts of --served-tokens
 (2048 and 4096), one request at a time, each prompt new (a repeated one would come from the prefix cache);
-after each timed request the same rank processes run once without the services, as `bench prefill` runs
-them (same threads per rank, same model; the stack idle meanwhile), so that each served request and its
-reference ran back to back. The result holds the client-measured TTFT, the ranks' raw prefill time, the
-whole-path overhead over it in %, PCP=2 over PCP=1 for both, and the breakdown of one request's TTFT at
-each size and length from its trace spans (see ttft_breakdown).
+beside each timed request the same rank processes run once without the services, as `bench prefill` runs
+them (same threads per rank, same model; the stack idle meanwhile). Every size's stack and rank set is up
+at once and the sizes take turns request by request, the order flipping every other round (_served), so
+that what is compared ran side by side. The result holds the client-measured TTFT, the ranks' raw prefill
+time, the whole-path overhead over it in %, PCP=2 over PCP=1 for both, and the breakdown of one request's
+TTFT at each size and length from its trace spans (see ttft_breakdown).
 
 Multi-turn (--multi-turn, issue 18's prefix reuse): on the stack under load, conversations whose every turn
 sends the whole history again (the last prompt, its answer, a few new user tokens). Each turn runs warm, with
@@ -246,6 +247,7 @@ def _summary(values: list[float]) -> dict[str, float]:
         "p90": round(_p90(values), 4),
         "min": round(min(values), 4),
         "max": round(max(values), 4),
+        "n": len(values),
     }
 
 
@@ -388,23 +390,42 @@ async def _load(stack: LocalStack, vocab: int, args: argparse.Namespace) -> list
 
 
 async def _served(
-    address: str, vocab: int, tokens: int, pcp: int, args: argparse.Namespace, raw_set: RankSet | None
-) -> tuple[list[Timing], list[float]]:
-    """A warm-up and `repeats` timed requests of `tokens` tokens, one at a time, every prompt new; the
-    warm-up first (it pays for first-touch allocations of this length, as bench prefill's warm-up does).
-    With raw_set (the same ranks without the services, as bench prefill runs them, kept up beside the
-    stack), it warms up too and each timed request is followed by one raw prefill, so that each pair
-    compared ran back to back rather than minutes apart (this machine's speed drifts that much). Returns
-    the requests' timings and the raw prefill times (global rank 0's, barrier to barrier)."""
-    seed = 100 * tokens + pcp
-    if raw_set is not None:  # first, so its ranks have loaded before the stack's first request
-        await asyncio.to_thread(raw_set.prefill, tokens)
-    # Two tokens: the second waits for the KV fetch, so the trace holds decode.kv_fetch too.
-    timings, raw = [await _one(address, _prompt(vocab, tokens, seed), 2)], []
-    for repeat in range(1, args.repeats + 1):
-        timings.append(await _one(address, _prompt(vocab, tokens, seed + repeat), 2))
-        if raw_set is not None:
-            raw.append((await asyncio.to_thread(raw_set.prefill, tokens))[0].wall_s)
+    stacks: dict[int, str], raw_sets: dict[int, RankSet | None], vocab: int, args: argparse.Namespace
+) -> tuple[dict[tuple[int, int], list[Timing]], dict[tuple[int, int], list[float]]]:
+    """Served PCP, every size's stack (its decode address in `stacks`) and raw rank set up at once.
+
+    Per length: a warm-up request on each stack (it pays for first-touch allocations of this length, as
+    bench prefill's warm-up does) and a warm-up raw prefill on each set; then `repeats` rounds, each one
+    request per stack, one at a time, every prompt new, each beside one raw prefill of the same ranks
+    without the services (bench prefill's RankSet, kept up beside the stacks). Sizes take turns within a
+    round and the order of sizes, and of request and raw prefill, flips every other round: this machine's
+    speed drifts by a third over minutes, so only what ran side by side is compared. Returns per
+    (pcp, tokens) the requests' timings (the warm-up first) and the raw prefill times (global rank 0's,
+    barrier to barrier)."""
+    sizes = sorted(stacks)
+    timings: dict[tuple[int, int], list[Timing]] = {}
+    raw: dict[tuple[int, int], list[float]] = {}
+
+    async def raw_prefill(pcp: int, tokens: int) -> float:
+        return (await asyncio.to_thread(raw_sets[pcp].prefill, tokens))[0].wall_s
+
+    for tokens in args.served_tokens:
+        for pcp in sizes:  # raw warm-ups first: a set's ranks load before the stacks' first requests
+            if raw_sets[pcp] is not None:
+                await raw_prefill(pcp, tokens)
+            raw[(pcp, tokens)] = []
+        for pcp in sizes:
+            # Two tokens: the second waits for the KV fetch, so the trace holds decode.kv_fetch too.
+            timings[(pcp, tokens)] = [await _one(stacks[pcp], _prompt(vocab, tokens, 100 * tokens + pcp), 2)]
+        for repeat in range(1, args.repeats + 1):
+            flipped = repeat % 2 == 0
+            for pcp in reversed(sizes) if flipped else sizes:
+                prompt = _prompt(vocab, tokens, 100 * tokens + pcp + 10 * repeat)
+                if raw_sets[pcp] is not None and flipped:
+                    raw[(pcp, tokens)].append(await raw_prefill(pcp, tokens))
+                timings[(pcp, tokens)].append(await _one(stacks[pcp], prompt, 2))
+                if raw_sets[pcp] is not None and not flipped:
+                    raw[(pcp, tokens)].append(await raw_prefill(pcp, tokens))
     return timings, raw
 
 
@@ -423,43 +444,53 @@ def _raw_rank_set(args: argparse.Namespace, pcp: int) -> contextlib.AbstractCont
     return contextlib.closing(RankSet(mp.get_context("spawn"), layout, settings))
 
 
+def _stack_options(args: argparse.Namespace, pcp: int, trace_file: str = "", batch_max: int = 0):
+    return StackOptions(
+        pcp=pcp,
+        model=args.model,
+        threads_per_rank=args.threads_per_rank,
+        trace_file=trace_file,
+        prefill_batch_max=batch_max,
+    )
+
+
 async def _stacks(args: argparse.Namespace, vocab: int, trace_dir: Path) -> dict:
-    """Runs the stack under load (PCP=args.pcp) and one stack per served PCP size, one after another."""
+    """Runs the stack under load (PCP=args.pcp), then the served stacks (one per served PCP size, all up
+    together), then with --compare-batching the unbatched stack under load: one phase after another."""
     measured: dict = {"served": {}, "raw": {}}
-    for pcp in sorted({args.pcp, *args.served_pcp} if args.served_tokens else {args.pcp}):
-        spans_file = trace_dir / f"spans-pcp{pcp}.jsonl"
-        options = StackOptions(
-            pcp=pcp, model=args.model, threads_per_rank=args.threads_per_rank, trace_file=str(spans_file)
-        )
-        async with LocalStack(options, progress=lambda m: None) as stack:
-            address = stack.decode_addresses[0]
-            await _one(address, _prompt(vocab, 16, 0), 2)  # warm-up
-            if pcp == args.pcp:
-                measured["load"] = await _load(stack, vocab, args)
-                # New prompts each time: a repeated one would be served from the prefix cache.
-                overhead = [_prompt(vocab, args.overhead_tokens, 7 + r) for r in range(args.repeats)]
-                measured["overhead_ids"] = overhead[0]
-                measured["path_ttft"] = [(await _one(address, ids, 1)).ttft_s for ids in overhead]
-                if args.multi_turn:
-                    measured["multi_turn"] = await _conversations(address, vocab, args)
-            if pcp in args.served_pcp:
-                with _raw_rank_set(args, pcp) as raw_set:
-                    for tokens in args.served_tokens:
-                        timings, raw = await _served(address, vocab, tokens, pcp, args, raw_set)
-                        measured["served"][(pcp, tokens)] = timings
-                        measured["raw"][(pcp, tokens)] = raw
-        spans = read_span_file(spans_file)  # complete once the stack has stopped
-        for (size, tokens), timings in measured["served"].items():
-            if size == pcp:  # the first request of the length (the warm-up) and the last timed one
+    async with LocalStack(_stack_options(args, args.pcp), progress=lambda m: None) as stack:
+        address = stack.decode_addresses[0]
+        await _one(address, _prompt(vocab, 16, 0), 2)  # warm-up
+        measured["load"] = await _load(stack, vocab, args)
+        # New prompts each time: a repeated one would be served from the prefix cache.
+        overhead = [_prompt(vocab, args.overhead_tokens, 7 + r) for r in range(args.repeats)]
+        measured["overhead_ids"] = overhead[0]
+        measured["path_ttft"] = [(await _one(address, ids, 1)).ttft_s for ids in overhead]
+        if args.multi_turn:
+            measured["multi_turn"] = await _conversations(address, vocab, args)
+    sizes = sorted(set(args.served_pcp)) if args.served_tokens else []
+    if sizes:
+        spans_files = {pcp: trace_dir / f"spans-pcp{pcp}.jsonl" for pcp in sizes}
+        async with contextlib.AsyncExitStack() as up:
+            raw_sets = {pcp: up.enter_context(_raw_rank_set(args, pcp)) for pcp in sizes}
+            stacks = {}
+            for pcp in sizes:
+                options = _stack_options(args, pcp, trace_file=str(spans_files[pcp]))
+                stack = await up.enter_async_context(LocalStack(options, progress=lambda m: None))
+                stacks[pcp] = stack.decode_addresses[0]
+                await _one(stacks[pcp], _prompt(vocab, 16, 0), 2)  # warm-up
+            measured["served"], measured["raw"] = await _served(stacks, raw_sets, vocab, args)
+        for pcp in sizes:
+            spans = read_span_file(spans_files[pcp])  # complete once the stack has stopped
+            for tokens in args.served_tokens:
+                # The first request of the length (the warm-up) and the last timed one.
+                timings = measured["served"][(pcp, tokens)]
                 measured.setdefault("breakdown", []).extend(
                     {"pcp": pcp, "tokens": tokens, "request": which, **ttft_breakdown(spans, timing)}
                     for which, timing in (("first", timings[0]), ("last", timings[-1]))
                 )
     if args.compare_batching:
-        options = StackOptions(
-            pcp=args.pcp, model=args.model, threads_per_rank=args.threads_per_rank, prefill_batch_max=1
-        )
-        async with LocalStack(options, progress=lambda m: None) as stack:
+        async with LocalStack(_stack_options(args, args.pcp, batch_max=1), progress=lambda m: None) as stack:
             address = stack.decode_addresses[0]
             await _one(address, _prompt(vocab, 16, 0), 2)  # warm-up
             measured["load_unbatched"] = await _load(stack, vocab, args)

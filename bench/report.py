@@ -942,10 +942,12 @@ def _served_section(e2e: dict) -> list[str]:
     if not served:
         return [*lines, f"Served PCP: {NOT_MEASURED} (`pcpstack bench e2e --served-pcp 1,2`).", ""]
     lines += [
-        f"Each PCP size's stack serves one request at a time ({served.get('threads_per_rank')} thread(s) per "
-        f"rank, {served.get('repeats')} repeat(s) after a warm-up, every prompt new); raw prefill is the "
-        "same ranks run as `bench prefill` runs them, once right after each timed request (the stack idle), "
-        "so each pair ran back to back. Medians (min–max).",
+        f"Every PCP size's stack and raw rank set is up at once; each serves one request at a time "
+        f"({served.get('threads_per_rank')} thread(s) per rank, {served.get('repeats')} round(s) after a "
+        "warm-up, every prompt new), the sizes taking turns, and raw prefill is the same ranks run as "
+        "`bench prefill` runs them, once beside each timed request (the stacks idle); the order of sizes, "
+        "and of request and raw prefill, flips every other round, so what is compared ran side by side. "
+        "Medians (min–max).",
         "",
     ]
 

@@ -36,9 +36,13 @@ def test_benchmark_smoke_run_writes_json(area, tmp_path, child_env) -> None:
         second = saved["multi_turn"]["turns"][1]
         assert (second["cached_tokens"], second["cold_cached_tokens"]) == (288, 0)
         assert second["same_answers"]
-        # The served request and the raw prefill run after it, both measured.
-        (row,) = saved["served"]["rows"]
-        assert row["served_ttft_s"]["median"] > 0 and row["raw_prefill_s"]["median"] > 0
+        # Both sizes' served requests and the raw prefills beside them, measured in each of two rounds.
+        rows = saved["served"]["rows"]
+        assert [row["pcp"] for row in rows] == [1, 2]
+        for row in rows:
+            assert row["served_ttft_s"]["n"] == row["raw_prefill_s"]["n"] == 2
+            assert row["served_ttft_s"]["median"] > 0 and row["raw_prefill_s"]["median"] > 0
+        assert set(saved["served"]["speedup"]) == {"pcp2_over_pcp1_at_64"}
         # Where the cores went under load: every kind of process of the stack is counted (the tiny
         # model's forwards may each take less than the 10 ms clock tick, so only the total must show).
         roles = {"prefill", "decode", "kvstore", "registry", "clients", "idle", "elsewhere"}
