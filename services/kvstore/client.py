@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import threading
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
@@ -145,6 +146,10 @@ class KvStoreClient:
         )
         self._shm_dir: str | None = None  # the store's segment directory once known to be shared, else ""
         self._segments: SegmentMaps | None = None  # kept mappings of the store's segments, when shared
+        # The standby segment the store named after this client's last shared-memory put, mapped on a
+        # thread of its own (SegmentMaps.prefetch) and named back in the next put's header.
+        self.standby_shm_name = ""
+        self._prefetching: threading.Thread | None = None
 
     async def close(self) -> None:
         """Closes the channel and drops the mappings of the store's segments."""
@@ -211,6 +216,7 @@ class KvStoreClient:
             use_shm=use_shm,
             block_keys=block_keys,
             block_tokens=block_tokens,
+            standby_shm_name=self.standby_shm_name if use_shm else "",
         )
         call = self._put()
         try:
@@ -225,6 +231,8 @@ class KvStoreClient:
             await call.write(pb.PutRequest(commit=pb.PutCommit(crc32c=crc)))
             await call.done_writing()
             committed = (await self._read(call, "committed")).committed
+            if use_shm:
+                self._prefetch(committed.standby_shm_name)
             # Read to the end of the stream so the call (and its trace span) completes rather than being cut.
             await call.read()
             return StoredReplica(
@@ -234,6 +242,23 @@ class KvStoreClient:
             raise _store_error(exc) from exc
         finally:
             await _end_stream(call)
+
+    def _prefetch(self, name: str) -> None:
+        """Maps the standby segment the store named, on a thread of its own (not this loop's: a writer may
+        run its loop only while it puts), unless it is the one mapped last time."""
+        if name and name != self.standby_shm_name and self._segments is not None:
+            prefetch = threading.Thread(
+                target=self._segments.prefetch, args=(name,), name="kv-standby-map", daemon=True
+            )
+            prefetch.start()
+            self._prefetching = prefetch
+        self.standby_shm_name = name
+
+    def wait_for_standby(self, timeout: float | None = None) -> None:
+        """Blocks until the standby segment's mapping is built (for tests and benchmarks that measure a
+        put without it)."""
+        if self._prefetching is not None:
+            self._prefetching.join(timeout)
 
     async def _send_chunks(self, call, view: memoryview) -> int:
         sender = ChunkSender(view.nbytes, self._chunk_bytes)

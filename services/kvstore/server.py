@@ -41,6 +41,9 @@ from pcpstack.v1 import kvstore_pb2_grpc
 log = logging.getLogger(__name__)
 
 _MESSAGE_OVERHEAD = 1024  # room for the non-data fields of a chunk message
+# Objects from this size on get a standby segment for their writer's next put (_standby): below it, a
+# fresh mapping costs little (~0.5 ms per MiB here) and the pool would fill with small standbys.
+STANDBY_MIN_BYTES = 8 << 20
 
 
 @dataclass(frozen=True)
@@ -53,9 +56,14 @@ class KvStoreServerConfig:
     reap_interval_s: float = 0.5
     default_chunk_bytes: int = DEFAULT_CHUNK_BYTES
     max_lease_ms: int = DEFAULT_MAX_LEASE_MS
+    # Shared-memory puts of at least this many bytes get a standby segment for their writer's next put
+    # (KvStoreServicer._standby); 0: none.
+    standby_min_bytes: int = STANDBY_MIN_BYTES
 
     def __post_init__(self) -> None:
         self.store_config()  # validates the core's part
+        if self.standby_min_bytes < 0:
+            raise ValueError(f"standby_min_bytes must be >= 0 (0: no standby), got {self.standby_min_bytes}")
         if self.reap_interval_s <= 0:
             raise ValueError(f"reap_interval_s must be > 0, got {self.reap_interval_s}")
         if self.default_chunk_bytes <= 0:
@@ -90,6 +98,7 @@ class KvStoreServicer(kvstore_pb2_grpc.KvStoreServiceServicer):
         self.segments = segments
         self._config = config
         self._max_chunk = max_chunk
+        self._preparing: set[asyncio.Future] = set()  # standby segments being prepared on worker threads
 
     async def Put(
         self, request_iterator: AsyncIterator[pb.PutRequest], context
@@ -112,7 +121,7 @@ class KvStoreServicer(kvstore_pb2_grpc.KvStoreServiceServicer):
                 block_keys=header.block_keys,
                 block_tokens=header.block_tokens,
             )
-            segment = self._allocate(pending)
+            segment = self._allocate(pending, header.standby_shm_name if header.use_shm else "")
             shm_name = segment.name if header.use_shm and segment is not None else ""
             yield pb.PutResponse(accepted=pb.PutAccepted(shm_name=shm_name))
             if header.use_shm:
@@ -127,6 +136,7 @@ class KvStoreServicer(kvstore_pb2_grpc.KvStoreServiceServicer):
                     total_bytes=obj.total_bytes,
                     lease_expires_unix_ms=_unix_ms(obj.lease_expires),
                     capability=obj.capability,  # the writer alone learns it, here
+                    standby_shm_name=self._standby(obj.total_bytes) if header.use_shm else "",
                 )
             )
         except ServiceError as exc:
@@ -138,11 +148,11 @@ class KvStoreServicer(kvstore_pb2_grpc.KvStoreServiceServicer):
                 self.store.abort_put(pending, refused=refused)
                 self._trim_pool()
 
-    def _allocate(self, pending: PendingPut) -> Segment | None:
+    def _allocate(self, pending: PendingPut, preferred: str) -> Segment | None:
         if pending.total_bytes == 0:
             return None
         try:
-            pending.payload = self.segments.allocate(pending.total_bytes)
+            pending.payload = self.segments.allocate(pending.total_bytes, preferred)
         except OSError as exc:  # the tmpfs is full: capacity, as the budget is
             raise CapacityExceeded(
                 f"cannot allocate {pending.total_bytes} bytes of shared memory: {exc}"
@@ -152,6 +162,25 @@ class KvStoreServicer(kvstore_pb2_grpc.KvStoreServiceServicer):
 
     def _trim_pool(self) -> None:
         self.segments.trim(self.store.free_bytes())
+
+    def _standby(self, size: int) -> str:
+        """The name of a free segment kept ready for the writer's next shared-memory put of about size
+        bytes (shm.SegmentStore.standby; a new one is prepared on a worker thread, beside this reply), or ""
+        for an object under standby_min_bytes or when the pool has no room for one within the free
+        capacity."""
+        if not self._config.standby_min_bytes or size < self._config.standby_min_bytes:
+            return ""
+        try:
+            segment, new = self.segments.standby(size, self.store.free_bytes())
+        except OSError:  # a file /dev/shm cannot hold: no standby, the put itself is done
+            return ""
+        if segment is None:
+            return ""
+        if new:
+            task = asyncio.ensure_future(asyncio.to_thread(self.segments.prepare, segment))
+            self._preparing.add(task)  # held until done: a task nobody references may be collected
+            task.add_done_callback(self._preparing.discard)
+        return segment.name
 
     async def _receive_shm(
         self, requests: AsyncIterator[pb.PutRequest], pending: PendingPut, segment: Segment | None

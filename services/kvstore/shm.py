@@ -14,6 +14,13 @@ the price is that tmpfs may hold up to 1.25x the store's capacity (a segment's s
 against it). A segment more than that larger is shrunk to the object (its tail pages go back
 to the system).
 
+A put of an object that lives on (a replica kept for prefix reuse) cannot recycle its segment, so the
+next put would land in fresh pages: mapping them costs a page fault each on both sides (here ~0.5 ms per
+MiB, 5x the copy). So after such a put the store prepares a standby segment of its size in the pool
+(`SegmentStore.standby`: created at once, allocated and mapped on a worker thread) and names it to the
+writer, which maps it on a thread of its own (`SegmentMaps.prefetch`) and names it back in its next put:
+both mappings are then built between puts instead of inside one.
+
 Clients keep their mappings of the store's segments too (`SegmentMaps`), since the store reuses them: with
 4 KiB tmpfs pages, mapping and unmapping a segment per transfer (or a pwrite, which does the same per-page
 work) costs about as much as the copy. A client copies with the CRC32C fused in (`copy_with_crc`: one C
@@ -26,6 +33,7 @@ tracker, which unlinks (and warns about) segments the store still owns when a cl
 from __future__ import annotations
 
 import contextlib
+import ctypes
 import errno
 import fcntl
 import mmap
@@ -49,25 +57,54 @@ MAX_REUSE_SLACK = 0.25  # a pooled segment at most this share larger than a put 
 
 
 class Segment:
-    """One store-owned tmpfs file, kept mapped read-write by the store."""
+    """One store-owned tmpfs file, kept mapped read-write by the store.
 
-    def __init__(self, path: Path, size: int) -> None:
+    A standby segment (`later=True`) is only created here, at its size; `prepare` (on a worker thread)
+    allocates its pages and maps them, and only then (`ready`) may it hold an object."""
+
+    def __init__(self, path: Path, size: int, later: bool = False) -> None:
         self.path = path
         self.size = size
+        self.ready = not later
+        self.failed = False
+        self._map: mmap.mmap | None = None
         fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
         try:
+            if later:
+                os.ftruncate(fd, max(size, 1))  # its name and size exist at once; its pages come in prepare
+                self._fd: int | None = fd
+                return
             self._map = self._map_fd(fd, size)
         except BaseException:
             os.close(fd)
             path.unlink(missing_ok=True)
             raise
         os.close(fd)  # the mapping keeps its own duplicate
+        self._fd = None
 
     @staticmethod
-    def _map_fd(fd: int, size: int) -> mmap.mmap:
+    def _map_fd(fd: int, size: int, populate: bool = False) -> mmap.mmap:
         # fallocate makes a full /dev/shm fail here with ENOSPC instead of SIGBUS on a later write.
         os.posix_fallocate(fd, 0, max(size, 1))
-        return mmap.mmap(fd, max(size, 1))
+        if populate:
+            map_ = mmap.mmap(fd, max(size, 1))
+            if populate_writable(map_):
+                return map_
+            map_.close()  # an older kernel: entries for reading at least
+        return mmap.mmap(fd, max(size, 1), flags=mmap.MAP_SHARED | (mmap.MAP_POPULATE if populate else 0))
+
+    def prepare(self) -> None:
+        """A standby's pages and its mapping, every page table entry built (safe on a worker thread: nothing
+        else touches a segment that is not ready). On failure (a full /dev/shm) it is `failed` instead."""
+        fd, self._fd = self._fd, None  # this thread's alone now: a destroy() meanwhile leaves it be
+        assert fd is not None and not self.ready
+        try:
+            self._map = self._map_fd(fd, self.size, populate=True)
+        except OSError:
+            self.failed = True  # the pool destroys it at its next allocate, standby or trim
+        finally:
+            os.close(fd)
+        self.ready = not self.failed
 
     @property
     def name(self) -> str:
@@ -84,29 +121,38 @@ class Segment:
                 os.posix_fallocate(fd, 0, size)
             finally:
                 os.close(fd)
-        self._map.resize(max(size, 1))
+        self._mapped.resize(max(size, 1))
         self.size = size
+
+    @property
+    def _mapped(self) -> mmap.mmap:
+        assert self._map is not None, f"segment {self.name} is used before it is prepared"
+        return self._map
 
     def write(self, offset: int, data) -> None:
         """Copies data into the segment at offset."""
-        self._map[offset : offset + len(data)] = data
+        self._mapped[offset : offset + len(data)] = data
 
     @contextlib.contextmanager
     def view(self, offset: int, length: int) -> Iterator[memoryview]:
         """A read-write view of length bytes at offset, valid inside the with block only (a view that
         outlived it would pin the mapping)."""
-        with memoryview(self._map) as whole, whole[offset : offset + length] as part:
+        with memoryview(self._mapped) as whole, whole[offset : offset + length] as part:
             yield part
 
     def crc32c(self, length: int) -> int:
         """CRC32C of the first length bytes, on two threads for a large segment (releases the GIL; safe
         to run in a thread)."""
-        with memoryview(self._map) as view, view[:length] as part:
+        with memoryview(self._mapped) as view, view[:length] as part:
             return crc32c_two_threads(part)
 
     def destroy(self) -> None:
         """Unmaps and unlinks the file."""
-        self._map.close()
+        if self._map is not None:
+            self._map.close()
+        if self._fd is not None:
+            os.close(self._fd)
+            self._fd = None
         self.path.unlink(missing_ok=True)
 
 
@@ -136,17 +182,22 @@ class SegmentStore:
         """Bytes held by free segments kept for reuse."""
         return sum(seg.size for seg in self._pool)
 
-    def allocate(self, size: int) -> Segment:
-        """A segment of at least size bytes: the smallest pooled one at most a quarter larger, as it is;
-        else the best-fitting pooled one resized to size (shrunk, or the largest grown); else a new one."""
-        if self._pool:
-            warm = [seg for seg in self._pool if size <= seg.size <= size + int(size * MAX_REUSE_SLACK)]
+    def allocate(self, size: int, preferred: str = "") -> Segment:
+        """A segment of at least size bytes: the pooled one named `preferred` (a standby its writer has
+        mapped) if it is ready and at most a quarter larger; else the smallest pooled one that is; else
+        the best-fitting pooled one resized to size (shrunk, or the largest grown); else a new one.
+        Segments a worker thread is still preparing are left alone."""
+        self._drop_failed()
+        ready = [seg for seg in self._pool if seg.ready]
+        if ready:
+            warm = [seg for seg in ready if _fits(seg, size)]
             if warm:
-                seg = min(warm, key=lambda s: s.size)
+                named = [seg for seg in warm if seg.name == preferred]
+                seg = named[0] if named else min(warm, key=lambda s: s.size)
                 self._pool.remove(seg)
                 return seg
-            bigger = [seg for seg in self._pool if seg.size >= size]
-            seg = min(bigger, key=lambda s: s.size) if bigger else max(self._pool, key=lambda s: s.size)
+            bigger = [seg for seg in ready if seg.size >= size]
+            seg = min(bigger, key=lambda s: s.size) if bigger else max(ready, key=lambda s: s.size)
             self._pool.remove(seg)
             try:
                 seg.resize(size)
@@ -154,8 +205,36 @@ class SegmentStore:
                 seg.destroy()
                 raise
             return seg
+        return Segment(self._new_path(), size)
+
+    def standby(self, size: int, budget: int) -> tuple[Segment | None, bool]:
+        """A free segment for a writer's next put of about size bytes, and whether it is new: a pooled one
+        that fits it (ready or being prepared); else a new one in the pool, if the pool stays within
+        budget bytes with it, whose pages are still to come (run `prepare` on a worker thread); else None."""
+        self._drop_failed()
+        fitting = [seg for seg in self._pool if _fits(seg, size)]
+        if fitting:
+            return min(fitting, key=lambda s: s.size), False
+        if self._closed or self.pooled_bytes + size > budget:
+            return None, False
+        seg = Segment(self._new_path(), size, later=True)
+        self._pool.append(seg)
+        return seg, True
+
+    def prepare(self, seg: Segment) -> None:
+        """Prepares a segment `standby` created (on a worker thread); one finished after close is unlinked."""
+        seg.prepare()
+        if self._closed:
+            seg.destroy()
+
+    def _new_path(self) -> Path:
         self._next += 1
-        return Segment(self.directory / f"{PREFIX}{self.token}-{self._next}", size)
+        return self.directory / f"{PREFIX}{self.token}-{self._next}"
+
+    def _drop_failed(self) -> None:
+        for seg in [seg for seg in self._pool if seg.failed]:
+            self._pool.remove(seg)
+            seg.destroy()
 
     def recycle(self, seg: Segment) -> None:
         """Takes back a segment nobody uses any more, keeping it warm in the pool (or unlinking it once the
@@ -166,10 +245,14 @@ class SegmentStore:
             self._pool.append(seg)
 
     def trim(self, max_pooled_bytes: int) -> None:
-        """Unlinks pooled segments, largest first, until the pool holds at most max_pooled_bytes."""
-        self._pool.sort(key=lambda s: s.size)
-        while self._pool and self.pooled_bytes > max_pooled_bytes:
-            self._pool.pop().destroy()
+        """Unlinks pooled segments, largest first, until the pool holds at most max_pooled_bytes (one a
+        worker thread is preparing goes at a later trim, once it is ready or failed)."""
+        self._drop_failed()
+        for seg in sorted((seg for seg in self._pool if seg.ready), key=lambda s: s.size, reverse=True):
+            if self.pooled_bytes <= max_pooled_bytes:
+                break
+            self._pool.remove(seg)
+            seg.destroy()
 
     def close(self) -> None:
         """Unlinks the pool and the lock file; segments still in use are unlinked when recycled."""
@@ -177,6 +260,31 @@ class SegmentStore:
         self.trim(0)
         self._lock_path.unlink(missing_ok=True)
         os.close(self._lock_fd)
+
+
+_MADV_POPULATE_WRITE = 23  # Linux 5.14+; Python 3.11's mmap module does not name it
+_libc = ctypes.CDLL(None, use_errno=True)
+
+
+def populate_writable(map_: mmap.mmap) -> bool:
+    """Builds every page table entry of a shared mapping, writable, without touching its bytes (~0.3 ms a
+    MiB here); MAP_POPULATE does not: it faults a shared mapping's pages in for reading, so the first write
+    to each page faults again. Called through ctypes, which lets go of the GIL (mmap.madvise holds it, and
+    would stall the caller's event loop meanwhile). False where it could not: a kernel before 5.14, or a
+    file the store shrank meanwhile (its tail is not touched: that would be a SIGBUS)."""
+    place = (ctypes.c_char * len(map_)).from_buffer(map_)
+    try:
+        done = _libc.madvise(
+            ctypes.c_void_p(ctypes.addressof(place)), ctypes.c_size_t(len(map_)), _MADV_POPULATE_WRITE
+        )
+    finally:
+        del place  # an exported buffer would keep the mapping from closing
+    return done == 0
+
+
+def _fits(seg: Segment, size: int) -> bool:
+    """Whether seg holds an object of size bytes as it is: at least that large, at most a quarter more."""
+    return size <= seg.size <= size + int(size * MAX_REUSE_SLACK)
 
 
 def reclaim_orphans(directory: Path) -> int:
@@ -300,6 +408,7 @@ class SegmentMaps:
         self._max_mapped = max_mapped
         self._maps: OrderedDict[str, _Mapping] = OrderedDict()
         self._lock = threading.Lock()
+        self._closed = False
 
     @property
     def mapped(self) -> list[str]:
@@ -308,7 +417,7 @@ class SegmentMaps:
             return list(self._maps)
 
     @contextlib.contextmanager
-    def _view(self, name: str, size: int, populate: bool) -> Iterator[memoryview]:
+    def _view(self, name: str, size: int, populate: str) -> Iterator[memoryview]:
         """A view of the first size bytes of segment name, through a kept mapping."""
         mapping = self._acquire(name, size, populate)
         try:
@@ -320,7 +429,7 @@ class SegmentMaps:
                 if mapping.stale and not mapping.users:
                     mapping.map.close()
 
-    def _acquire(self, name: str, size: int, populate: bool) -> _Mapping:
+    def _acquire(self, name: str, size: int, populate: str) -> _Mapping:
         with self._lock:
             for gone in [n for n in self._maps if not os.path.exists(os.path.join(self.directory, n))]:
                 self._drop(gone)
@@ -330,22 +439,54 @@ class SegmentMaps:
                 mapping = None
             if mapping is None:
                 mapping = _Mapping(self._map_file(name, size, populate))
-                self._maps[name] = mapping
-                while len(self._maps) > self._max_mapped:
-                    self._drop(next(iter(self._maps)))
+                self._keep(name, mapping)
             self._maps.move_to_end(name)
             mapping.users += 1
             return mapping
 
-    def _map_file(self, name: str, size: int, populate: bool) -> mmap.mmap:
+    def _keep(self, name: str, mapping: _Mapping) -> None:
+        """Keeps a new mapping as the most recently used, dropping the least recently used beyond max."""
+        self._maps[name] = mapping
+        while len(self._maps) > self._max_mapped:
+            self._drop(next(iter(self._maps)))
+
+    def prefetch(self, name: str) -> bool:
+        """Maps segment name now, every page table entry built, and keeps the mapping, so that a later
+        transfer through it copies at once: a writer runs it on a thread of its own for the standby the
+        store named (shm.SegmentStore.standby), between its puts. Other transfers are not held up
+        meanwhile. False if it cannot be mapped (gone already: nothing is kept)."""
+        with self._lock:
+            if self._closed:
+                return False
+            if name in self._maps:
+                return True
+        try:
+            map_ = self._map_file(name, 0, "write")
+        except (OSError, ValueError):
+            return False
+        with self._lock:
+            if self._closed or name in self._maps:  # closed, or a transfer mapped it meanwhile
+                map_.close()
+                return not self._closed
+            self._keep(name, _Mapping(map_))
+            return True
+
+    def _map_file(self, name: str, size: int, populate: str) -> mmap.mmap:
+        """Maps the whole file; populate: "write" builds every page table entry writable (a writer's),
+        "read" read-only (a reader's), "" none (a ranged read touches only its pages)."""
         fd = os.open(os.path.join(self.directory, name), os.O_RDWR)
         try:
             held = os.fstat(fd).st_size
             if held < size:  # touching a mapping past the file's end would kill this process (SIGBUS)
                 raise ValueError(f"segment {name!r} holds {held} bytes, fewer than the {size} to copy")
-            flags = mmap.MAP_SHARED | (mmap.MAP_POPULATE if populate else 0)
             # The whole file: the store reuses a segment for objects up to its size, so a larger object
             # next time needs no new mapping.
+            if populate == "write":
+                map_ = mmap.mmap(fd, max(held, 1))
+                if populate_writable(map_):
+                    return map_
+                map_.close()  # an older kernel, or a file shrunk meanwhile: as a reader maps it
+            flags = mmap.MAP_SHARED | (mmap.MAP_POPULATE if populate else 0)
             return mmap.mmap(fd, max(held, 1), flags=flags)
         finally:
             os.close(fd)
@@ -362,25 +503,26 @@ class SegmentMaps:
         send an object straight from where it lives (a sequence's KV cache blocks) without gathering it."""
         pieces = [data] if isinstance(data, memoryview) else data
         size = sum(len(piece) for piece in pieces)
-        with self._view(name, size, populate=True) as segment:
+        with self._view(name, size, "write") as segment:
             return copy_with_crc(segment, pieces)
 
     def copy_out(self, name: str, out: memoryview) -> int:
         """Copies the segment's first len(out) bytes into out and returns their CRC32C, computed over the
         copy (reader side of the fast path)."""
-        with self._view(name, len(out), populate=True) as segment:
+        with self._view(name, len(out), "read") as segment:
             return copy_with_crc(out, [segment], crc_of_copy=True)
 
     def copy_ranges(self, name: str, size: int, ranges: list[ByteRange], out: memoryview) -> int:
         """Copies the selected ranges of the segment (of size bytes) into out and returns their CRC32C; a
         segment not mapped yet is mapped without populating it, so only the pages the ranges touch are
         read."""
-        with self._view(name, size, populate=False) as segment:
+        with self._view(name, size, "") as segment:
             return gather_with_crc(segment, ranges, out)
 
     def close(self) -> None:
-        """Drops every mapping (one in use goes when its transfer ends)."""
+        """Drops every mapping (one in use goes when its transfer ends); a prefetch keeps nothing after."""
         with self._lock:
+            self._closed = True
             for name in list(self._maps):
                 self._drop(name)
 

@@ -35,6 +35,7 @@ class PutHeader(_message.Message):
     METADATA_FIELD_NUMBER: _builtins.int
     BLOCK_KEYS_FIELD_NUMBER: _builtins.int
     BLOCK_TOKENS_FIELD_NUMBER: _builtins.int
+    STANDBY_SHM_NAME_FIELD_NUMBER: _builtins.int
     key: _builtins.str
     """Key of the object; unique; write-once."""
     fingerprint: _builtins.str
@@ -55,6 +56,11 @@ class PutHeader(_message.Message):
     """Opaque description of the payload (e.g. KV layout as JSON) returned to readers."""
     block_tokens: _builtins.int
     """Tokens per block of block_keys; required (> 0) when block_keys is given."""
+    standby_shm_name: _builtins.str
+    """Shared-memory path: the standby segment an earlier PutCommitted named to this writer, which it has
+    mapped since. The store fills this put into it when it is still free, prepared and fits (at most a
+    quarter larger than the object), else into a segment of its choosing; any other name is ignored.
+    """
     @_builtins.property
     def block_keys(self) -> _containers.RepeatedScalarFieldContainer[_builtins.str]:
         """Prefix reuse: the content-addressed keys (kvstore.prefix.prefix_block_keys) of the full blocks the
@@ -75,10 +81,11 @@ class PutHeader(_message.Message):
         metadata: _builtins.bytes = ...,
         block_keys: _abc.Iterable[_builtins.str] | None = ...,
         block_tokens: _builtins.int = ...,
+        standby_shm_name: _builtins.str = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["block_keys", b"block_keys", "block_tokens", b"block_tokens", "chunk_size", b"chunk_size", "fingerprint", b"fingerprint", "key", b"key", "lease_ms", b"lease_ms", "metadata", b"metadata", "total_bytes", b"total_bytes", "use_shm", b"use_shm"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["block_keys", b"block_keys", "block_tokens", b"block_tokens", "chunk_size", b"chunk_size", "fingerprint", b"fingerprint", "key", b"key", "lease_ms", b"lease_ms", "metadata", b"metadata", "standby_shm_name", b"standby_shm_name", "total_bytes", b"total_bytes", "use_shm", b"use_shm"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -170,6 +177,7 @@ class PutCommitted(_message.Message):
     TOTAL_BYTES_FIELD_NUMBER: _builtins.int
     LEASE_EXPIRES_UNIX_MS_FIELD_NUMBER: _builtins.int
     CAPABILITY_FIELD_NUMBER: _builtins.int
+    STANDBY_SHM_NAME_FIELD_NUMBER: _builtins.int
     key: _builtins.str
     """The key now committed."""
     total_bytes: _builtins.int
@@ -181,6 +189,11 @@ class PutCommitted(_message.Message):
     writer. Get, Release, Delete and Stat's object details require it; hand it only to the reader
     (KvHandle.capability) and never log it.
     """
+    standby_shm_name: _builtins.str
+    """Shared-memory path: a free segment the store keeps ready (allocated and mapped) for this writer's
+    next put of about the same size. The writer may map it now, off its next put's critical path (a
+    fresh 4 KiB-page mapping costs more than the copy), and name it in that put's header. Empty: none.
+    """
     def __init__(
         self,
         *,
@@ -188,10 +201,11 @@ class PutCommitted(_message.Message):
         total_bytes: _builtins.int = ...,
         lease_expires_unix_ms: _builtins.int = ...,
         capability: _builtins.str = ...,
+        standby_shm_name: _builtins.str = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["capability", b"capability", "key", b"key", "lease_expires_unix_ms", b"lease_expires_unix_ms", "total_bytes", b"total_bytes"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["capability", b"capability", "key", b"key", "lease_expires_unix_ms", b"lease_expires_unix_ms", "standby_shm_name", b"standby_shm_name", "total_bytes", b"total_bytes"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

@@ -53,7 +53,9 @@ _HALF_A_PUT = textwrap.dedent(
 @pytest.mark.timeout(60)
 def test_writer_killed_midway_leaves_no_object_reservation_or_segment(mode: str, child_env):
     async def body():
-        async with running_store(capacity_bytes=64 << 20) as server, KvStoreClient(server.address) as client:
+        # No standby segments: the pool's contents are what this test checks.
+        store = running_store(capacity_bytes=64 << 20, standby_min_bytes=0)
+        async with store as server, KvStoreClient(server.address) as client:
             shm_dir = (await client.stat()).shm_dir
             writer = subprocess.Popen(
                 [sys.executable, "-c", _HALF_A_PUT, server.address, mode, shm_dir],

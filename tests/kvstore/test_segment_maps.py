@@ -1,10 +1,13 @@
 """The client side of a transfer: copies with their CRC32C, the mappings a client keeps of the store's
-segments (reused from one transfer to the next, dropped once the store unlinks a segment), and the buffers
-its gets land in (reused once their reader lets go)."""
+segments (reused from one transfer to the next, dropped once the store unlinks a segment), the standby
+segments the store prepares for a writer's next put, and the buffers its gets land in (reused once their
+reader lets go)."""
 
 from __future__ import annotations
 
 import asyncio
+import mmap
+import os
 import random
 
 import pytest
@@ -12,7 +15,13 @@ import torch
 
 from pcpstack.kvstore.checksum import crc32c
 from pcpstack.kvstore.client import KvStoreClient
-from pcpstack.kvstore.shm import ReceiveBuffers, SegmentMaps, SegmentStore, copy_with_crc
+from pcpstack.kvstore.shm import (
+    ReceiveBuffers,
+    SegmentMaps,
+    SegmentStore,
+    copy_with_crc,
+    populate_writable,
+)
 
 
 @pytest.mark.parametrize(
@@ -144,3 +153,68 @@ def test_a_client_refuses_a_negative_receive_pool_naming_it():
             KvStoreClient("127.0.0.1:1", receive_pool_bytes=-1)
 
     asyncio.run(body())
+
+
+def test_a_standby_waits_in_the_pool_until_prepared_then_goes_to_the_put_naming_it(segments):
+    standby, new = segments.standby(4 << 20, budget=64 << 20)
+    assert new and not standby.ready and standby.path.stat().st_size == 4 << 20  # named and sized at once
+    assert segments.standby(4 << 20, budget=64 << 20) == (standby, False)  # one per size, not one per put
+    other = segments.allocate(4 << 20)
+    assert other is not standby  # a put never gets a segment still being prepared
+    segments.trim(0)
+    assert segments.pooled_bytes == 4 << 20  # nor does trim unlink it under its preparer's feet
+    segments.prepare(standby)
+    assert standby.ready
+    segments.recycle(other)  # two ready segments that fit: the named one is taken
+    assert segments.allocate(4 << 20, preferred=standby.name) is standby
+    assert segments.allocate(4 << 20, preferred="../../etc/passwd") is other  # any other name: ignored
+    segments.recycle(standby)
+    assert segments.allocate(1 << 20, preferred=standby.name) is standby  # 4x too large: resized, not kept
+    assert standby.size == 1 << 20
+
+
+def test_no_standby_beyond_the_budget_and_one_prepared_after_close_is_unlinked(tmp_path):
+    segments = SegmentStore(tmp_path)
+    assert segments.standby(4 << 20, budget=(4 << 20) - 1) == (None, False)
+    standby, _ = segments.standby(4 << 20, budget=4 << 20)
+    segments.close()
+    segments.prepare(standby)
+    assert not standby.path.exists()
+
+
+def test_a_standby_that_cannot_be_prepared_is_dropped_from_the_pool(segments):
+    standby, _ = segments.standby(4 << 20, budget=64 << 20)
+    standby.size = 1 << 60  # more than any /dev/shm holds: fallocate fails as on a full tmpfs
+    segments.prepare(standby)
+    assert standby.failed and not standby.ready
+    assert segments.allocate(1 << 20) is not standby
+    assert segments.pooled_bytes == 0 and not standby.path.exists()
+
+
+def test_populate_writable_builds_the_mapping_without_changing_a_byte(tmp_path):
+    payload = random.randbytes(3 << 20)
+    path = tmp_path / "segment"
+    path.write_bytes(payload)
+    with open(path, "r+b") as file, mmap.mmap(file.fileno(), len(payload)) as map_:
+        assert populate_writable(map_)  # Linux 5.14+
+        assert map_[:] == payload
+        map_[:5] = b"after"  # and it is still writable
+        os.truncate(path, 1 << 20)  # as the store shrinks a segment a client has mapped
+        assert not populate_writable(map_)  # refused: the tail is gone, and nothing touched it
+    assert path.read_bytes() == b"after" + payload[5 : 1 << 20]
+
+
+def test_a_prefetched_segment_is_kept_mapped_for_the_next_fill(segments):
+    maps = SegmentMaps(str(segments.directory), max_mapped=2)
+    standby, _ = segments.standby(2 << 20, budget=64 << 20)
+    assert maps.prefetch(standby.name) and maps.mapped == [standby.name]
+    assert maps.prefetch(standby.name)  # mapped already: kept as it is
+    segments.prepare(standby)
+    payload = random.randbytes(2 << 20)
+    assert maps.fill(standby.name, memoryview(payload)) == crc32c(payload)
+    with standby.view(0, 2 << 20) as stored:
+        assert stored == payload
+    assert not maps.prefetch("pcpkv-missing-1") and maps.mapped == [standby.name]
+    maps.close()
+    assert not maps.prefetch(standby.name) and maps.mapped == []  # nothing is kept after close
+    assert os.path.exists(standby.path)

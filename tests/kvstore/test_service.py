@@ -23,6 +23,7 @@ from pcpstack.kvstore.errors import (
     InvalidArgument,
     NotFound,
 )
+from pcpstack.kvstore.server import KvStoreServerConfig
 from pcpstack.kvstore.shm import SegmentMaps
 from pcpstack.v1 import kvstore_pb2 as pb
 from pcpstack.v1 import kvstore_pb2_grpc
@@ -496,7 +497,7 @@ def test_objects_of_changing_sizes_in_reused_segments_read_back_exactly_on_every
 
     async def body():
         async with (
-            running_store() as server,
+            running_store(standby_min_bytes=0) as server,  # no standby segments beside the one pooled
             KvStoreClient(server.address) as writer,
             KvStoreClient(server.address, prefer_shm=False, chunk_bytes=CHUNK) as streamed,
         ):
@@ -545,5 +546,52 @@ def test_shm_put_in_a_larger_reused_segment_with_its_last_byte_flipped_is_reject
             stats = await _settled(server, lambda s: (s.objects, s.reserved_bytes) == (0, 0))
             assert (stats.objects, stats.reserved_bytes) == (0, 0)
             assert server.servicer.segments.pooled_bytes == 4 << 20
+
+    asyncio.run(body())
+
+
+@pytest.mark.timeout(60)
+def test_a_large_shm_put_names_a_standby_segment_that_the_writers_next_put_fills():
+    """An object that lives on keeps its segment, so the store prepares a standby one for the writer's
+    next put; the writer maps it between puts, and that put lands in it (through the mapping it built)."""
+
+    async def body():
+        async with running_store() as server, KvStoreClient(server.address) as writer:
+            await writer.put("small", "fp", bytes(1 << 20))
+            assert writer.standby_shm_name == ""  # under standby_min_bytes: a fresh mapping costs little
+            payloads = {key: random.randbytes(8 << 20) for key in ("first", "second")}
+            first = await writer.put("first", "fp", payloads["first"])
+            standby = writer.standby_shm_name
+            assert standby in [path.name for path in segment_files(server)]
+            assert server.servicer.store.find("first").payload.name != standby
+            writer.wait_for_standby(timeout=10)
+            second = await writer.put("second", "fp", payloads["second"])
+            assert server.servicer.store.find("second").payload.name == standby
+            assert writer.standby_shm_name not in ("", standby)  # the next one, for the put after
+            async with KvStoreClient(server.address, prefer_shm=False, chunk_bytes=CHUNK) as streamed:
+                for replica in (first, second):
+                    for reader in (writer, streamed):
+                        data, _ = await reader.get(replica.key, "fp", replica.capability)
+                        assert bytes(data) == payloads[replica.key]
+                        del data
+
+    asyncio.run(body())
+
+
+@pytest.mark.timeout(60)
+def test_no_standby_when_the_pool_has_no_room_or_the_store_has_them_off():
+    async def body():
+        # 20 MiB: a 12 MiB object leaves 8 MiB free, too little for a 12 MiB standby.
+        async with running_store(capacity_bytes=20 << 20) as server, KvStoreClient(server.address) as writer:
+            await writer.put("big", "fp", bytes(12 << 20))
+            assert writer.standby_shm_name == "" and len(segment_files(server)) == 1
+        async with (
+            running_store(standby_min_bytes=0) as server,
+            KvStoreClient(server.address) as writer,
+        ):
+            await writer.put("big", "fp", bytes(12 << 20))
+            assert writer.standby_shm_name == "" and len(segment_files(server)) == 1
+        with pytest.raises(ValueError, match="standby_min_bytes must be >= 0"):
+            KvStoreServerConfig(capacity_bytes=1 << 20, standby_min_bytes=-1)
 
     asyncio.run(body())
