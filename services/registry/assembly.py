@@ -179,6 +179,13 @@ def plan_sets(
     return planned
 
 
+def _brief(values: Sequence, shown: int = 8) -> str:
+    """A list for a message: whole when short, else its first items and how many there are."""
+    if len(values) <= shown:
+        return str(list(values))
+    return f"[{', '.join(map(repr, values[:shown]))}, ... ({len(values)} in all)]"
+
+
 def assignment_problems(assignment: Assignment, node_id: str, shape: SetShape, label: str) -> list[str]:
     """Why an assignment a node carries cannot belong to its group (empty when it can), e.g. after a
     registry restart; every field is checked against the rules that formed it."""
@@ -200,16 +207,16 @@ def assignment_problems(assignment: Assignment, node_id: str, shape: SetShape, l
         problems.append("generation is 0")
     members = assignment.member_node_ids
     if not (0 <= assignment.node_rank < len(members) and members[assignment.node_rank] == node_id):
-        problems.append(f"node {node_id!r} is not member {assignment.node_rank} of {list(members)}")
+        problems.append(f"node {node_id!r} is not member {assignment.node_rank} of {_brief(members)}")
     if len(set(members)) != len(members):
-        problems.append(f"members repeat: {list(members)}")
+        problems.append(f"members repeat: {_brief(members)}")
     if assignment.headless != (assignment.node_rank != 0):
         problems.append(f"headless={assignment.headless} with node_rank={assignment.node_rank}")
     if shape.nnodes and assignment.pcp_ranks != pcp_ranks_of(
         assignment.node_rank, shape.pcp_size, shape.nnodes
     ):
         problems.append(
-            f"pcp_ranks={list(assignment.pcp_ranks)} do not match node_rank {assignment.node_rank}"
+            f"pcp_ranks={_brief(assignment.pcp_ranks)} do not match node_rank {assignment.node_rank}"
         )
     if assignment.tp_size != shape.tp_size:
         problems.append(
@@ -217,8 +224,8 @@ def assignment_problems(assignment: Assignment, node_id: str, shape: SetShape, l
         )
     elif assignment.global_ranks != global_ranks_of(assignment.pcp_ranks, shape.tp_size):
         problems.append(
-            f"global_ranks={list(assignment.global_ranks)} are not the TP ranks of pcp_ranks "
-            f"{list(assignment.pcp_ranks)} with tp_size={shape.tp_size}"
+            f"global_ranks={_brief(assignment.global_ranks)} are not the TP ranks of pcp_ranks "
+            f"{_brief(assignment.pcp_ranks)} with tp_size={shape.tp_size}"
         )
     return problems
 

@@ -4,7 +4,7 @@ Resolve answers and the ListNodes/ListSets views. The servicer and the clients b
 from __future__ import annotations
 
 from pcpstack.common.config import EngineConfig
-from pcpstack.registry.assembly import Assignment, global_ranks_of
+from pcpstack.registry.assembly import Assignment
 from pcpstack.registry.endpoints import PrefillEndpoint, Resolution, ServiceEndpoint
 from pcpstack.registry.membership import (
     AssemblyTimedOut,
@@ -76,9 +76,11 @@ def assignment_from_proto(msg: registry_pb2.Assignment) -> Assignment:
         pcp_size=msg.pcp_size,
         pcp_ranks=tuple(msg.pcp_ranks),
         member_node_ids=tuple(msg.member_node_ids),
-        # A node from before TP wiring sends neither: tp 1, its global ranks are its PCP ranks.
+        # A node from before TP wiring sends neither: tp 1, its global ranks are its PCP ranks. Nothing
+        # is derived from a larger tp_size: a carried assignment is untrusted until assignment_problems
+        # has checked it (tp_size 2**32 - 1 with 200,000 PCP ranks would be 10**15 ranks to list).
         tp_size=msg.tp_size or 1,
-        global_ranks=tuple(msg.global_ranks) or global_ranks_of(msg.pcp_ranks, msg.tp_size or 1),
+        global_ranks=tuple(msg.global_ranks) or (tuple(msg.pcp_ranks) if msg.tp_size <= 1 else ()),
     )
 
 

@@ -699,7 +699,13 @@ class Membership:
         if carried is not None and carried.generation > self._max_generation:
             self._max_generation = carried.generation
             self._revision += 1
-        if expected is not None and (carried is None or carried == expected.assignments[carried.node_rank]):
+        if expected is not None and (
+            carried is None
+            or (
+                0 <= carried.node_rank < len(expected.assignments)
+                and carried == expected.assignments[carried.node_rank]
+            )
+        ):
             self._join(node, group, expected)
             return out
         if expected is not None:

@@ -133,3 +133,12 @@ def test_any_pool_yields_valid_non_overlapping_sets(shape, pool_size, free, firs
             assert assignment_problems(a, node_id, shape, LABEL) == []
             assert a.pcp_ranks == pcp_ranks_of(a.node_rank, shape.pcp_size, shape.nnodes)
             assert a.master_addr == p.assignments[0].master_addr
+
+
+def test_assignment_problems_name_long_lists_briefly():
+    shape = SetShape(nnodes=2, pcp_size=2, data_parallel_size=1, tp_size=2)
+    (planned,) = plan_sets(_pool(2), shape, [0], True, 1, LABEL)
+    bloated = replace(planned.assignments[1], pcp_ranks=(7,) * 200_000)
+    problems = assignment_problems(bloated, "node-1", shape, LABEL)
+    assert "pcp_ranks=[7, 7, 7, 7, 7, 7, 7, 7, ... (200000 in all)]" in problems[0]
+    assert len(problems) == 2 and all(len(problem) < 300 for problem in problems)  # and global_ranks

@@ -326,3 +326,41 @@ def test_a_clock_tick_that_comes_late_extends_the_leases_instead_of_declaring_no
     # silence after the stall counts as before
     membership.tick(10.0 + FAST.lease_s + 0.1)
     assert [v.state for v in membership.nodes(11.0)] == [NodeState.DEAD]
+
+
+def test_a_register_carrying_an_absurd_assignment_is_answered_at_once_and_the_registry_keeps_serving():
+    """A carried assignment is untrusted: tp_size 2**32 - 1 over 200,000 PCP ranks once had the registry
+    listing 10**15 global ranks (a fuzzed Register hung it and grew it past 20 GB)."""
+
+    async def scenario():
+        registry = await start_registry(FAST)
+        try:
+            async with open_channel(registry.address, default_deadline=10) as channel:
+                stub = registry_pb2_grpc.RegistryServiceStub(channel)
+                request = registry_pb2.RegisterRequest(
+                    node_id="node-0",
+                    role=common_pb2.NODE_ROLE_PREFILL,
+                    address="127.0.0.1:9000",
+                    engine_config=CONFIG.to_proto(),
+                    kv_fingerprint="fp",
+                    device_count=1,
+                    current_assignment=registry_pb2.Assignment(
+                        set_id="x-dp0", generation=1, tp_size=2**32 - 1, pcp_ranks=[7] * 200_000
+                    ),
+                )
+                started = asyncio.get_running_loop().time()
+                try:
+                    await stub.Register(request)
+                except grpc.aio.AioRpcError as exc:  # a refusal is fine, a crash or a hang is not
+                    assert exc.code() not in (grpc.StatusCode.UNKNOWN, grpc.StatusCode.INTERNAL), exc
+                    assert len(exc.details()) < 2000  # the 200,000 ranks are not spelled out
+                assert asyncio.get_running_loop().time() - started < 10
+                # still serving: another node registers
+                request = registry_pb2.RegisterRequest(
+                    node_id="kv-0", role=common_pb2.NODE_ROLE_KVSTORE, address="127.0.0.1:9600"
+                )
+                await stub.Register(request)
+        finally:
+            await registry.stop(grace=0)
+
+    _run(scenario())
