@@ -136,7 +136,9 @@ class KvStoreServicer(kvstore_pb2_grpc.KvStoreServiceServicer):
                     total_bytes=obj.total_bytes,
                     lease_expires_unix_ms=_unix_ms(obj.lease_expires),
                     capability=obj.capability,  # the writer alone learns it, here
-                    standby_shm_name=self._standby(obj.total_bytes) if header.use_shm else "",
+                    standby_shm_name=(
+                        self._standby(obj.total_bytes, header.standby_shm_name) if header.use_shm else ""
+                    ),
                 )
             )
         except ServiceError as exc:
@@ -163,15 +165,15 @@ class KvStoreServicer(kvstore_pb2_grpc.KvStoreServiceServicer):
     def _trim_pool(self) -> None:
         self.segments.trim(self.store.free_bytes())
 
-    def _standby(self, size: int) -> str:
+    def _standby(self, size: int, held: str) -> str:
         """The name of a free segment kept ready for the writer's next shared-memory put of about size
-        bytes (shm.SegmentStore.standby; a new one is prepared on a worker thread, beside this reply), or ""
-        for an object under standby_min_bytes or when the pool has no room for one within the free
-        capacity."""
+        bytes (shm.SegmentStore.standby: the one it `held` if still free and fitting; a new one is prepared
+        on a worker thread, beside this reply), or "" for an object under standby_min_bytes or when the
+        pool has no room for one within the free capacity."""
         if not self._config.standby_min_bytes or size < self._config.standby_min_bytes:
             return ""
         try:
-            segment, new = self.segments.standby(size, self.store.free_bytes())
+            segment, new = self.segments.standby(size, self.store.free_bytes(), held)
         except OSError:  # a file /dev/shm cannot hold: no standby, the put itself is done
             return ""
         if segment is None:

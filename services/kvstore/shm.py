@@ -67,6 +67,7 @@ class Segment:
         self.size = size
         self.ready = not later
         self.failed = False
+        self.promised = False  # named to a writer as its standby (SegmentStore.standby)
         self._map: mmap.mmap | None = None
         fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
         try:
@@ -186,19 +187,22 @@ class SegmentStore:
         """A segment of at least size bytes: the pooled one named `preferred` (a standby its writer has
         mapped) if it is ready and at most a quarter larger; else the smallest pooled one that is; else
         the best-fitting pooled one resized to size (shrunk, or the largest grown); else a new one.
-        Segments a worker thread is still preparing are left alone."""
+        Segments a worker thread is still preparing, and standbys promised to other writers, are left
+        alone (trim reclaims the latter when the budget needs them)."""
         self._drop_failed()
-        ready = [seg for seg in self._pool if seg.ready]
+        ready = [seg for seg in self._pool if seg.ready and (seg.name == preferred or not seg.promised)]
         if ready:
             warm = [seg for seg in ready if _fits(seg, size)]
             if warm:
                 named = [seg for seg in warm if seg.name == preferred]
                 seg = named[0] if named else min(warm, key=lambda s: s.size)
                 self._pool.remove(seg)
+                seg.promised = False
                 return seg
             bigger = [seg for seg in ready if seg.size >= size]
             seg = min(bigger, key=lambda s: s.size) if bigger else max(ready, key=lambda s: s.size)
             self._pool.remove(seg)
+            seg.promised = False
             try:
                 seg.resize(size)
             except OSError:
@@ -207,17 +211,28 @@ class SegmentStore:
             return seg
         return Segment(self._new_path(), size)
 
-    def standby(self, size: int, budget: int) -> tuple[Segment | None, bool]:
-        """A free segment for a writer's next put of about size bytes, and whether it is new: a pooled one
-        that fits it (ready or being prepared); else a new one in the pool, if the pool stays within
-        budget bytes with it, whose pages are still to come (run `prepare` on a worker thread); else None."""
+    def standby(self, size: int, budget: int, held: str = "") -> tuple[Segment | None, bool]:
+        """A free segment for a writer's next put of about size bytes, and whether it is new: the pooled
+        standby it holds already (`held`) if that fits; else a pooled one that fits and is promised to no
+        other writer (ready or being prepared); else a new one in the pool, if the pool stays within budget
+        bytes with it, whose pages are still to come (run `prepare` on a worker thread); else None. The
+        segment is promised to this writer, and only its puts take it (each PCP rank that pushes keeps a
+        standby of its own); one it held that does not fit is no longer promised (a writer keeps one)."""
         self._drop_failed()
-        fitting = [seg for seg in self._pool if _fits(seg, size)]
-        if fitting:
-            return min(fitting, key=lambda s: s.size), False
+        for seg in self._pool:
+            if seg.name == held:
+                if _fits(seg, size):
+                    return seg, False
+                seg.promised = False
+        free = [seg for seg in self._pool if _fits(seg, size) and not seg.promised]
+        if free:
+            seg = min(free, key=lambda s: s.size)
+            seg.promised = True
+            return seg, False
         if self._closed or self.pooled_bytes + size > budget:
             return None, False
         seg = Segment(self._new_path(), size, later=True)
+        seg.promised = True
         self._pool.append(seg)
         return seg, True
 

@@ -158,8 +158,9 @@ def test_a_client_refuses_a_negative_receive_pool_naming_it():
 def test_a_standby_waits_in_the_pool_until_prepared_then_goes_to_the_put_naming_it(segments):
     standby, new = segments.standby(4 << 20, budget=64 << 20)
     assert new and not standby.ready and standby.path.stat().st_size == 4 << 20  # named and sized at once
-    assert segments.standby(4 << 20, budget=64 << 20) == (standby, False)  # one per size, not one per put
-    other = segments.allocate(4 << 20)
+    # a writer's next put of that size keeps its standby; another writer gets one of its own
+    assert segments.standby(4 << 20, budget=64 << 20, held=standby.name) == (standby, False)
+    other = segments.allocate(4 << 20, preferred=standby.name)
     assert other is not standby  # a put never gets a segment still being prepared
     segments.trim(0)
     assert segments.pooled_bytes == 4 << 20  # nor does trim unlink it under its preparer's feet
@@ -218,3 +219,23 @@ def test_a_prefetched_segment_is_kept_mapped_for_the_next_fill(segments):
     maps.close()
     assert not maps.prefetch(standby.name) and maps.mapped == []  # nothing is kept after close
     assert os.path.exists(standby.path)
+
+
+def test_each_writer_keeps_a_standby_of_its_own(segments):
+    """Two writers of objects of one size (the PCP ranks of a set take turns pushing): each gets a standby
+    of its own, and only a put naming a standby takes it; trim still reclaims them."""
+    first, new_first = segments.standby(4 << 20, budget=64 << 20)
+    second, new_second = segments.standby(4 << 20, budget=64 << 20)
+    assert new_first and new_second and first is not second
+    for standby in (first, second):
+        segments.prepare(standby)
+    assert segments.standby(4 << 20, budget=64 << 20, held=first.name) == (first, False)
+    assert segments.allocate(4 << 20, preferred=second.name) is second
+    unnamed = segments.allocate(4 << 20)
+    assert unnamed is not first  # promised to the first writer: a put that does not name it makes its own
+    segments.recycle(unnamed)
+    # The first writer moves on to objects of another size: its old standby is promised no more.
+    bigger, _ = segments.standby(16 << 20, budget=64 << 20, held=first.name)
+    assert bigger is not first and bigger.promised and not first.promised
+    segments.trim(0)  # the standbys are free segments: the budget reclaims them (not one being prepared)
+    assert not first.path.exists() and segments.pooled_bytes == 16 << 20

@@ -595,3 +595,23 @@ def test_no_standby_when_the_pool_has_no_room_or_the_store_has_them_off():
             KvStoreServerConfig(capacity_bytes=1 << 20, standby_min_bytes=-1)
 
     asyncio.run(body())
+
+
+@pytest.mark.timeout(60)
+def test_two_writers_taking_turns_each_put_into_their_own_standby():
+    async def body():
+        async with (
+            running_store() as server,
+            KvStoreClient(server.address) as one,
+            KvStoreClient(server.address) as other,
+        ):
+            for turn in range(3):
+                for name, writer in (("one", one), ("other", other)):
+                    held = writer.standby_shm_name
+                    writer.wait_for_standby(timeout=10)
+                    await writer.put(f"{name}-{turn}", "fp", random.randbytes(8 << 20))
+                    if turn:  # from the second turn on, each put lands in the standby its writer held
+                        assert server.servicer.store.find(f"{name}-{turn}").payload.name == held
+            assert one.standby_shm_name != other.standby_shm_name
+
+    asyncio.run(body())
