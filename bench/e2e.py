@@ -8,8 +8,8 @@ cores' idle time, and what other processes took) and the TTFT p50 floor of prefi
 back at the cost their forwards had (_ttft_floor); with --compare-batching the same load runs again
 on a stack whose prefill set takes one prompt a forward (--prefill-batch-max 1), so the result holds TTFT
 p50 and p90 with and without batched prefill, measured in the same run. It then compares the whole path's
-TTFT for one prompt of --overhead-tokens with the engine's in-process prefill of the same prompt (one
-process, the same total threads).
+TTFT for prompts of --overhead-tokens with the engine's in-process prefill of each (one process, the same
+total threads), run beside each request (_overhead).
 
 Served PCP: for each size in --served-pcp (1 and 2) a stack of that PCP serves prompts of --served-tokens
 (2048 and 4096), one request at a time, each prompt new (a repeated one would come from the prefix cache);
@@ -462,10 +462,7 @@ async def _stacks(args: argparse.Namespace, vocab: int, trace_dir: Path) -> dict
         address = stack.decode_addresses[0]
         await _one(address, _prompt(vocab, 16, 0), 2)  # warm-up
         measured["load"] = await _load(stack, vocab, args)
-        # New prompts each time: a repeated one would be served from the prefix cache.
-        overhead = [_prompt(vocab, args.overhead_tokens, 7 + r) for r in range(args.repeats)]
-        measured["overhead_ids"] = overhead[0]
-        measured["path_ttft"] = [(await _one(address, ids, 1)).ttft_s for ids in overhead]
+        measured["path_ttft"], measured["in_process"] = await _overhead(address, vocab, args)
         if args.multi_turn:
             measured["multi_turn"] = await _conversations(address, vocab, args)
     sizes = sorted(set(args.served_pcp)) if args.served_tokens else []
@@ -512,19 +509,43 @@ def _batching(batched: list[dict], unbatched: list[dict]) -> list[dict]:
     return rows
 
 
-def _in_process(args: argparse.Namespace, ids: list[int]) -> list[float]:
-    """The engine's prefill of ids in this process with the stack's total prefill threads."""
-    previous = torch.get_num_threads()
-    torch.set_num_threads(args.pcp * args.threads_per_rank)
-    engine = Engine.load(args.model, block_size=128)
-    local = []
-    for _ in range(args.repeats + 1):
-        started = time.perf_counter()
-        engine.prefill("bench", ids)
-        local.append(time.perf_counter() - started)
-        engine.free("bench")
-    torch.set_num_threads(previous)
-    return local[1:]
+class _InProcess:
+    """The overhead test's reference: the engine's prefill in this process, with the stack's total prefill
+    threads (the stack idle meanwhile)."""
+
+    def __init__(self, args: argparse.Namespace) -> None:
+        self._threads = args.pcp * args.threads_per_rank
+        self._engine = Engine.load(args.model, block_size=128)
+
+    def prefill(self, ids: list[int]) -> float:
+        """Seconds one prefill of ids took."""
+        previous = torch.get_num_threads()
+        torch.set_num_threads(self._threads)
+        try:
+            started = time.perf_counter()
+            self._engine.prefill("bench", ids)
+            return time.perf_counter() - started
+        finally:
+            self._engine.free("bench")
+            torch.set_num_threads(previous)
+
+
+async def _overhead(address: str, vocab: int, args: argparse.Namespace) -> tuple[list[float], list[float]]:
+    """The whole path's TTFT of `repeats` new prompts of --overhead-tokens, each beside the in-process
+    prefill of the same prompt (the order flipped every other round, after one warm-up of the reference):
+    both ran side by side, not minutes apart."""
+    reference = await asyncio.to_thread(_InProcess, args)
+    # New prompts each time: a repeated one would be served from the prefix cache.
+    prompts = [_prompt(vocab, args.overhead_tokens, 7 + r) for r in range(args.repeats)]
+    await asyncio.to_thread(reference.prefill, prompts[0])
+    path, local = [], []
+    for repeat, ids in enumerate(prompts):
+        if repeat % 2:
+            local.append(await asyncio.to_thread(reference.prefill, ids))
+        path.append((await _one(address, ids, 1)).ttft_s)
+        if not repeat % 2:
+            local.append(await asyncio.to_thread(reference.prefill, ids))
+    return path, local
 
 
 def _served_result(args: argparse.Namespace, measured: dict) -> dict:
@@ -573,8 +594,7 @@ def run(args: argparse.Namespace) -> dict:
     vocab = 49152 if args.model is None else 256
     with tempfile.TemporaryDirectory(prefix="pcpstack-bench-e2e-") as trace_dir:
         measured = asyncio.run(_stacks(args, vocab, Path(trace_dir)))
-    # The references run after the stacks are gone, so they have the machine to themselves.
-    local = _in_process(args, measured["overhead_ids"])
+    local = measured["in_process"]
     path = statistics.median(measured["path_ttft"])
     inproc = statistics.median(local)
     result = {

@@ -836,7 +836,8 @@ def _e2e_section(results: dict, plots: dict[str, Path], report: Path) -> list[st
             f"Overhead at {overhead['prompt_tokens']} tokens: whole-path TTFT "
             f"{_spread(path['median'], path['min'], path['max'], ' s')} against in-process prefill "
             f"{_spread(local['median'], local['min'], local['max'], ' s')} "
-            f"({overhead['in_process_threads']} threads): **{_num(overhead['overhead_pct'])} %**.",
+            f"({overhead['in_process_threads']} threads, each beside one request): "
+            f"**{_num(overhead['overhead_pct'])} %**.",
             "",
         ]
     return lines + _served_section(e2e) + _multi_turn_section(e2e) + _batching_section(e2e)
