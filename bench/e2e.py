@@ -444,7 +444,10 @@ def _raw_rank_set(args: argparse.Namespace, pcp: int) -> contextlib.AbstractCont
     return contextlib.closing(RankSet(mp.get_context("spawn"), layout, settings))
 
 
-def _stack_options(args: argparse.Namespace, pcp: int, trace_file: str = "", batch_max: int = 0):
+def _stack_options(
+    args: argparse.Namespace, pcp: int, trace_file: str = "", batch_max: int = 0
+) -> StackOptions:
+    """A local stack of PCP=pcp with the bench's model and threads (batch_max 0: the service's default)."""
     return StackOptions(
         pcp=pcp,
         model=args.model,
