@@ -184,6 +184,24 @@ def busy_prefill_node(stack: RunningStack) -> str:
     return next((n.node_id for n in list_nodes(stack) if n.node_id.startswith("prefill-") and n.load > 0), "")
 
 
+def wait_prefill_idle(stack: RunningStack, timeout: float = 15.0) -> None:
+    """Waits until every prefill node has told the registry, in a message received after this call began,
+    that it holds no request. A node's load reaches the registry only with its next heartbeat, so right
+    after a request the registry may still show it; call this before sending a request that
+    wait_prefill_in_flight is to find, so a finished request's load is never taken for the new one's (the
+    Session stream is ordered: a load seen after a fresh idle report is a later request's)."""
+    began = time.monotonic()
+
+    def idle() -> bool:
+        asked = time.monotonic()
+        nodes = [n for n in list_nodes(stack) if n.node_id.startswith("prefill-")]
+        # asked - last_seen is no later than when the registry heard the node: a conservative freshness
+        return bool(nodes) and all(n.load == 0 and asked - n.last_seen_ms_ago / 1000 > began for n in nodes)
+
+    wait_until("every prefill node to report no request in flight", idle, timeout, interval=0.1)
+
+
 def wait_prefill_in_flight(stack: RunningStack) -> str:
-    """Waits until a prefill node reports a request queued or running; returns its node id."""
+    """Waits until a prefill node reports a request queued or running; returns its node id. Only a request
+    sent after wait_prefill_idle returned can be the one it finds."""
     return wait_until("a prefill node to report a request in flight", lambda: busy_prefill_node(stack), 10)

@@ -27,6 +27,7 @@ from tests.reliability.support import (
     signal_all,
     start_tuned_stack,
     store_stat,
+    wait_prefill_idle,
     wait_prefill_in_flight,
     wait_store_unpinned,
     wait_until,
@@ -95,6 +96,7 @@ def test_decode_killed_holding_a_replica_leaves_it_to_the_store_lease(stack) -> 
     before = stack.run(store_stat(stack.stack.kvstore_address))
     ranks = rank_pids(service(stack, "prefill-0"))
     decode = service(stack, "decode-0")
+    wait_prefill_idle(stack)
     signal_all(ranks, signal.SIGSTOP)
     answer = in_thread(generate(stack.decode, PROMPT, timeout=30))
     try:
@@ -102,9 +104,15 @@ def test_decode_killed_holding_a_replica_leaves_it_to_the_store_lease(stack) -> 
         signal_all([decode.process.pid], signal.SIGSTOP)
     finally:
         signal_all(ranks, signal.SIGCONT)
+
+    def pinned_or_expired() -> bool:
+        # A poll slower than the lease (a loaded machine) may miss the pin itself, never its expiry.
+        stat = stack.run(store_stat(stack.stack.kvstore_address))
+        return stat.pinned_bytes > 0 or stat.lease_expiries > before.lease_expiries
+
     wait_until(
         "the prefill to pin its replica in the store",
-        lambda: stack.run(store_stat(stack.stack.kvstore_address)).pinned_bytes > 0,
+        pinned_or_expired,
         timeout=60,  # the resumed ranks finish the forward and push: slow on a loaded machine
     )
     kill_service(stack, "decode-0")

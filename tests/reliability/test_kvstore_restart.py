@@ -24,6 +24,7 @@ from tests.reliability.support import (
     service,
     signal_all,
     start_tuned_stack,
+    wait_prefill_idle,
     wait_prefill_in_flight,
     wait_store_unpinned,
     wait_until,
@@ -47,6 +48,7 @@ def test_kvstore_killed_fails_in_flight_requests_cleanly_and_later_ones_succeed(
     ranks = rank_pids(service(stack, "prefill-0"))
     streaming = in_thread(generate(stack.decode, PROMPTS[0], max_tokens=1500, timeout=DEADLINE_S))
     time.sleep(0.5)  # its KV is loaded: prefill and fetch take milliseconds on the tiny model
+    wait_prefill_idle(stack)
     signal_all(ranks, signal.SIGSTOP)
     in_flight = [in_thread(generate(stack.decode, p, timeout=DEADLINE_S)) for p in PROMPTS]
     try:

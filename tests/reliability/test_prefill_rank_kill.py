@@ -29,6 +29,7 @@ from tests.reliability.support import (
     service,
     signal_all,
     start_tuned_stack,
+    wait_prefill_idle,
     wait_prefill_in_flight,
     wait_store_unpinned,
     wait_until,
@@ -70,6 +71,7 @@ def test_killed_tp_rank_fails_the_request_unavailable_and_its_set_reforms(tp_sta
     expected = stack.run(prefill(node.address, "tp-before", DEADLINE_S))
     (before,) = ready_sets(stack).values()
     _, tp_rank_1 = rank_pids(node)
+    wait_prefill_idle(stack)
     signal_all([tp_rank_1], signal.SIGSTOP)
     answer = in_thread(prefill(node.address, "tp-killed", DEADLINE_S))
     wait_prefill_in_flight(stack)  # rank 0 holds the job, waiting in the first TP all-reduce
@@ -117,6 +119,7 @@ def test_killed_headless_rank_fails_over_and_its_set_reforms(stack) -> None:
     before = ready_sets(stack)
     assert len(before) == 2
     ranks = headless_ranks(stack)
+    wait_prefill_idle(stack)
     signal_all(list(ranks.values()), signal.SIGSTOP)
     answer = in_thread(generate(stack.decode, PROMPT, timeout=DEADLINE_S))
     victim = wait_prefill_in_flight(stack)
@@ -144,6 +147,7 @@ def test_killed_headless_rank_fails_over_and_its_set_reforms(stack) -> None:
 def test_with_no_other_ready_set_the_request_fails_unavailable_before_its_deadline(stack) -> None:
     wait_until("both sets to be ready", lambda: len(ready_sets(stack)) == 2, timeout=60)
     ranks = list(headless_ranks(stack).values())
+    wait_prefill_idle(stack)
     signal_all(ranks, signal.SIGSTOP)
     answer = in_thread(generate(stack.decode, PROMPT, timeout=DEADLINE_S))
     wait_prefill_in_flight(stack)
