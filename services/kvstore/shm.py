@@ -87,12 +87,7 @@ class Segment:
     def _map_fd(fd: int, size: int, populate: bool = False) -> mmap.mmap:
         # fallocate makes a full /dev/shm fail here with ENOSPC instead of SIGBUS on a later write.
         os.posix_fallocate(fd, 0, max(size, 1))
-        if populate:
-            map_ = mmap.mmap(fd, max(size, 1))
-            if populate_writable(map_):
-                return map_
-            map_.close()  # an older kernel: entries for reading at least
-        return mmap.mmap(fd, max(size, 1), flags=mmap.MAP_SHARED | (mmap.MAP_POPULATE if populate else 0))
+        return map_shared(fd, size, "write" if populate else "")
 
     def prepare(self) -> None:
         """A standby's pages and its mapping, every page table entry built (safe on a worker thread: nothing
@@ -297,6 +292,18 @@ def populate_writable(map_: mmap.mmap) -> bool:
     return done == 0
 
 
+def map_shared(fd: int, size: int, populate: str) -> mmap.mmap:
+    """A shared read-write mapping of fd's first size bytes (at least one); populate: "write" builds every
+    page table entry writable (a writer's), "read" read-only (a reader's: MAP_POPULATE), "" none."""
+    if populate == "write":
+        map_ = mmap.mmap(fd, max(size, 1))
+        if populate_writable(map_):
+            return map_
+        map_.close()  # an older kernel, or a file shrunk meanwhile: entries for reading at least
+    flags = mmap.MAP_SHARED | (mmap.MAP_POPULATE if populate else 0)
+    return mmap.mmap(fd, max(size, 1), flags=flags)
+
+
 def _fits(seg: Segment, size: int) -> bool:
     """Whether seg holds an object of size bytes as it is: at least that large, at most a quarter more."""
     return size <= seg.size <= size + int(size * MAX_REUSE_SLACK)
@@ -496,13 +503,7 @@ class SegmentMaps:
                 raise ValueError(f"segment {name!r} holds {held} bytes, fewer than the {size} to copy")
             # The whole file: the store reuses a segment for objects up to its size, so a larger object
             # next time needs no new mapping.
-            if populate == "write":
-                map_ = mmap.mmap(fd, max(held, 1))
-                if populate_writable(map_):
-                    return map_
-                map_.close()  # an older kernel, or a file shrunk meanwhile: as a reader maps it
-            flags = mmap.MAP_SHARED | (mmap.MAP_POPULATE if populate else 0)
-            return mmap.mmap(fd, max(held, 1), flags=flags)
+            return map_shared(fd, held, populate)
         finally:
             os.close(fd)
 
