@@ -32,10 +32,12 @@ import argparse
 import asyncio
 import contextlib
 import multiprocessing as mp
+import operator
 import os
 import statistics
 import tempfile
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -239,6 +241,13 @@ def _multi_turn(runs: list[list[dict]]) -> list[dict]:
 def _p90(values: list[float]) -> float:
     """The 90th percentile (interpolated between the values, as numpy's default)."""
     return statistics.quantiles(values, n=10, method="inclusive")[-1] if len(values) > 1 else values[0]
+
+
+def _paired_median(a: list[float], b: list[float], compare: Callable[[float, float], float]) -> float:
+    """The median of compare(a[i], b[i]) over pairs that ran side by side (round i of both)."""
+    if len(a) != len(b):
+        raise ValueError(f"{len(a)} values against {len(b)}: pairs need one of each per round")
+    return statistics.median(compare(x, y) for x, y in zip(a, b, strict=True))
 
 
 def _summary(values: list[float]) -> dict[str, float]:
@@ -571,6 +580,9 @@ def _served_result(args: argparse.Namespace, measured: dict) -> dict:
                 served_median, raw_median = statistics.median(served), statistics.median(raw)
                 row["raw_prefill_s"] = _summary(raw)
                 row["overhead_pct"] = round(100 * (served_median - raw_median) / raw_median, 1)
+                # Request i and raw prefill i ran back to back: the drift between rounds cancels.
+                paired = _paired_median(served, raw, lambda s, r: 100 * (s - r) / r)
+                row["overhead_paired_pct"] = round(paired, 1)
             rows.append(row)
 
     def speedups(key: str) -> dict[str, float]:
@@ -581,12 +593,25 @@ def _served_result(args: argparse.Namespace, measured: dict) -> dict:
             if r["pcp"] > 1 and r["tokens"] in base
         }
 
+    def paired_speedups(times: dict[tuple[int, int], list[float]]) -> dict[str, float]:
+        """Per round, PCP=1's time over PCP=p's of the same round; their median."""
+        return {
+            f"pcp{pcp}_over_pcp1_at_{tokens}": round(
+                _paired_median(times[(1, tokens)], values, operator.truediv), 3
+            )
+            for (pcp, tokens), values in times.items()
+            if pcp > 1 and times.get((1, tokens)) and values
+        }
+
+    served_times = {key: [t.ttft_s for t in timed] for key, (_, *timed) in measured["served"].items()}
     return {
         "threads_per_rank": args.threads_per_rank,
         "repeats": args.repeats,
         "rows": rows,
         "speedup": speedups("served_ttft_s"),
         "raw_speedup": speedups("raw_prefill_s"),
+        "speedup_paired": paired_speedups(served_times),
+        "raw_speedup_paired": paired_speedups(measured["raw"]),
         "breakdown": measured.get("breakdown", []),
     }
 

@@ -948,7 +948,9 @@ def _served_section(e2e: dict) -> list[str]:
         "warm-up, every prompt new), the sizes taking turns, and raw prefill is the same ranks run as "
         "`bench prefill` runs them, once beside each timed request (the stacks idle); the order of sizes, "
         "and of request and raw prefill, flips every other round, so what is compared ran side by side. "
-        "Medians (min–max).",
+        "Medians (min–max). The paired columns are the median over rounds of what ran back to back in one "
+        "round (a request against its raw prefill, PCP=1 against PCP=2): the drift between rounds cancels "
+        "there, and a gap between a paired figure and its ratio of medians is that drift.",
         "",
     ]
 
@@ -965,6 +967,10 @@ def _served_section(e2e: dict) -> list[str]:
     def seconds(summary: dict | None) -> str:
         return _spread(summary["median"], summary["min"], summary["max"], " s") if summary else NOT_MEASURED
 
+    def paired(row: dict, key: str) -> str:
+        value = served.get(key, {}).get(f"pcp{row['pcp']}_over_pcp1_at_{row['tokens']}")
+        return "" if value is None else f"{value:.2f}×"
+
     rows = [
         [
             str(r["tokens"]),
@@ -972,14 +978,17 @@ def _served_section(e2e: dict) -> list[str]:
             seconds(r["served_ttft_s"]),
             seconds(r.get("raw_prefill_s")),
             f"{_num(r['overhead_pct'])} %" if "overhead_pct" in r else "",
+            f"{_num(r['overhead_paired_pct'])} %" if "overhead_paired_pct" in r else "",
             speedup(served_base, r, "served_ttft_s"),
+            paired(r, "speedup_paired"),
             speedup(raw_base, r, "raw_prefill_s"),
+            paired(r, "raw_speedup_paired"),
             f"{_num(r['first_request_ttft_s'])} s" if "first_request_ttft_s" in r else "",
         ]
         for r in sorted(served["rows"], key=lambda r: (r["tokens"], r["pcp"]))
     ]
-    header = ["tokens", "PCP", "served TTFT", "raw prefill", "overhead", "served ÷ PCP=1", "raw ÷ PCP=1"]
-    header.append("first request's TTFT")
+    header = ["tokens", "PCP", "served TTFT", "raw prefill", "overhead", "overhead, paired"]
+    header += ["served ÷ PCP=1", "paired", "raw ÷ PCP=1", "paired", "first request's TTFT"]
     lines += _table(header, rows)
     breakdown = sorted(served.get("breakdown", []), key=lambda b: (b["tokens"], b["pcp"]))
     if not breakdown:

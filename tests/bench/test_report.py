@@ -153,6 +153,8 @@ def _e2e() -> dict:
             ],
             "speedup": {"pcp2_over_pcp1_at_2048": 1.905, "pcp2_over_pcp1_at_4096": 1.786},
             "raw_speedup": {"pcp2_over_pcp1_at_2048": 1.9, "pcp2_over_pcp1_at_4096": 2.0},
+            "speedup_paired": {"pcp2_over_pcp1_at_2048": 1.88, "pcp2_over_pcp1_at_4096": 1.83},
+            "raw_speedup_paired": {"pcp2_over_pcp1_at_2048": 1.95, "pcp2_over_pcp1_at_4096": 2.04},
             "breakdown": [
                 {
                     "pcp": 2,
@@ -178,6 +180,7 @@ def _served_row(pcp: int, tokens: int, served: float, raw: float) -> dict:
         "served_ttft_s": {"median": served, "min": served, "max": served * 1.1},
         "raw_prefill_s": {"median": raw, "min": raw, "max": raw},
         "overhead_pct": round(100 * (served - raw) / raw, 1),
+        "overhead_paired_pct": round(100 * (served - raw) / raw - 2, 1),  # its rounds drifted
         "first_request_ttft_s": served * 1.25,
     }
 
@@ -258,7 +261,9 @@ def test_full_results_give_tables_ratios_targets_and_plots(tmp_path) -> None:
     assert "1.79× | **missed**" in _line(text, "| served PCP=2 TTFT speedup over PCP=1 at 4096")
     worst = _line(text, "| whole-path TTFT over the same ranks' raw prefill")
     assert "| 16.7 % | **missed** |" in worst and "worst: PCP=2 at 4096 tokens of 4 row(s)" in worst
-    assert "| 4096 | 2 | 28.0 s (28.0–30.8) | 24.0 s (24.0–24.0) | 16.7 % | 1.79× | 2.00× | 35.0 s |" in text
+    # overhead, its paired median, served ÷ PCP=1 and paired, raw ÷ PCP=1 and paired
+    row = "| 4096 | 2 | 28.0 s (28.0–30.8) | 24.0 s (24.0–24.0) | 16.7 % | 14.7 % | 1.79× | 1.83× |"
+    assert f"{row} 2.00× | 2.04× | 35.0 s |" in text
     phases = "| 28.0 | 0.01 | 0 | 0.02 | 0.07 | 24.0 | 0.4 | 3.30 | 0.2 | 0.5 | 90 % |"
     assert f"| 4096 | 2 | last {phases}" in text
     roofline = text.split("### Decode step roofline", 1)[1]
@@ -425,11 +430,12 @@ def test_the_collectives_table_sets_gloo_against_the_host_group(tmp_path) -> Non
 def test_served_rows_without_raw_prefill_leave_the_overhead_target_not_measured(tmp_path) -> None:
     e2e = _e2e()
     for row in e2e["served"]["rows"]:  # as `bench e2e --no-raw-prefill` writes them
-        del row["raw_prefill_s"], row["overhead_pct"]
+        del row["raw_prefill_s"], row["overhead_pct"], row["overhead_paired_pct"]
+    del e2e["served"]["raw_speedup_paired"]
     text, _ = _generate(tmp_path, e2e=e2e)
     assert "**not measured yet**" in _line(text, "| whole-path TTFT over the same ranks' raw prefill")
     assert "1.79× | **missed**" in _line(text, "| served PCP=2 TTFT speedup over PCP=1 at 4096")
-    assert "| 4096 | 2 | 28.0 s (28.0–30.8) | not measured yet |  | 1.79× |  | 35.0 s |" in text
+    assert "| 4096 | 2 | 28.0 s (28.0–30.8) | not measured yet |  |  | 1.79× | 1.83× |  |  | 35.0 s |" in text
 
 
 def test_prefill_rows_with_rank_cpu_give_the_cpu_speedup_and_the_lockstep_ceiling(tmp_path) -> None:
