@@ -44,6 +44,9 @@ _MESSAGE_OVERHEAD = 1024  # room for the non-data fields of a chunk message
 # Objects from this size on get a standby segment for their writer's next put (_standby): below it, a
 # fresh mapping costs little (~0.5 ms per MiB here) and the pool would fill with small standbys.
 STANDBY_MIN_BYTES = 8 << 20
+# Standbys evict released objects for their room only up to this share of the capacity in all (one per
+# writer: a store that many PCP ranks push to would otherwise give up much of its prefix reuse for them).
+STANDBY_EVICTION_SHARE = 0.25
 
 
 @dataclass(frozen=True)
@@ -98,7 +101,9 @@ class KvStoreServicer(kvstore_pb2_grpc.KvStoreServiceServicer):
         self.segments = segments
         self._config = config
         self._max_chunk = max_chunk
-        self._preparing: set[asyncio.Future] = set()  # standby segments being prepared on worker threads
+        # Standby segments being prepared on worker threads, by name (held until done: a task nobody
+        # references may be collected).
+        self._preparing: dict[str, asyncio.Future] = {}
 
     async def Put(
         self, request_iterator: AsyncIterator[pb.PutRequest], context
@@ -121,6 +126,10 @@ class KvStoreServicer(kvstore_pb2_grpc.KvStoreServiceServicer):
                 block_keys=header.block_keys,
                 block_tokens=header.block_tokens,
             )
+            if header.use_shm and header.standby_shm_name in self._preparing:
+                # Its writer came back before the standby's pages were all mapped here: the rest of that
+                # takes less than making a new segment would.
+                await asyncio.shield(self._preparing[header.standby_shm_name])
             segment = self._allocate(pending, header.standby_shm_name if header.use_shm else "")
             shm_name = segment.name if header.use_shm and segment is not None else ""
             yield pb.PutResponse(accepted=pb.PutAccepted(shm_name=shm_name))
@@ -168,20 +177,31 @@ class KvStoreServicer(kvstore_pb2_grpc.KvStoreServiceServicer):
     def _standby(self, size: int, held: str) -> str:
         """The name of a free segment kept ready for the writer's next shared-memory put of about size
         bytes (shm.SegmentStore.standby: the one it `held` if still free and fitting; a new one is prepared
-        on a worker thread, beside this reply), or "" for an object under standby_min_bytes or when the
-        pool has no room for one within the free capacity."""
+        on a worker thread, beside this reply), or "" for an object under standby_min_bytes or when no room
+        for one can be made.
+
+        Room is the free capacity; a store full of released objects (a server that has run a while:
+        replicas stay for prefix reuse) evicts the least recently used of them for it, as the writer's
+        next put of this size would anyway: the standby takes that room one put early, so that the put
+        lands in pages mapped already. Pinned, read and prefix-leased objects are never evicted for it,
+        and standbys in all take at most STANDBY_EVICTION_SHARE of the capacity that way."""
         if not self._config.standby_min_bytes or size < self._config.standby_min_bytes:
             return ""
         try:
             segment, new = self.segments.standby(size, self.store.free_bytes(), held)
+            room = self.segments.promised_bytes + size
+            share = room <= STANDBY_EVICTION_SHARE * self._config.capacity_bytes
+            if segment is None and share and self.store.reclaim(room):
+                # The evicted objects' segments are pooled now: one that fits becomes the standby as it is.
+                segment, new = self.segments.standby(size, self.store.free_bytes(), held)
         except OSError:  # a file /dev/shm cannot hold: no standby, the put itself is done
             return ""
         if segment is None:
             return ""
         if new:
             task = asyncio.ensure_future(asyncio.to_thread(self.segments.prepare, segment))
-            self._preparing.add(task)  # held until done: a task nobody references may be collected
-            task.add_done_callback(self._preparing.discard)
+            self._preparing[segment.name] = task
+            task.add_done_callback(lambda _: self._preparing.pop(segment.name, None))
         return segment.name
 
     async def _receive_shm(

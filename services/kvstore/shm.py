@@ -178,6 +178,11 @@ class SegmentStore:
         """Bytes held by free segments kept for reuse."""
         return sum(seg.size for seg in self._pool)
 
+    @property
+    def promised_bytes(self) -> int:
+        """Bytes of the pooled segments promised to writers as their standbys."""
+        return sum(seg.size for seg in self._pool if seg.promised)
+
     def allocate(self, size: int, preferred: str = "") -> Segment:
         """A segment of at least size bytes: the pooled one named `preferred` (a standby its writer has
         mapped) if it is ready and at most a quarter larger; else the smallest pooled one that is; else
@@ -210,7 +215,8 @@ class SegmentStore:
         """A free segment for a writer's next put of about size bytes, and whether it is new: the pooled
         standby it holds already (`held`) if that fits; else a pooled one that fits and is promised to no
         other writer (ready or being prepared); else a new one in the pool, if the pool stays within budget
-        bytes with it, whose pages are still to come (run `prepare` on a worker thread); else None. The
+        bytes with it (pooled segments that fit no writer's standby and are promised to none make room,
+        largest first), whose pages are still to come (run `prepare` on a worker thread); else None. The
         segment is promised to this writer, and only its puts take it (each PCP rank that pushes keeps a
         standby of its own); one it held that does not fit is no longer promised (a writer keeps one)."""
         self._drop_failed()
@@ -224,7 +230,10 @@ class SegmentStore:
             seg = min(free, key=lambda s: s.size)
             seg.promised = True
             return seg, False
-        if self._closed or self.pooled_bytes + size > budget:
+        if self._closed or self.promised_bytes + size > budget:
+            return None, False
+        self._trim(budget - size, spare_promised=True)
+        if self.pooled_bytes + size > budget:  # what is left unpromised is still being prepared
             return None, False
         seg = Segment(self._new_path(), size, later=True)
         seg.promised = True
@@ -255,10 +264,15 @@ class SegmentStore:
             self._pool.append(seg)
 
     def trim(self, max_pooled_bytes: int) -> None:
-        """Unlinks pooled segments, largest first, until the pool holds at most max_pooled_bytes (one a
-        worker thread is preparing goes at a later trim, once it is ready or failed)."""
+        """Unlinks pooled segments until the pool holds at most max_pooled_bytes: those promised to no
+        writer first, largest first (one a worker thread is preparing goes at a later trim, once it is
+        ready or failed)."""
         self._drop_failed()
-        for seg in sorted((seg for seg in self._pool if seg.ready), key=lambda s: s.size, reverse=True):
+        self._trim(max_pooled_bytes, spare_promised=False)
+
+    def _trim(self, max_pooled_bytes: int, spare_promised: bool) -> None:
+        ready = (seg for seg in self._pool if seg.ready and not (spare_promised and seg.promised))
+        for seg in sorted(ready, key=lambda s: (s.promised, -s.size)):
             if self.pooled_bytes <= max_pooled_bytes:
                 break
             self._pool.remove(seg)

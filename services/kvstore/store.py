@@ -314,24 +314,29 @@ class KvStore:
         """Budget not held by objects or reservations."""
         return self.config.capacity_bytes - self._used_bytes - self._stats.reserved_bytes
 
-    def _make_room(self, key: str, needed: int) -> None:
-        free = self.free_bytes()
-        if free >= needed:
-            return
+    def reclaim(self, needed: int) -> bool:
+        """Makes `needed` bytes free, evicting released objects nobody reads, least recently used first;
+        False, evicting nothing, if even all of them would not free that much."""
         evictable = [obj for obj in self._released.values() if not obj.in_use]
-        evictable_bytes = sum(obj.total_bytes for obj in evictable)
-        if free + evictable_bytes < needed:
-            raise CapacityExceeded(
-                f"put of key {key!r} needs {needed} bytes but only {free} are free and "
-                f"{evictable_bytes} evictable "
-                f"(capacity {self.config.capacity_bytes}, pinned {self._stats.pinned_bytes}, "
-                f"reserved {self._stats.reserved_bytes}); release objects or raise the capacity"
-            )
+        if self.free_bytes() + sum(obj.total_bytes for obj in evictable) < needed:
+            return False
         for obj in evictable:
             if self.free_bytes() >= needed:
                 break
             self._remove(obj)
             self._stats.evictions += 1
+        return True
+
+    def _make_room(self, key: str, needed: int) -> None:
+        if self.reclaim(needed):
+            return
+        evictable_bytes = sum(obj.total_bytes for obj in self._released.values() if not obj.in_use)
+        raise CapacityExceeded(
+            f"put of key {key!r} needs {needed} bytes but only {self.free_bytes()} are free and "
+            f"{evictable_bytes} evictable "
+            f"(capacity {self.config.capacity_bytes}, pinned {self._stats.pinned_bytes}, "
+            f"reserved {self._stats.reserved_bytes}); release objects or raise the capacity"
+        )
 
     # ---- reads, releases, deletes -----------------------------------------------------------------------
 

@@ -183,6 +183,28 @@ def test_no_standby_beyond_the_budget_and_one_prepared_after_close_is_unlinked(t
     assert not standby.path.exists()
 
 
+def test_a_standby_takes_the_room_of_pooled_segments_promised_to_nobody_never_of_a_standby(segments):
+    """Within its budget a new standby unlinks free segments no writer was promised (largest first),
+    never another writer's standby; and trim unlinks those promised to nobody first."""
+    other, _ = segments.standby(4 << 20, budget=64 << 20)  # another writer's
+    segments.prepare(other)
+    idle = [segments.allocate(size) for size in (1 << 20, 2 << 20, 8 << 20)]
+    for seg in idle:
+        segments.recycle(seg)  # deleted objects' segments: 15 MiB pooled beside the standby
+    # 16 MiB more needs the 8 and the 2 MiB ones gone; the standby promised to the other writer stays.
+    mine, new = segments.standby(16 << 20, budget=(4 + 1 + 16) << 20)
+    assert new and segments.pooled_bytes == (4 + 1 + 16) << 20
+    assert other.path.exists() and idle[0].path.exists()
+    assert not idle[1].path.exists() and not idle[2].path.exists()
+    # Too little room even with every idle segment gone: none is unlinked for nothing.
+    assert segments.standby(8 << 20, budget=(4 + 16 + 7) << 20) == (None, False) and idle[0].path.exists()
+    segments.prepare(mine)
+    segments.trim(20 << 20)  # the idle 1 MiB first, and then enough
+    assert not idle[0].path.exists() and other.path.exists() and mine.path.exists()
+    segments.trim(16 << 20)  # then standbys, largest first
+    assert not mine.path.exists() and other.path.exists()
+
+
 def test_a_standby_that_cannot_be_prepared_is_dropped_from_the_pool(segments):
     standby, _ = segments.standby(4 << 20, budget=64 << 20)
     standby.size = 1 << 60  # more than any /dev/shm holds: fallocate fails as on a full tmpfs

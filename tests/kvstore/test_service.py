@@ -9,6 +9,7 @@ import gc
 import logging
 import os
 import random
+import time
 
 import grpc
 import pytest
@@ -553,10 +554,17 @@ def test_shm_put_in_a_larger_reused_segment_with_its_last_byte_flipped_is_reject
 @pytest.mark.timeout(60)
 def test_a_large_shm_put_names_a_standby_segment_that_the_writers_next_put_fills():
     """An object that lives on keeps its segment, so the store prepares a standby one for the writer's
-    next put; the writer maps it between puts, and that put lands in it (through the mapping it built)."""
+    next put; the writer maps it between puts, and that put lands in it, even straight after."""
 
     async def body():
         async with running_store() as server, KvStoreClient(server.address) as writer:
+            prepare = server.servicer.segments.prepare
+
+            def slow_prepare(segment) -> None:  # as on a loaded machine: the writer comes back first
+                time.sleep(0.5)
+                prepare(segment)
+
+            server.servicer.segments.prepare = slow_prepare
             await writer.put("small", "fp", bytes(1 << 20))
             assert writer.standby_shm_name == ""  # under standby_min_bytes: a fresh mapping costs little
             payloads = {key: random.randbytes(8 << 20) for key in ("first", "second")}
@@ -564,7 +572,8 @@ def test_a_large_shm_put_names_a_standby_segment_that_the_writers_next_put_fills
             standby = writer.standby_shm_name
             assert standby in [path.name for path in segment_files(server)]
             assert server.servicer.store.find("first").payload.name != standby
-            writer.wait_for_standby(timeout=10)
+            # At once: the store finishes preparing the standby first if it must, the writer maps it itself
+            # if its own thread has not yet.
             second = await writer.put("second", "fp", payloads["second"])
             assert server.servicer.store.find("second").payload.name == standby
             assert writer.standby_shm_name not in ("", standby)  # the next one, for the put after
@@ -593,6 +602,54 @@ def test_no_standby_when_the_pool_has_no_room_or_the_store_has_them_off():
             assert writer.standby_shm_name == "" and len(segment_files(server)) == 1
         with pytest.raises(ValueError, match="standby_min_bytes must be >= 0"):
             KvStoreServerConfig(capacity_bytes=1 << 20, standby_min_bytes=-1)
+
+    asyncio.run(body())
+
+
+@pytest.mark.timeout(60)
+def test_a_store_full_of_released_objects_evicts_the_oldest_for_a_standby():
+    """A store that has run a while is full of released replicas kept for reuse: the standby takes the
+    room of the least recently used one (the segment it leaves, as it is), which the writer's next put
+    would have evicted anyway; a pinned object is never evicted for it."""
+
+    async def body():
+        size = 8 << 20
+        async with running_store(capacity_bytes=4 * size) as server, KvStoreClient(server.address) as writer:
+            store = server.servicer.store
+
+            async def put(key: str, release: bool) -> str:
+                """Puts into the standby the last put named; returns the segment the object landed in."""
+                held = writer.standby_shm_name
+                writer.wait_for_standby(timeout=10)
+                stored = await writer.put(key, "fp", random.randbytes(size))
+                if release:
+                    assert await writer.release(stored.key, stored.capability)
+                assert held in ("", store.find(key).payload.name)
+                return store.find(key).payload.name
+
+            oldest = await put("o0", release=True)
+            for key in ("o1", "o2"):
+                await put(key, release=True)
+            assert store.stats().evictions == 0  # standbys so far in free room
+            await put("o3", release=True)  # the store is full now: o0 goes for o3's standby
+            assert store.stats().evictions == 1 and store.find("o0") is None
+            assert writer.standby_shm_name == oldest and store.free_bytes() == size
+            await put("o4", release=False)  # into that standby, evicting nothing itself; o1 goes for the next
+            assert store.stats().evictions == 2 and store.find("o1") is None
+            for key in ("o5", "o6"):
+                await put(key, release=False)
+            assert store.stats().evictions == 4 and store.find("o3") is None
+            await put("o7", release=False)  # every object pinned: no room to make, no standby
+            assert writer.standby_shm_name == "" and store.stats().evictions == 4
+            assert [key for key in (f"o{i}" for i in range(8)) if store.find(key)] == ["o4", "o5", "o6", "o7"]
+
+        # Standbys evict for at most a quarter of the capacity: here one would take a third.
+        async with running_store(capacity_bytes=3 * size) as server, KvStoreClient(server.address) as writer:
+            for index in range(3):
+                writer.wait_for_standby(timeout=10)
+                stored = await writer.put(f"o{index}", "fp", random.randbytes(size))
+                assert await writer.release(stored.key, stored.capability)
+            assert writer.standby_shm_name == "" and server.servicer.store.stats().evictions == 0
 
     asyncio.run(body())
 

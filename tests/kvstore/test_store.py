@@ -99,6 +99,22 @@ def test_eviction_is_lru_among_released_and_never_touches_pinned():
     assert store.stats().evictions == 2
 
 
+def test_reclaim_evicts_released_objects_lru_first_and_nothing_when_they_would_not_do():
+    store, payloads = make_store(capacity=100)
+    for key in ("old", "read", "newer", "pinned"):
+        put(store, key, 25)
+    for key in ("old", "read", "newer"):
+        store.release(key, cap(store, key))
+    reading = store.begin_get("read", "fp", cap(store, "read"))
+    assert not store.reclaim(75)  # old and newer are all it may evict: 50 bytes
+    assert payloads.freed == [] and store.stats().evictions == 0
+    assert store.reclaim(0) and store.reclaim(25) and payloads.freed == ["payload-old"]
+    assert store.reclaim(50) and payloads.freed == ["payload-old", "payload-newer"]
+    assert store.find("read") is not None and store.find("pinned") is not None
+    assert store.free_bytes() == 50 and store.stats().evictions == 2
+    store.end_get(reading, 25)
+
+
 def test_object_being_read_is_not_evicted():
     store, _ = make_store(capacity=50)
     put(store, "read", 25)
