@@ -169,8 +169,14 @@ class KvAllGather:
         self._v_rows = self._k_rows + width
         # Called after every collective, so a node can tell a long prefill from a stuck group.
         self._on_progress = on_progress
+        # A set of one rank holds the whole prompt's K/V, in position order: no collective, no copies.
+        self._alone = split.pcp_size == 1 and torch.equal(index, torch.arange(len(index)))
 
     def __call__(self, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        if self._alone:
+            if self._on_progress is not None:
+                self._on_progress()  # the node's watchdog still hears from every layer
+            return k, v
         pcp, width = self.split.pcp_size, self.split.max_local_tokens
         n_local, kv_heads, head_dim = k.shape
         local = k.new_empty((2, width, kv_heads, head_dim))

@@ -61,6 +61,17 @@ def test_every_rank_gets_the_whole_kv_in_position_order(pcp: int) -> None:
             assert torch.equal(gathered, whole_kv(sum(lengths))), f"rank {rank}, lengths {lengths}"
 
 
+def test_a_set_of_one_rank_hands_its_kv_back_without_a_collective() -> None:
+    """PCP=1 (no process group exists here: a collective would raise) still reports progress per layer."""
+    assert not dist.is_initialized()
+    layers: list[int] = []
+    for plan in (DualChunkSplit(1031, 1), BatchSplit((5, 1, 64), 1)):
+        local_k, local_v = whole_kv(plan.num_tokens)
+        k, v = KvAllGather(plan, on_progress=lambda: layers.append(1))(local_k, local_v)
+        assert k is local_k and v is local_v
+    assert len(layers) == 2
+
+
 def _exchange_on_one_host(pcp_rank: int, pcp_size: int, batches: list[tuple[int, ...]], slot_tokens: int):
     world = dist.group.WORLD
     groups = ParallelGroups(ParallelLayout(1, pcp_size), pcp_rank, world, world, world)
