@@ -317,6 +317,8 @@ class KvStore:
     def reclaim(self, needed: int) -> bool:
         """Makes `needed` bytes free, evicting released objects nobody reads, least recently used first;
         False, evicting nothing, if even all of them would not free that much."""
+        if self.free_bytes() >= needed:
+            return True  # the common case, without a walk over every released object
         evictable = [obj for obj in self._released.values() if not obj.in_use]
         if self.free_bytes() + sum(obj.total_bytes for obj in evictable) < needed:
             return False
