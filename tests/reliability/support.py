@@ -194,7 +194,11 @@ def wait_prefill_idle(stack: RunningStack, timeout: float = 15.0) -> None:
 
     def idle() -> bool:
         asked = time.monotonic()
-        nodes = [n for n in list_nodes(stack) if n.node_id.startswith("prefill-")]
+        nodes = [
+            n
+            for n in list_nodes(stack)
+            if n.node_id.startswith("prefill-") and n.state != registry_pb2.NODE_STATE_DEAD
+        ]
         # asked - last_seen is no later than when the registry heard the node: a conservative freshness
         return bool(nodes) and all(n.load == 0 and asked - n.last_seen_ms_ago / 1000 > began for n in nodes)
 
