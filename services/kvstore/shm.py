@@ -41,8 +41,9 @@ import os
 import secrets
 import sys
 import threading
+import time
 from collections import OrderedDict
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 
 import numpy as np
@@ -54,6 +55,11 @@ from pcpstack.kvstore.ranges import ByteRange, gather_with_crc
 PREFIX = "pcpkv-"
 _HUGE_PAGE = 2 << 20
 MAX_REUSE_SLACK = 0.25  # a pooled segment at most this share larger than a put is reused as it is
+# A standby's promise to its writer lapses after this long without a put or standby request naming it: a
+# writer that went away (a restarted prefill rank) must not keep room reserved, or in the end leave no
+# room for other writers' standbys. A lapsed standby stays pooled, and its writer's next put may still
+# take it if nobody else has.
+PROMISE_TTL_S = 120.0
 
 
 class Segment:
@@ -68,6 +74,7 @@ class Segment:
         self.ready = not later
         self.failed = False
         self.promised = False  # named to a writer as its standby (SegmentStore.standby)
+        self.promised_at = 0.0  # when that writer last named it or was given it (SegmentStore's clock)
         self._map: mmap.mmap | None = None
         fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
         try:
@@ -155,8 +162,17 @@ class Segment:
 class SegmentStore:
     """The store's segments: allocation with reuse, a warm pool, and reclaim of dead stores' leftovers."""
 
-    def __init__(self, directory: str | Path = "/dev/shm") -> None:
+    def __init__(
+        self,
+        directory: str | Path = "/dev/shm",
+        promise_ttl_s: float = PROMISE_TTL_S,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        if promise_ttl_s <= 0:
+            raise ValueError(f"promise_ttl_s must be > 0, got {promise_ttl_s}")
         self.directory = Path(directory)
+        self._promise_ttl_s = promise_ttl_s
+        self._clock = clock
         if not self.directory.is_dir() or not os.access(self.directory, os.W_OK):
             raise ValueError(f"shm_dir {str(self.directory)!r} is not a writable directory")
         self.token = secrets.token_hex(8)
@@ -189,7 +205,7 @@ class SegmentStore:
         the best-fitting pooled one resized to size (shrunk, or the largest grown); else a new one.
         Segments a worker thread is still preparing, and standbys promised to other writers, are left
         alone (trim reclaims the latter when the budget needs them)."""
-        self._drop_failed()
+        self._tidy()
         ready = [seg for seg in self._pool if seg.ready and (seg.name == preferred or not seg.promised)]
         if ready:
             warm = [seg for seg in ready if _fits(seg, size)]
@@ -219,16 +235,17 @@ class SegmentStore:
         largest first), whose pages are still to come (run `prepare` on a worker thread); else None. The
         segment is promised to this writer, and only its puts take it (each PCP rank that pushes keeps a
         standby of its own); one it held that does not fit is no longer promised (a writer keeps one)."""
-        self._drop_failed()
+        self._tidy()
         for seg in self._pool:
             if seg.name == held:
                 if _fits(seg, size):
+                    self._promise(seg)  # renewed (or given back, if it had lapsed)
                     return seg, False
                 seg.promised = False
         free = [seg for seg in self._pool if _fits(seg, size) and not seg.promised]
         if free:
             seg = min(free, key=lambda s: s.size)
-            seg.promised = True
+            self._promise(seg)
             return seg, False
         if self._closed or self.promised_bytes + size > budget:
             return None, False
@@ -236,7 +253,7 @@ class SegmentStore:
         if self.pooled_bytes + size > budget:  # what is left unpromised is still being prepared
             return None, False
         seg = Segment(self._new_path(), size, later=True)
-        seg.promised = True
+        self._promise(seg)
         self._pool.append(seg)
         return seg, True
 
@@ -250,10 +267,18 @@ class SegmentStore:
         self._next += 1
         return self.directory / f"{PREFIX}{self.token}-{self._next}"
 
-    def _drop_failed(self) -> None:
+    def _promise(self, seg: Segment) -> None:
+        seg.promised, seg.promised_at = True, self._clock()
+
+    def _tidy(self) -> None:
+        """Drops segments whose preparation failed, and lapses promises older than the promise TTL."""
         for seg in [seg for seg in self._pool if seg.failed]:
             self._pool.remove(seg)
             seg.destroy()
+        stale = self._clock() - self._promise_ttl_s
+        for seg in self._pool:
+            if seg.promised and seg.promised_at < stale:
+                seg.promised = False
 
     def recycle(self, seg: Segment) -> None:
         """Takes back a segment nobody uses any more, keeping it warm in the pool (or unlinking it once the
@@ -267,7 +292,7 @@ class SegmentStore:
         """Unlinks pooled segments until the pool holds at most max_pooled_bytes: those promised to no
         writer first, largest first (one a worker thread is preparing goes at a later trim, once it is
         ready or failed)."""
-        self._drop_failed()
+        self._tidy()
         self._trim(max_pooled_bytes, spare_promised=False)
 
     def _trim(self, max_pooled_bytes: int, spare_promised: bool) -> None:

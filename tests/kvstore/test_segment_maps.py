@@ -205,6 +205,33 @@ def test_a_standby_takes_the_room_of_pooled_segments_promised_to_nobody_never_of
     assert not mine.path.exists() and other.path.exists()
 
 
+def test_a_standby_whose_writer_went_away_is_promised_no_more_after_the_ttl(tmp_path):
+    """A writer that never comes back (a restarted rank) must not keep its standby's room for good: after
+    the TTL without a word from it, the segment is free for another writer; a writer that names its
+    standby in time keeps it."""
+    now = [0.0]
+    segments = SegmentStore(tmp_path, promise_ttl_s=10.0, clock=lambda: now[0])
+    try:
+        gone, _ = segments.standby(4 << 20, budget=64 << 20)
+        kept, _ = segments.standby(4 << 20, budget=64 << 20)
+        for standby in (gone, kept):
+            segments.prepare(standby)
+        now[0] = 8.0
+        assert segments.standby(4 << 20, budget=64 << 20, held=kept.name) == (kept, False)  # renewed
+        assert segments.promised_bytes == 8 << 20
+        now[0] = 12.0  # the first writer was last heard of at 0
+        assert segments.promised_bytes == 8 << 20  # lapsing happens at the next standby or allocate
+        newcomer, new = segments.standby(4 << 20, budget=8 << 20)
+        assert newcomer is gone and not new and gone.promised and kept.promised
+        assert segments.promised_bytes == 8 << 20
+        now[0] = 30.0  # both lapse; the one named in a put is still taken by that put
+        assert segments.allocate(4 << 20, preferred=kept.name) is kept and not gone.promised
+    finally:
+        segments.close()
+    with pytest.raises(ValueError, match="promise_ttl_s must be > 0"):
+        SegmentStore(tmp_path, promise_ttl_s=0)
+
+
 def test_a_standby_that_cannot_be_prepared_is_dropped_from_the_pool(segments):
     standby, _ = segments.standby(4 << 20, budget=64 << 20)
     standby.size = 1 << 60  # more than any /dev/shm holds: fallocate fails as on a full tmpfs
