@@ -8,6 +8,13 @@ warms both processes' memory (on this VM the first touch of fresh memory costs u
 apart as `first_*`. Reports medians of the timed repeats, and the CPU time each side spent: the client's
 (all its threads) per put and get, and the store's per put (its process's clock ticks, 10 ms each, summed
 over the timed puts and averaged). On a busy machine wall times swing widely; CPU times hold.
+
+Path `shm_full` is the shared-memory path as a serving store sees it after a while: full of replicas kept
+for prefix reuse. Each put is released after its get instead of deleted, so from the fifth put on (the store
+holds four objects) every put needs the room of the least recently used one, and the store's standby
+segment (shm.SegmentStore.standby) is what keeps the put in warm pages. Puts of objects that get a standby
+are 0.5 s apart there (off the clock), as a prefill rank's pushes are seconds apart: the standby is
+prepared between them.
 """
 
 from __future__ import annotations
@@ -23,9 +30,11 @@ import time
 from bench.machine import machine_facts, process_cpu_s
 from pcpstack.cli.launch import spawn_and_wait_listening
 from pcpstack.common.tunables import ensure_glibc_tunables
+from pcpstack.kvstore.server import STANDBY_MIN_BYTES
 from pcpstack.kvstore.stream import DEFAULT_CHUNK_BYTES
 
-PATHS = ("grpc", "shm")
+PATHS = ("grpc", "shm", "shm_full")
+KEPT_PAUSE_S = 0.5  # between puts on the shm_full path (of objects that get a standby), off the clock
 _UNITS = {
     "": 1,
     "B": 1,
@@ -59,7 +68,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         nargs="+",
         choices=PATHS,
         default=list(PATHS),
-        help="transfer paths to measure (default: both; shm alone takes seconds, gRPC tens of seconds)",
+        help="transfer paths to measure (default: all; each shm path takes seconds, gRPC tens of seconds)",
     )
 
 
@@ -73,17 +82,21 @@ def _own_cpu_s() -> float:
 
 
 async def _measure(
-    address: str, store_pid: int, prefer_shm: bool, size: int, repeats: int, chunk: int
+    address: str, store_pid: int, path: str, size: int, repeats: int, chunk: int, kept_from: int
 ) -> dict:
+    """Puts, reads back and drops `repeats + 1` objects over one path (the first untimed). On shm_full the
+    objects are released, not deleted, and the timed puts begin once the store is full (kept_from puts
+    in: `repeats + 1` timed ones after that many untimed)."""
     from pcpstack.kvstore.client import KvStoreClient
 
+    prefer_shm, keep = path != "grpc", path == "shm_full"
     payload = os.urandom(size)
     puts, gets, put_cpu, get_cpu, store_put_cpu = [], [], [], [], []
     async with KvStoreClient(address, prefer_shm=prefer_shm, chunk_bytes=chunk) as client:
         if await client.uses_shm() != prefer_shm:
             raise RuntimeError(f"client could not take the {'shm' if prefer_shm else 'gRPC'} path")
-        for i in range(repeats + 1):
-            key = f"bench-{prefer_shm}-{i}"
+        for i in range(-kept_from if keep else 0, repeats + 1):
+            key = f"bench-{path}-{i}"
             store_cpu, cpu, start = process_cpu_s(store_pid), _own_cpu_s(), time.perf_counter()
             capability = (await client.put(key, "bench", payload)).capability
             puts.append(time.perf_counter() - start)
@@ -96,7 +109,15 @@ async def _measure(
             if data.nbytes != size:
                 raise RuntimeError(f"read back {data.nbytes} bytes of {size}")
             del data
-            await client.delete(key, capability)
+            if keep:
+                await client.release(key, capability)
+                if size >= STANDBY_MIN_BYTES:
+                    await asyncio.sleep(KEPT_PAUSE_S)
+            else:
+                await client.delete(key, capability)
+    if keep:  # the puts that filled the store are not the steady state
+        del puts[:kept_from], gets[:kept_from], put_cpu[:kept_from], get_cpu[:kept_from]
+        del store_put_cpu[:kept_from]
     (first_put, *puts), (first_get, *gets) = puts, gets
     return {
         "put_mb_s": round(size / statistics.median(puts) / 1e6, 1),
@@ -115,7 +136,8 @@ def run(args: argparse.Namespace) -> dict:
     """Runs the benchmark and returns its results."""
     ensure_glibc_tunables()
     facts = machine_facts()  # before the store starts: the load average says how busy the machine already was
-    proc, address = _start_store(capacity=4 * args.bytes)
+    objects = 4
+    proc, address = _start_store(capacity=objects * args.bytes)
     try:
         results = {
             **facts,
@@ -125,9 +147,8 @@ def run(args: argparse.Namespace) -> dict:
             "glibc_tunables": os.environ.get("GLIBC_TUNABLES", ""),
         }
         for name in args.paths:
-            shm = name == "shm"
             results[name] = asyncio.run(
-                _measure(address, proc.pid, shm, args.bytes, args.repeats, args.chunk_bytes)
+                _measure(address, proc.pid, name, args.bytes, args.repeats, args.chunk_bytes, objects)
             )
         return results
     finally:

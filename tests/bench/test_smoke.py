@@ -32,6 +32,11 @@ def test_benchmark_smoke_run_writes_json(area, tmp_path, child_env) -> None:
     saved = json.loads((tmp_path / f"{area}.json").read_text())
     assert saved == json.loads(run.stdout)
     assert saved  # each bench reports something
+    if area == "kv":  # every path, the full store's included, moved the bytes it was given
+        assert all(
+            saved[path]["put_mb_s"] > 0 and saved[path]["get_mb_s"] > 0
+            for path in ("grpc", "shm", "shm_full")
+        )
     if area == "e2e":  # the second turn took the first turn's 18 full prefix blocks of 16 from the store
         second = saved["multi_turn"]["turns"][1]
         assert (second["cached_tokens"], second["cold_cached_tokens"]) == (288, 0)
