@@ -315,7 +315,7 @@ def _token_ids(text: str) -> list[int]:
 def check_generate_arguments(args: argparse.Namespace) -> None:
     """Raises UsageError naming the first flag of `generate` that breaks a rule; runs before any stack or
     connection, so a bad value costs nothing."""
-    from pcpstack.engine.sampling import SamplingParams
+    from pcpstack.engine.sampling_params import SamplingParams  # not engine.sampling: that imports torch
 
     if not args.prompt and not args.token_ids:
         raise UsageError("PROMPT", args.prompt, "give a PROMPT or --token-ids")

@@ -7,6 +7,7 @@ import argparse
 import importlib.metadata
 import socket
 import subprocess
+import sys
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -109,6 +110,24 @@ def test_generate_refuses_a_bad_flag_before_starting_a_stack(tmp_path, child_env
     assert run.returncode == 2
     assert run.stderr.startswith(f"pcpstack generate: {named}: ") and run.stderr.count("\n") == 1, run.stderr
     assert not logs.exists(), "no service should have been started"
+
+
+def test_generate_checks_its_flags_without_importing_torch(child_env) -> None:
+    """A bad flag is refused in well under a second: the checks need no torch (~2 s to import here)."""
+    script = (
+        "import sys\n"
+        "from pcpstack.cli import commands, main\n"
+        "args = main.build_parser(['generate']).parse_args(['generate', '--local', '--top-p', '1.5', 'hi'])\n"
+        "try:\n"
+        "    commands.check_generate_arguments(args)\n"
+        "except commands.UsageError as refusal:\n"
+        "    print(refusal, 'torch' in sys.modules)\n"
+    )
+    run = subprocess.run(
+        [sys.executable, "-c", script], capture_output=True, text=True, env=child_env, timeout=60
+    )
+    assert run.returncode == 0, run.stderr
+    assert "--top-p=1.5" in run.stdout and run.stdout.rstrip().endswith(" False"), run.stdout
 
 
 def test_up_refuses_at_once_a_gateway_port_in_use(tmp_path, child_env) -> None:
