@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import functools
 import os
 from pathlib import Path
 
@@ -109,6 +110,21 @@ def small_hf_llama(
     model = transformers.AutoModelForCausalLM.from_config(config).eval()
     model.save_pretrained(folder)
     return model
+
+
+@functools.cache
+def hf_smollm2():
+    """The shipped SmolLM2 in HF transformers (float32, eval mode), loaded by transformers from the same GGUF
+    the engine reads, once per test session: transformers parses a GGUF's metadata slowly (20-30 s here), and
+    the engine and e2e tests share this one copy (no test changes it)."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from pcpstack.engine.weights import default_model_path
+
+    path = default_model_path()
+    model = AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name, dtype=torch.float32)
+    return model.eval()
 
 
 def hf_greedy(model):

@@ -6,20 +6,13 @@ from collections.abc import Iterator
 
 import pytest
 
-from tests.helpers import RunningStack, hf_greedy, start_stack
+from tests.helpers import RunningStack, hf_greedy, hf_smollm2, start_stack
 
 
 @pytest.fixture(scope="session")
 def hf_reference():
     """greedy(prompt_ids, n) -> n token ids from HF transformers on the same GGUF (eos ignored)."""
-    import torch
-    from transformers import AutoModelForCausalLM
-
-    from pcpstack.engine.weights import default_model_path
-
-    path = default_model_path()
-    model = AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name, dtype=torch.float32)
-    return hf_greedy(model.eval())
+    return hf_greedy(hf_smollm2())
 
 
 @pytest.fixture(scope="module")

@@ -1,11 +1,12 @@
 """Shared fixtures for the engine tests: the embedded SmolLM2 in this engine and in Hugging Face transformers
-(each loaded once per session), and the tiny random model."""
+(each loaded once per session; the transformers copy is the e2e tests' too), and the tiny random model."""
 
 import pytest
 import torch
 
 from pcpstack.engine.engine import Engine
 from pcpstack.engine.weights import LoadedModel, default_model_path, load_model
+from tests.helpers import hf_smollm2
 
 
 @pytest.fixture(scope="session")
@@ -20,12 +21,8 @@ def smollm_engine(smollm: LoadedModel) -> Engine:
 
 @pytest.fixture(scope="session")
 def hf_model():
-    transformers = pytest.importorskip("transformers")
-    path = default_model_path()
-    model = transformers.AutoModelForCausalLM.from_pretrained(
-        str(path.parent), gguf_file=path.name, dtype=torch.float32
-    )
-    return model.eval()
+    pytest.importorskip("transformers")
+    return hf_smollm2()
 
 
 @pytest.fixture(scope="session")
