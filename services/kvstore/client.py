@@ -48,7 +48,13 @@ from pcpstack.kvstore.errors import (
     ProtocolError,
 )
 from pcpstack.kvstore.ranges import ByteRange, ByteRepeat, selection_bytes
-from pcpstack.kvstore.shm import ReceiveBuffers, SegmentMaps, copy_with_crc, shares_memory_with
+from pcpstack.kvstore.shm import (
+    ReceiveBuffers,
+    SegmentMaps,
+    copy_with_crc,
+    lower_thread_priority,
+    shares_memory_with,
+)
 from pcpstack.kvstore.stream import DEFAULT_CHUNK_BYTES, ChunkReceiver, ChunkSender, verify_object
 from pcpstack.kvstore.wire import SERVICE_NAME, body_of, chunk_of, parse_with, serialize
 from pcpstack.v1 import kvstore_pb2 as pb
@@ -107,6 +113,13 @@ def _as_bytes_view(data) -> memoryview:
     if not view.c_contiguous:
         raise ValueError("data must be C-contiguous (call .contiguous() / np.ascontiguousarray first)")
     return view.cast("B") if view.format != "B" or view.ndim != 1 else view
+
+
+def _prefetch_in_background(segments: SegmentMaps, name: str) -> None:
+    """A standby's mapping, built at background priority: a reader of the object this writer just put
+    (its decode worker, at once) gets the cores first."""
+    lower_thread_priority()
+    segments.prefetch(name)
 
 
 class KvStoreClient:
@@ -248,7 +261,10 @@ class KvStoreClient:
         run its loop only while it puts), unless it is the one mapped last time."""
         if name and name != self.standby_shm_name and self._segments is not None:
             prefetch = threading.Thread(
-                target=self._segments.prefetch, args=(name,), name="kv-standby-map", daemon=True
+                target=_prefetch_in_background,
+                args=(self._segments, name),
+                name="kv-standby-map",
+                daemon=True,
             )
             prefetch.start()
             self._prefetching = prefetch

@@ -14,6 +14,7 @@ import contextlib
 import logging
 import time
 from collections.abc import AsyncIterator, Iterator
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
 import grpc
@@ -24,7 +25,7 @@ from pcpstack.common.server import RunningServer, ServerOptions, start_server
 from pcpstack.common.telemetry import meter
 from pcpstack.kvstore.errors import CapacityExceeded, InvalidArgument
 from pcpstack.kvstore.ranges import ByteRange, check_ranges, gather_with_crc
-from pcpstack.kvstore.shm import Segment, SegmentStore, anonymous_buffer, copy_with_crc
+from pcpstack.kvstore.shm import Segment, SegmentStore, anonymous_buffer, copy_with_crc, lower_thread_priority
 from pcpstack.kvstore.store import (
     DEFAULT_MAX_LEASE_MS,
     KvStore,
@@ -101,9 +102,11 @@ class KvStoreServicer(kvstore_pb2_grpc.KvStoreServiceServicer):
         self.segments = segments
         self._config = config
         self._max_chunk = max_chunk
-        # Standby segments being prepared on worker threads, by name (held until done: a task nobody
-        # references may be collected).
+        # Standby segments being prepared, by name (held until done: a task nobody references may be
+        # collected), one at a time on a thread of background priority: a reader fetching the object just
+        # put gets the cores first.
         self._preparing: dict[str, asyncio.Future] = {}
+        self._background = ThreadPoolExecutor(1, "kv-standby", initializer=lower_thread_priority)
 
     async def Put(
         self, request_iterator: AsyncIterator[pb.PutRequest], context
@@ -199,7 +202,9 @@ class KvStoreServicer(kvstore_pb2_grpc.KvStoreServiceServicer):
         if segment is None:
             return ""
         if new:
-            task = asyncio.ensure_future(asyncio.to_thread(self.segments.prepare, segment))
+            task = asyncio.get_running_loop().run_in_executor(
+                self._background, self.segments.prepare, segment
+            )
             self._preparing[segment.name] = task
             task.add_done_callback(lambda _: self._preparing.pop(segment.name, None))
         return segment.name
@@ -354,6 +359,13 @@ class KvStoreServicer(kvstore_pb2_grpc.KvStoreServiceServicer):
             )
         return response
 
+    def close(self) -> None:
+        """Drops every object and frees every segment (a standby still being prepared is unlinked when its
+        preparation ends)."""
+        self._background.shutdown(wait=False)
+        self.store.clear()
+        self.segments.close()
+
     def reap(self) -> int:
         """Reclaims objects whose lease ended (and ends expired prefix leases); returns how many objects."""
         expired = self.store.expire(time.monotonic())
@@ -460,8 +472,7 @@ class KvStoreServer:
             with contextlib.suppress(asyncio.CancelledError):
                 await self._reaper
         finally:
-            self.servicer.store.clear()
-            self.servicer.segments.close()
+            self.servicer.close()
 
 
 async def serve(config: KvStoreServerConfig, options: ServerOptions | None = None) -> KvStoreServer:

@@ -9,6 +9,7 @@ import asyncio
 import mmap
 import os
 import random
+import threading
 
 import pytest
 import torch
@@ -16,10 +17,12 @@ import torch
 from pcpstack.kvstore.checksum import crc32c
 from pcpstack.kvstore.client import KvStoreClient
 from pcpstack.kvstore.shm import (
+    BACKGROUND_NICE,
     ReceiveBuffers,
     SegmentMaps,
     SegmentStore,
     copy_with_crc,
+    lower_thread_priority,
     populate_writable,
 )
 
@@ -241,8 +244,9 @@ def test_a_standby_that_cannot_be_prepared_is_dropped_from_the_pool(segments):
     assert segments.pooled_bytes == 0 and not standby.path.exists()
 
 
-def test_populate_writable_builds_the_mapping_without_changing_a_byte(tmp_path):
-    payload = random.randbytes(3 << 20)
+@pytest.mark.parametrize("size", [3 << 20, (20 << 20) + 5])  # one madvise call, and three (the last short)
+def test_populate_writable_builds_the_mapping_without_changing_a_byte(tmp_path, size):
+    payload = random.randbytes(size)
     path = tmp_path / "segment"
     path.write_bytes(payload)
     with open(path, "r+b") as file, mmap.mmap(file.fileno(), len(payload)) as map_:
@@ -252,6 +256,21 @@ def test_populate_writable_builds_the_mapping_without_changing_a_byte(tmp_path):
         os.truncate(path, 1 << 20)  # as the store shrinks a segment a client has mapped
         assert not populate_writable(map_)  # refused: the tail is gone, and nothing touched it
     assert path.read_bytes() == b"after" + payload[5 : 1 << 20]
+
+
+def test_background_work_lowers_the_priority_of_its_own_thread_only():
+    mine = os.getpriority(os.PRIO_PROCESS, threading.get_native_id())
+    seen = []
+
+    def background() -> None:
+        lower_thread_priority()
+        seen.append(os.getpriority(os.PRIO_PROCESS, threading.get_native_id()))
+
+    worker = threading.Thread(target=background)
+    worker.start()
+    worker.join()
+    assert seen == [min(19, mine + BACKGROUND_NICE)]
+    assert os.getpriority(os.PRIO_PROCESS, threading.get_native_id()) == mine
 
 
 def test_a_prefetched_segment_is_kept_mapped_for_the_next_fill(segments):

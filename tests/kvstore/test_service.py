@@ -9,6 +9,7 @@ import gc
 import logging
 import os
 import random
+import threading
 import time
 
 import grpc
@@ -25,7 +26,7 @@ from pcpstack.kvstore.errors import (
     NotFound,
 )
 from pcpstack.kvstore.server import KvStoreServerConfig
-from pcpstack.kvstore.shm import SegmentMaps
+from pcpstack.kvstore.shm import BACKGROUND_NICE, SegmentMaps
 from pcpstack.v1 import kvstore_pb2 as pb
 from pcpstack.v1 import kvstore_pb2_grpc
 from tests.kvstore.conftest import running_store, segment_files
@@ -559,14 +560,26 @@ def test_a_large_shm_put_names_a_standby_segment_that_the_writers_next_put_fills
     async def body():
         async with running_store() as server, KvStoreClient(server.address) as writer:
             prepare = server.servicer.segments.prepare
+            priority = os.getpriority(os.PRIO_PROCESS, threading.get_native_id())
+            prepared_on = []
 
             def slow_prepare(segment) -> None:  # as on a loaded machine: the writer comes back first
+                thread = threading.get_native_id()
+                prepared_on.append((threading.current_thread().name, os.getpriority(os.PRIO_PROCESS, thread)))
                 time.sleep(0.5)
                 prepare(segment)
 
             server.servicer.segments.prepare = slow_prepare
             await writer.put("small", "fp", bytes(1 << 20))
             assert writer.standby_shm_name == ""  # under standby_min_bytes: a fresh mapping costs little
+            maps, mapped_on = writer._segments, []
+            prefetch = maps.prefetch
+
+            def recording_prefetch(name: str) -> bool:
+                mapped_on.append(os.getpriority(os.PRIO_PROCESS, threading.get_native_id()))
+                return prefetch(name)
+
+            maps.prefetch = recording_prefetch
             payloads = {key: random.randbytes(8 << 20) for key in ("first", "second")}
             first = await writer.put("first", "fp", payloads["first"])
             standby = writer.standby_shm_name
@@ -577,6 +590,11 @@ def test_a_large_shm_put_names_a_standby_segment_that_the_writers_next_put_fills
             second = await writer.put("second", "fp", payloads["second"])
             assert server.servicer.store.find("second").payload.name == standby
             assert writer.standby_shm_name not in ("", standby)  # the next one, for the put after
+            # prepared on the store's thread of background priority: a reader's fetch gets the cores first
+            assert prepared_on[0][0].startswith("kv-standby")
+            assert prepared_on[0][1] == min(19, priority + BACKGROUND_NICE)
+            writer.wait_for_standby(timeout=10)  # and the writer maps its standbys in the background too
+            assert mapped_on and set(mapped_on) == {min(19, priority + BACKGROUND_NICE)}
             async with KvStoreClient(server.address, prefer_shm=False, chunk_bytes=CHUNK) as streamed:
                 for replica in (first, second):
                     for reader in (writer, streamed):
