@@ -14,7 +14,10 @@ for prefix reuse. Each put is released after its get instead of deleted, so from
 holds eight objects) every put needs the room of the least recently used one, and the store's standby
 segment (shm.SegmentStore.standby) is what keeps the put in warm pages. Puts of objects that get a standby
 are 0.5 s apart there (off the clock), as a prefill rank's pushes are seconds apart: the standby is
-prepared between them.
+prepared between them. Path `shm_mixed` is the same store with objects of many sizes (a quarter of
+--bytes to all of it, in a seeded order, each unlike the last): each put is announced first
+(KvStoreClient.prepare_put), as a prefill rank announces its push when its forward starts, then follows
+0.5 s later; rates are per put, of its own size.
 """
 
 from __future__ import annotations
@@ -22,6 +25,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import os
+import random
 import resource
 import statistics
 import subprocess
@@ -33,7 +37,8 @@ from pcpstack.common.tunables import ensure_glibc_tunables
 from pcpstack.kvstore.server import STANDBY_MIN_BYTES
 from pcpstack.kvstore.stream import DEFAULT_CHUNK_BYTES
 
-PATHS = ("grpc", "shm", "shm_full")
+PATHS = ("grpc", "shm", "shm_full", "shm_mixed")
+FULL_STORE_PATHS = ("shm_full", "shm_mixed")
 KEPT_PAUSE_S = 0.5  # between puts on the shm_full path (of objects that get a standby), off the clock
 _UNITS = {
     "": 1,
@@ -84,21 +89,26 @@ def _own_cpu_s() -> float:
 async def _measure(
     address: str, store_pid: int, path: str, size: int, repeats: int, chunk: int, kept_from: int
 ) -> dict:
-    """Puts, reads back and drops `repeats + 1` objects over one path (the first untimed). On shm_full the
-    objects are released, not deleted, and the timed puts begin once the store is full (kept_from puts
-    in: `repeats + 1` timed ones after that many untimed)."""
+    """Puts, reads back and drops `repeats + 1` objects over one path (the first untimed). On the full-store
+    paths the objects are released, not deleted, and the timed puts begin once the store is full (kept_from
+    puts in: `repeats + 1` timed ones after that many untimed); shm_mixed's sizes vary, each announced."""
     from pcpstack.kvstore.client import KvStoreClient
 
-    prefer_shm, keep = path != "grpc", path == "shm_full"
-    payload = os.urandom(size)
+    prefer_shm, keep, announce = path != "grpc", path in FULL_STORE_PATHS, path == "shm_mixed"
+    count = (kept_from if keep else 0) + repeats + 1
+    sizes = _mixed_sizes(size, count) if announce else [size] * count
+    payload = memoryview(os.urandom(size))
     puts, gets, put_cpu, get_cpu, store_put_cpu = [], [], [], [], []
     async with KvStoreClient(address, prefer_shm=prefer_shm, chunk_bytes=chunk) as client:
         if await client.uses_shm() != prefer_shm:
             raise RuntimeError(f"client could not take the {'shm' if prefer_shm else 'gRPC'} path")
-        for i in range(-kept_from if keep else 0, repeats + 1):
+        for i, n in enumerate(sizes):
             key = f"bench-{path}-{i}"
+            if announce:  # as a prefill rank does when its forward starts; the pause stands for the forward
+                await client.prepare_put(n)
+                await asyncio.sleep(KEPT_PAUSE_S)
             store_cpu, cpu, start = process_cpu_s(store_pid), _own_cpu_s(), time.perf_counter()
-            capability = (await client.put(key, "bench", payload)).capability
+            capability = (await client.put(key, "bench", payload[:n])).capability
             puts.append(time.perf_counter() - start)
             put_cpu.append(_own_cpu_s() - cpu)
             store_put_cpu.append(process_cpu_s(store_pid) - store_cpu)
@@ -106,30 +116,42 @@ async def _measure(
             data, _ = await client.get(key, "bench", capability)
             gets.append(time.perf_counter() - start)
             get_cpu.append(_own_cpu_s() - cpu)
-            if data.nbytes != size:
-                raise RuntimeError(f"read back {data.nbytes} bytes of {size}")
+            if data.nbytes != n:
+                raise RuntimeError(f"read back {data.nbytes} bytes of {n}")
             del data
-            if keep:
-                await client.release(key, capability)
-                if size >= STANDBY_MIN_BYTES:
-                    await asyncio.sleep(KEPT_PAUSE_S)
-            else:
+            if not keep:
                 await client.delete(key, capability)
+                continue
+            await client.release(key, capability)
+            if not announce and size >= STANDBY_MIN_BYTES:
+                await asyncio.sleep(KEPT_PAUSE_S)
     if keep:  # the puts that filled the store are not the steady state
-        del puts[:kept_from], gets[:kept_from], put_cpu[:kept_from], get_cpu[:kept_from]
-        del store_put_cpu[:kept_from]
-    (first_put, *puts), (first_get, *gets) = puts, gets
+        for kept in (sizes, puts, gets, put_cpu, get_cpu, store_put_cpu):
+            del kept[:kept_from]
+    put_rates = [n / t / 1e6 for n, t in zip(sizes, puts, strict=True)]
+    get_rates = [n / t / 1e6 for n, t in zip(sizes, gets, strict=True)]
+    (first_put, *put_rates), (first_get, *get_rates) = put_rates, get_rates
     return {
-        "put_mb_s": round(size / statistics.median(puts) / 1e6, 1),
-        "get_mb_s": round(size / statistics.median(gets) / 1e6, 1),
-        "put_mb_s_all": [round(size / t / 1e6, 1) for t in puts],
-        "get_mb_s_all": [round(size / t / 1e6, 1) for t in gets],
-        "first_put_mb_s": round(size / first_put / 1e6, 1),
-        "first_get_mb_s": round(size / first_get / 1e6, 1),
+        "put_mb_s": round(statistics.median(put_rates), 1),
+        "get_mb_s": round(statistics.median(get_rates), 1),
+        "put_mb_s_all": [round(rate, 1) for rate in put_rates],
+        "get_mb_s_all": [round(rate, 1) for rate in get_rates],
+        "first_put_mb_s": round(first_put, 1),
+        "first_get_mb_s": round(first_get, 1),
         "put_client_cpu_ms": round(statistics.median(put_cpu[1:]) * 1e3, 1),
         "put_store_cpu_ms": round(statistics.mean(store_put_cpu[1:]) * 1e3, 1),
         "get_client_cpu_ms": round(statistics.median(get_cpu[1:]) * 1e3, 1),
+        **({"sizes": sizes} if announce else {}),
     }
+
+
+def _mixed_sizes(size: int, count: int) -> list[int]:
+    """count object sizes between a quarter of size and size, seeded: small and large ones in turn (a
+    quarter to a half of size, then 70 % to all of it), so each is unlike the one before it by more than
+    a standby's slack (a quarter): prompts of many lengths. In 4 KiB steps from 64 KiB up."""
+    rng, step = random.Random(0), 4096 if size >= 64 << 10 else 1
+    spans = ((size // 4, size // 2), (size * 7 // 10, size))
+    return [max(1, rng.randint(*spans[i % 2]) // step * step) for i in range(count)]
 
 
 def run(args: argparse.Namespace) -> dict:

@@ -428,7 +428,12 @@ def _plot_decode(results: dict, ax) -> bool:
 
 
 # bench kv's paths, in order, as the report names them.
-KV_PATHS = {"grpc": "grpc", "shm": "shm", "shm_full": "shm, full store"}
+KV_PATHS = {
+    "grpc": "grpc",
+    "shm": "shm",
+    "shm_full": "shm, full store",
+    "shm_mixed": "shm, full, mixed sizes",
+}
 
 
 def _plot_kv(results: dict, ax) -> bool:
@@ -796,7 +801,8 @@ def _kv_section(results: dict, plots: dict[str, Path], report: Path) -> list[str
         f"`pcpstack bench kv`: {_num(kv['bytes'] / 2**20)} MiB objects, {kv['repeats']} repeats; "
         'MB/s median (min–max). "shm, full store": the store full of kept (released) objects, each put '
         "evicting the oldest, puts 0.5 s apart (a serving store's steady state: replicas stay for prefix "
-        "reuse).",
+        'reuse). "mixed sizes": the same with objects of a quarter to all of that size, small and large in '
+        "turn, each put announced 0.5 s ahead as a prefill rank announces its push (rates per put).",
         "",
     ]
     rows = [

@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import logging
 import threading
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -59,6 +60,8 @@ from pcpstack.kvstore.stream import DEFAULT_CHUNK_BYTES, ChunkReceiver, ChunkSen
 from pcpstack.kvstore.wire import SERVICE_NAME, body_of, chunk_of, parse_with, serialize
 from pcpstack.v1 import kvstore_pb2 as pb
 from pcpstack.v1 import kvstore_pb2_grpc
+
+log = logging.getLogger(__name__)
 
 __all__ = ["ByteRange", "ByteRepeat", "KvStoreClient", "StoredReplica", "make_key"]
 
@@ -162,6 +165,8 @@ class KvStoreClient:
         # The standby segment the store named after this client's last shared-memory put, mapped on a
         # thread of its own (SegmentMaps.prefetch) and named back in the next put's header.
         self.standby_shm_name = ""
+        self._standby_on_request = False  # set by prepare_put: standbys come from it, not from puts
+        self._standby_min_bytes = 0  # the store's (Stat): smaller puts get no standby
         self._prefetching: threading.Thread | None = None
 
     async def close(self) -> None:
@@ -185,6 +190,7 @@ class KvStoreClient:
             else:
                 stat = await self.stat()
                 self._shm_dir = stat.shm_dir if shares_memory_with(stat.shm_dir, stat.shm_probe) else ""
+                self._standby_min_bytes = stat.standby_min_bytes
                 if self._shm_dir:
                     self._segments = SegmentMaps(self._shm_dir)
         return bool(self._shm_dir)
@@ -230,6 +236,7 @@ class KvStoreClient:
             block_keys=block_keys,
             block_tokens=block_tokens,
             standby_shm_name=self.standby_shm_name if use_shm else "",
+            standby_on_request=use_shm and self._standby_on_request,
         )
         call = self._put()
         try:
@@ -255,6 +262,26 @@ class KvStoreClient:
             raise _store_error(exc) from exc
         finally:
             await _end_stream(call)
+
+    async def prepare_put(self, size: int) -> str:
+        """Tells the store the size of this writer's next put before it has the bytes (a prefill rank, as
+        its forward starts): on the shared-memory path the store readies a standby segment of that size,
+        which this client maps on a thread of its own meanwhile, so that the put lands in mapped pages
+        even when its size is unlike the last put's. From the first call that asks the store (a size of
+        at least its standby_min_bytes), it readies this writer's standbys only when asked. Returns the
+        standby's name, "" for none; a hint that fails (an older store, a broken channel) is logged and
+        changes nothing, the put still works."""
+        if not await self.uses_shm() or not self._standby_min_bytes or size < self._standby_min_bytes:
+            return ""  # no standby would come: not worth a call (the store names none after puts either)
+        self._standby_on_request = True
+        request = pb.PrepareStandbyRequest(size_bytes=size, held_standby_shm_name=self.standby_shm_name)
+        try:
+            name = (await self._unary(self._stub.PrepareStandby, request)).standby_shm_name
+        except ServiceError as exc:
+            log.info("the KV store readied no standby for a put of %d bytes: %s", size, exc)
+            return ""
+        self._prefetch(name)
+        return name
 
     def _prefetch(self, name: str) -> None:
         """Maps the standby segment the store named, on a thread of its own (not this loop's: a writer may

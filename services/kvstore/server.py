@@ -149,7 +149,9 @@ class KvStoreServicer(kvstore_pb2_grpc.KvStoreServiceServicer):
                     lease_expires_unix_ms=_unix_ms(obj.lease_expires),
                     capability=obj.capability,  # the writer alone learns it, here
                     standby_shm_name=(
-                        self._standby(obj.total_bytes, header.standby_shm_name) if header.use_shm else ""
+                        self._standby(obj.total_bytes, header.standby_shm_name)
+                        if header.use_shm and not header.standby_on_request
+                        else ""
                     ),
                 )
             )
@@ -306,6 +308,13 @@ class KvStoreServicer(kvstore_pb2_grpc.KvStoreServiceServicer):
             released = self.store.release(request.key, request.capability)
         return pb.ReleaseResponse(released=released)
 
+    async def PrepareStandby(self, request: pb.PrepareStandbyRequest, context) -> pb.PrepareStandbyResponse:
+        # The writer's next put will be this size: its standby is readied now, as after a put (_standby).
+        size, capacity = request.size_bytes, self._config.capacity_bytes
+        if not 0 < size <= capacity:
+            raise InvalidArgument(f"size_bytes must be in 1..{capacity} (the store's capacity), got {size}")
+        return pb.PrepareStandbyResponse(standby_shm_name=self._standby(size, request.held_standby_shm_name))
+
     async def Lookup(self, request: pb.LookupRequest, context) -> pb.LookupResponse:
         # A replica of one object asks with block_keys, one stored per K/V head range with chains.
         chains = [(chain.fingerprint, chain.block_keys) for chain in request.chains] or [
@@ -343,6 +352,8 @@ class KvStoreServicer(kvstore_pb2_grpc.KvStoreServiceServicer):
             pooled_bytes=self.segments.pooled_bytes,
             shm_dir=str(self.segments.directory),
             shm_probe=self.segments.probe_name,
+            standby_min_bytes=self._config.standby_min_bytes,
+            standby_puts=self.segments.standby_puts,
         )
         # Counters are for anyone; an object's details only for a holder of its capability.
         obj = self.store.describe(request.key, request.capability) if request.key else None
@@ -397,6 +408,11 @@ def _register(servicer: KvStoreServicer, server: grpc.aio.Server) -> None:
         "Lookup": grpc.unary_unary_rpc_method_handler(
             servicer.Lookup, pb.LookupRequest.FromString, pb.LookupResponse.SerializeToString
         ),
+        "PrepareStandby": grpc.unary_unary_rpc_method_handler(
+            servicer.PrepareStandby,
+            pb.PrepareStandbyRequest.FromString,
+            pb.PrepareStandbyResponse.SerializeToString,
+        ),
     }
     server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(SERVICE_NAME, handlers),))
     server.add_registered_method_handlers(SERVICE_NAME, handlers)
@@ -432,6 +448,12 @@ def _register_metrics(store: KvStore, segments: SegmentStore) -> None:
         [lambda _: [Observation(segments.pooled_bytes)]],
         "By",
         "freed shared memory kept warm for reuse",
+    )
+    m.create_observable_counter(
+        "pcpstack.kvstore.standby_puts",
+        [lambda _: [Observation(segments.standby_puts)]],
+        "{put}",
+        "shared-memory puts that landed in the standby segment their writer had mapped ahead",
     )
     for field, unit, description in (
         ("evictions", "{object}", "objects evicted under memory pressure"),

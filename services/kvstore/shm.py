@@ -181,6 +181,7 @@ class SegmentStore:
         fcntl.flock(self._lock_fd, fcntl.LOCK_EX)
         self._pool: list[Segment] = []
         self._next = 0
+        self.standby_puts = 0  # allocations that took the standby their writer named
         self._closed = False
         self.reclaimed_orphans = reclaim_orphans(self.directory)
 
@@ -212,6 +213,7 @@ class SegmentStore:
             if warm:
                 named = [seg for seg in warm if seg.name == preferred]
                 seg = named[0] if named else min(warm, key=lambda s: s.size)
+                self.standby_puts += bool(named)
                 self._pool.remove(seg)
                 seg.promised = False
                 return seg

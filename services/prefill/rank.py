@@ -204,6 +204,18 @@ class ReplicaPusher:
                 self._run(stale.close())
             return self._run(self._push(address, key, fingerprint, data, lease_ms, block_keys, block_tokens))
 
+    def prepare(self, address: str, size: int) -> None:
+        """Tells the store the size of this rank's next push before the forward that produces it, so that
+        a standby segment of that size is readied and mapped meanwhile (KvStoreClient.prepare_put). A hint:
+        whatever goes wrong is logged, and the push still works without it."""
+        try:
+            self._run(self._prepare(address, size))
+        except Exception as exc:
+            log.info("no standby prepared at %s for a push of %d bytes: %s", address, size, exc)
+
+    async def _prepare(self, address: str, size: int) -> None:
+        await self._client(address).prepare_put(size)
+
     def fetch(
         self, address: str, key: str, fingerprint: str, lease: CachedPrefix, ranges: list[ByteRange]
     ) -> memoryview:
@@ -350,6 +362,7 @@ class RankWorker:
                     # part of forward_us: reading the cached prefix from the store and loading it
                     span.set_attribute("pcpstack.prefix_load_us", int((time.perf_counter() - loading) * 1e6))
             states = [engine.reserve(job.kv_key, len(job.token_ids)) for job in jobs]
+            self._announce_push(jobs, owners, cached)
             logits = self._forward(jobs, states, cached)
             forward_us = int((time.perf_counter() - started) * 1e6)
             shares = []
@@ -415,15 +428,39 @@ class RankWorker:
                 log.exception("rank %d could not sample request %s", spec.global_rank, job.request_id)
                 error = f"sampling the first token failed: {type(exc).__name__}: {exc}"
                 return RankShare(forward_us=forward_us, error_code=Internal.code, error=error)
-        mine = [s for s in job.stored_shards(self.fingerprint) if s.tp_rank == spec.tp_rank]
-        if spec.pcp_rank != owner or not mine:
+        shard = self._shard_to_push(job, owner)
+        if shard is None:
             return RankShare(
                 first_token_id=first_token,
                 forward_us=forward_us,
                 first_token_logprobs=first_logprobs,
                 cached_tokens=cached,
             )
-        return self._push(job, mine[0], first_token, forward_us, first_logprobs, cached)
+        return self._push(job, shard, first_token, forward_us, first_logprobs, cached)
+
+    def _shard_to_push(self, job: PrefillJob, owner: int) -> ReplicaShard | None:
+        """The shard of the job's replica this rank pushes: on the owner's TP ranks the job's shards name."""
+        if self.spec.pcp_rank != owner:
+            return None
+        mine = [s for s in job.stored_shards(self.fingerprint) if s.tp_rank == self.spec.tp_rank]
+        return mine[0] if mine else None
+
+    def _announce_push(self, jobs: list[PrefillJob], owners: list[int], cached: list[int]) -> None:
+        """Before the forward: the size of this rank's first push of it, to its store (ReplicaPusher.prepare),
+        which readies a segment of that size while the forward runs. Its shard holds the tokens after the
+        cached prefix, every layer's K and V of this rank's K/V heads."""
+        for job, owner, held in zip(jobs, owners, cached, strict=True):
+            if self._shard_to_push(job, owner) is not None:
+                planes, row = self._kv_planes_and_row_bytes()
+                self.pusher.prepare(job.kvstore_address, planes * (len(job.token_ids) - held) * row)
+                return
+
+    def _kv_planes_and_row_bytes(self) -> tuple[int, int]:
+        """(K and V planes of all layers, bytes of one token's row of this rank's K/V heads in one plane):
+        a replica shard of n tokens is planes * n * row bytes, plane after plane."""
+        layout = self.engine.layout
+        itemsize = torch.empty(0, dtype=layout.torch_dtype).element_size()
+        return layout.num_layers * 2, layout.num_kv_heads * layout.head_dim * itemsize
 
     def _adopt_prefix(self, job: PrefillJob, seq_id: str) -> int:
         """Starts seq_id from the job's cached prefix when every rank could read it; returns the tokens
@@ -453,9 +490,7 @@ class RankWorker:
         shards = job.stored_shards(self.fingerprint)
         index = shard_holding(shards, self.kv_heads)
         fingerprint = shards[index].fingerprint or self.fingerprint
-        itemsize = torch.empty(0, dtype=layout.torch_dtype).element_size()
-        row = layout.num_kv_heads * layout.head_dim * itemsize
-        planes = layout.num_layers * 2
+        planes, row = self._kv_planes_and_row_bytes()
         pieces = []
         for run in prefix.runs_of(index):
             ranges = [segment_range(run.object_bytes, planes, row, run.token_start, run.token_count)]

@@ -36,6 +36,7 @@ class PutHeader(_message.Message):
     BLOCK_KEYS_FIELD_NUMBER: _builtins.int
     BLOCK_TOKENS_FIELD_NUMBER: _builtins.int
     STANDBY_SHM_NAME_FIELD_NUMBER: _builtins.int
+    STANDBY_ON_REQUEST_FIELD_NUMBER: _builtins.int
     key: _builtins.str
     """Key of the object; unique; write-once."""
     fingerprint: _builtins.str
@@ -61,6 +62,10 @@ class PutHeader(_message.Message):
     mapped since. The store fills this put into it when it is still free, prepared and fits (at most a
     quarter larger than the object), else into a segment of its choosing; any other name is ignored.
     """
+    standby_on_request: _builtins.bool
+    """Shared-memory path: the writer asks PrepareStandby before each put, knowing its size: the store
+    readies no standby after this one (it would be sized for this put, not the next).
+    """
     @_builtins.property
     def block_keys(self) -> _containers.RepeatedScalarFieldContainer[_builtins.str]:
         """Prefix reuse: the content-addressed keys (kvstore.prefix.prefix_block_keys) of the full blocks the
@@ -82,10 +87,11 @@ class PutHeader(_message.Message):
         block_keys: _abc.Iterable[_builtins.str] | None = ...,
         block_tokens: _builtins.int = ...,
         standby_shm_name: _builtins.str = ...,
+        standby_on_request: _builtins.bool = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["block_keys", b"block_keys", "block_tokens", b"block_tokens", "chunk_size", b"chunk_size", "fingerprint", b"fingerprint", "key", b"key", "lease_ms", b"lease_ms", "metadata", b"metadata", "standby_shm_name", b"standby_shm_name", "total_bytes", b"total_bytes", "use_shm", b"use_shm"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["block_keys", b"block_keys", "block_tokens", b"block_tokens", "chunk_size", b"chunk_size", "fingerprint", b"fingerprint", "key", b"key", "lease_ms", b"lease_ms", "metadata", b"metadata", "standby_on_request", b"standby_on_request", "standby_shm_name", b"standby_shm_name", "total_bytes", b"total_bytes", "use_shm", b"use_shm"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -646,6 +652,8 @@ class StatResponse(_message.Message):
     PREFIX_BLOCKS_HIT_FIELD_NUMBER: _builtins.int
     PREFIX_LEASES_FIELD_NUMBER: _builtins.int
     PREFIX_LEASE_EXPIRIES_FIELD_NUMBER: _builtins.int
+    STANDBY_MIN_BYTES_FIELD_NUMBER: _builtins.int
+    STANDBY_PUTS_FIELD_NUMBER: _builtins.int
     objects: _builtins.int
     """Committed objects held."""
     bytes: _builtins.int
@@ -692,6 +700,14 @@ class StatResponse(_message.Message):
     """Prefix leases held now."""
     prefix_lease_expiries: _builtins.int
     """Prefix leases reclaimed because they expired before their release, since start."""
+    standby_min_bytes: _builtins.int
+    """Shared-memory puts of at least this many bytes get standby segments (PutCommitted, PrepareStandby);
+    0: the store readies none.
+    """
+    standby_puts: _builtins.int
+    """Shared-memory puts since start that landed in the standby segment their writer named (mapped on
+    both sides before the put).
+    """
     @_builtins.property
     def object(self) -> Global___ObjectStat:
         """The object asked for, if any and if it exists."""
@@ -722,10 +738,12 @@ class StatResponse(_message.Message):
         prefix_blocks_hit: _builtins.int = ...,
         prefix_leases: _builtins.int = ...,
         prefix_lease_expiries: _builtins.int = ...,
+        standby_min_bytes: _builtins.int = ...,
+        standby_puts: _builtins.int = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["object", b"object"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["aborted_puts", b"aborted_puts", "bytes", b"bytes", "bytes_in", b"bytes_in", "bytes_out", b"bytes_out", "capacity_bytes", b"capacity_bytes", "evictions", b"evictions", "lease_expiries", b"lease_expiries", "object", b"object", "objects", b"objects", "pinned_bytes", b"pinned_bytes", "pooled_bytes", b"pooled_bytes", "prefix_blocks", b"prefix_blocks", "prefix_blocks_hit", b"prefix_blocks_hit", "prefix_blocks_queried", b"prefix_blocks_queried", "prefix_bytes", b"prefix_bytes", "prefix_lease_expiries", b"prefix_lease_expiries", "prefix_leases", b"prefix_leases", "prefix_lookups", b"prefix_lookups", "refused_puts", b"refused_puts", "repeated_releases", b"repeated_releases", "reserved_bytes", b"reserved_bytes", "shm_dir", b"shm_dir", "shm_probe", b"shm_probe"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["aborted_puts", b"aborted_puts", "bytes", b"bytes", "bytes_in", b"bytes_in", "bytes_out", b"bytes_out", "capacity_bytes", b"capacity_bytes", "evictions", b"evictions", "lease_expiries", b"lease_expiries", "object", b"object", "objects", b"objects", "pinned_bytes", b"pinned_bytes", "pooled_bytes", b"pooled_bytes", "prefix_blocks", b"prefix_blocks", "prefix_blocks_hit", b"prefix_blocks_hit", "prefix_blocks_queried", b"prefix_blocks_queried", "prefix_bytes", b"prefix_bytes", "prefix_lease_expiries", b"prefix_lease_expiries", "prefix_leases", b"prefix_leases", "prefix_lookups", b"prefix_lookups", "refused_puts", b"refused_puts", "repeated_releases", b"repeated_releases", "reserved_bytes", b"reserved_bytes", "shm_dir", b"shm_dir", "shm_probe", b"shm_probe", "standby_min_bytes", b"standby_min_bytes", "standby_puts", b"standby_puts"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -936,3 +954,55 @@ class LookupResponse(_message.Message):
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
 Global___LookupResponse: _TypeAlias = LookupResponse  # noqa: Y015
+
+@_typing.final
+class PrepareStandbyRequest(_message.Message):
+    """Request of PrepareStandby."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    SIZE_BYTES_FIELD_NUMBER: _builtins.int
+    HELD_STANDBY_SHM_NAME_FIELD_NUMBER: _builtins.int
+    size_bytes: _builtins.int
+    """Size in bytes of the writer's next put; > 0 and at most the store's capacity."""
+    held_standby_shm_name: _builtins.str
+    """The standby the store last named to this writer (PutCommitted or PrepareStandbyResponse), if any: it
+    is kept when it fits size_bytes, else given up for a new one (a writer holds one standby).
+    """
+    def __init__(
+        self,
+        *,
+        size_bytes: _builtins.int = ...,
+        held_standby_shm_name: _builtins.str = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["held_standby_shm_name", b"held_standby_shm_name", "size_bytes", b"size_bytes"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___PrepareStandbyRequest: _TypeAlias = PrepareStandbyRequest  # noqa: Y015
+
+@_typing.final
+class PrepareStandbyResponse(_message.Message):
+    """Result of PrepareStandby."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    STANDBY_SHM_NAME_FIELD_NUMBER: _builtins.int
+    standby_shm_name: _builtins.str
+    """The segment to map and name in the next put's header (PutHeader.standby_shm_name). Empty: none (an
+    object under the store's standby size, standbys off, or no room for one).
+    """
+    def __init__(
+        self,
+        *,
+        standby_shm_name: _builtins.str = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["standby_shm_name", b"standby_shm_name"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___PrepareStandbyResponse: _TypeAlias = PrepareStandbyResponse  # noqa: Y015

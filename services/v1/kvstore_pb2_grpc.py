@@ -65,6 +65,11 @@ class KvStoreServiceStub:
                 request_serializer=pcpstack_dot_v1_dot_kvstore__pb2.LookupRequest.SerializeToString,
                 response_deserializer=pcpstack_dot_v1_dot_kvstore__pb2.LookupResponse.FromString,
                 _registered_method=True)
+        self.PrepareStandby = channel.unary_unary(
+                '/pcpstack.v1.KvStoreService/PrepareStandby',
+                request_serializer=pcpstack_dot_v1_dot_kvstore__pb2.PrepareStandbyRequest.SerializeToString,
+                response_deserializer=pcpstack_dot_v1_dot_kvstore__pb2.PrepareStandbyResponse.FromString,
+                _registered_method=True)
 
 
 class KvStoreServiceServicer:
@@ -122,6 +127,15 @@ class KvStoreServiceServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def PrepareStandby(self, request, context):
+        """Shared-memory path: readies a standby segment for the writer's next put of size_bytes before it has
+        the bytes (a prefill rank asks when its forward starts, seconds before its push), as PutCommitted
+        names one after a put, so that a put of a size unlike the last one still lands in mapped pages.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_KvStoreServiceServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -154,6 +168,11 @@ def add_KvStoreServiceServicer_to_server(servicer, server):
                     servicer.Lookup,
                     request_deserializer=pcpstack_dot_v1_dot_kvstore__pb2.LookupRequest.FromString,
                     response_serializer=pcpstack_dot_v1_dot_kvstore__pb2.LookupResponse.SerializeToString,
+            ),
+            'PrepareStandby': grpc.unary_unary_rpc_method_handler(
+                    servicer.PrepareStandby,
+                    request_deserializer=pcpstack_dot_v1_dot_kvstore__pb2.PrepareStandbyRequest.FromString,
+                    response_serializer=pcpstack_dot_v1_dot_kvstore__pb2.PrepareStandbyResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -319,6 +338,33 @@ class KvStoreService:
             '/pcpstack.v1.KvStoreService/Lookup',
             pcpstack_dot_v1_dot_kvstore__pb2.LookupRequest.SerializeToString,
             pcpstack_dot_v1_dot_kvstore__pb2.LookupResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def PrepareStandby(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/pcpstack.v1.KvStoreService/PrepareStandby',
+            pcpstack_dot_v1_dot_kvstore__pb2.PrepareStandbyRequest.SerializeToString,
+            pcpstack_dot_v1_dot_kvstore__pb2.PrepareStandbyResponse.FromString,
             options,
             channel_credentials,
             insecure,

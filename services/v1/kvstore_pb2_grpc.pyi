@@ -61,6 +61,11 @@ class KvStoreServiceStub:
     store holds, and where. A hit pins the objects holding them under a prefix lease until the lease is
     released (Release with lease = true) or expires, so they cannot be evicted before they are read.
     """
+    PrepareStandby: _grpc.UnaryUnaryMultiCallable[_kvstore_pb2.PrepareStandbyRequest, _kvstore_pb2.PrepareStandbyResponse]
+    """Shared-memory path: readies a standby segment for the writer's next put of size_bytes before it has
+    the bytes (a prefill rank asks when its forward starts, seconds before its push), as PutCommitted
+    names one after a put, so that a put of a size unlike the last one still lands in mapped pages.
+    """
 
 @_typing.type_check_only
 class KvStoreServiceAsyncStub(KvStoreServiceStub):
@@ -92,6 +97,11 @@ class KvStoreServiceAsyncStub(KvStoreServiceStub):
     """Prefix reuse: how many leading blocks of a prompt (given as their content-addressed block keys) the
     store holds, and where. A hit pins the objects holding them under a prefix lease until the lease is
     released (Release with lease = true) or expires, so they cannot be evicted before they are read.
+    """
+    PrepareStandby: _aio.UnaryUnaryMultiCallable[_kvstore_pb2.PrepareStandbyRequest, _kvstore_pb2.PrepareStandbyResponse]  # type: ignore[assignment]
+    """Shared-memory path: readies a standby segment for the writer's next put of size_bytes before it has
+    the bytes (a prefill rank asks when its forward starts, seconds before its push), as PutCommitted
+    names one after a put, so that a put of a size unlike the last one still lands in mapped pages.
     """
 
 class KvStoreServiceServicer(metaclass=_abc_1.ABCMeta):
@@ -157,6 +167,17 @@ class KvStoreServiceServicer(metaclass=_abc_1.ABCMeta):
         """Prefix reuse: how many leading blocks of a prompt (given as their content-addressed block keys) the
         store holds, and where. A hit pins the objects holding them under a prefix lease until the lease is
         released (Release with lease = true) or expires, so they cannot be evicted before they are read.
+        """
+
+    @_abc_1.abstractmethod
+    def PrepareStandby(
+        self,
+        request: _kvstore_pb2.PrepareStandbyRequest,
+        context: _ServicerContext,
+    ) -> _typing.Union[_kvstore_pb2.PrepareStandbyResponse, _abc.Awaitable[_kvstore_pb2.PrepareStandbyResponse]]:
+        """Shared-memory path: readies a standby segment for the writer's next put of size_bytes before it has
+        the bytes (a prefill rank asks when its forward starts, seconds before its push), as PutCommitted
+        names one after a put, so that a put of a size unlike the last one still lands in mapped pages.
         """
 
 def add_KvStoreServiceServicer_to_server(servicer: KvStoreServiceServicer, server: _typing.Union[_grpc.Server, _aio.Server]) -> None: ...

@@ -192,3 +192,20 @@ def test_second_chat_turn_reuses_the_first_turns_prefix_blocks_and_answers_as_a_
 async def _store_stat(stack):
     async with KvStoreClient(stack.stack.kvstore_address) as store:
         return await store.stat()
+
+
+@pytest.mark.slow
+def test_each_replica_lands_in_the_segment_its_rank_announced_before_the_forward(smollm_stack_pcp2) -> None:
+    """The owner rank tells the store its push's size when the forward starts, so the store readies a
+    segment of that size and the rank maps it during the forward: every push lands in one, also when
+    prompt lengths change from one request to the next (a standby sized after the last push would not
+    fit). Each prompt here is new (a salt of its own), so the whole replica is pushed."""
+    stack = smollm_stack_pcp2
+    for index, lines in enumerate((16, 48, 16)):  # ~230, ~660, ~230 tokens: 10-30 MB replicas
+        prompt = "Count: " + " ".join(
+            f"Line {i}: a red fox runs past {index} tall trees." for i in range(lines)
+        )
+        before = stack.run(_store_stat(stack)).standby_puts
+        result = stack.run(_answer(stack.decode, prompt, cache_salt=f"standby-{index}", max_tokens=2))
+        assert result.summary.cached_prompt_tokens == 0
+        assert stack.run(_store_stat(stack)).standby_puts == before + 1, f"prompt of {lines} lines"

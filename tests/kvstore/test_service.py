@@ -690,3 +690,35 @@ def test_two_writers_taking_turns_each_put_into_their_own_standby():
             assert one.standby_shm_name != other.standby_shm_name
 
     asyncio.run(body())
+
+
+@pytest.mark.timeout(60)
+def test_a_writer_that_announces_each_puts_size_gets_a_standby_of_that_size_before_it():
+    """Puts of sizes unlike each other (prompts of any length): each announced with PrepareStandby lands
+    in the standby readied for it; after such puts the store names no standby of its own; sizes under the
+    store's standby size cost no call."""
+
+    async def body():
+        async with running_store() as server, KvStoreClient(server.address) as writer:
+            store, segments = server.servicer.store, server.servicer.segments
+            assert await writer.prepare_put(1 << 20) == ""  # under standby_min_bytes (from Stat): no call
+            for index, size in enumerate((12 << 20, 9 << 20, 20 << 20, 9 << 20)):
+                standby = await writer.prepare_put(size)
+                assert standby and writer.standby_shm_name == standby
+                writer.wait_for_standby(timeout=10)
+                await writer.put(f"o{index}", "fp", random.randbytes(size))
+                assert store.find(f"o{index}").payload.name == standby
+                assert writer.standby_shm_name == ""  # the store readies the next one when asked
+            assert (await writer.stat()).standby_puts == segments.standby_puts == 4
+
+            async with KvStoreClient(server.address) as other:  # a writer that does not announce its puts
+                await other.put("p0", "fp", random.randbytes(12 << 20))
+                assert other.standby_shm_name != ""  # still gets one after each put
+
+            for size in (0, (1 << 30) + 1):
+                with pytest.raises(InvalidArgument, match=r"size_bytes must be in 1\.\.1073741824"):
+                    await writer._unary(
+                        writer._stub.PrepareStandby, pb.PrepareStandbyRequest(size_bytes=size)
+                    )
+
+    asyncio.run(body())
