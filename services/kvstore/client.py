@@ -67,6 +67,9 @@ __all__ = ["ByteRange", "ByteRepeat", "KvStoreClient", "StoredReplica", "make_ke
 
 FINGERPRINT_KEY_CHARS = 16
 DEFAULT_RECEIVE_POOL_BYTES = 512 << 20  # buffers of finished gets a client keeps for the next ones
+# The longest a put's announcement (prepare_put) may take: a local store answers in milliseconds, and a
+# prefill rank waits for it before its forward (its set's other ranks wait in the forward's collectives).
+ANNOUNCE_TIMEOUT_S = 2.0
 
 
 def make_key(request_id: str, fingerprint: str) -> str:
@@ -263,23 +266,26 @@ class KvStoreClient:
         finally:
             await _end_stream(call)
 
-    async def prepare_put(self, size: int) -> str:
+    async def prepare_put(self, size: int, timeout_s: float = ANNOUNCE_TIMEOUT_S) -> str:
         """Tells the store the size of this writer's next put before it has the bytes (a prefill rank, as
         its forward starts): on the shared-memory path the store readies a standby segment of that size,
         which this client maps on a thread of its own meanwhile, so that the put lands in mapped pages
         even when its size is unlike the last put's. From the first call that asks the store (a size of
         at least its standby_min_bytes), it readies this writer's standbys only when asked. Returns the
-        standby's name, "" for none; a hint that fails (an older store, a broken channel) is logged and
-        changes nothing, the put still works."""
+        standby's name, "" for none. A hint: one that fails or takes over timeout_s (an older store, a
+        frozen one, a broken channel) is logged and changes nothing, the put still works."""
+        try:
+            return await asyncio.wait_for(self._prepare_put(size), timeout_s)
+        except (ServiceError, TimeoutError) as exc:
+            log.info("the KV store readied no standby for a put of %d bytes: %r", size, exc)
+            return ""
+
+    async def _prepare_put(self, size: int) -> str:
         if not await self.uses_shm() or not self._standby_min_bytes or size < self._standby_min_bytes:
             return ""  # no standby would come: not worth a call (the store names none after puts either)
         self._standby_on_request = True
         request = pb.PrepareStandbyRequest(size_bytes=size, held_standby_shm_name=self.standby_shm_name)
-        try:
-            name = (await self._unary(self._stub.PrepareStandby, request)).standby_shm_name
-        except ServiceError as exc:
-            log.info("the KV store readied no standby for a put of %d bytes: %s", size, exc)
-            return ""
+        name = (await self._unary(self._stub.PrepareStandby, request)).standby_shm_name
         self._prefetch(name)
         return name
 

@@ -108,3 +108,30 @@ def test_segments_of_a_killed_store_are_reclaimed_by_the_next_store(child_env):
         assert not [name for name in os.listdir(shm_dir) if token in name]
     finally:
         successor.close()
+
+
+@pytest.mark.timeout(60)
+def test_an_announcement_to_a_frozen_store_gives_up_after_its_timeout_and_the_put_still_works(child_env):
+    """A prefill rank announces its push before its forward, while its set's other ranks wait: a store that
+    does not answer (SIGSTOP) must cost it the announcement's timeout, not the client's 60 s deadline."""
+    store, address = spawn_and_wait_listening("kvstore", ["--port", "0"], env=child_env)
+    try:
+
+        async def body() -> None:
+            async with KvStoreClient(address) as client:
+                assert await client.uses_shm()  # the store's standby size is known from here on
+                store.send_signal(signal.SIGSTOP)
+                try:
+                    started = asyncio.get_running_loop().time()
+                    assert await client.prepare_put(16 << 20, timeout_s=0.5) == ""
+                    assert asyncio.get_running_loop().time() - started < 5
+                finally:
+                    store.send_signal(signal.SIGCONT)
+                stored = await client.put("after", "fp", bytes(16 << 20))
+                data, _ = await client.get("after", "fp", stored.capability)
+                assert data.nbytes == 16 << 20
+
+        asyncio.run(body())
+    finally:
+        store.send_signal(signal.SIGKILL)
+        store.wait()
