@@ -39,7 +39,9 @@ from pcpstack.kvstore.stream import DEFAULT_CHUNK_BYTES
 
 PATHS = ("grpc", "shm", "shm_full", "shm_mixed")
 FULL_STORE_PATHS = ("shm_full", "shm_mixed")
-KEPT_PAUSE_S = 0.5  # between puts on the shm_full path (of objects that get a standby), off the clock
+# Off the clock before each put of the full-store paths (shm_full: objects that get a standby; shm_mixed:
+# after its announcement): a prefill rank's pushes are seconds apart, the store readies standbys meanwhile.
+KEPT_PAUSE_S = 0.5
 _UNITS = {
     "": 1,
     "B": 1,
