@@ -64,6 +64,16 @@ def test_every_option_with_a_default_says_it_in_its_help(command: str, parser: a
     assert missing == [], f"{command}: options whose help does not give their default: {missing}"
 
 
+@pytest.mark.parametrize("command, parser", list(subcommand_parsers()), ids=lambda v: str(v)[:40])
+def test_a_flag_without_a_value_shows_no_default(command: str, parser: argparse.ArgumentParser):
+    shown = {
+        action.option_strings[0]: " ".join(parser._get_formatter()._format_action(action).split())
+        for action in parser._actions
+        if action.option_strings and action.nargs == 0
+    }
+    assert {flag: line for flag, line in shown.items() if "(default: " in line} == {}
+
+
 def test_version_prints_the_installed_version(child_env) -> None:
     run = subprocess.run(cli_command("--version"), capture_output=True, text=True, env=child_env, timeout=60)
     assert run.returncode == 0
