@@ -219,7 +219,9 @@ class Batcher:
                         None,
                         "",
                         error=ResourceExhausted(
-                            f"prompt plus max_tokens needs {need} KV blocks; the cache has {capacity}"
+                            f"prompt of {request.num_tokens} tokens plus "
+                            f"max_tokens={request.params.max_tokens} needs {need} KV blocks; the cache has "
+                            f"{capacity}"
                         ),
                     ),
                 )

@@ -273,7 +273,7 @@ class GeneratePipeline:
         capacity = self.engine.cache.num_blocks
         if max_tokens > 1 and need > capacity:
             raise ResourceExhausted(
-                f"the prompt's {len(ids)} tokens plus max_tokens={max_tokens} need {need} KV blocks of "
+                f"prompt of {len(ids)} tokens plus max_tokens={max_tokens} need {need} KV blocks of "
                 f"{self.engine.block_size} tokens; this decode worker's cache has {capacity}"
             )
         return ids

@@ -71,13 +71,21 @@ def service_unavailable(message: str) -> ApiError:
 
 
 def error_from_rpc(code: grpc.StatusCode, details: str) -> ApiError:
-    """The ApiError for a failed Generate call, with the OpenAI parameter its message names (if any)."""
+    """The ApiError for a failed Generate call, with the OpenAI parameter its message names (if any).
+
+    RESOURCE_EXHAUSTED is a 429 (busy: try again later), except when its message begins with a request
+    field ("prompt of 900 tokens exceeds this prefill set's KV capacity of 512 tokens"): that request is
+    larger than this deployment holds at any time, and OpenAI clients retry a 429 on their own, so it is a
+    400 naming the field, with OpenAI's code for it (context_length_exceeded)."""
     status, error_type = _HTTP_OF_RPC.get(code, (500, "server_error"))
     message = details or code.name
+    param = param_of(message)
+    if code == grpc.StatusCode.RESOURCE_EXHAUSTED and param is not None:
+        return ApiError(400, message, param=param, code="context_length_exceeded")
     return ApiError(
         status,
         message,
-        param=param_of(message) if status == 400 else None,
+        param=param if status == 400 else None,
         error_type=error_type,
         code=code.name.lower(),
     )

@@ -144,7 +144,8 @@ class _Sampling(StrictModel):
 class CompletionRequest(_Sampling):
     """A /v1/completions body."""
 
-    prompt: str | list[str] | list[TokenId] | list[list[TokenId]]
+    # A batch of one ([text] or [[ids]]) arrives here unwrapped (_one_prompt).
+    prompt: str | list[TokenId]
     max_tokens: int | None = Field(None, ge=1, lt=_UINT32)
     # Completions' logprobs is a count of alternatives per token (0: the sampled token's only).
     logprobs: int | None = Field(None, ge=0, le=MAX_TOP_LOGPROBS)
@@ -152,16 +153,22 @@ class CompletionRequest(_Sampling):
     @field_validator("prompt", mode="before")
     @classmethod
     def _one_prompt(cls, prompt: Any) -> Any:
-        """A batch of one is unwrapped; a larger batch refused (one prompt per request)."""
+        """A batch of one is unwrapped; a larger batch refused (one prompt per request). What is left must be
+        a string or token ids: a batch inside the batch ([["a"]], [[[1]]]) is refused here, by name."""
         if isinstance(prompt, list) and prompt and all(isinstance(p, str | list) for p in prompt):
             if len(prompt) > 1:
                 raise ValueError(
                     f"a batch of {len(prompt)} prompts is not supported; send one prompt per request"
                 )
-            return prompt[0]
-        if not isinstance(prompt, str | list) or (isinstance(prompt, list) and not prompt):
-            raise ValueError("prompt must be a string or a non-empty list of token ids (integers >= 0)")
-        return prompt
+            prompt = prompt[0]
+        if isinstance(prompt, str) or (
+            isinstance(prompt, list) and prompt and all(type(token) is int for token in prompt)
+        ):
+            return prompt
+        raise ValueError(
+            "prompt must be a string, a non-empty list of token ids (integers >= 0), or a list holding one "
+            "of those"
+        )
 
 
 class TextPart(StrictModel):
@@ -383,7 +390,7 @@ def parse_completion(body: Any, served_model: str) -> ParsedRequest:
     prompt = request.prompt
     return ParsedRequest(
         chat=False,
-        prompt=prompt,  # type: ignore[arg-type]  # a batch of one was unwrapped by the model
+        prompt=prompt,
         max_tokens=_or(request.max_tokens, COMPLETION_DEFAULT_MAX_TOKENS),
         logprobs=request.logprobs is not None,
         top_logprobs=request.logprobs or 0,

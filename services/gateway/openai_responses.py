@@ -390,6 +390,9 @@ class ResponseShaper:
         return CompletionLogprobs(
             tokens=[t.text for t in tokens],
             token_logprobs=[t.logprob for t in tokens],
-            top_logprobs=[dict(t.top) for t in tokens] if self.request.top_logprobs else None,
+            # As OpenAI's: the sampled token is always among them (so up to logprobs + 1 entries).
+            top_logprobs=[{**dict(t.top), t.text: t.logprob} for t in tokens]
+            if self.request.top_logprobs
+            else None,
             text_offset=offsets,
         )

@@ -102,6 +102,18 @@ def _error_response(error: ApiError) -> web.Response:
     return web.json_response(error.body(), status=error.status)
 
 
+def _http_error_response(request: web.Request, exc: web.HTTPException) -> web.Response:
+    """aiohttp's own refusal (404 no route, 405 wrong method) in the OpenAI shape; a 405 keeps its Allow
+    header (RFC 9110 requires it) and names the methods the route takes."""
+    message, allow = exc.reason, exc.headers.get("Allow")
+    if allow:
+        message = f"{exc.reason}: {request.method} {request.path} takes {allow}"
+    response = _error_response(ApiError(exc.status, message, error_type="invalid_request_error"))
+    if allow:
+        response.headers["Allow"] = allow
+    return response
+
+
 @web.middleware
 async def _observe(request: web.Request, handler: Callable) -> web.StreamResponse:
     """Server span (continuing the caller's trace), OpenAI-shaped errors and metrics for /v1 routes."""
@@ -131,7 +143,7 @@ async def _observe(request: web.Request, handler: Callable) -> web.StreamRespons
             response = _error_response(exc)
             metrics.error(endpoint, exc.error_type)
         except web.HTTPException as exc:
-            response = _error_response(ApiError(exc.status, exc.reason, error_type="invalid_request_error"))
+            response = _http_error_response(request, exc)
             metrics.error(endpoint, "invalid_request_error")
         except Exception:
             log.exception("unexpected error serving %s", request.path)
@@ -188,9 +200,9 @@ async def _generate(
     """Parses, calls Decode.Generate and answers whole or streamed."""
     settings, pool = request.app[_SETTINGS], request.app[_POOL]
     request_id = _request_id(request)
-    parsed = parse(load_body(await request.read(), request.charset), settings.model_name)
-    request[_REQUEST_ID] = request_id
+    request[_REQUEST_ID] = request_id  # before the body is read: a refused body's answer and log carry it too
     request_id_var.set(request_id)
+    parsed = parse(load_body(await request.read(), request.charset), settings.model_name)
     detokenize = None
     if parsed.include_stop_str_in_output and parsed.stop:
         detokenize = await request.app[_TOKENIZATION].detokenizer("include_stop_str_in_output")

@@ -23,6 +23,24 @@ def test_rpc_status_maps_to_http_status(code: grpc.StatusCode, status: int) -> N
 
 
 @pytest.mark.parametrize(
+    "message",
+    [
+        "prompt of 900 tokens exceeds this prefill set's KV capacity of 512 tokens (--kv-cache-tokens; ...)",
+        "prompt of 100 tokens plus max_tokens=50 need 2 KV blocks of 128 tokens; this decode worker's "
+        "cache has 1",
+    ],
+)
+def test_a_request_too_large_for_the_deployment_is_a_400_not_a_retryable_429(message: str) -> None:
+    error = error_from_rpc(grpc.StatusCode.RESOURCE_EXHAUSTED, message)
+    assert (error.status, error.param, error.code) == (400, "prompt", "context_length_exceeded")
+    # A busy service's refusal names no request field: the client may retry it.
+    busy = error_from_rpc(
+        grpc.StatusCode.RESOURCE_EXHAUSTED, "put of key 'r1' needs 5 bytes but only 2 are free"
+    )
+    assert (busy.status, busy.param) == (429, None)
+
+
+@pytest.mark.parametrize(
     ("message", "param"),
     [
         ("sampling.temperature=-1.0 must be finite and >= 0", "temperature"),

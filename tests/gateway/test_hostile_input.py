@@ -32,6 +32,21 @@ def _post(url: str, path: str, body: bytes, headers: dict[str, bytes] | None = N
         connection.close()
 
 
+def _exchange(
+    url: str, method: str, path: str, body: bytes, headers: dict[str, str]
+) -> http.client.HTTPResponse:
+    """One request; the response with its body read into `.json`."""
+    host, port = url.removeprefix("http://").split(":")
+    connection = http.client.HTTPConnection(host, int(port), timeout=30)
+    try:
+        connection.request(method, path, body, {"Content-Type": "application/json", **headers})
+        answer = connection.getresponse()
+        answer.json = json.loads(answer.read())  # type: ignore[attr-defined]
+        return answer
+    finally:
+        connection.close()
+
+
 def _assert_400(status: int, answer: dict, param: str, words: str) -> None:
     assert status == 400, answer
     error = answer["error"]
@@ -96,3 +111,29 @@ def test_numbers_python_reads_but_json_does_not_mean_are_a_400(gateway_alone, nu
     assert status == 400 and answer["error"]["type"] == "invalid_request_error", answer
     assert answer["error"]["param"] in ("temperature", "body")
     _assert_no_unexpected_error(gateway_alone)
+
+
+@pytest.mark.parametrize("prompt", [[["a"]], [["a", "b"]], [[[1]]], [[1, "a"]], [[True]]])
+def test_a_prompt_nested_past_a_batch_of_one_is_a_400_naming_the_prompt(gateway_alone, prompt) -> None:
+    body = json.dumps({"prompt": prompt, "max_tokens": 2}).encode()
+    status, answer = _post(gateway_alone.url, "/v1/completions", body)
+    _assert_400(status, answer, "prompt", "token ids")
+    _assert_no_unexpected_error(gateway_alone)
+
+
+def test_a_refused_body_still_carries_the_callers_request_id(gateway_alone) -> None:
+    answer = _exchange(
+        gateway_alone.url, "POST", "/v1/completions", b'{"prompt": 5}', {"X-Request-Id": "id-42"}
+    )
+    assert answer.status == 400 and answer.json["error"]["param"] == "prompt"
+    assert answer.getheader("X-Request-Id") == "id-42"
+
+
+@pytest.mark.parametrize(
+    ("method", "path", "allowed"), [("GET", "/v1/completions", "POST"), ("POST", "/v1/models", "GET")]
+)
+def test_a_wrong_method_is_a_405_that_names_the_allowed_ones(gateway_alone, method, path, allowed) -> None:
+    answer = _exchange(gateway_alone.url, method, path, b"{}" if method == "POST" else b"", {})
+    assert answer.status == 405
+    assert allowed in answer.getheader("Allow", "")
+    assert f"{method} {path} takes" in answer.json["error"]["message"]

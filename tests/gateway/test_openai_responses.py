@@ -142,6 +142,20 @@ def test_completion_top_logprobs_map_each_token_to_its_alternatives() -> None:
     assert logprobs.top_logprobs[1] == pytest.approx({"p": -0.6, "lo": -0.7})
 
 
+def test_completion_top_logprobs_always_hold_the_sampled_token() -> None:
+    # A sampled token outside the most likely one (temperature, logit_bias): OpenAI's top_logprobs still
+    # hold it, so up to logprobs + 1 entries.
+    entry = common_pb2.TokenLogprobs(
+        chosen=common_pb2.TokenLogprob(token_id=11, logprob=-3.0, text="lo"),
+        top=[common_pb2.TokenLogprob(token_id=13, logprob=-0.6, text="p")],
+    )
+    delta = decode_pb2.TokenDelta(token_ids=[11], text="lo", logprobs=[-3.0], token_logprobs=[entry])
+    shaper = ResponseShaper(parse_completion({"prompt": "x", "logprobs": 1}, MODEL), "c", 0)
+    shaper.add(delta)
+    logprobs = Completion.model_validate(shaper.response([SUMMARY])).choices[0].logprobs
+    assert logprobs.top_logprobs == [pytest.approx({"p": -0.6, "lo": -3.0})]
+
+
 def test_n_choices_are_indexed_and_usage_counts_the_prompt_once() -> None:
     shaper = ResponseShaper(parse_completion({"prompt": "x", "n": 2}, MODEL), "c", 0)
     shaper.add(decode_pb2.TokenDelta(token_ids=[1], text="a"), 0)
