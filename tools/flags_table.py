@@ -59,8 +59,12 @@ def _flag(action: argparse.Action) -> str:
 
 
 def _default(action: argparse.Action) -> str:
-    if action.nargs == 0:
+    if isinstance(action, argparse.BooleanOptionalAction):  # --X / --no-X: which one holds
         return "on" if action.default else "off"
+    if action.nargs == 0:
+        # A lone flag is off unless written, whatever it stores: `--no-prefix-cache` stores False when given,
+        # so its stored default is True, which "on" would misreport as the flag being set.
+        return "off"
     if not cli.has_default(action):
         return "-"
     return str(action.default)

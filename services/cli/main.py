@@ -33,10 +33,12 @@ def version() -> str:
 
 
 def has_default(action: argparse.Action) -> bool:
-    """Whether an option has a default worth telling (not None, False, an empty string or list). A flag that
-    takes no value (`--no-prefix-cache`, a store_false) has none: its default is only "not given", and
-    "(default: True)" after `--no-X` reads as if X were off."""
-    if not action.option_strings or action.default is argparse.SUPPRESS or action.nargs == 0:
+    """Whether an option has a default worth telling (not None, False, an empty string or list). A lone flag
+    that takes no value (`--no-prefix-cache`, a store_false) has none: its default is only "not given", and
+    "(default: True)" after `--no-X` reads as if X were off. A --X/--no-X pair does: which one holds."""
+    if not action.option_strings or action.default is argparse.SUPPRESS:
+        return False
+    if action.nargs == 0 and not isinstance(action, argparse.BooleanOptionalAction):
         return False
     return action.default is not None and action.default is not False and action.default not in ("", [])
 

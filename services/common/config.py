@@ -56,6 +56,17 @@ class ConfigError(FailedPrecondition, ValueError):
         return cls(f"{key}={value!r}: {rule}", (key,), rule)
 
 
+def unbindable(flag: str, address: str, exc: BaseException) -> ConfigError:
+    """The start-up error for a listening address that cannot be bound (flag: the flag that set it)."""
+    reason = " ".join(str(exc).split()) or type(exc).__name__
+    return ConfigError.broken(
+        flag,
+        address,
+        f"cannot be bound ({reason}): another process holds the port, or the host is not an address of "
+        "this machine",
+    )
+
+
 def _is_int(value: object) -> bool:
     return isinstance(value, int) and not isinstance(value, bool)
 
@@ -380,6 +391,10 @@ def parse_overrides(pairs: list[str]) -> dict[str, Any]:
     return overrides
 
 
+# The keys a role section may hold.
+SECTION_KEYS = ("engine_type", "engine_config")
+
+
 def load_configs(
     document: dict[str, Any], overrides: dict[str, Any] | None = None
 ) -> dict[str, EngineConfig]:
@@ -401,6 +416,19 @@ def load_configs(
         if not isinstance(section, dict) or not isinstance(section.get("engine_config", {}), dict):
             raise ConfigError(
                 f"{section_key} must be an object with an engine_config object", (section_key,), "shape"
+            )
+        stray = sorted(set(section) - set(SECTION_KEYS))
+        if stray:  # a misspelt engine_config would otherwise leave every setting at its default, silently
+            raise ConfigError(
+                f"unknown keys {stray} in {section_key}; expected {list(SECTION_KEYS)}",
+                (section_key, stray[0]),
+                "known keys only",
+            )
+        if not isinstance(section.get("engine_type", ""), str):
+            raise ConfigError(
+                f"{section_key}.engine_type={section['engine_type']!r} must be a string",
+                (section_key, "engine_type"),
+                "string",
             )
         config = EngineConfig.from_mapping(
             section.get("engine_config", {}), role=role, engine_type=section.get("engine_type", "pcpstack")

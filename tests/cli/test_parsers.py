@@ -69,7 +69,9 @@ def test_a_flag_without_a_value_shows_no_default(command: str, parser: argparse.
     shown = {
         action.option_strings[0]: " ".join(parser._get_formatter()._format_action(action).split())
         for action in parser._actions
-        if action.option_strings and action.nargs == 0
+        if action.option_strings
+        and action.nargs == 0
+        and not isinstance(action, argparse.BooleanOptionalAction)
     }
     assert {flag: line for flag, line in shown.items() if "(default: " in line} == {}
 

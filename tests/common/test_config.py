@@ -4,6 +4,7 @@ enforced both ways."""
 from __future__ import annotations
 
 import json
+import re
 import subprocess
 
 import pytest
@@ -237,6 +238,21 @@ def test_shared_rules_accept_valid_values(tmp_path) -> None:
     check_model_source("--model", "")
     check_model_source("--model", "tiny")
     check_model_source("--model", str(tmp_path))  # a model folder
+
+
+@pytest.mark.parametrize(
+    ("section", "needle"),
+    [
+        # A misspelt engine_config: every setting in it would silently stay at its default.
+        ({"engine_confg": {"prefill-context-parallel-size": 4}}, "unknown keys ['engine_confg']"),
+        ({"engine_config": {}, "extra": 1}, "unknown keys ['extra']"),
+        ({"engine_type": 5, "engine_config": {}}, "engine_type=5 must be a string"),
+    ],
+)
+def test_a_section_holds_only_its_known_keys(section: dict, needle: str) -> None:
+    with pytest.raises(ConfigError, match=re.escape(needle)) as refused:
+        load_configs({"motor_engine_prefill_config": section})
+    assert refused.value.keys[0] == "motor_engine_prefill_config"
 
 
 def test_a_config_file_that_cannot_be_read_or_parsed_is_a_config_error(tmp_path) -> None:
