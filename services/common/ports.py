@@ -25,3 +25,16 @@ def free_port(host: str = "127.0.0.1") -> int:
                 _handed_out.append(port)
                 return port
     raise RuntimeError(f"no free port on {host} that this process has not handed out lately")
+
+
+def check_bindable(host: str, port: int) -> None:
+    """Raises OSError when nothing could listen on host:port now: the port is taken (a gRPC server there
+    would share it through SO_REUSEPORT and split its connections with the holder), or the host is not an
+    address of this machine. Time-wait leftovers of a stopped server do not count."""
+    infos = socket.getaddrinfo(
+        host.strip("[]") or None, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE
+    )
+    family, kind, proto, _, address = infos[0]
+    with socket.socket(family, kind, proto) as probe:
+        probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        probe.bind(address)

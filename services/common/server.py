@@ -19,7 +19,8 @@ from grpc_health.v1.health import aio as health_aio
 from grpc_reflection.v1alpha import reflection
 
 from pcpstack.common import security as security_mod
-from pcpstack.common.config import check_non_negative, check_port, check_positive
+from pcpstack.common.config import check_non_negative, check_port, check_positive, unbindable
+from pcpstack.common.ports import check_bindable
 from pcpstack.common.request_decoding import DecodingInterceptor
 from pcpstack.common.rpc_errors import ErrorInterceptor
 
@@ -112,11 +113,21 @@ async def start_server(
     )
     credentials = security.server_credentials()
     bind = f"{options.host}:{options.port}"
-    port = (
-        server.add_insecure_port(bind) if credentials is None else server.add_secure_port(bind, credentials)
-    )
+    if options.port:
+        try:
+            check_bindable(options.host, options.port)
+        except OSError as exc:
+            raise unbindable("--port", bind, exc) from None
+    try:  # grpcio raises RuntimeError("Failed to bind ...") where older versions returned 0
+        port = (
+            server.add_insecure_port(bind)
+            if credentials is None
+            else server.add_secure_port(bind, credentials)
+        )
+    except RuntimeError as exc:  # its text ends in advice about GRPC_VERBOSITY; the core logged the cause
+        raise unbindable("--port", bind, RuntimeError(str(exc).split(";")[0])) from None
     if port == 0:
-        raise OSError(f"could not bind {options.host}:{options.port}")
+        raise unbindable("--port", bind, OSError("no port was bound"))
     await server.start()
     running = RunningServer(server, options.host, port, health, options.grace_seconds)
     for name in ["", *names]:

@@ -348,7 +348,11 @@ def run_service(
         return CONFIG_EXIT_STATUS
     setup_logging(service, process.log_level.upper())
     security.configure(process_security)
-    setup_telemetry(service, metrics_address=process.metrics)
+    try:
+        setup_telemetry(service, metrics_address=process.metrics)
+    except ConfigError as exc:  # --metrics cannot be bound
+        print(config_error_line(service, exc), file=sys.stderr, flush=True)
+        return CONFIG_EXIT_STATUS
 
     async def main() -> None:
         serving = await start(config)

@@ -44,6 +44,8 @@ from opentelemetry.sdk.trace.export import (
     SpanExportResult,
 )
 
+from pcpstack.common.config import unbindable
+
 TRACE_FILE_ENV = "PCPSTACK_TRACE_FILE"
 # The namespace of pcpstack's metrics as Prometheus sees them, and the instrument-name prefix it comes from.
 METRIC_NAMESPACE = "pcpstack:"
@@ -157,7 +159,10 @@ class PrometheusEndpoint:
         from prometheus_client import start_http_server
 
         host, _, port = address.rpartition(":")
-        start_http_server(int(port), addr=host or "127.0.0.1", registry=self.registry)
+        try:
+            start_http_server(int(port), addr=host or "127.0.0.1", registry=self.registry)
+        except OSError as exc:  # the port in use, or a host name that does not resolve here
+            raise unbindable("--metrics", address, exc) from None
 
 
 def latency_histogram(m: metrics.Meter, name: str, description: str) -> metrics.Histogram:

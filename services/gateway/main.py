@@ -24,6 +24,7 @@ from pcpstack.common.config import (
     check_model_source,
     check_port,
     check_positive,
+    unbindable,
 )
 from pcpstack.common.startup import Serving, add_process_arguments, config_from_args, run_service
 
@@ -192,7 +193,11 @@ async def start(config: GatewayConfig) -> Serving:
         else None
     )
     site = web.TCPSite(runner, config.host, config.port, ssl_context=tls)
-    await site.start()
+    try:
+        await site.start()
+    except OSError as exc:  # the port in use, or a --host that is not an address of this machine
+        await runner.cleanup()
+        raise unbindable("--host/--port", f"{config.host}:{config.port}", exc) from None
     port = runner.addresses[0][1]
     scheme = "https" if tls else "http"
     print(f"gateway listening on {scheme}://{config.host}:{port}/v1 (model {config.model_name})", flush=True)

@@ -7,6 +7,7 @@ from __future__ import annotations
 import asyncio
 import json
 import signal
+import socket
 import subprocess
 from pathlib import Path
 
@@ -69,6 +70,34 @@ def test_registry_refuses_a_bad_flag_with_one_line_naming_it(child_env, args: li
 )
 def test_kvstore_refuses_a_bad_flag_with_one_line_naming_it(child_env, args: list[str], named: str) -> None:
     assert named in refusal(child_env, "kvstore", *args)
+
+
+@pytest.fixture(scope="module")
+def held_port():
+    """A port another process's socket listens on."""
+    with socket.socket() as holder:
+        holder.bind(("127.0.0.1", 0))
+        holder.listen()
+        yield holder.getsockname()[1]
+
+
+@pytest.mark.parametrize(
+    ("service", "args", "named"),
+    [
+        ("registry", ["--port", "{port}"], "--port='127.0.0.1:{port}': cannot be bound"),
+        ("kvstore", ["--port", "{port}"], "--port='127.0.0.1:{port}': cannot be bound"),
+        ("gateway", ["--port", "{port}", "--decode", REGISTRY], "--host/--port='127.0.0.1:{port}': cannot"),
+        ("gateway", ["--host", "no such host", "--decode", REGISTRY], "--host/--port='no such host:"),
+        (
+            "registry",
+            ["--port", "0", "--metrics", "127.0.0.1:{port}"],
+            "--metrics='127.0.0.1:{port}': cannot",
+        ),
+    ],
+)
+def test_an_address_that_cannot_be_bound_is_refused_in_one_line(child_env, held_port, service, args, named):
+    args = [arg.format(port=held_port) for arg in args]
+    assert named.format(port=held_port) in refusal(child_env, service, *args)
 
 
 def _prefill_config(tmp_path: Path, **engine_config: object) -> str:
