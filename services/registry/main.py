@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import logging
+import os
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -92,12 +93,25 @@ class RegistryConfig(ListenConfig):
         check_positive("--assembly-timeout", self.assembly_timeout)
         if self.restore_grace is not None:
             check_non_negative("--restore-grace", self.restore_grace)
-        if self.snapshot is not None and not self.snapshot.parent.is_dir():
-            raise ConfigError.broken("--snapshot", str(self.snapshot), "must be a file in an existing folder")
+        if self.snapshot is not None:
+            self._check_snapshot(self.snapshot)
         if self.etcd is not None:
             self._check_etcd(self.etcd)
         if not self.etcd_prefix.startswith("/"):
             raise ConfigError.broken("--etcd-prefix", self.etcd_prefix, "must start with /")
+
+    @staticmethod
+    def _check_snapshot(path: Path) -> None:
+        # checked now: a path the registry cannot write would only show as warnings once it serves
+        if path.is_dir():
+            rule = "must be a file, not a folder"
+        elif not path.parent.is_dir():
+            rule = "must be a file in an existing folder"
+        elif not os.access(path.parent, os.W_OK | os.X_OK):
+            rule = "must be in a folder this process can write"
+        else:
+            return
+        raise ConfigError.broken("--snapshot", str(path), rule)
 
     def _check_etcd(self, urls: str) -> None:
         if self.snapshot is not None:

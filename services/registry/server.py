@@ -51,7 +51,7 @@ from pcpstack.registry.membership import (
     split_host_port,
     validate,
 )
-from pcpstack.registry.snapshot import read_snapshot, write_snapshot
+from pcpstack.registry.snapshot import SnapshotFile, read_snapshot
 from pcpstack.v1 import registry_pb2, registry_pb2_grpc
 
 if TYPE_CHECKING:
@@ -137,7 +137,9 @@ class RegistryServicer(registry_pb2_grpc.RegistryServiceServicer):
         self._verify_peer_address = verify_peer_address
         self._clock = clock
         self._mailboxes = Mailboxes()
-        self._snapshot_path = snapshot_path
+        self._snapshot = SnapshotFile(snapshot_path) if snapshot_path is not None else None
+        # the core changed since the snapshot file last took it (a failed write stays stale and is retried)
+        self._snapshot_stale = False
         self._dirty = False
         # PCP sets by state, counted on the event loop that owns the core (not thread-safe) at every tick
         # and read by the metrics exporter's thread.
@@ -678,8 +680,9 @@ class RegistryServicer(registry_pb2_grpc.RegistryServiceServicer):
                 # counting walks every set: only after a change
                 self._dirty = False
                 self._count_sets()
-                if self._snapshot_path is not None:
-                    write_snapshot(self._snapshot_path, self._membership.snapshot())
+                self._snapshot_stale = True
+            if self._snapshot_stale and self._snapshot is not None:
+                self._snapshot_stale = not self._snapshot.save(self._membership.snapshot())
 
 
 class RegistryServer:
