@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import inspect
 from collections.abc import Awaitable, Callable
+from contextlib import aclosing
 from typing import Any, NoReturn
 
 import grpc
@@ -46,8 +47,10 @@ def _unary(behaviour: Callable[..., Awaitable[Any]]) -> Callable[..., Awaitable[
 def _streaming(behaviour: Callable[..., Any]) -> Callable[..., Any]:
     async def wrapped(request_or_iterator, context):
         try:
-            async for response in behaviour(request_or_iterator, context):
-                yield response
+            # aclosing: closing this stream closes the servicer's at once, in the same task
+            async with aclosing(behaviour(request_or_iterator, context)) as responses:
+                async for response in responses:
+                    yield response
         except ServiceError as exc:
             await abort(context, exc)
 

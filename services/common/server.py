@@ -23,6 +23,7 @@ from pcpstack.common.config import check_non_negative, check_port, check_positiv
 from pcpstack.common.ports import check_bindable
 from pcpstack.common.request_decoding import DecodingInterceptor
 from pcpstack.common.rpc_errors import ErrorInterceptor
+from pcpstack.common.telemetry import server_interceptors
 
 DEFAULT_MAX_MESSAGE_BYTES = 64 * 1024 * 1024
 
@@ -102,7 +103,12 @@ async def start_server(
     security = options.security if options.security is not None else security_mod.current()
     # Authentication runs first; the error interceptor makes a servicer's ServiceError the caller's gRPC
     # status; innermost, the decoding interceptor answers request bytes that do not decode INVALID_ARGUMENT.
-    interceptors = [*security.server_interceptors(), ErrorInterceptor(), DecodingInterceptor()]
+    interceptors = [
+        *server_interceptors(),
+        *security.server_interceptors(),
+        ErrorInterceptor(),
+        DecodingInterceptor(),
+    ]
     server = grpc.aio.server(options=options.channel_options(), interceptors=interceptors)
     register(server)
     health = health_aio.HealthServicer()

@@ -20,17 +20,22 @@ the gRPC instrumentation keep their OpenTelemetry names.
 
 from __future__ import annotations
 
+import inspect
 import json
 import os
 import threading
-from collections.abc import Iterator, Sequence
+from collections.abc import AsyncIterator, Iterator, Sequence
+from contextlib import aclosing
 from pathlib import Path
+from typing import TypeVar
 
+import grpc
+from opentelemetry import context as otel_context
 from opentelemetry import metrics, trace
 from opentelemetry.instrumentation.grpc import (
     GrpcAioInstrumentorClient,
-    GrpcAioInstrumentorServer,
     GrpcInstrumentorClient,
+    aio_server_interceptor,
     filters,
 )
 from opentelemetry.sdk.metrics import MeterProvider
@@ -64,6 +69,9 @@ METRICS_EXPORTER_ENV = "OTEL_METRICS_EXPORTER"
 
 _lock = threading.Lock()
 _service: str | None = None
+T = TypeVar("T")
+# Which calls a server traces (all but health checks and reflection); None until setup_telemetry.
+_server_filter = None
 
 
 class JsonLinesSpanExporter(SpanExporter):
@@ -180,7 +188,7 @@ def setup_telemetry(
     Call once per process, before creating gRPC servers or channels. metrics_address ("host:port") also
     serves the metrics for Prometheus to scrape at http://host:port/metrics.
     """
-    global _service
+    global _service, _server_filter
     with _lock:
         if _service is not None:
             return
@@ -207,9 +215,75 @@ def setup_telemetry(
         not_noise = filters.negate(
             filters.any_of(filters.health_check(), filters.service_prefix("grpc.reflection"))
         )
-        GrpcAioInstrumentorServer(filter_=not_noise).instrument()
+        _server_filter = not_noise  # servers trace through server_interceptors(), not a patched constructor
         GrpcAioInstrumentorClient(filter_=not_noise).instrument()
         GrpcInstrumentorClient(filter_=not_noise).instrument()
+
+
+def server_interceptors() -> list[grpc.aio.ServerInterceptor]:
+    """The interceptors that trace a gRPC server's calls, outermost first ([] before setup_telemetry).
+
+    OpenTelemetry's server interceptor keeps a streaming call's span current across the stream's yields,
+    and grpcio never closes an abandoned stream in its call's task: when a client hangs up, the stream is
+    closed later by the garbage collector, in another context, where resetting the span's context fails
+    and is logged at ERROR with a traceback ("Failed to detach context"), once per hung-up stream. So an
+    outer interceptor drives each stream and closes it in its own task whatever ends it."""
+    if _server_filter is None:
+        return []
+    return [_StreamsClosedInTheirTask(), aio_server_interceptor(filter_=_server_filter)]
+
+
+class _StreamsClosedInTheirTask(grpc.aio.ServerInterceptor):
+    """Serves a streaming answer by writing each message itself (grpcio's reader/writer form), so that the
+    stream is closed in the call's own task when the call ends, is cancelled or fails."""
+
+    async def intercept_service(self, continuation, handler_call_details):
+        handler = await continuation(handler_call_details)
+        if handler is None or not handler.response_streaming:
+            return handler
+        serializers = (handler.request_deserializer, handler.response_serializer)
+        if handler.unary_stream:
+            return grpc.unary_stream_rpc_method_handler(_written(handler.unary_stream), *serializers)
+        return grpc.stream_stream_rpc_method_handler(_written(handler.stream_stream), *serializers)
+
+
+def _written(behaviour):
+    async def write_all(request_or_iterator, context: grpc.aio.ServicerContext) -> None:
+        responses = behaviour(request_or_iterator, context)
+        if inspect.isawaitable(responses):  # a handler of the reader/writer form writes for itself
+            return await responses
+        try:
+            async for response in responses:
+                await context.write(response)
+        finally:
+            await responses.aclose()
+
+    return write_all
+
+
+def record_failure(span: trace.Span, exc: BaseException) -> None:
+    """Marks span failed by exc, as leaving `start_as_current_span` by an exception does."""
+    span.record_exception(exc)
+    span.set_status(trace.Status(trace.StatusCode.ERROR, f"{type(exc).__name__}: {exc}"))
+
+
+async def current_in_steps(span: trace.Span, stream: AsyncIterator[T]) -> AsyncIterator[T]:
+    """stream's items, with span the current span while each one is produced but never across a yield.
+
+    A span made current around a generator's yields (`with start_as_current_span(...)`) is reset by
+    whoever closes the generator: a stream abandoned by its client is closed later, in another context,
+    where the reset fails and is logged at ERROR. Here every attach is undone within the same step."""
+    current = trace.set_span_in_context(span)
+    async with aclosing(stream):
+        while True:
+            token = otel_context.attach(current)
+            try:
+                item = await anext(stream)
+            except StopAsyncIteration:
+                return
+            finally:
+                otel_context.detach(token)
+            yield item
 
 
 def shutdown_telemetry() -> None:

@@ -36,6 +36,7 @@ from typing import TypeVar
 
 import grpc
 import torch
+from opentelemetry import trace
 from opentelemetry.metrics import Observation
 
 from pcpstack.common.errors import (
@@ -50,7 +51,14 @@ from pcpstack.common.errors import (
 from pcpstack.common.ids import check_request_id
 from pcpstack.common.logs import request_id_var
 from pcpstack.common.rpc_errors import error_from_rpc
-from pcpstack.common.telemetry import current_trace_id, latency_histogram, meter, tracer
+from pcpstack.common.telemetry import (
+    current_in_steps,
+    current_trace_id,
+    latency_histogram,
+    meter,
+    record_failure,
+    tracer,
+)
 from pcpstack.decode.batcher import Batcher, DecodeRequest, KvReplica, TokenEvent, accept_token
 from pcpstack.decode.kv_ranges import (
     KvSource,
@@ -295,28 +303,41 @@ class GeneratePipeline:
         request_id_var.set(request_id)
         deadline = arrived + (request.timeout_s if request.timeout_s is not None else _DEFAULT_DEADLINE_S)
         outcome = "error"
-        with _tracer.start_as_current_span("decode.generate") as span:
-            span.set_attribute("pcpstack.request_id", request_id)
-            try:
-                try:
-                    ids = self.validate(request)
-                except InvalidArgument:
-                    outcome = "invalid"
-                    raise
-                span.set_attribute("pcpstack.prompt_tokens", len(ids))
-                reply = await self._prefill(request_id, ids, request.sampling, deadline, request.cache_salt)
-                _prefill_time.record(time.monotonic() - arrived)
-                _prompt_tokens.add(len(ids))
-                # aclosing here and below: a request closed at a yield cleans up at once, not when collected.
-                async with aclosing(self._decode(request_id, ids, request, reply, arrived)) as events:
-                    async for event in events:
-                        yield event
-                outcome = "ok"
-            except (asyncio.CancelledError, GeneratorExit):
-                outcome = "cancelled"
-                raise
-            finally:
-                _requests.add(1, {"outcome": outcome})
+        # Current in each step of the request, not across its yields (telemetry.current_in_steps).
+        span = _tracer.start_span("decode.generate", attributes={"pcpstack.request_id": request_id})
+        steps = self._steps(span, request, request_id, arrived, deadline)
+        try:
+            # aclosing here and below: a request closed at a yield cleans up at once, not when collected.
+            async with aclosing(current_in_steps(span, steps)) as events:
+                async for event in events:
+                    yield event
+            outcome = "ok"
+        except InvalidArgument as exc:
+            outcome = "invalid"
+            record_failure(span, exc)
+            raise
+        except (asyncio.CancelledError, GeneratorExit):
+            outcome = "cancelled"
+            raise
+        except Exception as exc:
+            record_failure(span, exc)
+            raise
+        finally:
+            _requests.add(1, {"outcome": outcome})
+            span.end()
+
+    async def _steps(
+        self, span: trace.Span, request: GenerateInput, request_id: str, arrived: float, deadline: float
+    ) -> AsyncIterator[Delta | Summary]:
+        """generate's work: check, prefill, then the decoded tokens."""
+        ids = self.validate(request)
+        span.set_attribute("pcpstack.prompt_tokens", len(ids))
+        reply = await self._prefill(request_id, ids, request.sampling, deadline, request.cache_salt)
+        _prefill_time.record(time.monotonic() - arrived)
+        _prompt_tokens.add(len(ids))
+        async with aclosing(self._decode(request_id, ids, request, reply, arrived)) as events:
+            async for event in events:
+                yield event
 
     async def _decode(
         self,

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import sys
+from collections.abc import AsyncIterator
 
 import grpc
 
@@ -18,6 +19,7 @@ from pcpstack.common.telemetry import current_trace_id, setup_telemetry, shutdow
 
 SERVICE = "test.Echo"
 METHOD = f"/{SERVICE}/Echo"
+COUNT_METHOD = f"/{SERVICE}/Count"
 _identity = bytes
 
 
@@ -28,11 +30,23 @@ async def _echo(request: bytes, context: grpc.aio.ServicerContext) -> bytes:
         return request
 
 
+async def _count(request: bytes, context: grpc.aio.ServicerContext) -> AsyncIterator[bytes]:
+    """Streams int(request) messages of 64 KiB, each its number in text padded with spaces, as fast as
+    the client reads them (the stream waits at its yields, as a decode worker's does)."""
+    for n in range(int(request)):
+        yield str(n).encode().ljust(64 << 10)
+
+
 def register(server: grpc.aio.Server) -> None:
-    handler = grpc.unary_unary_rpc_method_handler(
-        _echo, request_deserializer=_identity, response_serializer=_identity
-    )
-    server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(SERVICE, {"Echo": handler}),))
+    handlers = {
+        "Echo": grpc.unary_unary_rpc_method_handler(
+            _echo, request_deserializer=_identity, response_serializer=_identity
+        ),
+        "Count": grpc.unary_stream_rpc_method_handler(
+            _count, request_deserializer=_identity, response_serializer=_identity
+        ),
+    }
+    server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(SERVICE, handlers),))
 
 
 async def serve(max_message_bytes: int) -> None:

@@ -14,7 +14,7 @@ from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 
 from pcpstack.common.channel import open_channel
 from pcpstack.common.telemetry import read_span_file
-from tests.common.echo_service import METHOD, SERVICE
+from tests.common.echo_service import COUNT_METHOD, METHOD, SERVICE
 
 
 @pytest.fixture
@@ -26,6 +26,7 @@ def echo_server(child_env):
         proc = subprocess.Popen(
             [sys.executable, "-m", "tests.common.echo_service", "serve", str(1024 * 1024)],
             stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
             text=True,
             env=env,
         )
@@ -89,6 +90,28 @@ def test_channel_applies_a_default_deadline(echo_server) -> None:
             return info.value.code()
 
     assert asyncio.run(slow_call()) == grpc.StatusCode.DEADLINE_EXCEEDED
+
+
+def test_streams_a_client_hangs_up_on_end_without_a_logged_error(echo_server) -> None:
+    # A stream abandoned mid-way used to be closed by the garbage collector in another context, where
+    # resetting its tracing span's context failed: one ERROR traceback per hung-up stream.
+    proc, address = echo_server({"PYTHONUNBUFFERED": "1"})
+
+    async def hang_up() -> None:
+        async with open_channel(address, default_deadline=30) as channel:
+            for _ in range(5):
+                call = channel.unary_stream(COUNT_METHOD)(b"100000")
+                async for _ in call:
+                    break
+                await asyncio.sleep(0.2)  # flow control stops the server at a yield meanwhile
+                call.cancel()
+            await asyncio.sleep(0.5)
+        assert await _health(address) == health_pb2.HealthCheckResponse.SERVING
+
+    asyncio.run(hang_up())
+    proc.send_signal(signal.SIGTERM)
+    assert proc.wait(timeout=15) == 0
+    assert "Failed to detach context" not in proc.stderr.read()
 
 
 @pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT])
