@@ -21,6 +21,11 @@ from pcpstack.common.config import DEVICE_KINDS, ConfigError, EngineConfig
 from pcpstack.decode.client import DecodeClient, build_request
 
 USAGE_EXIT_STATUS = 2
+# The longest --timeout or --watch, about 11.6 days: gRPC ends a call at once when its deadline is 1e10 s
+# off, and a thread's wait overflows near 9.2e9 s.
+MAX_SECONDS = 1_000_000
+# What --target is refused with next to a flag that only shapes the stack --local starts.
+_LOCAL_ONLY = "applies to --local only; --target talks to a running decode worker"
 # The flag of each sampling field, for messages that name what the user typed.
 _SAMPLING_FLAGS = {
     "max_tokens": "--max-tokens",
@@ -37,6 +42,15 @@ class UsageError(ValueError):
 
     def __init__(self, flag: str, value: object, rule: str) -> None:
         super().__init__(f"{flag}={value!r}: {rule}")
+
+
+def check_seconds(flag: str, value: float, zero: str = "") -> None:
+    """Raises UsageError unless value is a number of seconds > 0 (>= 0 when `zero` says what 0 means) and at
+    most MAX_SECONDS; nan and inf fail the comparison."""
+    above_low = value >= 0 if zero else value > 0
+    if not (above_low and value <= MAX_SECONDS):
+        bound = f">= 0 ({zero})" if zero else "> 0"
+        raise UsageError(flag, value, f"must be {bound} and at most {MAX_SECONDS} seconds")
 
 
 def add_stack_arguments(parser: argparse.ArgumentParser) -> None:
@@ -149,6 +163,18 @@ def check_stack_arguments(args: argparse.Namespace) -> None:
     gateway_port = getattr(args, "gateway_port", 0)
     if not 0 <= gateway_port <= 65535:
         raise UsageError("--gateway-port", gateway_port, "must be in [0, 65535] (0: any free port)")
+
+
+def check_no_stack_arguments(args: argparse.Namespace) -> None:
+    """Raises UsageError for a stack flag set away from its default: with --target no stack starts, so it
+    would do nothing."""
+    stack_flags = argparse.ArgumentParser(add_help=False)
+    add_stack_arguments(stack_flags)  # one list of the stack flags: the one `up` and --local use
+    for action in stack_flags._actions:
+        value = getattr(args, action.dest)
+        if value != action.default:
+            # A flag that takes no value (--no-prefix-cache) reads best as given, not as its stored False.
+            raise UsageError(action.option_strings[0], True if action.nargs == 0 else value, _LOCAL_ONLY)
 
 
 def _stack_options(args: argparse.Namespace) -> StackOptions:
@@ -321,12 +347,13 @@ def check_generate_arguments(args: argparse.Namespace) -> None:
         raise UsageError("PROMPT", args.prompt, "give a PROMPT or --token-ids")
     if args.token_ids:
         _token_ids(args.token_ids)
-    if not args.timeout > 0:
-        raise UsageError("--timeout", args.timeout, "must be > 0")
+    check_seconds("--timeout", args.timeout)
     if args.system and not args.chat:
         raise UsageError("--system", args.system, "needs --chat")
     if args.local:
         check_stack_arguments(args)
+    else:
+        check_no_stack_arguments(args)
     params = SamplingParams(
         max_tokens=args.max_tokens,
         temperature=args.temperature,

@@ -20,9 +20,11 @@ from dataclasses import asdict, dataclass, field
 import grpc
 from google.protobuf.json_format import MessageToDict
 
+from pcpstack.cli.commands import USAGE_EXIT_STATUS, UsageError, check_seconds
 from pcpstack.cli.stack import https_context
 from pcpstack.common import security
 from pcpstack.common.channel import open_channel
+from pcpstack.common.config import ConfigError, check_addresses
 from pcpstack.common.errors import ServiceError
 from pcpstack.kvstore.client import KvStoreClient
 from pcpstack.registry.client import Resolution, Resolver
@@ -361,11 +363,29 @@ def _show(args: argparse.Namespace) -> int:
     return 0
 
 
+# The shortest refresh of --watch.
+MIN_WATCH_S = 0.1
+
+
+def check_arguments(args: argparse.Namespace) -> None:
+    """Raises UsageError naming the first flag of `status` that breaks a rule, before any service is asked."""
+    try:
+        check_addresses("--registry", args.registry, required=True)
+    except ConfigError as error:
+        raise UsageError("--registry", args.registry, error.rule) from None
+    check_seconds("--timeout", args.timeout)
+    check_seconds("--watch", args.watch, zero="0: print once")
+    if 0 < args.watch < MIN_WATCH_S:  # each refresh asks every service: not in a tight loop
+        raise UsageError("--watch", args.watch, f"must be 0 (print once) or at least {MIN_WATCH_S} seconds")
+
+
 def run(args: argparse.Namespace) -> int:
     """Prints the status once, or with --watch every N seconds until Ctrl-C (then exit status 0)."""
-    if args.watch < 0:
-        print(f"pcpstack status: --watch={args.watch}: must be >= 0 (0: print once)", file=sys.stderr)
-        return 2
+    try:
+        check_arguments(args)
+    except UsageError as error:
+        print(f"pcpstack status: {error}", file=sys.stderr, flush=True)
+        return USAGE_EXIT_STATUS
     if not args.watch:
         return _show(args)
     # A terminal gets the screen redrawn; a pipe gets one report (JSON: one line) per refresh.

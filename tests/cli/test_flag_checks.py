@@ -1,0 +1,125 @@
+"""`pcpstack status` and `pcpstack generate --target` refuse a bad flag up front: exit 2, one line naming the
+flag, its value and the rule, and no service contacted. Valid combinations still pass the same checks."""
+
+from __future__ import annotations
+
+import socket
+import subprocess
+from collections.abc import Iterator
+
+import pytest
+
+from pcpstack.cli import commands, status
+from pcpstack.cli import main as cli
+from pcpstack.cli.launch import cli_command
+
+# Where the CLI would connect; a test fills in the address of a socket that counts the connections it gets.
+PEER = "{peer}"
+
+
+@pytest.fixture
+def listener() -> Iterator[socket.socket]:
+    """A listening socket on 127.0.0.1 that nothing should connect to."""
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        sock.listen()
+        sock.setblocking(False)
+        yield sock
+
+
+def _was_contacted(sock: socket.socket) -> bool:
+    try:
+        sock.accept()[0].close()
+    except BlockingIOError:
+        return False
+    return True
+
+
+def _refusal(child_env, sock: socket.socket, command: str, flags: list[str]) -> subprocess.CompletedProcess:
+    peer = f"127.0.0.1:{sock.getsockname()[1]}"
+    argv = [flag.replace(PEER, peer) for flag in flags]
+    # A check that let the flag through would run on (a --watch loop, a long deadline): the timeout ends it.
+    return subprocess.run(
+        cli_command(command, *argv), capture_output=True, text=True, env=child_env, timeout=60
+    )
+
+
+@pytest.mark.parametrize(
+    "flags, named",
+    [
+        (["--registry", ""], "--registry=''"),
+        (["--registry", " , "], "--registry=' , '"),
+        (["--registry", PEER, "--watch", "nan"], "--watch=nan"),
+        (["--registry", PEER, "--watch", "inf"], "--watch=inf"),
+        (["--registry", PEER, "--watch", "-1"], "--watch=-1.0"),
+        (["--registry", PEER, "--watch", "1e-6"], "--watch=1e-06"),
+        (["--registry", PEER, "--timeout", "-1"], "--timeout=-1.0"),
+        (["--registry", PEER, "--timeout", "nan"], "--timeout=nan"),
+        (["--registry", PEER, "--timeout", "0"], "--timeout=0.0"),
+        (["--registry", PEER, "--timeout", "inf"], "--timeout=inf"),
+    ],
+)
+def test_status_refuses_a_bad_flag_before_asking_the_registry(child_env, listener, flags, named) -> None:
+    run = _refusal(child_env, listener, "status", flags)
+    assert run.returncode == 2
+    assert run.stderr.startswith(f"pcpstack status: {named}: ") and run.stderr.count("\n") == 1, run.stderr
+    assert not _was_contacted(listener), "the registry should not have been asked"
+
+
+@pytest.mark.parametrize(
+    "flags, named",
+    [
+        (["--timeout", "inf"], "--timeout=inf"),
+        (["--timeout", "1e12"], "--timeout=1000000000000.0"),
+        (["--timeout", "nan"], "--timeout=nan"),
+        (["--pcp", "0", "--model", "/nonexist.gguf", "--tp", "3"], "--pcp=0"),
+        (["--tp", "3"], "--tp=3"),
+        (["--model", "/nonexist.gguf"], "--model='/nonexist.gguf'"),
+        (["--log-dir", "/tmp/logs"], "--log-dir='/tmp/logs'"),
+        (["--device", "cpu"], "--device='cpu'"),
+        (["--decode-threads", "2"], "--decode-threads=2"),
+        (["--prefill-chunk-tokens", "512"], "--prefill-chunk-tokens=512"),
+        (["--no-prefix-cache"], "--no-prefix-cache=True"),
+    ],
+)
+def test_generate_with_target_refuses_a_bad_or_stack_only_flag(child_env, listener, flags, named) -> None:
+    run = _refusal(child_env, listener, "generate", ["--target", PEER, *flags, "hi"])
+    assert run.returncode == 2
+    assert run.stderr.startswith(f"pcpstack generate: {named}: ") and run.stderr.count("\n") == 1, run.stderr
+    assert not _was_contacted(listener), "the decode worker should not have been contacted"
+
+
+def test_a_stack_only_flag_with_target_is_refused_as_local_only() -> None:
+    args = cli.build_parser(["generate"]).parse_args(["generate", "--target", "h:1", "--pcp", "4", "hi"])
+    with pytest.raises(commands.UsageError, match=r"--pcp=4: applies to --local only"):
+        commands.check_generate_arguments(args)
+
+
+@pytest.mark.parametrize(
+    "flags",
+    [
+        ["--target", "h:1", "--temperature", "0.7", "--top-p", "0.9", "--top-k", "5", "--seed", "3", "hi"],
+        ["--target", "h:1", "--json", "--max-tokens", "8", "--stop", ".", "--ignore-eos", "hi"],
+        ["--target", "h:1", "--chat", "--system", "be brief", "--timeout", str(commands.MAX_SECONDS), "hi"],
+        ["--target", "h:1", "--token-ids", "1,2,3", "--timeout", "0.5"],
+        ["--local", "--pcp", "1", "--tp", "2", "--model", "tiny", "--no-prefix-cache", "hi"],
+    ],
+)
+def test_generate_accepts_a_valid_combination(flags) -> None:
+    args = cli.build_parser(["generate"]).parse_args(["generate", *flags])
+    commands.check_generate_arguments(args)
+
+
+@pytest.mark.parametrize(
+    "flags, watch",
+    [
+        ([], 0.0),
+        (["--watch", "0"], 0.0),
+        (["--watch", "2.5", "--timeout", "1"], 2.5),
+        (["--registry", "a:1, b:2", "--json", "--watch", str(commands.MAX_SECONDS)], commands.MAX_SECONDS),
+    ],
+)
+def test_status_accepts_a_valid_combination(flags, watch) -> None:
+    args = cli.build_parser(["status"]).parse_args(["status", *flags])
+    status.check_arguments(args)
+    assert args.watch == watch
