@@ -10,14 +10,18 @@ import argparse
 import asyncio
 import contextlib
 import json
+import os
 import sys
 import time
+from pathlib import Path
 
 import grpc
 
 from pcpstack.cli.progress import ProgressPrinter
 from pcpstack.cli.stack import LocalStack, ServiceRefused, StackOptions
+from pcpstack.common import security
 from pcpstack.common.config import DEVICE_KINDS, ConfigError, EngineConfig
+from pcpstack.common.ports import check_bindable
 from pcpstack.decode.client import DecodeClient, build_request
 
 USAGE_EXIT_STATUS = 2
@@ -163,6 +167,30 @@ def check_stack_arguments(args: argparse.Namespace) -> None:
     gateway_port = getattr(args, "gateway_port", 0)
     if not 0 <= gateway_port <= 65535:
         raise UsageError("--gateway-port", gateway_port, "must be in [0, 65535] (0: any free port)")
+    # Checked before anything starts: each would otherwise fail with a traceback once services run.
+    if getattr(args, "host", None):
+        try:
+            check_bindable(args.host, 0)
+        except OSError as exc:
+            raise UsageError("--host", args.host, f"must be an address of this machine ({exc})") from None
+    if args.log_dir:
+        _check_log_dir(args.log_dir)
+    security.from_env()  # the TLS material every service would load; a SecurityConfigError names the variable
+
+
+def _check_log_dir(log_dir: str) -> None:
+    """Raises UsageError unless log_dir is a folder, or could be made one (its nearest existing parent is a
+    folder this process can write)."""
+    path = Path(log_dir)
+    if path.exists():
+        if not path.is_dir():
+            raise UsageError("--log-dir", log_dir, "must be a folder, not a file")
+        return
+    parent = next(p for p in path.absolute().parents if p.exists())
+    if not parent.is_dir() or not os.access(parent, os.W_OK | os.X_OK):
+        raise UsageError(
+            "--log-dir", log_dir, f"cannot be made: {parent} is not a folder this process can write"
+        )
 
 
 def check_no_stack_arguments(args: argparse.Namespace) -> None:

@@ -16,6 +16,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+from pcpstack.common import security
 from pcpstack.common.config import ConfigError, load_config_file, parse_overrides
 from pcpstack.common.models import hf_cache_dir, local_models, resolve_model
 
@@ -235,4 +236,8 @@ def main(argv: list[str] | None = None) -> int:
     if not hasattr(args, "handler"):
         print(f"pcpstack: {' '.join(argv[:2])} is not available in this build", file=sys.stderr)
         return 2
-    return int(args.handler(args) or 0)
+    try:
+        return int(args.handler(args) or 0)
+    except security.SecurityConfigError as error:  # PCPSTACK_TLS_*, PCPSTACK_TOKEN*: it names the variable
+        print(f"pcpstack {argv[0]}: {' '.join(str(error).split())}", file=sys.stderr, flush=True)
+        return 2

@@ -123,3 +123,43 @@ def test_status_accepts_a_valid_combination(flags, watch) -> None:
     args = cli.build_parser(["status"]).parse_args(["status", *flags])
     status.check_arguments(args)
     assert args.watch == watch
+
+
+@pytest.mark.parametrize(
+    "flags, env, named",
+    [
+        (["--host", "no such host"], {}, "--host='no such host': must be an address of this machine"),
+        (["--log-dir", "/etc/hostname"], {}, "--log-dir='/etc/hostname': must be a folder"),
+        (["--log-dir", "/etc/hostname/logs"], {}, "--log-dir='/etc/hostname/logs': cannot be made"),
+        ([], {"PCPSTACK_TLS_CA": "/no/such/ca.pem"}, "PCPSTACK_TLS_CA='/no/such/ca.pem'"),
+        ([], {"PCPSTACK_TOKEN": "short"}, "PCPSTACK_TOKEN: a token must be"),
+    ],
+)
+def test_up_refuses_a_host_log_dir_or_tls_setting_before_starting_anything(
+    child_env, flags, env, named
+) -> None:
+    # Each used to end in a traceback, some after the registry, store and workers had been started.
+    run = subprocess.run(
+        cli_command("up", "--model", "tiny", "--gateway-port", "0", *flags),
+        capture_output=True,
+        text=True,
+        env={**child_env, **env},
+        timeout=60,
+    )
+    assert run.returncode == 2
+    assert run.stderr.startswith(f"pcpstack up: {named}") and run.stderr.count("\n") == 1, run.stderr
+    assert "ready" not in run.stdout and "registry" not in run.stdout, run.stdout
+
+
+def test_a_bad_token_in_the_environment_is_one_line_for_status_too(child_env, listener) -> None:
+    run = subprocess.run(
+        cli_command("status", "--registry", f"127.0.0.1:{listener.getsockname()[1]}"),
+        capture_output=True,
+        text=True,
+        env={**child_env, "PCPSTACK_TOKEN": "short"},
+        timeout=60,
+    )
+    assert run.returncode == 2
+    assert run.stderr.startswith("pcpstack status: PCPSTACK_TOKEN:") and run.stderr.count("\n") == 1, (
+        run.stderr
+    )
