@@ -148,6 +148,8 @@ class GenerateInput:
     logprobs: bool = False
     timeout_s: float | None = None  # what the caller gives the whole request; None: no deadline
     cache_salt: str = ""  # prefixes are shared only between requests with the same salt
+    # sampling.max_tokens is a default (GenerateRequest.fit_max_tokens): cut to the context's room if needed
+    fit_max_tokens: bool = False
 
 
 @dataclass(frozen=True)
@@ -263,8 +265,9 @@ class GeneratePipeline:
             raise InvalidArgument(f"chat: the chat template failed: {exc}") from exc
         return tokenizer.encode(rendered, add_special_tokens=False), kind
 
-    def validate(self, request: GenerateInput) -> list[int]:
-        """The prompt's token ids once the whole request is known to be servable here; or InvalidArgument."""
+    def validate(self, request: GenerateInput) -> tuple[list[int], GenerateInput]:
+        """The prompt's token ids once the whole request is known to be servable here, and the request (its
+        default max_tokens cut to the context's room: GenerateInput.fit_max_tokens); or InvalidArgument."""
         if request.model and request.model != self.settings.model_name:
             raise InvalidArgument(
                 f"model={request.model!r} is not served here (this worker has {self.settings.model_name!r})"
@@ -273,6 +276,7 @@ class GeneratePipeline:
             raise InvalidArgument("sampling.stop: this model has no tokenizer")
         check_logit_bias(request.sampling, self._limits)
         ids, field = self.prompt_tokens(request.prompt)
+        request = self._fit_max_tokens(request, len(ids))
         ids = check_token_ids(ids, self._limits, field=field, max_tokens=request.sampling.max_tokens)
         # The batch reserves room for max_tokens on admission; a request that can never fit is refused now,
         # before a prefill set spends its forward on it. (One token only comes from prefill: no batch.)
@@ -284,7 +288,20 @@ class GeneratePipeline:
                 f"prompt of {len(ids)} tokens plus max_tokens={max_tokens} need {need} KV blocks of "
                 f"{self.engine.block_size} tokens; this decode worker's cache has {capacity}"
             )
-        return ids
+        return ids, request
+
+    def _fit_max_tokens(self, request: GenerateInput, prompt_tokens: int) -> GenerateInput:
+        """The request with a default max_tokens cut to the room the context leaves after the prompt."""
+        room = self._limits.max_seq_len - prompt_tokens
+        sampling = request.sampling
+        if not request.fit_max_tokens or sampling.max_tokens <= room or room < 1:
+            return request  # a prompt that leaves no room is refused by the checks that follow
+        if sampling.min_tokens > room:
+            raise InvalidArgument(
+                f"sampling.min_tokens={sampling.min_tokens} with {prompt_tokens} prompt tokens exceeds "
+                f"{self._limits.context()}"
+            )
+        return replace(request, sampling=replace(sampling, max_tokens=room))
 
     # --- the request path --------------------------------------------------------------------------------
 
@@ -330,7 +347,7 @@ class GeneratePipeline:
         self, span: trace.Span, request: GenerateInput, request_id: str, arrived: float, deadline: float
     ) -> AsyncIterator[Delta | Summary]:
         """generate's work: check, prefill, then the decoded tokens."""
-        ids = self.validate(request)
+        ids, request = self.validate(request)
         span.set_attribute("pcpstack.prompt_tokens", len(ids))
         reply = await self._prefill(request_id, ids, request.sampling, deadline, request.cache_salt)
         _prefill_time.record(time.monotonic() - arrived)

@@ -49,11 +49,17 @@ def prompt_of(request: decode_pb2.GenerateRequest) -> Prompt | None:
 
 def logprobs_wire(logprobs: TokenLogprobs, tokenizer: Tokenizer | None) -> common_pb2.TokenLogprobs:
     """One token's log-probabilities as sent in TokenDelta.token_logprobs, each token with its text alone
-    (empty when the model has no tokenizer)."""
+    and its own bytes (both empty when the model has no tokenizer)."""
 
     def entry(token_id: int, logprob: float) -> common_pb2.TokenLogprob:
-        text = tokenizer.decode([token_id]) if tokenizer is not None else ""
-        return common_pb2.TokenLogprob(token_id=token_id, logprob=logprob, text=text)
+        if tokenizer is None:
+            return common_pb2.TokenLogprob(token_id=token_id, logprob=logprob)
+        return common_pb2.TokenLogprob(
+            token_id=token_id,
+            logprob=logprob,
+            text=tokenizer.decode([token_id]),
+            token_bytes=tokenizer.token_bytes(token_id),
+        )
 
     return common_pb2.TokenLogprobs(
         chosen=entry(logprobs.token_id, logprobs.logprob), top=[entry(t, lp) for t, lp in logprobs.top]
@@ -77,6 +83,7 @@ class DecodeServicer(decode_pb2_grpc.DecodeServiceServicer):
             logprobs=request.logprobs,
             timeout_s=context.time_remaining(),
             cache_salt=request.cache_salt,
+            fit_max_tokens=request.fit_max_tokens,
         )
         # aclosing: a cancelled call closes the pipeline's request at once, in this task.
         async with aclosing(self.pipeline.generate(call)) as events:

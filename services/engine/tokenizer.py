@@ -48,6 +48,12 @@ def bytes_to_unicode() -> dict[int, str]:
     return dict(zip(printable, map(chr, chars), strict=True))
 
 
+@lru_cache(maxsize=1)
+def _bytes_of_alphabet() -> dict[str, int]:
+    """bytes_to_unicode turned around: each character of the byte-level alphabet -> its byte."""
+    return {char: byte for byte, char in bytes_to_unicode().items()}
+
+
 def _byte_level_pre_tokenizer(pre: str | None) -> pre_tokenizers.PreTokenizer:
     if pre in _SPLITS:
         return pre_tokenizers.Sequence(
@@ -93,6 +99,20 @@ class Tokenizer:
     def token_text(self, token_id: int | None) -> str | None:
         """The surface form of a token id (e.g. "<|im_end|>"), None for None."""
         return None if token_id is None else self.backend.id_to_token(token_id)
+
+    def token_bytes(self, token_id: int) -> bytes:
+        """The bytes a token stands for on its own: for a byte-level vocabulary, its piece of a multi-byte
+        character too (where decoding it alone gives U+FFFD); otherwise its text decoded alone, in UTF-8."""
+        surface = self.backend.id_to_token(token_id)
+        if surface is None:
+            return b""
+        if isinstance(self.backend.decoder, decoders.ByteLevel) and (
+            token_id not in self.backend.get_added_tokens_decoder()
+        ):
+            byte_of = _bytes_of_alphabet()
+            if all(char in byte_of for char in surface):
+                return bytes(byte_of[char] for char in surface)
+        return self.decode([token_id]).encode()
 
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
         """Token ids of `text`; special tokens written in the text are kept whole. `add_special_tokens` adds

@@ -31,8 +31,9 @@ from pcpstack.v1 import decode_pb2
 
 # OpenAI's default for /v1/completions.
 COMPLETION_DEFAULT_MAX_TOKENS = 16
-# The gateway has no tokenizer, so "the rest of the context" (vLLM's chat default) is unknown here; a prompt
-# whose length plus this exceeds the context is refused by decode with a message naming max_tokens.
+# The gateway has no tokenizer, so "the rest of the context" (vLLM's chat default) is unknown here: a default
+# (this, or completions' 16) travels with GenerateRequest.fit_max_tokens, and decode cuts it to the room the
+# prompt leaves, so a default never makes a request that fits fail.
 CHAT_DEFAULT_MAX_TOKENS = 256
 # More samples than this in one request is refused: each is a Generate call (OpenAI allows up to 128).
 MAX_N = 128
@@ -230,6 +231,8 @@ class ParsedRequest:
     model: str
     prompt: str | list[int] | list[dict[str, str]]
     max_tokens: int
+    # False: max_tokens is the endpoint's default (decode may cut it to the context's room)
+    max_tokens_given: bool = True
     n: int = 1
     temperature: float = 1.0
     top_p: float = 1.0
@@ -283,6 +286,7 @@ class ParsedRequest:
         if self.logprobs:
             sampling.logprobs = self.top_logprobs
         request.cache_salt = self.cache_salt
+        request.fit_max_tokens = not self.max_tokens_given
         return request
 
 
@@ -392,6 +396,7 @@ def parse_completion(body: Any, served_model: str) -> ParsedRequest:
         chat=False,
         prompt=prompt,
         max_tokens=_or(request.max_tokens, COMPLETION_DEFAULT_MAX_TOKENS),
+        max_tokens_given=request.max_tokens is not None,
         logprobs=request.logprobs is not None,
         top_logprobs=request.logprobs or 0,
         **_common(request, served_model),
@@ -407,6 +412,7 @@ def parse_chat(body: Any, served_model: str) -> ParsedRequest:
         chat=True,
         prompt=messages,
         max_tokens=_or(max_tokens, CHAT_DEFAULT_MAX_TOKENS),
+        max_tokens_given=max_tokens is not None,
         logprobs=bool(request.logprobs),
         top_logprobs=request.top_logprobs or 0,
         **_common(request, served_model),

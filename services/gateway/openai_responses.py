@@ -173,6 +173,16 @@ class TokenLogprob:
     text: str
     logprob: float | None
     top: tuple[tuple[str, float], ...] = ()
+    # Their own bytes, the token's then each alternative's (decode's token_bytes: a piece of a multi-byte
+    # character where the text shows U+FFFD); empty from a worker that sends none: the text's UTF-8 then.
+    raw: bytes = b""
+    top_raw: tuple[bytes, ...] = ()
+
+    def alternatives(self) -> list[tuple[str, float, bytes]]:
+        """(text, logprob, bytes) of each alternative."""
+        raws = self.top_raw or (b"",) * len(self.top)
+        pairs = zip(self.top, raws, strict=True)
+        return [(text, value, raw or text.encode()) for (text, value), raw in pairs]
 
 
 def token_logprobs(delta: decode_pb2.TokenDelta) -> list[TokenLogprob]:
@@ -180,7 +190,11 @@ def token_logprobs(delta: decode_pb2.TokenDelta) -> list[TokenLogprob]:
     if delta.token_logprobs:
         return [
             TokenLogprob(
-                entry.chosen.text, entry.chosen.logprob, tuple((t.text, t.logprob) for t in entry.top)
+                entry.chosen.text,
+                entry.chosen.logprob,
+                tuple((t.text, t.logprob) for t in entry.top),
+                entry.chosen.token_bytes,
+                tuple(t.token_bytes for t in entry.top),
             )
             for entry in delta.token_logprobs
         ]
@@ -374,10 +388,10 @@ class ResponseShaper:
                     ChatTokenLogprob(
                         token=t.text,
                         logprob=t.logprob,
-                        bytes=list(t.text.encode()),
+                        bytes=list(t.raw or t.text.encode()),
                         top_logprobs=[
-                            TopLogprob(token=text, logprob=value, bytes=list(text.encode()))
-                            for text, value in t.top
+                            TopLogprob(token=text, logprob=value, bytes=list(raw))
+                            for text, value, raw in t.alternatives()
                         ],
                     )
                     for t in tokens

@@ -510,6 +510,7 @@ class TokenLogprob(_message.Message):
     TOKEN_ID_FIELD_NUMBER: _builtins.int
     LOGPROB_FIELD_NUMBER: _builtins.int
     TEXT_FIELD_NUMBER: _builtins.int
+    TOKEN_BYTES_FIELD_NUMBER: _builtins.int
     token_id: _builtins.int
     """Token id."""
     logprob: _builtins.float
@@ -518,16 +519,21 @@ class TokenLogprob(_message.Message):
     """The token's text decoded alone (special tokens included); may hold U+FFFD when the token is part
     of a multi-byte character. Filled by decode; empty on the prefill wire.
     """
+    token_bytes: _builtins.bytes
+    """The token's own bytes: its text in UTF-8, or the piece of a multi-byte character it carries (where
+    text shows U+FFFD). Filled by decode; empty on the prefill wire.
+    """
     def __init__(
         self,
         *,
         token_id: _builtins.int = ...,
         logprob: _builtins.float = ...,
         text: _builtins.str = ...,
+        token_bytes: _builtins.bytes = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["logprob", b"logprob", "text", b"text", "token_id", b"token_id"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["logprob", b"logprob", "text", b"text", "token_bytes", b"token_bytes", "token_id", b"token_id"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

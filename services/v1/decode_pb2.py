@@ -25,27 +25,27 @@ _sym_db = _symbol_database.Default()
 from pcpstack.v1 import common_pb2 as pcpstack_dot_v1_dot_common__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x18pcpstack/v1/decode.proto\x12\x0bpcpstack.v1\x1a\x18pcpstack/v1/common.proto\":\n\x0c\x43hatMessages\x12*\n\x08messages\x18\x01 \x03(\x0b\x32\x18.pcpstack.v1.ChatMessage\"\x17\n\x08TokenIds\x12\x0b\n\x03ids\x18\x01 \x03(\r\"\xfa\x01\n\x0fGenerateRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x0e\n\x04text\x18\x02 \x01(\tH\x00\x12)\n\x04\x63hat\x18\x03 \x01(\x0b\x32\x19.pcpstack.v1.ChatMessagesH\x00\x12*\n\ttoken_ids\x18\x04 \x01(\x0b\x32\x15.pcpstack.v1.TokenIdsH\x00\x12-\n\x08sampling\x18\x05 \x01(\x0b\x32\x1b.pcpstack.v1.SamplingParams\x12\r\n\x05model\x18\x06 \x01(\t\x12\x10\n\x08logprobs\x18\x07 \x01(\x08\x12\x12\n\ncache_salt\x18\x08 \x01(\tB\x08\n\x06prompt\"s\n\nTokenDelta\x12\x11\n\ttoken_ids\x18\x01 \x03(\r\x12\x0c\n\x04text\x18\x02 \x01(\t\x12\x10\n\x08logprobs\x18\x03 \x03(\x02\x12\x32\n\x0etoken_logprobs\x18\x04 \x03(\x0b\x32\x1a.pcpstack.v1.TokenLogprobs\"\x96\x02\n\x0fGenerateSummary\x12\x30\n\rfinish_reason\x18\x01 \x01(\x0e\x32\x19.pcpstack.v1.FinishReason\x12\x15\n\rprompt_tokens\x18\x02 \x01(\r\x12\x19\n\x11\x63ompletion_tokens\x18\x03 \x01(\r\x12\x14\n\x0cttft_seconds\x18\x04 \x01(\x01\x12\x15\n\rtotal_seconds\x18\x05 \x01(\x01\x12\x12\n\nrequest_id\x18\x06 \x01(\t\x12\x14\n\x0cmatched_stop\x18\x07 \x01(\t\x12\x18\n\x10prompt_token_ids\x18\x08 \x03(\r\x12\x10\n\x08trace_id\x18\t \x01(\t\x12\x1c\n\x14\x63\x61\x63hed_prompt_tokens\x18\n \x01(\r\"u\n\x10GenerateResponse\x12(\n\x05\x64\x65lta\x18\x01 \x01(\x0b\x32\x17.pcpstack.v1.TokenDeltaH\x00\x12/\n\x07summary\x18\x02 \x01(\x0b\x32\x1c.pcpstack.v1.GenerateSummaryH\x00\x42\x06\n\x04\x62ody*|\n\x0c\x46inishReason\x12\x1d\n\x19\x46INISH_REASON_UNSPECIFIED\x10\x00\x12\x18\n\x14\x46INISH_REASON_LENGTH\x10\x01\x12\x16\n\x12\x46INISH_REASON_STOP\x10\x02\x12\x1b\n\x17\x46INISH_REASON_CANCELLED\x10\x03\x32Z\n\rDecodeService\x12I\n\x08Generate\x12\x1c.pcpstack.v1.GenerateRequest\x1a\x1d.pcpstack.v1.GenerateResponse0\x01\x62\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x18pcpstack/v1/decode.proto\x12\x0bpcpstack.v1\x1a\x18pcpstack/v1/common.proto\":\n\x0c\x43hatMessages\x12*\n\x08messages\x18\x01 \x03(\x0b\x32\x18.pcpstack.v1.ChatMessage\"\x17\n\x08TokenIds\x12\x0b\n\x03ids\x18\x01 \x03(\r\"\x92\x02\n\x0fGenerateRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x0e\n\x04text\x18\x02 \x01(\tH\x00\x12)\n\x04\x63hat\x18\x03 \x01(\x0b\x32\x19.pcpstack.v1.ChatMessagesH\x00\x12*\n\ttoken_ids\x18\x04 \x01(\x0b\x32\x15.pcpstack.v1.TokenIdsH\x00\x12-\n\x08sampling\x18\x05 \x01(\x0b\x32\x1b.pcpstack.v1.SamplingParams\x12\r\n\x05model\x18\x06 \x01(\t\x12\x10\n\x08logprobs\x18\x07 \x01(\x08\x12\x12\n\ncache_salt\x18\x08 \x01(\t\x12\x16\n\x0e\x66it_max_tokens\x18\t \x01(\x08\x42\x08\n\x06prompt\"s\n\nTokenDelta\x12\x11\n\ttoken_ids\x18\x01 \x03(\r\x12\x0c\n\x04text\x18\x02 \x01(\t\x12\x10\n\x08logprobs\x18\x03 \x03(\x02\x12\x32\n\x0etoken_logprobs\x18\x04 \x03(\x0b\x32\x1a.pcpstack.v1.TokenLogprobs\"\x96\x02\n\x0fGenerateSummary\x12\x30\n\rfinish_reason\x18\x01 \x01(\x0e\x32\x19.pcpstack.v1.FinishReason\x12\x15\n\rprompt_tokens\x18\x02 \x01(\r\x12\x19\n\x11\x63ompletion_tokens\x18\x03 \x01(\r\x12\x14\n\x0cttft_seconds\x18\x04 \x01(\x01\x12\x15\n\rtotal_seconds\x18\x05 \x01(\x01\x12\x12\n\nrequest_id\x18\x06 \x01(\t\x12\x14\n\x0cmatched_stop\x18\x07 \x01(\t\x12\x18\n\x10prompt_token_ids\x18\x08 \x03(\r\x12\x10\n\x08trace_id\x18\t \x01(\t\x12\x1c\n\x14\x63\x61\x63hed_prompt_tokens\x18\n \x01(\r\"u\n\x10GenerateResponse\x12(\n\x05\x64\x65lta\x18\x01 \x01(\x0b\x32\x17.pcpstack.v1.TokenDeltaH\x00\x12/\n\x07summary\x18\x02 \x01(\x0b\x32\x1c.pcpstack.v1.GenerateSummaryH\x00\x42\x06\n\x04\x62ody*|\n\x0c\x46inishReason\x12\x1d\n\x19\x46INISH_REASON_UNSPECIFIED\x10\x00\x12\x18\n\x14\x46INISH_REASON_LENGTH\x10\x01\x12\x16\n\x12\x46INISH_REASON_STOP\x10\x02\x12\x1b\n\x17\x46INISH_REASON_CANCELLED\x10\x03\x32Z\n\rDecodeService\x12I\n\x08Generate\x12\x1c.pcpstack.v1.GenerateRequest\x1a\x1d.pcpstack.v1.GenerateResponse0\x01\x62\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'pcpstack.v1.decode_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
-  _globals['_FINISHREASON']._serialized_start=922
-  _globals['_FINISHREASON']._serialized_end=1046
+  _globals['_FINISHREASON']._serialized_start=946
+  _globals['_FINISHREASON']._serialized_end=1070
   _globals['_CHATMESSAGES']._serialized_start=67
   _globals['_CHATMESSAGES']._serialized_end=125
   _globals['_TOKENIDS']._serialized_start=127
   _globals['_TOKENIDS']._serialized_end=150
   _globals['_GENERATEREQUEST']._serialized_start=153
-  _globals['_GENERATEREQUEST']._serialized_end=403
-  _globals['_TOKENDELTA']._serialized_start=405
-  _globals['_TOKENDELTA']._serialized_end=520
-  _globals['_GENERATESUMMARY']._serialized_start=523
-  _globals['_GENERATESUMMARY']._serialized_end=801
-  _globals['_GENERATERESPONSE']._serialized_start=803
-  _globals['_GENERATERESPONSE']._serialized_end=920
-  _globals['_DECODESERVICE']._serialized_start=1048
-  _globals['_DECODESERVICE']._serialized_end=1138
+  _globals['_GENERATEREQUEST']._serialized_end=427
+  _globals['_TOKENDELTA']._serialized_start=429
+  _globals['_TOKENDELTA']._serialized_end=544
+  _globals['_GENERATESUMMARY']._serialized_start=547
+  _globals['_GENERATESUMMARY']._serialized_end=825
+  _globals['_GENERATERESPONSE']._serialized_start=827
+  _globals['_GENERATERESPONSE']._serialized_end=944
+  _globals['_DECODESERVICE']._serialized_start=1072
+  _globals['_DECODESERVICE']._serialized_end=1162
 # @@protoc_insertion_point(module_scope)

@@ -112,6 +112,7 @@ class GenerateRequest(_message.Message):
     MODEL_FIELD_NUMBER: _builtins.int
     LOGPROBS_FIELD_NUMBER: _builtins.int
     CACHE_SALT_FIELD_NUMBER: _builtins.int
+    FIT_MAX_TOKENS_FIELD_NUMBER: _builtins.int
     request_id: _builtins.str
     """Caller's request id; generated when empty. Also selects the KV replica."""
     text: _builtins.str
@@ -125,6 +126,11 @@ class GenerateRequest(_message.Message):
     cache_salt: _builtins.str
     """Cache salt (vLLM's cache_salt): prompt prefixes are reused only between requests with the same salt,
     so one tenant cannot learn from timing whether another sent a prompt. Empty: the unsalted cache.
+    """
+    fit_max_tokens: _builtins.bool
+    """sampling.max_tokens is the caller's default, not asked for by the client (OpenAI's APIs have one):
+    a prompt that leaves less room in the model's context gets what room there is instead of a refusal
+    (at least one token; a prompt that fills the context is still refused).
     """
     @_builtins.property
     def chat(self) -> Global___ChatMessages:
@@ -149,10 +155,11 @@ class GenerateRequest(_message.Message):
         model: _builtins.str = ...,
         logprobs: _builtins.bool = ...,
         cache_salt: _builtins.str = ...,
+        fit_max_tokens: _builtins.bool = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["chat", b"chat", "prompt", b"prompt", "sampling", b"sampling", "text", b"text", "token_ids", b"token_ids"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["cache_salt", b"cache_salt", "chat", b"chat", "logprobs", b"logprobs", "model", b"model", "prompt", b"prompt", "request_id", b"request_id", "sampling", b"sampling", "text", b"text", "token_ids", b"token_ids"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["cache_salt", b"cache_salt", "chat", b"chat", "fit_max_tokens", b"fit_max_tokens", "logprobs", b"logprobs", "model", b"model", "prompt", b"prompt", "request_id", b"request_id", "sampling", b"sampling", "text", b"text", "token_ids", b"token_ids"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     _WhichOneofReturnType_prompt: _TypeAlias = _typing.Literal["text", "chat", "token_ids"]  # noqa: Y015
     _WhichOneofArgType_prompt: _TypeAlias = _typing.Literal["prompt", b"prompt"]  # noqa: Y015

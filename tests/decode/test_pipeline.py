@@ -194,6 +194,25 @@ def test_a_request_the_cache_can_never_hold_is_refused_before_any_prefill(stack)
         close_pipeline(stack, pipeline, resolver)
 
 
+def test_a_default_max_tokens_is_cut_to_the_room_the_prompt_leaves(pipeline) -> None:
+    # The tiny model's context holds 4096 tokens; a client that gave no max_tokens gets what room there is.
+    room = pipeline.engine.args.max_seq_len - 4090
+    near_the_end = GenerateInput(TokenPrompt(prompt(4090)), greedy(16), fit_max_tokens=True)
+    ids, fitted = pipeline.validate(near_the_end)
+    assert len(ids) == 4090 and fitted.sampling.max_tokens == room
+    # A max_tokens the client asked for is never changed: it is refused, naming it.
+    with pytest.raises(InvalidArgument, match=r"sampling.max_tokens=16 with 4090 prompt tokens exceeds"):
+        pipeline.validate(dataclasses.replace(near_the_end, fit_max_tokens=False))
+    # One that already fits is kept; a prompt that fills the context, or a min_tokens over the room, refused.
+    assert pipeline.validate(GenerateInput(TokenPrompt(prompt(40)), greedy(16), fit_max_tokens=True))[1] == (
+        GenerateInput(TokenPrompt(prompt(40)), greedy(16), fit_max_tokens=True)
+    )
+    with pytest.raises(InvalidArgument, match=r"sampling.max_tokens=16 with 4096 prompt tokens"):
+        pipeline.validate(GenerateInput(TokenPrompt(prompt(4096)), greedy(16), fit_max_tokens=True))
+    with pytest.raises(InvalidArgument, match=r"sampling.min_tokens=10 with 4090 prompt tokens"):
+        pipeline.validate(dataclasses.replace(near_the_end, sampling=greedy(16, min_tokens=10)))
+
+
 @pytest.mark.slow
 def test_request_level_failure_leaves_the_set_routable(stack, pipeline) -> None:
     # The store refuses this request's replica (it cannot fit): an error of the request, not of the set.

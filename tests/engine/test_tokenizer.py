@@ -31,3 +31,20 @@ def test_chat_template_adds_generation_prompt(byte_tokenizer):
 
 def test_special_tokens_in_text_stay_whole(byte_tokenizer):
     assert byte_tokenizer.encode("<|im_end|>") == [258]
+
+
+def test_a_tokens_own_bytes_are_the_piece_of_a_character_it_carries(byte_tokenizer):
+    pieces = [byte_tokenizer.token_bytes(b) for b in "a漢".encode()]
+    assert pieces == [b"a", b"\xe6", b"\xbc", b"\xa2"]
+    assert byte_tokenizer.decode([0xE6]) == "\ufffd"  # what the text alone can show
+    assert byte_tokenizer.token_bytes(258) == b"<|im_end|>"
+
+
+@pytest.mark.slow
+def test_the_bytes_of_a_byte_level_vocabularys_tokens_join_into_the_text(smollm):
+    text = "naïve → 世界 🙂"
+    ids = smollm.tokenizer.encode(text)
+    assert "\ufffd" in "".join(smollm.tokenizer.decode([i]) for i in ids)  # tokens split characters
+    assert b"".join(smollm.tokenizer.token_bytes(i) for i in ids) == text.encode()
+    im_end = smollm.tokenizer.encode("<|im_end|>")
+    assert [smollm.tokenizer.token_bytes(i) for i in im_end] == [b"<|im_end|>"]

@@ -52,6 +52,14 @@ def test_chat_defaults_to_its_own_max_tokens_and_maps_messages() -> None:
     }
     request = parse_chat(body, MODEL).to_generate_request("r")
     assert request.sampling.max_tokens == CHAT_DEFAULT_MAX_TOKENS
+    # A default, so decode may cut it to the room the prompt leaves in the context; one the client gives, not.
+    assert request.fit_max_tokens
+    assert not parse_chat({**body, "max_tokens": 5}, MODEL).to_generate_request("r").fit_max_tokens
+    assert not parse_chat({**body, "max_completion_tokens": 5}, MODEL).to_generate_request("r").fit_max_tokens
+    assert parse_completion({"prompt": "x"}, MODEL).to_generate_request("r").fit_max_tokens
+    assert (
+        not parse_completion({"prompt": "x", "max_tokens": 3}, MODEL).to_generate_request("r").fit_max_tokens
+    )
     assert [(m.role, m.content) for m in request.chat.messages] == [
         ("system", "Be brief."),
         ("user", "Hello there"),

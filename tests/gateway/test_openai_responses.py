@@ -133,6 +133,27 @@ def test_chat_top_logprobs_validate_as_openai_types_with_the_first_token_include
     assert [[a.token for a in t.top_logprobs] for t in content] == [["Hel", "Hi"], ["p", "lo"]]
 
 
+def test_chat_logprob_bytes_are_the_tokens_own_bytes_when_decode_sends_them() -> None:
+    # Two tokens of one character: each alone decodes to U+FFFD, only their bytes tell them apart.
+    def token(token_id: int, logprob: float, raw: bytes) -> common_pb2.TokenLogprob:
+        return common_pb2.TokenLogprob(token_id=token_id, logprob=logprob, text="\ufffd", token_bytes=raw)
+
+    entries = [
+        common_pb2.TokenLogprobs(chosen=token(1, -0.1, b"\xe4\xb8"), top=[token(1, -0.1, b"\xe4\xb8")]),
+        common_pb2.TokenLogprobs(chosen=token(2, -0.2, b"\x96"), top=[token(2, -0.2, b"\x96")]),
+    ]
+    delta = decode_pb2.TokenDelta(
+        token_ids=[1, 2], text="\u4e16", logprobs=[-0.1, -0.2], token_logprobs=entries
+    )
+    body = {"messages": [{"role": "user", "content": "x"}], "logprobs": True, "top_logprobs": 1}
+    shaper = ResponseShaper(parse_chat(body, MODEL), "chatcmpl-1", 0)
+    shaper.add(delta)
+    content = ChatCompletion.model_validate(shaper.response([SUMMARY])).choices[0].logprobs.content
+    assert [t.bytes for t in content] == [[0xE4, 0xB8], [0x96]]
+    assert [t.top_logprobs[0].bytes for t in content] == [[0xE4, 0xB8], [0x96]]
+    assert b"".join(bytes(t.bytes) for t in content).decode() == "\u4e16"
+
+
 def test_completion_top_logprobs_map_each_token_to_its_alternatives() -> None:
     shaper = ResponseShaper(parse_completion({"prompt": "x", "logprobs": 2}, MODEL), "c", 0)
     shaper.add(_alternatives_delta())
