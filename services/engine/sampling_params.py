@@ -50,7 +50,8 @@ class SamplingParams:
 
     def validate(self, vocab_size: int | None = None) -> "SamplingParams":
         """Raise ValueError naming the field, its value and the rule; return self when valid. With
-        `vocab_size`, logit_bias ids are checked to be below it too."""
+        `vocab_size`, logit_bias and stop_token_ids ids are checked to be below it too (an id past the
+        vocabulary can never be sampled: a stop on it would be accepted and never happen)."""
         bad_bias = next(
             (
                 (t, b)
@@ -78,7 +79,11 @@ class SamplingParams:
             ("top_p", 0 < self.top_p <= 1, "must be in (0, 1] (1 disables top-p)"),
             ("seed", self.seed is None or 0 <= self.seed < 2**63, "must be in [0, 2**63) or unset"),
             ("stop", all(isinstance(s, str) and s for s in self.stop), "must hold non-empty strings"),
-            ("stop_token_ids", all(t >= 0 for t in self.stop_token_ids), "must hold ids >= 0"),
+            (
+                "stop_token_ids",
+                all(t >= 0 and (vocab_size is None or t < vocab_size) for t in self.stop_token_ids),
+                "must hold ids >= 0" if vocab_size is None else f"must hold ids in [0, {vocab_size})",
+            ),
             (
                 "presence_penalty",
                 math.isfinite(self.presence_penalty) and abs(self.presence_penalty) <= MAX_OPENAI_PENALTY,

@@ -40,6 +40,7 @@ MAX_N = 128
 # OpenAI's limits on alternatives per token.
 MAX_TOP_LOGPROBS = 20
 _UINT32 = 2**32
+FLOAT32_MAX = 3.4028234663852886e38
 _SEED_LIMIT = 2**63
 # Known parameters this server cannot honour, and the values that mean "not used" (None always does).
 _UNSUPPORTED: dict[str, tuple[object, ...]] = {
@@ -127,6 +128,16 @@ class _Sampling(StrictModel):
                     body = {k: v for k, v in body.items() if k != name}
         return body
 
+    @field_validator("temperature")
+    @classmethod
+    def _fits_the_wire(cls, temperature: float | None) -> float | None:
+        # The wire carries a 32-bit float: a larger value would arrive as inf and be refused by that name.
+        if temperature is not None and temperature > FLOAT32_MAX:
+            raise ValueError(
+                f"temperature={temperature!r} must be at most {FLOAT32_MAX:.4g} (a 32-bit float)"
+            )
+        return temperature
+
     @field_validator("logit_bias")
     @classmethod
     def _token_id_keys(cls, bias: dict[str, float] | None) -> dict[str, float] | None:
@@ -186,6 +197,18 @@ class ChatMessage(StrictModel):
     # No `name`: the chat template would not show it, and a participant's name silently dropped changes
     # what the model is told; it is refused like any unknown field.
     content: str | list[TextPart] | None = None
+
+    @field_validator("content", mode="before")
+    @classmethod
+    def _text_parts_only(cls, content: Any) -> Any:
+        """An image or audio part is refused as what it is, not as a string the part failed to be."""
+        for part in content if isinstance(content, list) else ():
+            kind = part.get("type") if isinstance(part, dict) else None
+            if isinstance(kind, str) and kind != "text":
+                raise ValueError(
+                    f"messages: content parts of type {kind!r} are not supported (this model reads text)"
+                )
+        return content
 
     def text(self) -> str:
         """The content as one string (text parts joined)."""

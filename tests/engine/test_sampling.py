@@ -301,6 +301,16 @@ def test_logit_bias_ids_outside_the_vocabulary_are_refused_at_the_edge():
     assert check_sampling(wire, vocab_size=VOCAB + 1).logit_bias == {VOCAB: 1.0}
 
 
+def test_stop_token_ids_outside_the_vocabulary_are_refused_at_the_edge():
+    # A stop on an id the model can never sample would be accepted and never happen.
+    wire = common_pb2.SamplingParams(max_tokens=4, stop_token_ids=[3, VOCAB])
+    with pytest.raises(
+        InvalidArgument, match=rf"sampling\.stop_token_ids=\[3, {VOCAB}\] must hold ids in \[0, {VOCAB}\)"
+    ):
+        check_sampling(wire, vocab_size=VOCAB)
+    assert check_sampling(wire, vocab_size=VOCAB + 1).stop_token_ids == [3, VOCAB]
+
+
 def test_every_field_reads_back_from_its_encoding_and_from_the_wire():
     params = SamplingParams(
         5, 0.5, 7, 0.75, 12, ["a"], [3], True, 0.5, -0.25, 1.25, {4: -100.0, 9: 2.5}, 0.125, 2, 5
