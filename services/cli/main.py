@@ -88,8 +88,10 @@ def _config_check(args: argparse.Namespace) -> int:
             return 2
     resolved = {}
     for role, config in configs.items():
+        # Only what the config decides: not the model's K/V heads, nor a decode worker's port (it picks one).
+        unset = {"num_kv_heads", *(("master_port",) if role == "decode" else ())}
         resolved[role] = {
-            **{k: v for k, v in vars(config).items() if k != "num_kv_heads"},
+            **{k: v for k, v in vars(config).items() if k not in unset},
             "world_size": config.world_size,
             "pcp_ranks_per_node": config.pcp_ranks_per_node,
             "nodes_required": config.nodes_required,

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import json
 import math
+import os
 from dataclasses import asdict, dataclass, fields, replace
 from pathlib import Path
 from typing import Any
@@ -35,7 +36,16 @@ ROLE_SECTIONS = {
     "decode": "motor_engine_decode_config",
 }
 DEFAULT_BLOCK_SIZE = 128
+DEFAULT_MASTER_PORT = 7001
 TRANSFER_MODES = ("whole", "layerwise")
+# PCPSTACK_CPU_KERNELS, read by engine/cpu_kernels.py; named here so that a node refuses a bad value at
+# start-up, before it imports torch or starts a rank process that would read it.
+CPU_KERNELS_ENV = "PCPSTACK_CPU_KERNELS"
+CPU_KERNELS_CHOICES = {
+    "": "use the CPU kernels where they beat plain PyTorch",
+    "0": "never use them",
+    "1": "use them without the speed check",
+}
 
 
 class ConfigError(FailedPrecondition, ValueError):
@@ -93,6 +103,16 @@ def check_non_negative(key: str, value: object, meaning_of_zero: str = "") -> No
     if not _is_number(value) or value < 0:
         zero = f" ({meaning_of_zero})" if meaning_of_zero else ""
         raise ConfigError.broken(key, value, f"must be >= 0{zero}")
+
+
+def env_choice(name: str, meanings: dict[str, str]) -> str:
+    """Environment variable `name` (stripped, lower-cased), one of `meanings`' keys ("" for unset); a
+    ConfigError naming the variable, its value and the values it takes otherwise."""
+    value = os.environ.get(name, "").strip().lower()
+    if value not in meanings:
+        takes = ", ".join(f"{choice or 'unset'} ({meaning})" for choice, meaning in meanings.items())
+        raise ConfigError.broken(name, os.environ[name], f"must be one of: {takes}")
+    return value
 
 
 def check_address(key: str, value: str, required: bool = False) -> None:
@@ -162,11 +182,11 @@ class EngineConfig:
     decode_context_parallel_size: int = 1
     cp_kv_cache_interleave_size: int = DEFAULT_BLOCK_SIZE
     nnodes: int = 1
-    master_port: int = 7001
+    master_port: int = DEFAULT_MASTER_PORT
     block_size: int = DEFAULT_BLOCK_SIZE
     kv_transfer_mode: str = "whole"
-    # KV heads of the model; needed by the DCP rule for GQA models. 0 = unknown (rule checked later,
-    # once the model is loaded).
+    # KV heads of the model, for the DCP rule of GQA models: set by with_model_shape once the model is
+    # read, never by a config (0 = not known yet; the rule waits for it).
     num_kv_heads: int = 0
 
     def __post_init__(self) -> None:
@@ -214,6 +234,8 @@ class EngineConfig:
                 ("master_port",),
                 "valid port",
             )
+        if self.role == "decode" and self.master_port != DEFAULT_MASTER_PORT:
+            raise _decode_master_port(self.master_port)
         if self.kv_transfer_mode not in TRANSFER_MODES:
             raise ConfigError(
                 f"kv_transfer_mode={self.kv_transfer_mode!r} is not one of {', '.join(TRANSFER_MODES)}",
@@ -287,17 +309,13 @@ class EngineConfig:
     def from_mapping(
         cls, engine_config: dict[str, Any], role: str, engine_type: str = "pcpstack"
     ) -> EngineConfig:
-        """Builds from an engine_config mapping (hyphen or underscore keys); unknown keys are refused."""
-        known = {f.name for f in fields(cls)} - {"role", "engine_type"}
+        """Builds from an engine_config mapping (hyphen or underscore keys); unknown keys are refused, and
+        so is master_port on a decode instance."""
         values: dict[str, Any] = {}
         for raw_key, value in engine_config.items():
             key = _key(raw_key)
-            if key not in known:
-                raise ConfigError(
-                    f"unknown engine_config key {raw_key!r}; known keys: {', '.join(sorted(known))}",
-                    (raw_key,),
-                    "known keys only",
-                )
+            if key not in settable_keys():
+                raise _unknown_key("engine_config", raw_key)
             if key in values:
                 raise ConfigError(
                     f"engine_config key {raw_key!r} is given twice", (raw_key,), "no duplicates"
@@ -317,17 +335,22 @@ class EngineConfig:
                     (key,),
                     "typed values",
                 )
+        if role == "decode" and "master_port" in values:
+            raise _decode_master_port(values["master_port"])
         return cls(role=role, engine_type=engine_type, **values).validate()
 
     def with_overrides(self, overrides: dict[str, Any]) -> EngineConfig:
         """A copy with `key=value` overrides applied (hyphen or underscore keys), validated."""
-        merged = {k: v for k, v in asdict(self).items() if k not in ("role", "engine_type")}
+        # A decode config's master_port is always the default: left out, so only an override names it.
+        unset = {"master_port"} if self.role == "decode" else set()
+        merged = {k: v for k, v in asdict(self).items() if k in settable_keys() - unset}
         for raw_key, value in overrides.items():
             key = _key(raw_key)
-            if key not in merged:
-                raise ConfigError(f"unknown override key {raw_key!r}", (raw_key,), "known keys only")
+            if key not in settable_keys():
+                raise _unknown_key("override", raw_key)
             merged[key] = value
-        return EngineConfig.from_mapping(merged, role=self.role, engine_type=self.engine_type)
+        config = EngineConfig.from_mapping(merged, role=self.role, engine_type=self.engine_type)
+        return config.with_model_shape(self.num_kv_heads) if self.num_kv_heads else config
 
     def to_proto(self) -> common_pb2.EngineConfig:
         """The wire form sent to the registry."""
@@ -363,7 +386,7 @@ class EngineConfig:
             decode_context_parallel_size=msg.decode_context_parallel_size or 1,
             cp_kv_cache_interleave_size=msg.cp_kv_cache_interleave_size or block,
             nnodes=msg.nnodes or 1,
-            master_port=msg.master_port or 7001,
+            master_port=msg.master_port or DEFAULT_MASTER_PORT,
             block_size=block,
             kv_transfer_mode="layerwise"
             if msg.kv_transfer_mode == common_pb2.KV_TRANSFER_MODE_LAYERWISE
@@ -375,6 +398,32 @@ class EngineConfig:
     def with_model_shape(self, num_kv_heads: int) -> EngineConfig:
         """Re-validates once the model's KV head count is known (the GQA DCP rule needs it)."""
         return replace(self, num_kv_heads=num_kv_heads).validate()
+
+
+def settable_keys() -> set[str]:
+    """The engine_config keys a config file or an override may set."""
+    return {f.name for f in fields(EngineConfig)} - {"role", "engine_type", "num_kv_heads"}
+
+
+def _unknown_key(where: str, raw_key: str) -> ConfigError:
+    """The error for a key no config may set (`where`: engine_config or override)."""
+    # num_kv_heads is a field, but the model's, not the user's: say where it comes from.
+    model_note = "the model's own config decides its K/V heads; " if _key(raw_key) == "num_kv_heads" else ""
+    known = ", ".join(sorted(settable_keys()))
+    return ConfigError(
+        f"unknown {where} key {raw_key!r}; {model_note}known keys: {known}", (raw_key,), "known keys only"
+    )
+
+
+def _decode_master_port(value: object) -> ConfigError:
+    """The error for a master port on a decode instance, which has no use for one."""
+    return ConfigError(
+        f"master_port={value!r} on a decode instance: master_port is where a prefill set's ranks meet; a "
+        "decode worker's TP ranks all run on its own host and meet at a free port it picks itself, so "
+        "remove master_port from motor_engine_decode_config and its overrides",
+        ("master_port",),
+        "no master_port on a decode instance",
+    )
 
 
 def parse_overrides(pairs: list[str]) -> dict[str, Any]:

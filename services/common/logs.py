@@ -3,7 +3,8 @@
 Both formats carry the service name and the request id. The request id lives in a context variable so
 that every log line written while a request is being served carries it, across awaits, without threading
 it through every call. The format follows stderr: a terminal gets the console format, anything else (a
-file, a pipe, a log collector) gets JSON; PCPSTACK_LOG_FORMAT=json|console overrides the choice.
+file, a pipe, a log collector) gets JSON; PCPSTACK_LOG_FORMAT=json|console overrides the choice (another
+value is a ConfigError: start-up refuses it).
 """
 
 from __future__ import annotations
@@ -11,15 +12,20 @@ from __future__ import annotations
 import contextvars
 import json
 import logging
-import os
 import sys
 import time
 from typing import TextIO
 
+from pcpstack.common.config import env_choice
+
 request_id_var: contextvars.ContextVar[str] = contextvars.ContextVar("request_id", default="")
 _service_name = "pcpstack"
 LOG_FORMAT_ENV = "PCPSTACK_LOG_FORMAT"
-LOG_FORMATS = ("json", "console")
+LOG_FORMATS = {
+    "": "console on a terminal, json otherwise",
+    "json": "one JSON object per line",
+    "console": "readable lines",
+}
 _STANDARD_FIELDS = set(logging.makeLogRecord({}).__dict__) | {"message", "asctime"}
 
 
@@ -59,10 +65,15 @@ class ConsoleFormatter(logging.Formatter):
         return line
 
 
+def chosen_log_format() -> str:
+    """PCPSTACK_LOG_FORMAT: "json", "console" or "" (unset); a ConfigError naming it for another value."""
+    return env_choice(LOG_FORMAT_ENV, LOG_FORMATS)
+
+
 def log_format(stream: TextIO) -> str:
     """ "console" or "json" for a stream: PCPSTACK_LOG_FORMAT if set, else console only on a terminal."""
-    chosen = os.environ.get(LOG_FORMAT_ENV, "").strip().lower()
-    if chosen in LOG_FORMATS:
+    chosen = chosen_log_format()
+    if chosen:
         return chosen
     isatty = getattr(stream, "isatty", None)
     return "console" if isatty is not None and isatty() else "json"

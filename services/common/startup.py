@@ -27,6 +27,8 @@ from typing import Any, ClassVar, TypeVar
 
 from pcpstack.common import security
 from pcpstack.common.config import (
+    CPU_KERNELS_CHOICES,
+    CPU_KERNELS_ENV,
     DEVICE_KINDS,
     ROLE_SECTIONS,
     ConfigError,
@@ -36,12 +38,13 @@ from pcpstack.common.config import (
     check_model_source,
     check_port,
     check_positive,
+    env_choice,
     parse_overrides,
     role_config,
 )
 from pcpstack.common.errors import Unavailable
 from pcpstack.common.lifetime import exit_service_with_parent
-from pcpstack.common.logs import setup_logging
+from pcpstack.common.logs import chosen_log_format, setup_logging
 from pcpstack.common.server import DEFAULT_MAX_MESSAGE_BYTES, RunningServer, ServerOptions
 from pcpstack.common.telemetry import setup_telemetry, shutdown_telemetry
 from pcpstack.common.tunables import ensure_glibc_tunables
@@ -67,6 +70,7 @@ class ProcessConfig:
     def __post_init__(self) -> None:
         if self.log_level.upper() not in LOG_LEVELS:
             raise ConfigError.broken("--log-level", self.log_level, f"must be one of {', '.join(LOG_LEVELS)}")
+        chosen_log_format()  # PCPSTACK_LOG_FORMAT: refused here, not when logging starts
         if self.metrics:
             _, sep, port = self.metrics.rpartition(":")
             if not sep or not port.isdigit():
@@ -186,6 +190,8 @@ class NodeConfig(ListenConfig):
         check_model_source("model", self.engine.model)
         if self.device and self.device not in DEVICE_KINDS:
             raise ConfigError.broken("--device", self.device, f"must be one of {', '.join(DEVICE_KINDS)}")
+        # Read by the engine, in rank processes too: refused here, before any of them starts.
+        env_choice(CPU_KERNELS_ENV, CPU_KERNELS_CHOICES)
         # Settings the config rules accept (`pcpstack config check` validates the seeds' shapes) but no
         # service acts on yet: refused here rather than accepted and silently ignored.
         not_yet = [("kv_transfer_mode", self.engine.kv_transfer_mode, "whole", "a layerwise KV transfer")]

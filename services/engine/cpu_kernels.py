@@ -11,8 +11,9 @@ beside the library (so every process on the machine makes the same choice). Kern
 with a log line saying so. `library()` is the engine's choice; `build_library()` the kernels themselves.
 
 PCPSTACK_CPU_KERNELS: unset (default) uses the kernels when they win; `1` uses them without the check; `0`
-never. Where no compiler works, or they lose, or are off, `library()` is None and the engine runs its plain
-PyTorch path: same results up to summation order.
+never; another value is a ConfigError (a node refuses it at start-up). Where no compiler works, or they
+lose, or are off, `library()` is None and the engine runs its plain PyTorch path: same results up to
+summation order.
 """
 
 import ctypes
@@ -29,11 +30,12 @@ from pathlib import Path
 import torch
 
 from pcpstack.common import native
+from pcpstack.common.config import CPU_KERNELS_CHOICES, CPU_KERNELS_ENV, env_choice
 
 log = logging.getLogger(__name__)
 
 SOURCE = Path(__file__).with_name("cpu_kernels.c")
-ENABLE_ENV = "PCPSTACK_CPU_KERNELS"
+ENABLE_ENV = CPU_KERNELS_ENV
 CACHE_ENV = native.CACHE_ENV
 ARCH_ENV = "PCPSTACK_KERNEL_ARCH"
 # How much faster than torch's dense matmul the kernels must be to be used (1.0: at least as fast).
@@ -128,10 +130,16 @@ def _library_path(compiler: str) -> Path:
     return native.library_path(compiler, SOURCE, _flags() + LIBS, platform.machine(), _cpu_flags())
 
 
+def enable_setting() -> str:
+    """PCPSTACK_CPU_KERNELS: "", "0" or "1"; a ConfigError naming it, its value and the values it takes
+    otherwise."""
+    return env_choice(ENABLE_ENV, CPU_KERNELS_CHOICES)
+
+
 @functools.cache
 def build_library() -> ctypes.CDLL | None:
     """The kernels, built first if needed; None when switched off or when no compiler can build them."""
-    if os.environ.get(ENABLE_ENV, "") == "0":
+    if enable_setting() == "0":
         return None
     compiler = native.compiler()
     if compiler is None:
@@ -162,7 +170,7 @@ def library() -> ctypes.CDLL | None:
     """The kernels the engine uses: built, and faster than plain PyTorch on this CPU (or forced with
     PCPSTACK_CPU_KERNELS=1); None otherwise, and the engine runs its plain path."""
     lib = build_library()
-    if lib is None or os.environ.get(ENABLE_ENV, "") == "1":
+    if lib is None or enable_setting() == "1":
         return lib
     verdict = _verdict(lib)
     if not verdict["use"]:

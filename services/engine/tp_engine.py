@@ -288,6 +288,7 @@ class TensorParallelEngine:
         # T ranks share the host's cores; each taking all of them would oversubscribe every collective.
         threads = threads or max(1, (os.cpu_count() or 1) // tp_size)
         torch.set_num_threads(threads)
+        # Every rank is on this host: a free port, not a configured one (decode configs refuse master_port).
         port = free_port(_MASTER_ADDR)
         specs = [
             FollowerSpec(

@@ -104,9 +104,10 @@ def test_rule_dcp_divides_tp_and_tp_at_least_dcp() -> None:
 
 
 def test_rule_dcp_for_gqa_models_uses_tp_per_kv_head() -> None:
-    assert prefill(tensor_parallel_size=8, decode_context_parallel_size=2, num_kv_heads=4)
-    error = refused(tensor_parallel_size=8, decode_context_parallel_size=2, num_kv_heads=8)
-    assert "num_kv_heads=8" in str(error) and "(tp // num_kv_heads)=1" in str(error)
+    assert prefill(tensor_parallel_size=8, decode_context_parallel_size=2).with_model_shape(num_kv_heads=4)
+    with pytest.raises(ConfigError) as info:
+        prefill(tensor_parallel_size=8, decode_context_parallel_size=2).with_model_shape(num_kv_heads=8)
+    assert "num_kv_heads=8" in str(info.value) and "(tp // num_kv_heads)=1" in str(info.value)
     base = prefill(tensor_parallel_size=8, decode_context_parallel_size=4)
     with pytest.raises(ConfigError, match="num_kv_heads=4"):
         base.with_model_shape(num_kv_heads=4)  # 8 // 4 = 2 < 4
