@@ -185,6 +185,8 @@ def _check_log_dir(log_dir: str) -> None:
     if path.exists():
         if not path.is_dir():
             raise UsageError("--log-dir", log_dir, "must be a folder, not a file")
+        if not os.access(path, os.W_OK | os.X_OK):
+            raise UsageError("--log-dir", log_dir, "must be a folder this process can write")
         return
     parent = next(p for p in path.absolute().parents if p.exists())
     if not parent.is_dir() or not os.access(parent, os.W_OK | os.X_OK):

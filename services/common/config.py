@@ -524,10 +524,12 @@ def role_config(
     if model is not None:
         overrides["model"] = model
     if config_file:
-        configs = load_config_file(config_file, overrides)
+        # The overrides go to this role's section alone: a service's --set is not about the file's others
+        # (a prefill node's master-port would be refused by the decode section).
+        configs = load_config_file(config_file)
         if role not in configs:
             section = ROLE_SECTIONS[role]
             raise ConfigError(f"{config_file} has no {section} section", (section,), f"{role} section")
-        return configs[role]
+        return configs[role].with_overrides(overrides) if overrides else configs[role]
     base = EngineConfig(role=role)
     return base.with_overrides(overrides) if overrides else base.validate()

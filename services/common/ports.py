@@ -34,7 +34,13 @@ def check_bindable(host: str, port: int) -> None:
     infos = socket.getaddrinfo(
         host.strip("[]") or None, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE
     )
-    family, kind, proto, _, address = infos[0]
-    with socket.socket(family, kind, proto) as probe:
-        probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        probe.bind(address)
+    failure: OSError | None = None
+    for family, kind, proto, _, address in infos:  # a name may have several: one that binds will do
+        try:
+            with socket.socket(family, kind, proto) as probe:
+                probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+                probe.bind(address)
+            return
+        except OSError as exc:
+            failure = exc
+    raise failure or OSError(f"{host} resolves to no address")

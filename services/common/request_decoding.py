@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import inspect
 from collections.abc import AsyncIterator, Callable
+from contextlib import aclosing
 from dataclasses import dataclass
 from typing import Any
 
@@ -70,8 +71,10 @@ def _guard(method: str, behaviour: Callable[..., Any], request_streaming: bool) 
 
         async def streaming(request, context: grpc.aio.ServicerContext):
             try:
-                async for response in behaviour(arguments(request), context):
-                    yield response
+                # aclosing: closing this stream closes the servicer's with it
+                async with aclosing(behaviour(arguments(request), context)) as responses:
+                    async for response in responses:
+                        yield response
             except MalformedRequestError as exc:
                 await abort(context, exc)
 

@@ -47,7 +47,7 @@ def _unary(behaviour: Callable[..., Awaitable[Any]]) -> Callable[..., Awaitable[
 def _streaming(behaviour: Callable[..., Any]) -> Callable[..., Any]:
     async def wrapped(request_or_iterator, context):
         try:
-            # aclosing: closing this stream closes the servicer's at once, in the same task
+            # aclosing: closing this stream closes the servicer's with it
             async with aclosing(behaviour(request_or_iterator, context)) as responses:
                 async for response in responses:
                     yield response

@@ -123,7 +123,7 @@ async def start_server(
         try:
             check_bindable(options.host, options.port)
         except OSError as exc:
-            raise unbindable("--port", bind, exc) from None
+            raise unbindable("--host/--port", bind, exc) from None
     try:  # grpcio raises RuntimeError("Failed to bind ...") where older versions returned 0
         port = (
             server.add_insecure_port(bind)
@@ -131,9 +131,9 @@ async def start_server(
             else server.add_secure_port(bind, credentials)
         )
     except RuntimeError as exc:  # its text ends in advice about GRPC_VERBOSITY; the core logged the cause
-        raise unbindable("--port", bind, RuntimeError(str(exc).split(";")[0])) from None
+        raise unbindable("--host/--port", bind, RuntimeError(str(exc).split(";")[0])) from None
     if port == 0:
-        raise unbindable("--port", bind, OSError("no port was bound"))
+        raise unbindable("--host/--port", bind, OSError("no port was bound"))
     await server.start()
     running = RunningServer(server, options.host, port, health, options.grace_seconds)
     for name in ["", *names]:

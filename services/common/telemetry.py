@@ -49,7 +49,7 @@ from opentelemetry.sdk.trace.export import (
     SpanExportResult,
 )
 
-from pcpstack.common.config import unbindable
+from pcpstack.common.config import ConfigError, unbindable
 
 TRACE_FILE_ENV = "PCPSTACK_TRACE_FILE"
 # The namespace of pcpstack's metrics as Prometheus sees them, and the instrument-name prefix it comes from.
@@ -198,7 +198,11 @@ def setup_telemetry(
         readers = list(metric_readers)
         if metrics_address:
             endpoint = PrometheusEndpoint()
-            endpoint.serve(metrics_address)
+            try:
+                endpoint.serve(metrics_address)
+            except ConfigError:
+                _service = None  # not set up: a later call may try again
+                raise
             readers.append(endpoint.reader)
         if os.environ.get(OTLP_ENV):
             from opentelemetry.exporter.otlp.proto.grpc.metric_exporter import OTLPMetricExporter
@@ -227,7 +231,9 @@ def server_interceptors() -> list[grpc.aio.ServerInterceptor]:
     and grpcio never closes an abandoned stream in its call's task: when a client hangs up, the stream is
     closed later by the garbage collector, in another context, where resetting the span's context fails
     and is logged at ERROR with a traceback ("Failed to detach context"), once per hung-up stream. So an
-    outer interceptor drives each stream and closes it in its own task whatever ends it."""
+    outer interceptor drives each stream and closes it in its own task whatever ends it. OpenTelemetry's
+    layer does not close the layers inside it, which the collector still closes elsewhere: none of them
+    may keep a context across a yield (decode's request span is current in steps: current_in_steps)."""
     if _server_filter is None:
         return []
     return [_StreamsClosedInTheirTask(), aio_server_interceptor(filter_=_server_filter)]

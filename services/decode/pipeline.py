@@ -291,17 +291,30 @@ class GeneratePipeline:
         return ids, request
 
     def _fit_max_tokens(self, request: GenerateInput, prompt_tokens: int) -> GenerateInput:
-        """The request with a default max_tokens cut to the room the context leaves after the prompt."""
-        room = self._limits.max_seq_len - prompt_tokens
+        """The request with a default max_tokens cut to the room the context, and this worker's cache, leave
+        after the prompt."""
+        room = min(self._limits.max_seq_len - prompt_tokens, self._cache_room(prompt_tokens))
         sampling = request.sampling
         if not request.fit_max_tokens or sampling.max_tokens <= room or room < 1:
             return request  # a prompt that leaves no room is refused by the checks that follow
         if sampling.min_tokens > room:
             raise InvalidArgument(
-                f"sampling.min_tokens={sampling.min_tokens} with {prompt_tokens} prompt tokens exceeds "
-                f"{self._limits.context()}"
+                f"sampling.min_tokens={sampling.min_tokens}: the prompt's {prompt_tokens} tokens leave room "
+                f"for {room} more in {self._limits.context()} and this decode worker's cache"
             )
         return replace(request, sampling=replace(sampling, max_tokens=room))
+
+    def _cache_room(self, prompt_tokens: int) -> int:
+        """The most tokens a sequence of prompt_tokens may generate in this worker's whole cache (0: none)."""
+        capacity = self.engine.cache.num_blocks
+        low, high = 0, self._limits.max_seq_len
+        while low < high:  # blocks_for counts one rank's blocks (about 1/DCP of them with DCP): search it
+            middle = (low + high + 1) // 2
+            if self.engine.blocks_for(prompt_tokens + middle) <= capacity:
+                low = middle
+            else:
+                high = middle - 1
+        return low
 
     # --- the request path --------------------------------------------------------------------------------
 
@@ -483,7 +496,9 @@ class GeneratePipeline:
                 error = error_from_rpc(exc) if isinstance(exc, grpc.aio.AioRpcError) else exc
                 last_error = f"set {chosen.set_id} failed: {error.code}: {error}"
                 if not isinstance(error, Unavailable):
-                    raise error_of_code(error.code, f"prefill on set {chosen.set_id}: {error}") from exc
+                    # Prefill's message first: it names the request's field ("prompt of 900 tokens exceeds
+                    # ..."), which the gateway reads to answer the right status and parameter.
+                    raise error_of_code(error.code, f"{error} (prefill on set {chosen.set_id})") from exc
                 # Which of the two failed is not told apart here; each comes back with a fresh answer.
                 self.router.forget(chosen.set_id, store)
         if last_error:

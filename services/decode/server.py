@@ -85,7 +85,7 @@ class DecodeServicer(decode_pb2_grpc.DecodeServiceServicer):
             cache_salt=request.cache_salt,
             fit_max_tokens=request.fit_max_tokens,
         )
-        # aclosing: a cancelled call closes the pipeline's request at once, in this task.
+        # aclosing: closing this stream closes the pipeline's request with it.
         async with aclosing(self.pipeline.generate(call)) as events:
             async for event in events:
                 if isinstance(event, Delta):

@@ -73,7 +73,7 @@ def check_sampling(
 ) -> SamplingParams:
     """Typed sampling parameters from a pcpstack.v1.SamplingParams message, or InvalidArgument naming the
     field (`sampling.<name>`) and its rule; `default_max_tokens` fills an unset max_tokens (None: it is
-    required), and with `vocab_size` every logit_bias id must be below it.
+    required), and with `vocab_size` every logit_bias and stop_token_ids id must be below it.
 
     Ranges: temperature >= 0, top_k >= 0, top_p in (0, 1], presence and frequency penalties in [-2, 2],
     repetition_penalty > 0, logit_bias biases in [-100, 100], min_p in [0, 1], min_tokens <= max_tokens,

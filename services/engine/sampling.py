@@ -248,8 +248,8 @@ def sampling_from_wire(
     """Validated SamplingParams from the wire form (a pcpstack.v1.SamplingParams message).
 
     On the wire 0 means unset: top_p 0 and repetition_penalty 0 are 1 (off), and max_tokens 0 takes
-    default_max_tokens, or is refused when there is none. With `vocab_size`, logit_bias ids are checked
-    against it. A ValueError names the field as `sampling.<name>`, as clients spell it.
+    default_max_tokens, or is refused when there is none. With `vocab_size`, logit_bias and stop_token_ids
+    ids are checked against it. A ValueError names the field as `sampling.<name>`, as clients spell it.
     """
     if msg.max_tokens == 0 and default_max_tokens is None:
         raise ValueError("sampling.max_tokens=0 must be >= 1")

@@ -1,6 +1,7 @@
 """Tokenizer built with the `tokenizers` library from GGUF metadata or a Hugging Face tokenizer.json, the chat
 template rendered with jinja2, and an incremental detokenizer for streaming."""
 
+import functools
 import json
 from collections.abc import Iterable, Sequence
 from datetime import datetime
@@ -91,6 +92,11 @@ class Tokenizer:
         self.chat_template = chat_template
         self._template: jinja2.Template | None = None
 
+    @functools.cached_property
+    def _added_ids(self) -> frozenset[int]:
+        """Ids of the added tokens (specials): their text is theirs, not the byte-level alphabet's."""
+        return frozenset(self.backend.get_added_tokens_decoder())
+
     @property
     def vocab_size(self) -> int:
         """Number of token ids, added tokens included."""
@@ -106,9 +112,7 @@ class Tokenizer:
         surface = self.backend.id_to_token(token_id)
         if surface is None:
             return b""
-        if isinstance(self.backend.decoder, decoders.ByteLevel) and (
-            token_id not in self.backend.get_added_tokens_decoder()
-        ):
+        if isinstance(self.backend.decoder, decoders.ByteLevel) and token_id not in self._added_ids:
             byte_of = _bytes_of_alphabet()
             if all(char in byte_of for char in surface):
                 return bytes(byte_of[char] for char in surface)

@@ -20,10 +20,19 @@ from __future__ import annotations
 
 import json
 import math
+import struct
 from dataclasses import dataclass, field
 from typing import Annotated, Any, Literal, TypeVar
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    ValidationError,
+    ValidationInfo,
+    field_validator,
+    model_validator,
+)
 
 from pcpstack.decode.client import build_request
 from pcpstack.gateway.errors import ApiError, bad_request
@@ -41,6 +50,7 @@ MAX_N = 128
 MAX_TOP_LOGPROBS = 20
 _UINT32 = 2**32
 FLOAT32_MAX = 3.4028234663852886e38
+FLOAT32_TINY = 1.401298464324817e-45  # the smallest above 0
 _SEED_LIMIT = 2**63
 # Known parameters this server cannot honour, and the values that mean "not used" (None always does).
 _UNSUPPORTED: dict[str, tuple[object, ...]] = {
@@ -72,6 +82,11 @@ MAX_JSON_DEPTH = 32
 _M = TypeVar("_M", bound=BaseModel)
 _T = TypeVar("_T")
 TokenId = Annotated[int, Field(ge=0, lt=_UINT32)]
+
+
+def _as_float32(value: float) -> float:
+    """value as the wire's 32-bit float carries it (value within float32's range)."""
+    return struct.unpack("f", struct.pack("f", value))[0]
 
 
 class StrictModel(BaseModel):
@@ -128,15 +143,19 @@ class _Sampling(StrictModel):
                     body = {k: v for k, v in body.items() if k != name}
         return body
 
-    @field_validator("temperature")
+    @field_validator(
+        "temperature", "top_p", "min_p", "presence_penalty", "frequency_penalty", "repetition_penalty"
+    )
     @classmethod
-    def _fits_the_wire(cls, temperature: float | None) -> float | None:
-        # The wire carries a 32-bit float: a larger value would arrive as inf and be refused by that name.
-        if temperature is not None and temperature > FLOAT32_MAX:
+    def _fits_the_wire(cls, value: float | None, info: ValidationInfo) -> float | None:
+        # The wire carries 32-bit floats: a larger value would arrive as inf (refused by that name), and a
+        # tiny one as 0, which the wire reads as "off" for top_p and repetition_penalty.
+        if value is not None and (abs(value) > FLOAT32_MAX or (value != 0 and _as_float32(value) == 0)):
             raise ValueError(
-                f"temperature={temperature!r} must be at most {FLOAT32_MAX:.4g} (a 32-bit float)"
+                f"{info.field_name}={value!r} must be 0 or between {FLOAT32_TINY:.4g} and {FLOAT32_MAX:.4g} "
+                "in size (a 32-bit float)"
             )
-        return temperature
+        return value
 
     @field_validator("logit_bias")
     @classmethod

@@ -21,6 +21,7 @@ from pcpstack.common.config import (
     env_choice,
     load_configs,
     parse_overrides,
+    role_config,
 )
 from tests.common.test_startup import REGISTRY, refusal
 
@@ -108,6 +109,15 @@ def test_config_check_shows_a_master_port_for_prefill_only(child_env, tmp_path: 
     assert run.returncode == 0, run.stderr
     resolved = json.loads(run.stdout)
     assert "master_port" not in resolved["decode"] and resolved["prefill"]["master_port"] == 7100
+
+
+def test_a_services_overrides_go_to_its_own_section_of_a_file_with_both(tmp_path: Path) -> None:
+    # A prefill node's --set master-port is not the decode section's business (which would refuse it).
+    path = tmp_path / "both.json"
+    path.write_text(json.dumps({DECODE: {"engine_config": {}}, PREFILL: {"engine_config": {}}}))
+    assert role_config("prefill", str(path), {"master-port": 29500}).master_port == 29500
+    with pytest.raises(ConfigError, match="master_port=29500 on a decode instance"):
+        role_config("decode", str(path), {"master-port": 29500})
 
 
 def test_serve_decode_refuses_a_master_port_override(child_env) -> None:

@@ -74,8 +74,10 @@ def test_kvstore_refuses_a_bad_flag_with_one_line_naming_it(child_env, args: lis
 
 @pytest.fixture(scope="module")
 def held_port():
-    """A port another process's socket listens on."""
+    """A port another socket listens on, with SO_REUSEPORT as a gRPC server's: gRPC alone would bind it
+    too and share it, so only the check before binding refuses it."""
     with socket.socket() as holder:
+        holder.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
         holder.bind(("127.0.0.1", 0))
         holder.listen()
         yield holder.getsockname()[1]
@@ -84,8 +86,8 @@ def held_port():
 @pytest.mark.parametrize(
     ("service", "args", "named"),
     [
-        ("registry", ["--port", "{port}"], "--port='127.0.0.1:{port}': cannot be bound"),
-        ("kvstore", ["--port", "{port}"], "--port='127.0.0.1:{port}': cannot be bound"),
+        ("registry", ["--port", "{port}"], "--host/--port='127.0.0.1:{port}': cannot be bound"),
+        ("kvstore", ["--port", "{port}"], "--host/--port='127.0.0.1:{port}': cannot be bound"),
         ("gateway", ["--port", "{port}", "--decode", REGISTRY], "--host/--port='127.0.0.1:{port}': cannot"),
         ("gateway", ["--host", "no such host", "--decode", REGISTRY], "--host/--port='no such host:"),
         (

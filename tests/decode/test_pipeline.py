@@ -190,6 +190,9 @@ def test_a_request_the_cache_can_never_hold_is_refused_before_any_prefill(stack)
             stack.run(answer(pipeline, GenerateInput(TokenPrompt(prompt(100)), greedy(50))))
         assert stack.run(_bytes_in(store)) == before
         assert stack.run(pinned_bytes(store)) == 0
+        # The same 50 as a default (no max_tokens from the client) is cut to what the cache leaves: 28.
+        fitted = GenerateInput(TokenPrompt(prompt(100)), greedy(50), fit_max_tokens=True)
+        assert pipeline.validate(fitted)[1].sampling.max_tokens == BLOCK_SIZE - 100
     finally:
         close_pipeline(stack, pipeline, resolver)
 
@@ -209,7 +212,7 @@ def test_a_default_max_tokens_is_cut_to_the_room_the_prompt_leaves(pipeline) -> 
     )
     with pytest.raises(InvalidArgument, match=r"sampling.max_tokens=16 with 4096 prompt tokens"):
         pipeline.validate(GenerateInput(TokenPrompt(prompt(4096)), greedy(16), fit_max_tokens=True))
-    with pytest.raises(InvalidArgument, match=r"sampling.min_tokens=10 with 4090 prompt tokens"):
+    with pytest.raises(InvalidArgument, match=r"sampling.min_tokens=10: the prompt's 4090 tokens leave room"):
         pipeline.validate(dataclasses.replace(near_the_end, sampling=greedy(16, min_tokens=10)))
 
 

@@ -155,6 +155,8 @@ def test_bad_completion_input_is_a_400_naming_the_parameter(body: dict, param: s
         ({"messages": [{"role": "user", "content": [{"type": "image_url"}]}]}, "messages"),
         ({"messages": [{"role": "user", "content": "x"}], "top_logprobs": 3}, "top_logprobs"),
         ({"messages": USER, "temperature": 1e308}, "temperature"),
+        ({"messages": USER, "repetition_penalty": 1e39}, "repetition_penalty"),
+        ({"messages": USER, "top_p": 1e-46}, "top_p"),
         ({"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {}}]}]}, "messages"),
         ({"messages": USER, "logprobs": True, "top_logprobs": 21}, "top_logprobs"),
         ({"messages": USER, "response_format": {"type": "json_object"}}, "response_format"),
