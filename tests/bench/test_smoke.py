@@ -8,13 +8,20 @@ import subprocess
 import pytest
 
 from bench.all import SMOKE_ARGS
+from bench.engine_weights import write_synthetic_gguf
 from bench.kv import PATHS as KV_PATHS
 from pcpstack.cli.launch import cli_command
+
+# A Llama GGUF small enough for the peers' smoke run (random Q4_1 weights, a byte-level tokenizer).
+TINY_GGUF_SHAPE = {"dim": 64, "hidden": 128, "heads": 4, "kv_heads": 2, "layers": 2, "vocab": 512}
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("area", sorted(SMOKE_ARGS))
 def test_benchmark_smoke_run_writes_json(area, tmp_path, child_env) -> None:
+    extra = []
+    if area == "peers":  # transformers takes ~30 s to read SmolLM2's GGUF; a tiny one runs the same code
+        extra = ["--gguf", str(write_synthetic_gguf(tmp_path / "tiny.gguf", TINY_GGUF_SHAPE))]
     run = subprocess.run(
         cli_command(
             "bench",
@@ -23,6 +30,7 @@ def test_benchmark_smoke_run_writes_json(area, tmp_path, child_env) -> None:
             "--out",
             str(tmp_path),
             *SMOKE_ARGS[area],
+            *extra,
         ),
         capture_output=True,
         text=True,
@@ -33,6 +41,11 @@ def test_benchmark_smoke_run_writes_json(area, tmp_path, child_env) -> None:
     saved = json.loads((tmp_path / f"{area}.json").read_text())
     assert saved == json.loads(run.stdout)
     assert saved  # each bench reports something
+    if area == "peers":  # both peers loaded the file and ran
+        assert {name: peer["available"] for name, peer in saved["peers"].items()} == {
+            "transformers": True,
+            "llama.cpp": True,
+        }
     if area == "kv":  # every path, the full store's included, moved the bytes it was given
         assert all(saved[path]["put_mb_s"] > 0 and saved[path]["get_mb_s"] > 0 for path in KV_PATHS)
         assert len(set(saved["shm_mixed"]["sizes"])) > 1

@@ -1,8 +1,10 @@
-"""`pcpstack status` and `pcpstack generate --target` refuse a bad flag up front: exit 2, one line naming the
-flag, its value and the rule, and no service contacted. Valid combinations still pass the same checks."""
+"""`pcpstack status`, `generate --target` and `up` refuse a bad flag up front: each rule through the commands'
+checks in this process, and per command one case through the real CLI (exit 2, one line naming the flag,
+its value and the rule, and no service contacted). Valid combinations still pass the same checks."""
 
 from __future__ import annotations
 
+import re
 import socket
 import subprocess
 from collections.abc import Iterator
@@ -35,6 +37,11 @@ def _was_contacted(sock: socket.socket) -> bool:
     return True
 
 
+def _filled(flags: list[str]) -> list[str]:
+    """flags with PEER as an address nothing is asked at (in-process checks connect to nothing)."""
+    return [flag.replace(PEER, "127.0.0.1:1") for flag in flags]
+
+
 def _refusal(child_env, sock: socket.socket, command: str, flags: list[str]) -> subprocess.CompletedProcess:
     peer = f"127.0.0.1:{sock.getsockname()[1]}"
     argv = [flag.replace(PEER, peer) for flag in flags]
@@ -59,10 +66,17 @@ def _refusal(child_env, sock: socket.socket, command: str, flags: list[str]) -> 
         (["--registry", PEER, "--timeout", "inf"], "--timeout=inf"),
     ],
 )
-def test_status_refuses_a_bad_flag_before_asking_the_registry(child_env, listener, flags, named) -> None:
-    run = _refusal(child_env, listener, "status", flags)
+def test_status_refuses_a_bad_flag(flags, named) -> None:
+    args = cli.build_parser(["status"]).parse_args(["status", *_filled(flags)])
+    with pytest.raises(commands.UsageError) as refused:
+        status.check_arguments(args)
+    assert str(refused.value).startswith(f"{named}: ")
+
+
+def test_status_refuses_a_bad_flag_in_one_line_before_asking_the_registry(child_env, listener) -> None:
+    run = _refusal(child_env, listener, "status", ["--registry", PEER, "--watch", "nan"])
     assert run.returncode == 2
-    assert run.stderr.startswith(f"pcpstack status: {named}: ") and run.stderr.count("\n") == 1, run.stderr
+    assert run.stderr.startswith("pcpstack status: --watch=nan: ") and run.stderr.count("\n") == 1, run.stderr
     assert not _was_contacted(listener), "the registry should not have been asked"
 
 
@@ -82,10 +96,17 @@ def test_status_refuses_a_bad_flag_before_asking_the_registry(child_env, listene
         (["--no-prefix-cache"], "--no-prefix-cache=True"),
     ],
 )
-def test_generate_with_target_refuses_a_bad_or_stack_only_flag(child_env, listener, flags, named) -> None:
-    run = _refusal(child_env, listener, "generate", ["--target", PEER, *flags, "hi"])
+def test_generate_with_target_refuses_a_bad_or_stack_only_flag(flags, named) -> None:
+    args = cli.build_parser(["generate"]).parse_args(["generate", "--target", "h:1", *flags, "hi"])
+    with pytest.raises(commands.UsageError) as refused:
+        commands.check_generate_arguments(args)
+    assert str(refused.value).startswith(f"{named}: ")
+
+
+def test_generate_refuses_a_bad_flag_in_one_line_before_contacting_the_worker(child_env, listener) -> None:
+    run = _refusal(child_env, listener, "generate", ["--target", PEER, "--pcp", "3", "hi"])
     assert run.returncode == 2
-    assert run.stderr.startswith(f"pcpstack generate: {named}: ") and run.stderr.count("\n") == 1, run.stderr
+    assert run.stderr.startswith("pcpstack generate: --pcp=3: ") and run.stderr.count("\n") == 1, run.stderr
     assert not _was_contacted(listener), "the decode worker should not have been contacted"
 
 
@@ -126,11 +147,23 @@ def test_status_accepts_a_valid_combination(flags, watch) -> None:
 
 
 @pytest.mark.parametrize(
+    "flags, named",
+    [
+        (["--host", "no such host"], "--host='no such host': must be an address of this machine"),
+        (["--log-dir", "/etc/hostname"], "--log-dir='/etc/hostname': must be a folder"),
+        (["--log-dir", "/etc/hostname/logs"], "--log-dir='/etc/hostname/logs': cannot be made"),
+    ],
+)
+def test_up_refuses_a_host_or_log_dir_it_could_not_use(flags, named) -> None:
+    args = cli.build_parser(["up"]).parse_args(["up", "--model", "tiny", *flags])
+    with pytest.raises(commands.UsageError, match=re.escape(named)):
+        commands.check_stack_arguments(args)
+
+
+@pytest.mark.parametrize(
     "flags, env, named",
     [
-        (["--host", "no such host"], {}, "--host='no such host': must be an address of this machine"),
         (["--log-dir", "/etc/hostname"], {}, "--log-dir='/etc/hostname': must be a folder"),
-        (["--log-dir", "/etc/hostname/logs"], {}, "--log-dir='/etc/hostname/logs': cannot be made"),
         ([], {"PCPSTACK_TLS_CA": "/no/such/ca.pem"}, "PCPSTACK_TLS_CA='/no/such/ca.pem'"),
         ([], {"PCPSTACK_TOKEN": "short"}, "PCPSTACK_TOKEN: a token must be"),
     ],
