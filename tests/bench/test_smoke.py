@@ -41,11 +41,11 @@ def test_benchmark_smoke_run_writes_json(area, tmp_path, child_env) -> None:
     saved = json.loads((tmp_path / f"{area}.json").read_text())
     assert saved == json.loads(run.stdout)
     assert saved  # each bench reports something
-    if area == "peers":  # both peers loaded the file and ran
-        assert {name: peer["available"] for name, peer in saved["peers"].items()} == {
-            "transformers": True,
-            "llama.cpp": True,
-        }
+    if area == "peers":  # transformers loaded the file and ran; llama.cpp too, or it says why not
+        # (llama-cpp-python is the optional [bench] extra: a fresh clone's venv has no llama.cpp)
+        peers = saved["peers"]
+        assert peers["transformers"]["available"], peers["transformers"]
+        assert peers["llama.cpp"]["available"] or peers["llama.cpp"]["reason"], peers["llama.cpp"]
     if area == "kv":  # every path, the full store's included, moved the bytes it was given
         assert all(saved[path]["put_mb_s"] > 0 and saved[path]["get_mb_s"] > 0 for path in KV_PATHS)
         assert len(set(saved["shm_mixed"]["sizes"])) > 1
