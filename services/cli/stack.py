@@ -14,7 +14,6 @@ import contextlib
 import json
 import os
 import signal
-import socket
 import ssl
 import subprocess
 import tempfile
@@ -30,7 +29,7 @@ from pcpstack.common import security
 from pcpstack.common.channel import open_channel
 from pcpstack.common.config import served_model_name
 from pcpstack.common.lifetime import PARENT_PID_ENV
-from pcpstack.common.ports import free_port
+from pcpstack.common.ports import check_bindable, free_port
 from pcpstack.common.startup import CONFIG_EXIT_STATUS
 from pcpstack.v1 import registry_pb2, registry_pb2_grpc
 
@@ -48,14 +47,11 @@ def https_context(deployment: security.Security) -> ssl.SSLContext | None:
 
 
 def port_is_free(host: str, port: int) -> bool:
-    """Whether a TCP server could bind host:port now."""
-    family = socket.AF_INET6 if ":" in host else socket.AF_INET
-    with socket.socket(family) as s:
-        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as the gateway's server binds
-        try:
-            s.bind((host, port))
-        except OSError:
-            return False
+    """Whether a TCP server could bind host:port now (ports.check_bindable, as every service checks)."""
+    try:
+        check_bindable(host, port)
+    except OSError:
+        return False
     return True
 
 
