@@ -28,6 +28,8 @@ USAGE_EXIT_STATUS = 2
 # The longest --timeout or --watch, about 11.6 days: gRPC ends a call at once when its deadline is 1e10 s
 # off, and a thread's wait overflows near 9.2e9 s.
 MAX_SECONDS = 1_000_000
+# generate's --max-tokens when not given (decode may cut it, see _request).
+GENERATE_DEFAULT_MAX_TOKENS = 64
 # What --target is refused with next to a flag that only shapes the stack --local starts.
 _LOCAL_ONLY = "applies to --local only; --target talks to a running decode worker"
 # The flag of each sampling field, for messages that name what the user typed.
@@ -336,7 +338,13 @@ def add_generate_arguments(parser: argparse.ArgumentParser) -> None:
     add_stack_arguments(parser)
     parser.add_argument("--chat", action="store_true", help="send the prompt as a user chat message")
     parser.add_argument("--system", default=None, help="system message (with --chat)")
-    parser.add_argument("--max-tokens", type=int, default=64, help="most tokens to generate")
+    parser.add_argument(
+        "--max-tokens",
+        type=int,
+        default=None,
+        help=f"most tokens to generate (default: {GENERATE_DEFAULT_MAX_TOKENS}, cut to the room the model's "
+        "context and decode's cache leave after the prompt; a value given is refused where it does not fit)",
+    )
     parser.add_argument("--temperature", type=float, default=0.0, help="sampling temperature; 0: greedy")
     parser.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling mass in (0, 1]; 1: off")
     parser.add_argument("--top-k", type=int, default=0, help="sample among the k most likely; 0: off")
@@ -385,7 +393,7 @@ def check_generate_arguments(args: argparse.Namespace) -> None:
     else:
         check_no_stack_arguments(args)
     params = SamplingParams(
-        max_tokens=args.max_tokens,
+        max_tokens=_max_tokens(args),
         temperature=args.temperature,
         top_k=args.top_k,
         top_p=args.top_p,
@@ -414,9 +422,9 @@ def _request(args: argparse.Namespace):
         prompt.append({"role": "user", "content": args.prompt})  # type: ignore[attr-defined]
     else:
         prompt = args.prompt
-    return build_request(
+    request = build_request(
         prompt,  # type: ignore[arg-type]
-        max_tokens=args.max_tokens,
+        max_tokens=_max_tokens(args),
         temperature=args.temperature,
         top_k=args.top_k,
         top_p=args.top_p,
@@ -424,6 +432,13 @@ def _request(args: argparse.Namespace):
         stop=args.stop,
         ignore_eos=args.ignore_eos,
     )
+    # A default never fails a prompt that fits: decode cuts it to the room left (an old worker ignores this).
+    request.fit_max_tokens = args.max_tokens is None
+    return request
+
+
+def _max_tokens(args: argparse.Namespace) -> int:
+    return GENERATE_DEFAULT_MAX_TOKENS if args.max_tokens is None else args.max_tokens
 
 
 async def _generate(args: argparse.Namespace, target: str) -> int:

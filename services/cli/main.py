@@ -17,7 +17,7 @@ import sys
 from pathlib import Path
 
 from pcpstack.common import security
-from pcpstack.common.config import ConfigError, load_config_file, parse_overrides
+from pcpstack.common.config import ROLE_SECTIONS, ConfigError, load_config_file, parse_overrides, role_config
 from pcpstack.common.models import hf_cache_dir, local_models, resolve_model
 
 SERVICES = ("registry", "prefill", "decode", "kvstore", "gateway")
@@ -77,7 +77,10 @@ def _module_or_none(name: str):
 
 def _config_check(args: argparse.Namespace) -> int:
     try:
-        configs = load_config_file(args.file, parse_overrides(args.set))
+        if args.role:  # as that role's service reads the file: its --set reaches its own section alone
+            configs = {args.role: role_config(args.role, args.file, parse_overrides(args.set))}
+        else:
+            configs = load_config_file(args.file, parse_overrides(args.set))
     except (ConfigError, OSError) as exc:
         print(f"config error: {exc}", file=sys.stderr)
         return 2
@@ -187,7 +190,17 @@ def build_parser(argv: list[str]) -> argparse.ArgumentParser:
         "file", help="JSON file with motor_engine_prefill_config and/or motor_engine_decode_config"
     )
     check.add_argument(
-        "--set", action="append", default=[], metavar="KEY=VALUE", help="override an engine_config key"
+        "--set",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="override an engine_config key (of every section, or of --role's alone)",
+    )
+    check.add_argument(
+        "--role",
+        choices=tuple(ROLE_SECTIONS),
+        default=None,
+        help="check only this role's section, as its service reads the file (default: every section)",
     )
     check.set_defaults(handler=_config_check)
 

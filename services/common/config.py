@@ -46,6 +46,14 @@ CPU_KERNELS_CHOICES = {
     "0": "never use them",
     "1": "use them without the speed check",
 }
+# PCPSTACK_COPY_CRC, read by kvstore/copy_crc.py wherever KV is copied (the store, prefill, decode):
+# refused at their start-up rather than at the first copy.
+COPY_CRC_ENV = "PCPSTACK_COPY_CRC"
+COPY_CRC_CHOICES = {
+    "": "use the fused copy and CRC where it builds",
+    "0": "never build it",
+    "1": "require it",
+}
 
 
 class ConfigError(FailedPrecondition, ValueError):

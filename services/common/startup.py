@@ -27,6 +27,8 @@ from typing import Any, ClassVar, TypeVar
 
 from pcpstack.common import security
 from pcpstack.common.config import (
+    COPY_CRC_CHOICES,
+    COPY_CRC_ENV,
     CPU_KERNELS_CHOICES,
     CPU_KERNELS_ENV,
     DEVICE_KINDS,
@@ -190,8 +192,9 @@ class NodeConfig(ListenConfig):
         check_model_source("model", self.engine.model)
         if self.device and self.device not in DEVICE_KINDS:
             raise ConfigError.broken("--device", self.device, f"must be one of {', '.join(DEVICE_KINDS)}")
-        # Read by the engine, in rank processes too: refused here, before any of them starts.
+        # Read by the engine and the KV copies, in rank processes too: refused here, before any starts.
         env_choice(CPU_KERNELS_ENV, CPU_KERNELS_CHOICES)
+        env_choice(COPY_CRC_ENV, COPY_CRC_CHOICES)
         # Settings the config rules accept (`pcpstack config check` validates the seeds' shapes) but no
         # service acts on yet: refused here rather than accepted and silently ignored.
         not_yet = [("kv_transfer_mode", self.engine.kv_transfer_mode, "whole", "a layerwise KV transfer")]

@@ -20,7 +20,6 @@ import ctypes
 import functools
 import logging
 import math
-import os
 import platform
 import subprocess
 from collections.abc import Sequence
@@ -29,11 +28,12 @@ from pathlib import Path
 import numpy as np
 
 from pcpstack.common import native
+from pcpstack.common.config import COPY_CRC_CHOICES, COPY_CRC_ENV, ConfigError, env_choice
 
 log = logging.getLogger(__name__)
 
 SOURCE = Path(__file__).with_name("copy_crc.c")
-ENABLE_ENV = "PCPSTACK_COPY_CRC"
+ENABLE_ENV = COPY_CRC_ENV
 _FLAGS = ("-O3", "-mavx2", "-msse4.2", "-mpclmul", "-shared", "-fPIC")
 _CPU_FLAGS_NEEDED = ("avx2", "sse4_2", "pclmulqdq")
 MAX_DEPTH = 8  # copy_crc.c's MAX_DEPTH: levels of repeats one gathered range may have
@@ -58,15 +58,14 @@ def library() -> ctypes.CDLL | None:
     """The fused copy, built first if needed; None when switched off, or (unless PCPSTACK_COPY_CRC=1
     demands it) when the CPU lacks AVX2, SSE4.2 or PCLMULQDQ or no compiler can build it: callers then
     take the numpy + crc32c path."""
-    setting = os.environ.get(ENABLE_ENV, "")
-    if setting not in ("", "0", "1"):
-        raise ValueError(f"{ENABLE_ENV} must be 0 (off) or 1 (required), or unset, got {setting!r}")
+    setting = env_choice(ENABLE_ENV, COPY_CRC_CHOICES)
     if setting == "0":
         return None
     lib, missing = _load()
     if lib is None:
         if setting == "1":
-            raise RuntimeError(f"{ENABLE_ENV}=1 but the fused copy is unavailable: {missing}")
+            rule = f"requires the fused copy, which is unavailable: {missing}"
+            raise ConfigError.broken(ENABLE_ENV, setting, rule)
         log.warning("KV copies use numpy and the crc32c package (slower): %s", missing)
         return None
     return lib

@@ -13,7 +13,15 @@ import socket
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from pcpstack.common.config import ConfigError, check_addresses, check_host_id, check_positive
+from pcpstack.common.config import (
+    COPY_CRC_CHOICES,
+    COPY_CRC_ENV,
+    ConfigError,
+    check_addresses,
+    check_host_id,
+    check_positive,
+    env_choice,
+)
 from pcpstack.common.server import DEFAULT_MAX_MESSAGE_BYTES
 from pcpstack.common.startup import (
     HOST_ID_HELP,
@@ -99,6 +107,7 @@ class KvStoreConfig(ListenConfig):
                 )
         check_positive("--reap-interval-s", self.reap_interval_s)
         check_addresses("--registry", self.registry)
+        env_choice(COPY_CRC_ENV, COPY_CRC_CHOICES)
         if not os.path.isdir(self.shm_dir) or not os.access(self.shm_dir, os.W_OK | os.X_OK):
             raise ConfigError.broken("--shm-dir", self.shm_dir, "must be a writable folder (a tmpfs)")
         self.server_config()
@@ -127,8 +136,12 @@ class KvStoreConfig(ListenConfig):
 
 async def start(config: KvStoreConfig) -> Serving:
     """Starts the store (and its registration); draining deregisters first, then stops the server."""
+    from pcpstack.kvstore import copy_crc
     from pcpstack.kvstore.server import serve
 
+    # Built (or loaded from its cache) now, not in the first put; PCPSTACK_COPY_CRC=1 where it cannot be
+    # had is refused here.
+    copy_crc.library()
     server = await serve(config.server_config(), config.server_options())
     log.info("kvstore serving", extra={"address": server.address, "capacity_bytes": config.capacity_bytes})
     # The address line on stdout lets a parent that asked for port 0 find the store.

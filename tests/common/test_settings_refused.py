@@ -1,6 +1,7 @@
 """Settings that once were accepted and then ignored are refused, naming the key or variable, the value and
 the rule: num_kv_heads in an engine_config (the model decides it), master_port on a decode instance (its
-ranks pick a free port), and PCPSTACK_LOG_FORMAT or PCPSTACK_CPU_KERNELS values no code reads."""
+ranks pick a free port), and PCPSTACK_LOG_FORMAT, PCPSTACK_CPU_KERNELS or PCPSTACK_COPY_CRC values no code
+reads."""
 
 from __future__ import annotations
 
@@ -14,6 +15,7 @@ import pytest
 from pcpstack.cli.launch import cli_command
 from pcpstack.common import logs
 from pcpstack.common.config import (
+    COPY_CRC_ENV,
     CPU_KERNELS_CHOICES,
     CPU_KERNELS_ENV,
     ConfigError,
@@ -29,10 +31,10 @@ DECODE = "motor_engine_decode_config"
 PREFILL = "motor_engine_prefill_config"
 
 
-def _config_check(child_env: dict[str, str], tmp_path: Path, document: dict, *sets: str):
+def _config_check(child_env: dict[str, str], tmp_path: Path, document: dict, *sets: str, role: str = ""):
     path = tmp_path / "config.json"
     path.write_text(json.dumps(document))
-    args = [arg for value in sets for arg in ("--set", value)]
+    args = [arg for value in sets for arg in ("--set", value)] + (["--role", role] if role else [])
     return subprocess.run(
         cli_command("config", "check", str(path), *args),
         capture_output=True,
@@ -120,6 +122,18 @@ def test_a_services_overrides_go_to_its_own_section_of_a_file_with_both(tmp_path
         role_config("decode", str(path), {"master-port": 29500})
 
 
+def test_config_check_role_applies_the_overrides_as_that_roles_service_would(child_env, tmp_path) -> None:
+    document = {DECODE: {"engine_config": {}}, PREFILL: {"engine_config": {}}}
+    every_section = _config_check(child_env, tmp_path, document, "master-port=7100")
+    assert every_section.returncode == 2 and "master_port=7100 on a decode instance" in every_section.stderr
+    run = _config_check(child_env, tmp_path, document, "master-port=7100", role="prefill")
+    assert run.returncode == 0, run.stderr
+    resolved = json.loads(run.stdout)
+    assert list(resolved) == ["prefill"] and resolved["prefill"]["master_port"] == 7100
+    missing = _config_check(child_env, tmp_path, {PREFILL: {"engine_config": {}}}, role="decode")
+    assert missing.returncode == 2 and "has no motor_engine_decode_config section" in missing.stderr
+
+
 def test_serve_decode_refuses_a_master_port_override(child_env) -> None:
     line = refusal(child_env, "decode", "--registry", REGISTRY, "--set", "master-port=7100")
     assert "master_port=7100 on a decode instance" in line
@@ -171,3 +185,23 @@ def test_a_model_node_refuses_an_unknown_cpu_kernels_value_before_any_rank_start
     line = refusal(child_env, service, "--registry", REGISTRY, env={CPU_KERNELS_ENV: "yes"})
     assert "PCPSTACK_CPU_KERNELS='yes'" in line
     assert all(f"{value} (" in line for value in ("unset", "0", "1"))
+
+
+@pytest.mark.parametrize("service", ["decode", "prefill", "kvstore"])
+def test_every_service_that_copies_kv_refuses_an_unknown_copy_crc_value_at_start_up(
+    child_env, service: str
+) -> None:
+    """Read at the first KV copy, in a rank process or a request: a bad value must stop the start."""
+    args = () if service == "kvstore" else ("--registry", REGISTRY)
+    line = refusal(child_env, service, *args, env={COPY_CRC_ENV: "on"})
+    assert "PCPSTACK_COPY_CRC='on'" in line
+    assert all(f"{value} (" in line for value in ("unset", "0", "1"))
+
+
+def test_a_store_that_requires_the_fused_copy_where_it_cannot_be_built_refuses_to_start(
+    child_env, tmp_path: Path
+) -> None:
+    env = {COPY_CRC_ENV: "1", "CC": str(tmp_path / "no-such-cc"), "PCPSTACK_KERNEL_CACHE": str(tmp_path)}
+    line = refusal(child_env, "kvstore", "--port", "0", env=env)
+    assert "PCPSTACK_COPY_CRC='1': requires the fused copy, which is unavailable: building" in line
+    assert "no-such-cc" in line

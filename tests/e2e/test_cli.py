@@ -80,6 +80,24 @@ def test_up_prints_endpoints_serves_and_stops_cleanly_on_ctrl_c(tmp_path, child_
         answer = json.loads(run.stdout)
         assert len(answer["token_ids"]) == 5 and answer["finish_reason"] == "length"
         assert answer["prompt_token_ids"] == [104, 101, 108, 108, 111] and len(answer["trace_id"]) == 32
+        # Without --max-tokens, its default (64) is cut to the room the tiny model's 4,096-token context
+        # leaves: 6 tokens after 4,090, where a --max-tokens 64 would be refused.
+        near_the_end = ",".join(["104"] * 4090)
+        generate = ("generate", "--target", endpoints["decode"], "--json", "--ignore-eos", "--token-ids")
+        run = subprocess.run(
+            cli_command(*generate, near_the_end), capture_output=True, text=True, env=child_env, timeout=120
+        )
+        assert run.returncode == 0, run.stderr
+        answer = json.loads(run.stdout)
+        assert len(answer["token_ids"]) == 6 and answer["finish_reason"] == "length"
+        run = subprocess.run(
+            cli_command(*generate, near_the_end, "--max-tokens", "64"),
+            capture_output=True,
+            text=True,
+            env=child_env,
+            timeout=120,
+        )
+        assert run.returncode != 0 and "sampling.max_tokens=64 with 4090 prompt tokens exceeds" in run.stderr
         up.send_signal(signal.SIGINT)
         assert up.wait(timeout=60) == 0
         progress = up.stderr.read().splitlines()

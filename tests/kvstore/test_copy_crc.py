@@ -10,6 +10,7 @@ import numpy as np
 import pytest
 
 from pcpstack.common import native
+from pcpstack.common.config import ConfigError
 from pcpstack.kvstore import checksum, copy_crc
 from pcpstack.kvstore.ranges import ByteRange, ByteRepeat, _halves, gather_with_crc, selection_bytes
 from pcpstack.kvstore.shm import copy_with_crc
@@ -133,13 +134,13 @@ def test_without_a_compiler_the_numpy_path_serves_unless_the_c_path_is_required(
     assert out == data.tobytes()
     copy_crc.library.cache_clear()
     fresh_library.setenv(copy_crc.ENABLE_ENV, "1")
-    with pytest.raises(RuntimeError, match="PCPSTACK_COPY_CRC=1 but the fused copy is unavailable"):
+    with pytest.raises(ConfigError, match="PCPSTACK_COPY_CRC='1': requires the fused copy, which is unavail"):
         copy_crc.library()
 
 
 def test_bad_setting_is_refused_naming_the_variable(fresh_library) -> None:
     fresh_library.setenv(copy_crc.ENABLE_ENV, "yes")
-    with pytest.raises(ValueError, match="PCPSTACK_COPY_CRC must be 0"):
+    with pytest.raises(ConfigError, match="PCPSTACK_COPY_CRC='yes': must be one of: unset"):
         copy_crc.library()
 
 
