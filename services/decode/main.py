@@ -186,9 +186,11 @@ async def start(config: DecodeConfig) -> Serving:
     from pcpstack.decode.router import SetRouter
     from pcpstack.decode.server import SERVICE_NAME, DecodeServicer
     from pcpstack.engine.tp_engine import TensorParallelEngine
+    from pcpstack.kvstore import copy_crc
     from pcpstack.registry.client import NodeSession, Resolver
     from pcpstack.v1 import decode_pb2_grpc
 
+    copy_crc.library()  # built before the first KV fetch; PCPSTACK_COPY_CRC=1 where it cannot be, refused
     if config.threads:
         torch.set_num_threads(config.threads)
     engine_config = config.engine

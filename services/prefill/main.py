@@ -305,8 +305,10 @@ def device_slots(config: PrefillConfig) -> int:
 async def start(config: PrefillConfig) -> Serving:
     """Checks the devices, reads the model's shape (the GQA and TP rules need it), then starts the node."""
     from pcpstack.engine.parallel import TP_SPLIT_RULE, TensorParallelShard
+    from pcpstack.kvstore import copy_crc
     from pcpstack.prefill.node import ModelInfo
 
+    copy_crc.library()  # built once here for the ranks; PCPSTACK_COPY_CRC=1 where it cannot be, refused
     engine = config.engine
     device_count = device_slots(config)
     try:

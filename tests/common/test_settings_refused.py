@@ -198,10 +198,12 @@ def test_every_service_that_copies_kv_refuses_an_unknown_copy_crc_value_at_start
     assert all(f"{value} (" in line for value in ("unset", "0", "1"))
 
 
-def test_a_store_that_requires_the_fused_copy_where_it_cannot_be_built_refuses_to_start(
-    child_env, tmp_path: Path
+@pytest.mark.parametrize("service", ["decode", "prefill", "kvstore"])
+def test_a_service_that_requires_the_fused_copy_where_it_cannot_be_built_refuses_to_start(
+    child_env, tmp_path: Path, service: str
 ) -> None:
     env = {COPY_CRC_ENV: "1", "CC": str(tmp_path / "no-such-cc"), "PCPSTACK_KERNEL_CACHE": str(tmp_path)}
-    line = refusal(child_env, "kvstore", "--port", "0", env=env)
+    node = ("--registry", REGISTRY, "--model", "tiny")
+    line = refusal(child_env, service, "--port", "0", *(() if service == "kvstore" else node), env=env)
     assert "PCPSTACK_COPY_CRC='1': requires the fused copy, which is unavailable: building" in line
     assert "no-such-cc" in line
