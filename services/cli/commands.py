@@ -385,6 +385,11 @@ def check_generate_arguments(args: argparse.Namespace) -> None:
         raise UsageError("PROMPT", args.prompt, "give a PROMPT or --token-ids")
     if args.token_ids:
         _token_ids(args.token_ids)
+        # --token-ids is the prompt: text, or a chat to wrap it in, would be dropped without a word.
+        if args.prompt:
+            raise UsageError("PROMPT", args.prompt, "give a PROMPT or --token-ids, not both")
+        if args.chat:
+            raise UsageError("--chat", True, "needs a PROMPT; --token-ids are sent as they are")
     check_seconds("--timeout", args.timeout)
     if args.system and not args.chat:
         raise UsageError("--system", args.system, "needs --chat")

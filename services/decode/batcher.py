@@ -29,7 +29,7 @@ from pcpstack.engine.sampling import (
     StopChecker,
     TokenHistory,
     TokenLogprobs,
-    make_generator,
+    generator_after_first_token,
     raw_logprobs,
     sample_batch,
     token_logprobs,
@@ -244,7 +244,7 @@ class Batcher:
                 self._finish(request, TokenEvent(None, "", error=error))
                 continue
             request.kv = torch.empty(0)  # the cache holds it now
-            request.generator = make_generator(request.params.seed)
+            request.generator = generator_after_first_token(request.params, self.engine.args.vocab_size)
             self._active[request.seq_id] = request
             _queue_time.record(time.monotonic() - request.submitted_at)
 

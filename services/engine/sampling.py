@@ -40,6 +40,22 @@ def make_generator(seed: int | None) -> torch.Generator:
     )
 
 
+def skip_draw(generator: torch.Generator, vocab_size: int) -> None:
+    """Advances `generator` past one draw of `sample` over `vocab_size` tokens: torch's multinomial takes
+    as many random numbers as the distribution has entries, whatever their values."""
+    torch.multinomial(torch.ones(vocab_size), 1, generator=generator)
+
+
+def generator_after_first_token(params: SamplingParams, vocab_size: int) -> torch.Generator:
+    """Decode's generator for a request whose first token prefill sampled from make_generator(seed): the
+    same stream, past that token's draw. A fresh generator would repeat the draw (a seeded request's first
+    two tokens would come from one random number); this way its tokens equal the engine alone's."""
+    generator = make_generator(params.seed)
+    if params.seed is not None and not params.greedy:
+        skip_draw(generator, vocab_size)
+    return generator
+
+
 @dataclass(frozen=True)
 class TokenHistory:
     """What the logits processors of one request look at: its prompt, the tokens it generated so far, and
@@ -118,6 +134,7 @@ def sample(
         logits = logits.index_fill(0, order[drop], -math.inf)
     probs = _softmax(logits)
     if not bool(torch.isfinite(probs).all()) or float(probs.sum()) <= 0:
+        skip_draw(generator, probs.numel())  # every sample takes one draw: the stream stays aligned
         return best  # nothing left to draw from (every logit NaN or -inf)
     return int(torch.multinomial(probs, 1, generator=generator))
 

@@ -110,6 +110,21 @@ def test_generate_refuses_a_bad_flag_in_one_line_before_contacting_the_worker(ch
     assert not _was_contacted(listener), "the decode worker should not have been contacted"
 
 
+@pytest.mark.parametrize(
+    "flags, named",
+    [
+        (["--token-ids", "72,105", "this text"], "PROMPT='this text'"),
+        (["--token-ids", "72,105", "--chat"], "--chat=True"),
+        (["--token-ids", "72,105", "--chat", "--system", "be nice"], "--chat=True"),
+    ],
+)
+def test_generate_refuses_a_prompt_or_chat_that_token_ids_would_drop(flags, named) -> None:
+    args = cli.build_parser(["generate"]).parse_args(["generate", "--target", "h:1", *flags])
+    with pytest.raises(commands.UsageError) as refused:
+        commands.check_generate_arguments(args)
+    assert str(refused.value).startswith(f"{named}: ")
+
+
 def test_a_stack_only_flag_with_target_is_refused_as_local_only() -> None:
     args = cli.build_parser(["generate"]).parse_args(["generate", "--target", "h:1", "--pcp", "4", "hi"])
     with pytest.raises(commands.UsageError, match=r"--pcp=4: applies to --local only"):

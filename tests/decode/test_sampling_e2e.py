@@ -11,9 +11,10 @@ import torch
 
 from pcpstack.decode.client import DecodeClient, build_request
 from pcpstack.engine.engine import Engine
+from pcpstack.engine.sampling import SamplingParams
 from pcpstack.v1 import decode_pb2
 from tests.decode.support import greedy, prompt
-from tests.decode.test_server import serving
+from tests.decode.test_server import generate, serving
 
 PRESENCE, FREQUENCY, REPETITION, TOP = 0.5, 0.8, 1.3, 5
 MAX_TOKENS = 10
@@ -81,6 +82,18 @@ def test_penalties_bias_and_logprobs_through_the_stack_equal_the_engine_alone(st
     assert [d.logprobs[0] for d in got] == pytest.approx(logprobs, abs=1e-4)
     assert [[t.token_id for t in e.top] for e in entries] == tops
     assert all(e.top[0].logprob >= e.top[-1].logprob for e in entries)
+
+
+@pytest.mark.slow
+def test_seeded_sampling_through_the_stack_equals_the_engine_alone(stack, reference) -> None:
+    """Prefill samples the first token and decode the rest, from one random stream as the engine alone
+    does: a fresh generator in decode would draw its first token with the first token's random numbers."""
+    ids = list(prompt(20, seed=8))
+    with serving(stack) as address:
+        for seed in (1, 2, 3, 4):
+            options = {"max_tokens": 8, "temperature": 1.5, "top_k": 40, "seed": seed, "ignore_eos": True}
+            expected = reference.generate(ids, SamplingParams(**options)).token_ids
+            assert stack.run(generate(address, build_request(ids, **options))).token_ids == expected, seed
 
 
 @pytest.mark.slow

@@ -1,5 +1,7 @@
 """Sampling parameters, per-request seeded sampling and stop conditions."""
 
+import math
+
 import pytest
 import torch
 
@@ -9,6 +11,7 @@ from pcpstack.engine.sampling import (
     SamplingParams,
     StopChecker,
     TokenHistory,
+    generator_after_first_token,
     make_generator,
     process_logits,
     raw_logprobs,
@@ -88,6 +91,21 @@ def _run(checker: StopChecker, tokenizer: Tokenizer, text: str) -> list[str]:
         if checker.finish_reason:
             break
     return deltas
+
+
+@pytest.mark.parametrize(
+    "logits", [torch.randn(301), torch.full((301,), -math.inf)], ids=["drawn", "none-left"]
+)
+def test_decode_continues_the_random_stream_of_the_first_token(logits):
+    """Every sampled token takes one draw, even with nothing left to draw from, so decode's generator
+    (generator_after_first_token) continues exactly where the first token's left off."""
+    params = SamplingParams(temperature=1.0, seed=17)
+    first = make_generator(params.seed)
+    sample(logits, params, first)
+    assert torch.equal(generator_after_first_token(params, logits.numel()).get_state(), first.get_state())
+    # Greedy requests draw nothing; unseeded ones share no stream to continue.
+    greedy = SamplingParams(temperature=0.0, seed=17)
+    assert torch.equal(generator_after_first_token(greedy, 301).get_state(), make_generator(17).get_state())
 
 
 def test_stop_string_across_token_boundaries_cuts_text_before_it(byte_tokenizer):
