@@ -55,6 +55,7 @@ from pcpstack.kvstore.shm import (
     copy_with_crc,
     lower_thread_priority,
     shares_memory_with,
+    to_thread_to_the_end,
 )
 from pcpstack.kvstore.stream import DEFAULT_CHUNK_BYTES, ChunkReceiver, ChunkSender, verify_object
 from pcpstack.kvstore.wire import SERVICE_NAME, body_of, chunk_of, parse_with, serialize
@@ -248,7 +249,8 @@ class KvStoreClient:
             if use_shm:
                 crc = 0
                 if accepted.accepted.shm_name:
-                    crc = await asyncio.to_thread(self._segments.fill, accepted.accepted.shm_name, view)
+                    # Cancelled, it ends its fill before _end_stream lets the store reuse the segment.
+                    crc = await to_thread_to_the_end(self._segments.fill, accepted.accepted.shm_name, view)
             else:
                 crc = await self._send_chunks(call, view)
             await call.write(pb.PutRequest(commit=pb.PutCommit(crc32c=crc)))
@@ -371,13 +373,14 @@ class KvStoreClient:
                 try:
                     data = self._buffers.take(size)
                     if ranges:
-                        crc = await asyncio.to_thread(
+                        crc = await to_thread_to_the_end(
                             self._segments.copy_ranges, header.shm_name, header.total_bytes, ranges, data
                         )
                     else:
-                        crc = await asyncio.to_thread(self._segments.copy_out, header.shm_name, data)
+                        crc = await to_thread_to_the_end(self._segments.copy_out, header.shm_name, data)
                 finally:
-                    await call.done_writing()  # the half-close: the store may reuse the segment now
+                    # The half-close: the store may reuse the segment now (the copy ended, even if cancelled).
+                    await call.done_writing()
                 verify_object(key, crc, announced, "the store")
             else:
                 await call.done_writing()

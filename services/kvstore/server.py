@@ -25,7 +25,14 @@ from pcpstack.common.server import RunningServer, ServerOptions, start_server
 from pcpstack.common.telemetry import meter
 from pcpstack.kvstore.errors import CapacityExceeded, InvalidArgument
 from pcpstack.kvstore.ranges import ByteRange, check_ranges, gather_with_crc
-from pcpstack.kvstore.shm import Segment, SegmentStore, anonymous_buffer, copy_with_crc, lower_thread_priority
+from pcpstack.kvstore.shm import (
+    Segment,
+    SegmentStore,
+    anonymous_buffer,
+    copy_with_crc,
+    lower_thread_priority,
+    to_thread_to_the_end,
+)
 from pcpstack.kvstore.store import (
     DEFAULT_MAX_LEASE_MS,
     KvStore,
@@ -219,7 +226,8 @@ class KvStoreServicer(kvstore_pb2_grpc.KvStoreServiceServicer):
             raise _StreamEnded(f"Put stream of key {pending.key!r} ended before its commit")
         if body_of(message) != "commit":
             raise InvalidArgument("on the shared-memory path the message after the header must be the commit")
-        actual = 0 if segment is None else await asyncio.to_thread(segment.crc32c, pending.total_bytes)
+        # A writer gone meanwhile aborts the put only once the checksum's thread has let go of the segment.
+        actual = 0 if segment is None else await to_thread_to_the_end(segment.crc32c, pending.total_bytes)
         return verify_object(pending.key, actual, message.commit.crc32c, "its commit")
 
     async def _receive_chunks(
@@ -263,7 +271,7 @@ class KvStoreServicer(kvstore_pb2_grpc.KvStoreServiceServicer):
                 # The selection's CRC32C comes from the store's copy, which matched the writer's at commit.
                 selection = anonymous_buffer(selected)
                 with segment.view(0, obj.total_bytes) as whole:
-                    selected_crc = await asyncio.to_thread(gather_with_crc, whole, ranges, selection)
+                    selected_crc = await to_thread_to_the_end(gather_with_crc, whole, ranges, selection)
             use_shm = request.accept_shm and segment is not None
             chunk_size = min(request.max_chunk_size or self._config.default_chunk_bytes, self._max_chunk)
             yield pb.GetResponse(

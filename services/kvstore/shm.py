@@ -32,6 +32,7 @@ tracker, which unlinks (and warns about) segments the store still owns when a cl
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import ctypes
 import errno
@@ -45,6 +46,7 @@ import time
 from collections import OrderedDict
 from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
+from typing import TypeVar
 
 import numpy as np
 
@@ -150,13 +152,15 @@ class Segment:
             return crc32c_two_threads(part)
 
     def destroy(self) -> None:
-        """Unmaps and unlinks the file."""
-        if self._map is not None:
-            self._map.close()
+        """Unlinks the file and unmaps it. Unlinked first, whatever fails after, so that no file outlives
+        the store; a mapping a view still exports (a thread reading it) is unmapped with its last view."""
+        self.path.unlink(missing_ok=True)
         if self._fd is not None:
             os.close(self._fd)
             self._fd = None
-        self.path.unlink(missing_ok=True)
+        if self._map is not None:
+            with contextlib.suppress(BufferError):
+                self._map.close()
 
 
 class SegmentStore:
@@ -223,7 +227,7 @@ class SegmentStore:
             seg.promised = False
             try:
                 seg.resize(size)
-            except OSError:
+            except BaseException:  # out of the pool already: unlinked, not forgotten
                 seg.destroy()
                 raise
             return seg
@@ -463,6 +467,25 @@ def copy_with_crc(dst: memoryview, sources: Sequence[memoryview], *, crc_of_copy
     return on_two_threads(
         lambda: _copy_spans(first, crc_of_copy), lambda: _copy_spans(second, crc_of_copy), offset - half
     )
+
+
+_T = TypeVar("_T")
+
+
+async def to_thread_to_the_end(func: Callable[..., _T], *args) -> _T:
+    """func(*args) on a worker thread, for work through a segment's mapping. A caller cancelled meanwhile
+    waits for the thread all the same, then gets its cancellation: the segment is handed back (and may be
+    reused or shrunk, which would kill a client still copying with SIGBUS) only once nothing touches it."""
+    work = asyncio.ensure_future(asyncio.to_thread(func, *args))
+    try:
+        return await asyncio.shield(work)
+    except asyncio.CancelledError:
+        while not work.done():
+            with contextlib.suppress(asyncio.CancelledError):  # a repeated cancel waits too
+                await asyncio.wait([work])
+        if not work.cancelled():
+            work.exception()  # seen: the caller's cancellation is what it gets, not the thread's error
+        raise
 
 
 class _Mapping:
