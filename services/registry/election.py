@@ -1,11 +1,13 @@
 """Which registry replica leads, decided in etcd: one key written under the winner's lease.
 
-A replica campaigns by writing `<prefix>leader` = its address under a lease of its own, in a transaction
-that succeeds only if the key does not exist (create revision 0); it keeps the lease alive while it leads.
+A replica campaigns by writing `<prefix>leader` = its advertised address under a lease of its own, in a
+transaction that succeeds only if the key does not exist (create revision 0); it keeps the lease alive while
+it leads.
 A leader that dies stops refreshing, the lease expires (its TTL, 2 s) and the key goes with it; the
 followers, polling the key, campaign again and one wins, and loads the state from etcd. A leader that loses
-its lease (it could not refresh it for a whole TTL) or resigns steps down and campaigns again; the
-generation fence in etcd_store refuses its writes anyway once another replica has written.
+its lease (etcd says so, or no refresh reached etcd for nearly a TTL since the last one that did, so it may
+have expired there) or resigns steps down and campaigns again; the generation fence in etcd_store refuses
+its writes anyway once another replica has written.
 """
 
 from __future__ import annotations
@@ -13,6 +15,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import time
 from collections.abc import Awaitable, Callable
 
 import aetcd
@@ -26,6 +29,12 @@ log = logging.getLogger(__name__)
 # this long plus a poll
 LEADER_TTL_S = 2
 POLL_S = 0.2
+# seconds before its lease could expire in etcd that a leader no refresh of which reached etcd steps down:
+# gone before another replica can win the key (the lease runs from etcd's receipt of the last refresh, later
+# than this replica sent it)
+STEP_DOWN_MARGIN_S = LEADER_TTL_S / 4
+# seconds a refresh sent at (or past) that moment may still take: one that etcd answers proves the lease alive
+MIN_REFRESH_TIMEOUT_S = 0.2
 
 
 class Election:
@@ -59,6 +68,7 @@ class Election:
         key = self._store.key("leader")
         while True:
             try:
+                granted_at = time.monotonic()
                 lease = await client.lease(LEADER_TTL_S)
                 ops = client.transactions
                 won, _ = await client.transaction(
@@ -81,13 +91,14 @@ class Election:
                         await client.revoke_lease(lease.id)
                     raise
                 self.leading = True
-                await self._lead(lease.id)
+                await self._lead(lease.id, granted_at)
                 self.leading = False
                 self.leader_address = ""
                 log.error("registry replica stopped leading", extra={"address": self._address.decode()})
                 self._on_deposed()
             except (aetcd.exceptions.ClientError, ServiceError, OSError) as exc:
                 log.warning("leader election: etcd unreachable; retrying", extra={"error": str(exc)})
+                self._store.unreachable(exc)
                 await asyncio.sleep(POLL_S)
 
     async def _follow(self, client: aetcd.Client, key: bytes) -> None:
@@ -98,18 +109,36 @@ class Election:
             await asyncio.sleep(POLL_S)
         self.leader_address = ""
 
-    async def _lead(self, lease_id: int) -> None:
-        """Refreshes the lease at a third of its TTL; returns when etcd no longer knows it or this replica
-        resigned."""
+    async def _lead(self, lease_id: int, granted_at: float) -> None:
+        """Refreshes the lease at a third of its TTL (the first at once: taking over used some of it); returns
+        when etcd no longer knows it, when no refresh has reached etcd for the TTL less STEP_DOWN_MARGIN_S
+        since the last one that did (sent at granted_at at first), or when this replica resigned."""
+        refreshed = granted_at
+        pause = 0.0
         while self.leading:
-            await asyncio.sleep(LEADER_TTL_S / 3)
+            await asyncio.sleep(pause)
+            if not self.leading:
+                return
+            sent = time.monotonic()
+            deadline = refreshed + LEADER_TTL_S - STEP_DOWN_MARGIN_S
             try:
-                expired = await self._store.keep_alive([lease_id])
+                expired = await self._store.keep_alive(
+                    [lease_id], timeout=max(deadline - sent, MIN_REFRESH_TIMEOUT_S)
+                )
             except ServiceError as exc:
+                if time.monotonic() >= deadline:
+                    log.error(
+                        "leader lease not refreshed for its TTL; stepping down",
+                        extra={"since_s": round(time.monotonic() - refreshed, 2), "error": str(exc)},
+                    )
+                    return
                 log.warning("leader lease refresh failed", extra={"error": str(exc)})
+                pause = min(LEADER_TTL_S / 3, max(deadline - time.monotonic(), 0.0))
                 continue
             if expired:
                 return
+            refreshed = sent
+            pause = LEADER_TTL_S / 3
 
     async def resign(self) -> None:
         """Gives the leadership up at once (a clean stop, or a view found stale), so that another replica

@@ -16,7 +16,10 @@ This is a store under the membership core, not a second registry: `Membership` s
 Client: `aetcd` (PyPI, 1.0.0, 2026), the maintained asyncio fork of python-etcd3. It depends only on grpcio
 and protobuf with ranges that accept the versions pinned here (grpcio 1.85, protobuf 7) and installs without
 conflicts; its generated etcd v3 stubs load under protobuf 7. Several endpoints are dialled as one gRPC
-channel over their addresses (pick-first), so one etcd member going down moves the channel to another.
+channel over their addresses (pick-first), so one etcd member going down moves the channel to another. The
+names are resolved here, not by gRPC (its dns: target takes one name), when the client connects and again
+whenever a request finds no address answering, so an etcd pod that moved to a new IP is dialled there; a
+name that does not resolve yet is skipped until it does.
 """
 
 from __future__ import annotations
@@ -49,6 +52,9 @@ MIN_LEASE_TTL_S = 2
 REQUEST_TIMEOUT_S = 5.0
 # etcd's --max-txn-ops default: the most operations one transaction may carry
 MAX_TXN_OPS = 128
+# seconds: how long one name's lookup may take; how often names are looked up again while etcd is unreachable
+RESOLVE_TIMEOUT_S = 2.0
+RESOLVE_EVERY_S = 2.0
 
 
 class Superseded(Unavailable):
@@ -81,20 +87,78 @@ def parse_endpoints(urls: str) -> list[Endpoint]:
     return endpoints
 
 
-def _channel_target(endpoints: list[Endpoint]) -> tuple[str, int]:
-    """(host, port) for aetcd.Client such that its "host:port" target is one gRPC channel over every
-    endpoint: gRPC's ipv4: scheme lists addresses, so names are resolved here once."""
-    addresses = [f"{socket.gethostbyname(e.host)}:{e.port}" for e in endpoints]
-    joined = "ipv4:" + ",".join(addresses)
-    host, _, port = joined.rpartition(":")
-    return host, int(port)
+async def _resolve(endpoints: list[Endpoint]) -> list[str]:
+    """The endpoints' IPv4 "ip:port" addresses as the names resolve now; one that does not (a Pending etcd pod
+    has no DNS record yet) is skipped with a warning."""
+    loop = asyncio.get_running_loop()
+    addresses: list[str] = []
+    for endpoint in endpoints:
+        try:
+            infos = await asyncio.wait_for(
+                loop.getaddrinfo(
+                    endpoint.host, endpoint.port, family=socket.AF_INET, type=socket.SOCK_STREAM
+                ),
+                RESOLVE_TIMEOUT_S,
+            )
+        except (OSError, TimeoutError) as exc:
+            log.warning(
+                "etcd endpoint does not resolve; skipped", extra={"host": endpoint.host, "error": str(exc)}
+            )
+            continue
+        addresses += [f"{info[4][0]}:{endpoint.port}" for info in infos]
+    return list(dict.fromkeys(addresses))
+
+
+class _Client(aetcd.Client):
+    """aetcd's client, its one channel dialled over every endpoint's addresses (gRPC's ipv4: scheme lists
+    several) as they resolve when it connects; `reresolve` dials anew when they have changed."""
+
+    def __init__(self, endpoints: list[Endpoint]) -> None:
+        super().__init__(timeout=REQUEST_TIMEOUT_S)
+        self._endpoints = endpoints
+        self.addresses: list[str] = []
+        self._resolved_at = -math.inf
+
+    async def connect(self) -> None:
+        """Connects (aetcd calls this before every request); with no address yet, resolves the names first
+        (at most every RESOLVE_EVERY_S) and raises ConnectionFailedError while none resolves."""
+        if not self._connected.is_set() and not self.addresses:
+            if time.monotonic() - self._resolved_at >= RESOLVE_EVERY_S:
+                await self._retarget()
+            if not self.addresses:
+                names = ", ".join(f"{e.host}:{e.port}" for e in self._endpoints)
+                raise aetcd.exceptions.ConnectionFailedError(f"no etcd endpoint resolves ({names}); retrying")
+        await super().connect()
+
+    async def reresolve(self) -> None:
+        """After a request found no address answering: resolves the names again (at most every
+        RESOLVE_EVERY_S) and, if their addresses changed, closes the channel so that the next request dials
+        the new ones."""
+        if time.monotonic() - self._resolved_at < RESOLVE_EVERY_S:
+            return
+        before = self.addresses
+        await self._retarget()
+        if self.addresses and self.addresses != before and self._connected.is_set():
+            log.warning(
+                "etcd endpoints resolve to new addresses; reconnecting", extra={"addresses": self.addresses}
+            )
+            await self.close()
+
+    async def _retarget(self) -> None:
+        self._resolved_at = time.monotonic()
+        addresses = await _resolve(self._endpoints)
+        if addresses:
+            self.addresses = addresses
+            # aetcd dials f"{host}:{port}"; split so that this reads "ipv4:ADDRESS,ADDRESS..."
+            host, _, port = ("ipv4:" + ",".join(addresses)).rpartition(":")
+            self._host, self._port = host, int(port)
 
 
 class EtcdStore:
     """Membership state in etcd under one key prefix. One registry writes at a time (fenced by the
     generation key); every method may raise Unavailable when etcd cannot be reached."""
 
-    def __init__(self, client: aetcd.Client, prefix: str, lease_ttl_s: int) -> None:
+    def __init__(self, client: _Client, prefix: str, lease_ttl_s: int) -> None:
         self._client = client
         self._prefix = prefix.encode()
         self._lease_ttl_s = lease_ttl_s
@@ -108,20 +172,36 @@ class EtcdStore:
         self._node_records: dict[str, tuple[str, str, str]] = {}
         self._refreshed_at = 0.0
         self._lock = asyncio.Lock()
+        self._resolving: asyncio.Task | None = None
 
     @classmethod
     async def connect(cls, urls: str, prefix: str, lease_s: float) -> EtcdStore:
         """A store over the etcd cluster at urls, its keys under prefix; node records live under leases of
         lease_s (rounded up)."""
-        host, port = _channel_target(parse_endpoints(urls))
-        client = aetcd.Client(host, port, timeout=REQUEST_TIMEOUT_S)
-        await client.connect()
-        return cls(client, prefix, max(MIN_LEASE_TTL_S, math.ceil(lease_s)))
+        client = _Client(parse_endpoints(urls))
+        store = cls(client, prefix, max(MIN_LEASE_TTL_S, math.ceil(lease_s)))
+        # an etcd that cannot be reached (or whose names do not resolve) yet is retried by every later call
+        with contextlib.suppress(aetcd.exceptions.ClientError):
+            await client.connect()
+        return store
 
     @property
     def client(self) -> aetcd.Client:
         """The etcd client (shared with the leader election)."""
         return self._client
+
+    def unreachable(self, exc: BaseException) -> None:
+        """Called with a failed request's error: when no address answered, the names are looked up again (an
+        etcd pod may have moved to a new IP), in the background so that no caller waits on DNS (a leader
+        must step down on time)."""
+        codes = (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED)
+        no_answer = (aetcd.exceptions.ConnectionFailedError, aetcd.exceptions.ConnectionTimeoutError)
+        if not (
+            isinstance(exc, no_answer) or (isinstance(exc, grpc.aio.AioRpcError) and exc.code() in codes)
+        ):
+            return
+        if self._resolving is None or self._resolving.done():
+            self._resolving = asyncio.create_task(self._client.reresolve(), name="etcd-resolve")
 
     def key(self, *parts: str) -> bytes:
         """The etcd key of parts under this store's prefix."""
@@ -331,13 +411,15 @@ class EtcdStore:
             async for event in watch:
                 yield event
         except (aetcd.exceptions.ClientError, grpc.aio.AioRpcError) as exc:
+            self.unreachable(exc)
             raise Unavailable(f"etcd watch failed: {exc}") from None
         finally:
             with contextlib.suppress(aetcd.exceptions.ClientError, grpc.aio.AioRpcError):
                 await watch.cancel()
 
-    async def keep_alive(self, lease_ids: list[int]) -> list[int]:
-        """Refreshes the leases over one LeaseKeepAlive stream; returns those etcd no longer knows."""
+    async def keep_alive(self, lease_ids: list[int], timeout: float = REQUEST_TIMEOUT_S) -> list[int]:
+        """Refreshes the leases over one LeaseKeepAlive stream, within timeout seconds; returns those etcd no
+        longer knows."""
 
         async def requests() -> AsyncIterator[aetcd.rpc.LeaseKeepAliveRequest]:
             for lease_id in lease_ids:
@@ -345,10 +427,16 @@ class EtcdStore:
 
         expired = []
         try:
-            async for reply in self._client.leasestub.LeaseKeepAlive(requests(), timeout=REQUEST_TIMEOUT_S):
+            # the stub is used directly (aetcd has no call for several leases): connect as aetcd's calls do
+            await self._client.connect()
+            async for reply in self._client.leasestub.LeaseKeepAlive(requests(), timeout=timeout):
                 if reply.TTL <= 0:
                     expired.append(reply.ID)
+        except aetcd.exceptions.ClientError as exc:
+            self.unreachable(exc)
+            raise Unavailable(f"etcd lease keep-alive failed: {exc}") from None
         except grpc.aio.AioRpcError as exc:
+            self.unreachable(exc)
             raise Unavailable(f"etcd lease keep-alive failed: {exc.code().name}: {exc.details()}") from None
         return expired
 
@@ -357,8 +445,13 @@ class EtcdStore:
         try:
             return await awaitable
         except (aetcd.exceptions.ClientError, grpc.aio.AioRpcError) as exc:
+            self.unreachable(exc)
             raise Unavailable(f"etcd request failed: {exc}") from None
 
     async def close(self) -> None:
         """Closes the connection; node leases are left to expire (a restarted registry re-registers nodes)."""
+        if self._resolving is not None:
+            self._resolving.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._resolving
         await self._client.close()

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import ipaddress
 import logging
 import os
 from dataclasses import dataclass
@@ -36,6 +37,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument("--host", default="127.0.0.1", help="bind address (default: loopback)")
     parser.add_argument("--port", type=int, default=DEFAULT_PORT, help=f"port (default {DEFAULT_PORT})")
+    parser.add_argument(
+        "--advertise",
+        default="",
+        help="host the other registry replicas reach this one at, written as the leader's address with "
+        "--etcd (default: --host; needed when --host is a wildcard)",
+    )
     parser.add_argument(
         "--lease", type=float, default=3.0, help="seconds of silence after which a node is dead (default 3)"
     )
@@ -86,6 +93,7 @@ class RegistryConfig(ListenConfig):
     etcd: str | None = None
     etcd_prefix: str = DEFAULT_ETCD_PREFIX
     verify_peer_address: bool = True
+    advertise: str = ""
 
     def __post_init__(self) -> None:
         super().__post_init__()
@@ -97,6 +105,10 @@ class RegistryConfig(ListenConfig):
             self._check_snapshot(self.snapshot)
         if self.etcd is not None:
             self._check_etcd(self.etcd)
+        if _is_wildcard(self.advertise):
+            raise ConfigError.broken(
+                "--advertise", self.advertise, "must be an address others can dial, not a wildcard"
+            )
         if not self.etcd_prefix.startswith("/"):
             raise ConfigError.broken("--etcd-prefix", self.etcd_prefix, "must start with /")
 
@@ -123,6 +135,19 @@ class RegistryConfig(ListenConfig):
             rule = f"needs the aetcd package (pip install 'pcpstack[etcd]'): {exc}"
             raise ConfigError.broken("--etcd", urls, rule) from None
         parse_endpoints(urls)
+        if _is_wildcard(self.host) and not self.advertise:
+            # the leader's address is written for the other replicas to dial: a wildcard is no address
+            raise ConfigError(
+                f"--host={self.host!r} with --etcd: the leader's address must be one other replicas can "
+                "dial; give --advertise HOST",
+                ("--host", "--advertise"),
+                "--etcd with a wildcard --host needs --advertise",
+            )
+
+    @property
+    def advertised_host(self) -> str:
+        """The host other replicas reach this one at."""
+        return self.advertise or self.host
 
     @classmethod
     def from_args(cls, args: argparse.Namespace) -> RegistryConfig:
@@ -147,9 +172,18 @@ async def start(config: RegistryConfig) -> Serving:
         config.verify_peer_address,
         config.etcd,
         config.etcd_prefix,
+        advertised_host=config.advertised_host,
     )
     log.info("registry serving", extra={"address": registry.address, "lease_s": settings.lease_s})
     return Serving.grpc(registry.running, registry.stop)
+
+
+def _is_wildcard(host: str) -> bool:
+    """True for a bind-to-every-interface host (0.0.0.0, ::), which no peer can dial."""
+    try:
+        return ipaddress.ip_address(host.strip("[]")).is_unspecified
+    except ValueError:
+        return False
 
 
 def run(args: argparse.Namespace) -> int:

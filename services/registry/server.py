@@ -733,6 +733,7 @@ async def start_registry(
     etcd_endpoints: str | None = None,
     etcd_prefix: str = "/pcpstack/registry/",
     elect: bool = True,
+    advertised_host: str = "",
 ) -> RegistryServer:
     """Starts a registry. With a snapshot_path, an existing snapshot is read (the restore grace then ends
     as soon as its sets' members are back) and a missing one means a cold start with no grace at all.
@@ -740,7 +741,8 @@ async def start_registry(
     under etcd_prefix, with the same restart rules (etcd_store), and the registry is one of possibly
     several replicas: it campaigns (election) and assembles only while it leads, forwarding reads to the
     leader and holding the sessions it accepts through etcd meanwhile (etcd_sessions); elect=False makes
-    it act as the only one (the generation fence still holds).
+    it act as the only one (the generation fence still holds). A replica campaigns with
+    advertised_host:PORT (default: the bind host), the address the other replicas dial while it leads.
     verify_peer_address refuses registrations whose advertised host is not the caller's own."""
     settings = settings or Settings()
     options = options or ServerOptions()
@@ -768,8 +770,9 @@ async def start_registry(
         from pcpstack.registry.election import Election
         from pcpstack.registry.etcd_sessions import EtcdSessions
 
-        servicer.etcd_sessions = EtcdSessions(etcd, running.address, settings.lease_s)
-        servicer.election = Election(etcd, running.address, servicer.lead, servicer.deposed)
+        address = f"{advertised_host}:{running.port}" if advertised_host else running.address
+        servicer.etcd_sessions = EtcdSessions(etcd, address, settings.lease_s)
+        servicer.election = Election(etcd, address, servicer.lead, servicer.deposed)
         replica_tasks = (
             asyncio.create_task(servicer.election.run(), name="registry-election"),
             asyncio.create_task(servicer.keep_shadow(), name="registry-shadow"),
