@@ -51,6 +51,10 @@ PROTECTED_METHODS = frozenset(
         "/pcpstack.v1.KvStoreService/Put",
         "/pcpstack.v1.KvStoreService/Release",
         "/pcpstack.v1.KvStoreService/Delete",
+        # Both change what the store holds: a Lookup's lease pins objects against eviction, and
+        # PrepareStandby evicts released objects and creates segments. Prefill, their caller, holds the token.
+        "/pcpstack.v1.KvStoreService/Lookup",
+        "/pcpstack.v1.KvStoreService/PrepareStandby",
         "/pcpstack.v1.DecodeService/Generate",
     }
 )

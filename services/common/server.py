@@ -19,13 +19,24 @@ from grpc_health.v1.health import aio as health_aio
 from grpc_reflection.v1alpha import reflection
 
 from pcpstack.common import security as security_mod
-from pcpstack.common.config import check_non_negative, check_port, check_positive, unbindable
+from pcpstack.common.config import ConfigError, check_non_negative, check_port, unbindable
 from pcpstack.common.ports import check_bindable
 from pcpstack.common.request_decoding import DecodingInterceptor
 from pcpstack.common.rpc_errors import ErrorInterceptor
 from pcpstack.common.telemetry import server_interceptors
 
 DEFAULT_MAX_MESSAGE_BYTES = 64 * 1024 * 1024
+# Every service's messages (a prompt's token ids, a registry's answer, a KV chunk and its framing) need
+# room: a limit below this is a mistake, not a tuning (the KV store's own floor is higher).
+MIN_MESSAGE_BYTES = 64 * 1024
+
+
+def check_max_message_bytes(key: str, value: object) -> None:
+    """A gRPC message size limit: at least MIN_MESSAGE_BYTES."""
+    if not isinstance(value, int) or isinstance(value, bool) or value < MIN_MESSAGE_BYTES:
+        raise ConfigError.broken(
+            key, value, f"must be at least {MIN_MESSAGE_BYTES} (64 KiB) for any service's messages to fit"
+        )
 
 
 @dataclass(frozen=True)
@@ -41,7 +52,7 @@ class ServerOptions:
 
     def __post_init__(self) -> None:
         check_port("port", self.port)
-        check_positive("max_message_bytes", self.max_message_bytes)
+        check_max_message_bytes("max_message_bytes", self.max_message_bytes)
         check_non_negative("grace_seconds", self.grace_seconds)
 
     def channel_options(self) -> list[tuple[str, int]]:

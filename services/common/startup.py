@@ -38,8 +38,8 @@ from pcpstack.common.config import (
     check_addresses,
     check_host_id,
     check_model_source,
+    check_node_id,
     check_port,
-    check_positive,
     env_choice,
     parse_overrides,
     role_config,
@@ -47,7 +47,12 @@ from pcpstack.common.config import (
 from pcpstack.common.errors import Unavailable
 from pcpstack.common.lifetime import exit_service_with_parent
 from pcpstack.common.logs import chosen_log_format, setup_logging
-from pcpstack.common.server import DEFAULT_MAX_MESSAGE_BYTES, RunningServer, ServerOptions
+from pcpstack.common.server import (
+    DEFAULT_MAX_MESSAGE_BYTES,
+    RunningServer,
+    ServerOptions,
+    check_max_message_bytes,
+)
 from pcpstack.common.telemetry import setup_telemetry, shutdown_telemetry
 from pcpstack.common.tunables import ensure_glibc_tunables
 
@@ -156,7 +161,7 @@ class ListenConfig:
 
     def __post_init__(self) -> None:
         check_port("--port", self.port)
-        check_positive("--max-message-bytes", self.max_message_bytes)
+        check_max_message_bytes("--max-message-bytes", self.max_message_bytes)
 
     def server_options(self) -> ServerOptions:
         """The options start_server listens with."""
@@ -188,6 +193,7 @@ class NodeConfig(ListenConfig):
     def __post_init__(self) -> None:
         super().__post_init__()
         check_addresses("--registry", self.registry, required=True)
+        check_node_id("--node-id", self.node_id)
         check_host_id("--host-id", self.host_id)
         check_model_source("model", self.engine.model)
         if self.device and self.device not in DEVICE_KINDS:

@@ -19,6 +19,7 @@ from pcpstack.common.config import (
     ConfigError,
     check_addresses,
     check_host_id,
+    check_node_id,
     check_positive,
     env_choice,
 )
@@ -31,6 +32,7 @@ from pcpstack.common.startup import (
     config_from_args,
     run_service,
 )
+from pcpstack.kvstore.store import DEFAULT_MAX_LEASE_MS
 
 if TYPE_CHECKING:
     from pcpstack.kvstore.server import KvStoreServerConfig
@@ -51,7 +53,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--max-lease-ms",
         type=int,
         default=None,
-        help="longest pin lease a writer may ask for (default: the store's)",
+        help=f"longest pin lease a writer may ask for (default: {DEFAULT_MAX_LEASE_MS}, ten minutes)",
     )
     parser.add_argument("--shm-dir", default="/dev/shm", help="tmpfs directory for the store's segments")
     parser.add_argument(
@@ -92,25 +94,44 @@ class KvStoreConfig(ListenConfig):
     host_id: str = ""
 
     def __post_init__(self) -> None:
+        self._check_max_message_bytes()  # first: its floor is above the one every service has
         super().__post_init__()
         check_positive("--capacity-bytes", self.capacity_bytes)
+        check_node_id("--node-id", self.node_id)
         check_host_id("--host-id", self.host_id)
         check_positive("--default-lease-ms", self.default_lease_ms)
         if self.max_lease_ms is not None:
             check_positive("--max-lease-ms", self.max_lease_ms)
-            if self.default_lease_ms > self.max_lease_ms:
-                raise ConfigError(
-                    f"--default-lease-ms={self.default_lease_ms} and --max-lease-ms={self.max_lease_ms}: "
-                    "the default lease must not exceed the longest one",
-                    ("--default-lease-ms", "--max-lease-ms"),
-                    "default lease <= max lease",
-                )
+        max_lease_ms = DEFAULT_MAX_LEASE_MS if self.max_lease_ms is None else self.max_lease_ms
+        if self.default_lease_ms > max_lease_ms:
+            given = "" if self.max_lease_ms is not None else " (its default)"
+            raise ConfigError(
+                f"--default-lease-ms={self.default_lease_ms} and --max-lease-ms={max_lease_ms}{given}: "
+                "the default lease must not exceed the longest one",
+                ("--default-lease-ms", "--max-lease-ms"),
+                "default lease <= max lease",
+            )
         check_positive("--reap-interval-s", self.reap_interval_s)
         check_addresses("--registry", self.registry)
         env_choice(COPY_CRC_ENV, COPY_CRC_CHOICES)
         if not os.path.isdir(self.shm_dir) or not os.access(self.shm_dir, os.W_OK | os.X_OK):
             raise ConfigError.broken("--shm-dir", self.shm_dir, "must be a writable folder (a tmpfs)")
         self.server_config()
+
+    def _check_max_message_bytes(self) -> None:
+        # Streamed puts arrive in the clients' chunks (stream.DEFAULT_CHUNK_BYTES) plus framing: a store
+        # whose messages cannot hold one refuses every streamed put.
+        from pcpstack.kvstore.server import MESSAGE_OVERHEAD
+        from pcpstack.kvstore.stream import DEFAULT_CHUNK_BYTES
+
+        floor = DEFAULT_CHUNK_BYTES + MESSAGE_OVERHEAD
+        if self.max_message_bytes < floor:
+            raise ConfigError.broken(
+                "--max-message-bytes",
+                self.max_message_bytes,
+                f"must be at least {floor} for a store: the clients' {DEFAULT_CHUNK_BYTES}-byte chunks and "
+                f"{MESSAGE_OVERHEAD} bytes of framing must fit one message",
+            )
 
     @classmethod
     def from_args(cls, args: argparse.Namespace) -> KvStoreConfig:

@@ -48,7 +48,7 @@ from pcpstack.v1 import kvstore_pb2_grpc
 
 log = logging.getLogger(__name__)
 
-_MESSAGE_OVERHEAD = 1024  # room for the non-data fields of a chunk message
+MESSAGE_OVERHEAD = 1024  # room for the non-data fields of a chunk message
 # Objects from this size on get a standby segment for their writer's next put (_standby): below it, a
 # fresh mapping costs little (~0.5 ms per MiB here) and the pool would fill with small standbys.
 STANDBY_MIN_BYTES = 8 << 20
@@ -510,7 +510,7 @@ async def serve(config: KvStoreServerConfig, options: ServerOptions | None = Non
     options = options or ServerOptions()
     segments = SegmentStore(config.shm_dir)
     store = KvStore(config.store_config(), on_free=segments.recycle)
-    servicer = KvStoreServicer(store, segments, config, options.max_message_bytes - _MESSAGE_OVERHEAD)
+    servicer = KvStoreServicer(store, segments, config, options.max_message_bytes - MESSAGE_OVERHEAD)
     if segments.reclaimed_orphans:
         log.warning("reclaimed segments of a dead store", extra={"segments": segments.reclaimed_orphans})
     try:

@@ -8,6 +8,8 @@ Life of an object:
 - The capability is an unguessable token only the writer learns (from the commit). Reading, releasing,
   deleting and describing an object all require it (CapabilityDenied otherwise), so a peer that can reach
   the store but was not handed the capability cannot read or unpin anyone's KV.
+- An object is charged against the capacity for all the store holds of it (`held_bytes`): its payload, its
+  metadata and its block keys, so that neither can grow the store's memory past its budget unseen.
 - A pinned object is never evicted. `release` unpins it (once; a repeat is harmless and counted) and puts
   it in the LRU cache of released objects; a lease that runs out before the release reclaims it (`expire`).
 - A reader (`begin_get` .. `end_get`) keeps its object alive: an object deleted or expired while being read
@@ -47,6 +49,12 @@ from pcpstack.kvstore.errors import (
 MAX_KEY_BYTES = 512
 MAX_BLOCK_KEYS = 65_536  # a 1M-token prompt in blocks of 16; bounds the work of one put or lookup
 MAX_BLOCK_KEY_BYTES = 128
+# A lookup answers its tokens in 32 bits: MAX_BLOCK_KEYS blocks of this many still fit (65535; prefill's
+# blocks are 16 tokens).
+MAX_BLOCK_TOKENS = (2**32 - 1) // MAX_BLOCK_KEYS
+# What holding and indexing one block key costs the heap beyond its characters (CPython: the str, its
+# tuple slot and its index entry, measured at ~170 bytes): charged with the object.
+BLOCK_KEY_OVERHEAD_BYTES = 176
 MAX_BLOCK_CHAINS = 256  # one per K/V head range of a replica: above any model's K/V heads
 DEFAULT_MAX_LEASE_MS = 600_000  # ten minutes: far above any prefill-to-decode hand-off
 _CAPABILITY_BYTES = 24  # 192 random bits
@@ -55,6 +63,11 @@ _CAPABILITY_BYTES = 24  # 192 random bits
 def new_capability() -> str:
     """A fresh, unguessable capability (URL-safe text)."""
     return secrets.token_urlsafe(_CAPABILITY_BYTES)
+
+
+def held_bytes(total_bytes: int, metadata: bytes, block_keys: Sequence[str]) -> int:
+    """What an object is charged against the capacity: its payload, its metadata and its block keys."""
+    return total_bytes + len(metadata) + sum(len(key) + BLOCK_KEY_OVERHEAD_BYTES for key in block_keys)
 
 
 @dataclass(frozen=True)
@@ -90,6 +103,7 @@ class PendingPut:
     payload: object = None
     block_keys: tuple[str, ...] = ()
     block_tokens: int = 0
+    held_bytes: int = 0  # charged against the capacity (store.held_bytes)
 
 
 @dataclass(eq=False)
@@ -110,6 +124,7 @@ class StoredObject:
     block_keys: tuple[str, ...] = ()  # content keys of its full blocks, in order (prefix reuse)
     block_tokens: int = 0  # tokens per block of block_keys
     lease_refs: int = 0  # prefix leases referencing it: never evicted while > 0
+    held_bytes: int = 0  # charged against the capacity: payload, metadata and block keys
 
     @property
     def in_use(self) -> bool:
@@ -225,8 +240,9 @@ class KvStore:
         block_keys: Sequence[str] = (),
         block_tokens: int = 0,
     ) -> PendingPut:
-        """Checks a put and reserves its bytes up front, evicting released objects (LRU) if needed.
-        block_keys: the content keys of the object's full blocks of block_tokens tokens (prefix reuse)."""
+        """Checks a put and reserves what it will hold up front (held_bytes), evicting released objects
+        (LRU) if needed. block_keys: the content keys of the object's full blocks of block_tokens tokens
+        (prefix reuse)."""
         try:
             check_key(key)
             if not fingerprint:
@@ -235,13 +251,17 @@ class KvStore:
                 raise InvalidArgument(f"total_bytes must be >= 0, got {total_bytes}")
             self._check_lease(lease_ms)
             check_block_keys(block_keys)
-            if block_keys and block_tokens <= 0:
-                raise InvalidArgument(f"block_tokens must be > 0 with block_keys, got {block_tokens}")
+            if block_keys and not 0 < block_tokens <= MAX_BLOCK_TOKENS:
+                raise InvalidArgument(
+                    f"block_tokens must be in 1..{MAX_BLOCK_TOKENS} with block_keys (a lookup counts the "
+                    f"tokens it found in 32 bits), got {block_tokens}"
+                )
             if key in self._objects:
                 raise AlreadyExists(f"key {key!r} is already committed; keys are write-once")
             if key in self._pending:
                 raise AlreadyExists(f"a put of key {key!r} is already in progress")
-            self._make_room(key, total_bytes)
+            held = held_bytes(total_bytes, metadata, block_keys)
+            self._make_room(key, held)
         except (InvalidArgument, AlreadyExists, CapacityExceeded):
             self._stats.refused_puts += 1
             raise
@@ -253,9 +273,10 @@ class KvStore:
             metadata,
             block_keys=tuple(block_keys),
             block_tokens=block_tokens if block_keys else 0,
+            held_bytes=held,
         )
         self._pending[key] = pending
-        self._stats.reserved_bytes += total_bytes
+        self._stats.reserved_bytes += held
         return pending
 
     def commit_put(self, pending: PendingPut, crc32c: int, now: float) -> StoredObject:
@@ -274,13 +295,14 @@ class KvStore:
             capability=new_capability(),
             block_keys=pending.block_keys,
             block_tokens=pending.block_tokens,
+            held_bytes=pending.held_bytes,
         )
         for index, block_key in enumerate(obj.block_keys):
             # Blocks are immutable and content-addressed: a block already held stays with its first holder.
             self._blocks.setdefault(block_key, (obj, index))
         self._objects[obj.key] = obj
-        self._used_bytes += obj.total_bytes
-        self._stats.pinned_bytes += obj.total_bytes
+        self._used_bytes += obj.held_bytes
+        self._stats.pinned_bytes += obj.held_bytes
         self._stats.bytes_in += obj.total_bytes
         return obj
 
@@ -308,7 +330,7 @@ class KvStore:
 
     def _forget_pending(self, pending: PendingPut) -> None:
         del self._pending[pending.key]
-        self._stats.reserved_bytes -= pending.total_bytes
+        self._stats.reserved_bytes -= pending.held_bytes
 
     def free_bytes(self) -> int:
         """Budget not held by objects or reservations."""
@@ -320,7 +342,7 @@ class KvStore:
         if self.free_bytes() >= needed:
             return True  # the common case, without a walk over every released object
         evictable = [obj for obj in self._released.values() if not obj.in_use]
-        if self.free_bytes() + sum(obj.total_bytes for obj in evictable) < needed:
+        if self.free_bytes() + sum(obj.held_bytes for obj in evictable) < needed:
             return False
         for obj in evictable:
             if self.free_bytes() >= needed:
@@ -332,9 +354,10 @@ class KvStore:
     def _make_room(self, key: str, needed: int) -> None:
         if self.reclaim(needed):
             return
-        evictable_bytes = sum(obj.total_bytes for obj in self._released.values() if not obj.in_use)
+        evictable_bytes = sum(obj.held_bytes for obj in self._released.values() if not obj.in_use)
         raise CapacityExceeded(
-            f"put of key {key!r} needs {needed} bytes but only {self.free_bytes()} are free and "
+            f"put of key {key!r} needs {needed} bytes (payload, metadata and block keys) but only "
+            f"{self.free_bytes()} are free and "
             f"{evictable_bytes} evictable "
             f"(capacity {self.config.capacity_bytes}, pinned {self._stats.pinned_bytes}, "
             f"reserved {self._stats.reserved_bytes}); release objects or raise the capacity"
@@ -406,7 +429,12 @@ class KvStore:
                     runs[-1] = (chain, obj, last[2], last[3] + 1)
                 else:
                     runs.append((chain, obj, index, 1))
-        objects = {obj.key: obj for _, obj, _, _ in runs}
+        segments = tuple(
+            PrefixSegment(obj, first * obj.block_tokens, count * obj.block_tokens, chain)
+            for chain, obj, first, count in runs
+        )
+        objects = {segment.obj.key: segment.obj for segment in segments}
+        # The lease is taken last: nothing above can leave it held with an id nobody learnt.
         lease = PrefixLease(
             lease_id=secrets.token_hex(16),
             capability=new_capability(),
@@ -417,10 +445,6 @@ class KvStore:
             obj.lease_refs += 1
             self._touch(obj)
         self._leases[lease.lease_id] = lease
-        segments = tuple(
-            PrefixSegment(obj, first * obj.block_tokens, count * obj.block_tokens, chain)
-            for chain, obj, first, count in runs
-        )
         return PrefixLookup(blocks, segments, lease)
 
     def _held_run(self, block_keys: Sequence[str], fingerprint: str) -> list[tuple[StoredObject, int]]:
@@ -476,7 +500,7 @@ class KvStore:
             self._stats.repeated_releases += 1
             return False
         obj.pinned = False
-        self._stats.pinned_bytes -= obj.total_bytes
+        self._stats.pinned_bytes -= obj.held_bytes
         self._released[key] = obj
         return True
 
@@ -524,7 +548,7 @@ class KvStore:
                 del self._blocks[block_key]
         if obj.pinned:
             obj.pinned = False
-            self._stats.pinned_bytes -= obj.total_bytes
+            self._stats.pinned_bytes -= obj.held_bytes
         else:
             del self._released[obj.key]
         if obj.in_use:
@@ -533,7 +557,7 @@ class KvStore:
             self._free(obj)
 
     def _free(self, obj: StoredObject) -> None:
-        self._used_bytes -= obj.total_bytes
+        self._used_bytes -= obj.held_bytes
         if obj.payload is not None:
             self.on_free(obj.payload)
             obj.payload = None

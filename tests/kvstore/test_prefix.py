@@ -12,7 +12,7 @@ import pytest
 from pcpstack.kvstore.client import KvStoreClient
 from pcpstack.kvstore.errors import CapabilityDenied, CapacityExceeded, NotFound
 from pcpstack.kvstore.prefix import prefix_block_keys, reusable_blocks, segment_range
-from pcpstack.kvstore.store import KvStore, StoreConfig
+from pcpstack.kvstore.store import KvStore, StoreConfig, held_bytes
 from tests.kvstore.conftest import running_store
 
 BLOCK = 4
@@ -40,8 +40,9 @@ def test_block_keys_chain_the_prefix_and_separate_fingerprints_and_salts():
 
 
 def test_shared_blocks_are_refcounted_by_leases_and_evicted_lru_once_unreferenced():
-    store = KvStore(StoreConfig(capacity_bytes=30, default_lease_ms=1000))
     keys = prefix_block_keys(SYSTEM, BLOCK, "fp")
+    # Room for turn-1 (its 10 bytes and its block keys) and 20 bytes more: "big" needs turn-1 evicted.
+    store = KvStore(StoreConfig(capacity_bytes=held_bytes(10, b"", keys) + 20, default_lease_ms=1000))
     cap = put_blocks(store, "turn-1", keys)
     store.release("turn-1", cap)  # decode loaded it: cached, evictable unless referenced
     first = store.lookup(keys, "fp", 0, now=0.0)
@@ -64,7 +65,7 @@ def test_shared_blocks_are_refcounted_by_leases_and_evicted_lru_once_unreference
 
 
 def test_a_second_put_of_held_blocks_is_not_an_error_and_lookups_follow_the_runs():
-    store = KvStore(StoreConfig(capacity_bytes=100))
+    store = KvStore(StoreConfig(capacity_bytes=1 << 20))
     keys = prefix_block_keys(SYSTEM + list(range(2 * BLOCK)), BLOCK, "fp")
     put_blocks(store, "turn-1", keys[:3])
     put_blocks(store, "same-prompt", keys[:3])  # dedup: the first holder keeps serving them
@@ -80,7 +81,7 @@ def test_a_second_put_of_held_blocks_is_not_an_error_and_lookups_follow_the_runs
 
 
 def test_a_deleted_object_stays_readable_through_its_lease_until_it_ends():
-    store = KvStore(StoreConfig(capacity_bytes=100))
+    store = KvStore(StoreConfig(capacity_bytes=1 << 20))
     keys = prefix_block_keys(SYSTEM, BLOCK, "fp")
     cap = put_blocks(store, "turn-1", keys)
     lease = store.lookup(keys, "fp", 0, now=0.0).lease
@@ -97,7 +98,7 @@ def test_a_deleted_object_stays_readable_through_its_lease_until_it_ends():
 
 def test_a_block_one_shards_chain_lacks_shortens_the_hit_of_every_shard_under_one_lease():
     # A replica stored per K/V head range (a TP group's): each shard's chain starts from its own fingerprint.
-    store = KvStore(StoreConfig(capacity_bytes=100))
+    store = KvStore(StoreConfig(capacity_bytes=1 << 20))
     prompt = SYSTEM + list(range(2 * BLOCK))  # five full blocks
     chains = [(fp, prefix_block_keys(prompt, BLOCK, fp)) for fp in ("fp-heads-0-1", "fp-heads-1-2")]
     assert set(chains[0][1]).isdisjoint(chains[1][1])
