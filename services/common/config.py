@@ -160,6 +160,17 @@ def check_host_id(key: str, value: str) -> None:
         )
 
 
+NODE_ID_CHARS = "ASCII letters, digits, '.', '_', '-' and ':'"
+
+
+def check_node_id(key: str, value: str) -> None:
+    """A node's stable identity (--node-id, a Register's node_id): empty (the default, hostname-ROLE-port)
+    or NODE_ID_CHARS only. Hostnames, pod and compose service names fit; '/' would let one id's etcd
+    mailbox prefix cover another's, and spaces or control characters do not belong in keys or logs."""
+    if value and not (value.isascii() and all(c.isalnum() or c in "._-:" for c in value)):
+        raise ConfigError.broken(key, value, f"may hold only {NODE_ID_CHARS}")
+
+
 def check_model_source(key: str, model: str) -> None:
     """A model a node can load: empty (the embedded default), 'tiny', a .gguf file, a model folder or a
     Hugging Face repo id in the local cache (common/models.py).

@@ -19,9 +19,10 @@ from __future__ import annotations
 
 import enum
 import functools
+import logging
 from dataclasses import asdict, dataclass, field
 
-from pcpstack.common.config import EngineConfig
+from pcpstack.common.config import ConfigError, EngineConfig, check_node_id
 from pcpstack.common.errors import FailedPrecondition, InvalidArgument, NotFound
 from pcpstack.registry.assembly import (
     Assignment,
@@ -38,6 +39,12 @@ from pcpstack.registry.endpoints import PrefillEndpoint, Resolution, ServiceEndp
 
 ROLES = ("prefill", "decode", "kvstore")
 SNAPSHOT_VERSION = 1
+# Generations stay at most this: a node may carry one below it (sets formed later count on from it), a
+# snapshot may hold up to it. A registry issues one per set it forms, so a real one stays far below; 2**53
+# is the largest integer a JSON reader that uses doubles reads exactly, and far inside the proto's uint64.
+MAX_GENERATION = 2**53
+
+log = logging.getLogger(__name__)
 
 
 class NodeState(enum.Enum):
@@ -299,15 +306,27 @@ def _all_ranks(carried: Assignment) -> tuple[Assignment, ...]:
 
 def validate(reg: Registration) -> None:
     """Refuses a registration that is wrong on its own, whatever the registry holds: InvalidArgument for
-    a missing identity, role, address or engine config, FailedPrecondition for too few devices."""
+    a missing or malformed identity (common.config.NODE_ID_CHARS), role, address or engine config, or a
+    carried generation above MAX_GENERATION; FailedPrecondition for too few devices."""
     if not reg.node_id:
         raise InvalidArgument("node_id is required (a stable identity of the node)")
+    try:
+        check_node_id("node_id", reg.node_id)
+    except ConfigError as exc:
+        raise InvalidArgument(str(exc)) from None
     if reg.role not in ROLES:
         raise InvalidArgument(f"role is required: one of {', '.join(ROLES)}")
     try:
         split_host_port(reg.address)
     except ValueError as exc:
         raise InvalidArgument(str(exc)) from None
+    carried = reg.current_assignment
+    if carried is not None and carried.generation >= MAX_GENERATION:
+        raise InvalidArgument(
+            f"current_assignment.generation={carried.generation} must be below {MAX_GENERATION} "
+            "(2**53): a registry issues one generation per set it forms, so a real one is far smaller, "
+            "and the sets formed after it count on from it"
+        )
     config = reg.engine_config
     if reg.role != "kvstore" and config is None:
         raise InvalidArgument(f"engine_config is required for a {reg.role} node")
@@ -609,13 +628,23 @@ class Membership:
     def _restore(self, snapshot: dict, now: float) -> None:
         if snapshot.get("version") != SNAPSHOT_VERSION:
             return
-        self._max_generation = int(snapshot.get("max_generation", 0))
+        # a counter above MAX_GENERATION (written before registrations were bounded) would issue
+        # generations that do not fit the proto: it counts on from the stored sets instead
+        stored = int(snapshot.get("max_generation", 0))
+        if 0 <= stored <= MAX_GENERATION:
+            self._max_generation = stored
         for entry in snapshot.get("sets", []):
             raw = dict(entry["assignment"])
             raw["pcp_ranks"] = tuple(raw["pcp_ranks"])
             raw["global_ranks"] = tuple(raw.get("global_ranks") or raw["pcp_ranks"])
             raw["member_node_ids"] = tuple(raw["member_node_ids"])
             head = Assignment(**raw)
+            if not 0 < head.generation <= MAX_GENERATION:
+                log.warning(
+                    "stored set dropped: its generation is out of range; its slot is formed again",
+                    extra={"set_id": head.set_id, "generation": head.generation, "max": MAX_GENERATION},
+                )
+                continue
             group = self._group(entry["role"], entry["model"])
             pcp_set = _Set((group.role, group.model), _all_ranks(head), reason=entry.get("reason", ""))
             if entry.get("broken"):
@@ -629,6 +658,15 @@ class Membership:
             self._sets[head.set_id] = pcp_set
             group.slots[head.dp_rank] = head.set_id
             self._max_generation = max(self._max_generation, head.generation)
+        if not 0 <= stored <= MAX_GENERATION:
+            log.warning(
+                "stored max_generation is out of range; counting on from the stored sets' highest",
+                extra={
+                    "max_generation": stored,
+                    "max": MAX_GENERATION,
+                    "counting_from": self._max_generation,
+                },
+            )
 
     # --- internals ---------------------------------------------------------------------------------
 
@@ -696,6 +734,8 @@ class Membership:
         out: Outgoing = []
         # a set being restored that expects this node, whatever the node carries
         expected = next((s for s in self._restoring.values() if node_id in s.members), None)
+        # Any generation a node carries was issued once (validate bounds it): new sets count on past it, so a
+        # set formed here never reuses the (set id, generation) of one that may still run.
         if carried is not None and carried.generation > self._max_generation:
             self._max_generation = carried.generation
             self._revision += 1
