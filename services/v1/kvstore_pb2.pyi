@@ -56,7 +56,7 @@ class PutHeader(_message.Message):
     metadata: _builtins.bytes
     """Opaque description of the payload (e.g. KV layout as JSON) returned to readers."""
     block_tokens: _builtins.int
-    """Tokens per block of block_keys; required (> 0) when block_keys is given."""
+    """Tokens per block of block_keys; required (1..65535) when block_keys is given."""
     standby_shm_name: _builtins.str
     """Shared-memory path: the standby segment an earlier PutCommitted named to this writer, which it has
     mapped since. The store fills this put into it when it is still free, prepared and fits (at most a
@@ -657,9 +657,9 @@ class StatResponse(_message.Message):
     objects: _builtins.int
     """Committed objects held."""
     bytes: _builtins.int
-    """Bytes held by committed objects."""
+    """Bytes held by committed objects: payload, metadata and block keys, as --capacity-bytes counts them."""
     pinned_bytes: _builtins.int
-    """Bytes held by pinned objects."""
+    """Bytes held by pinned objects (counted as bytes is)."""
     capacity_bytes: _builtins.int
     """Memory budget in bytes."""
     evictions: _builtins.int
@@ -673,7 +673,7 @@ class StatResponse(_message.Message):
     bytes_out: _builtins.int
     """Bytes sent by gets since start."""
     reserved_bytes: _builtins.int
-    """Bytes reserved by puts in progress."""
+    """Bytes reserved by puts in progress (counted as bytes is)."""
     aborted_puts: _builtins.int
     """Puts abandoned midway (stream broken, writer gone) since start."""
     repeated_releases: _builtins.int
