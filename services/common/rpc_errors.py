@@ -8,7 +8,9 @@ same kind.
 
 from __future__ import annotations
 
+import asyncio
 import inspect
+import logging
 from collections.abc import Awaitable, Callable
 from contextlib import aclosing
 from typing import Any, NoReturn
@@ -16,6 +18,8 @@ from typing import Any, NoReturn
 import grpc
 
 from pcpstack.common.errors import ServiceError, error_of_code
+
+log = logging.getLogger(__name__)
 
 
 def status_of(error: ServiceError) -> grpc.StatusCode:
@@ -25,7 +29,13 @@ def status_of(error: ServiceError) -> grpc.StatusCode:
 
 
 async def abort(context: grpc.aio.ServicerContext, error: ServiceError) -> NoReturn:
-    """Ends the call with the error's status and message."""
+    """Ends the call with the error's status and message. A call past its deadline is over already: its
+    caller gets DEADLINE_EXCEEDED from gRPC, and an abort would fail in gRPC's core (an ERROR with two
+    tracebacks), so the error is logged at INFO and the method ends as cancelled."""
+    remaining = context.time_remaining()
+    if context.done() or (remaining is not None and remaining <= 0):
+        log.info("the call ended before its answer (%s: %s)", error.code, error)
+        raise asyncio.CancelledError
     await context.abort(status_of(error), str(error))
 
 

@@ -58,7 +58,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--kv-cache-tokens", type=int, default=32768, help="tokens the paged KV cache holds")
     parser.add_argument("--prefill-timeout", type=float, default=300.0, help="seconds a prefill may take")
     parser.add_argument(
-        "--kv-lease-ms", type=int, default=0, help="lease of replicas in the store (default 0: the store's)"
+        "--kv-lease-ms",
+        type=int,
+        default=0,
+        help="lease of replicas in the store (default 0: the store's; at most the store's --max-lease-ms)",
     )
     parser.add_argument(
         "--collective-timeout",

@@ -42,6 +42,7 @@ from opentelemetry.metrics import Observation
 from pcpstack.common.errors import (
     DataLoss,
     DeadlineExceeded,
+    FailedPrecondition,
     InvalidArgument,
     ResourceExhausted,
     ServiceError,
@@ -495,6 +496,14 @@ class GeneratePipeline:
             except (grpc.aio.AioRpcError, ServiceError) as exc:
                 error = error_from_rpc(exc) if isinstance(exc, grpc.aio.AioRpcError) else exc
                 last_error = f"set {chosen.set_id} failed: {error.code}: {error}"
+                # The set's refusal of a lease names the field first. The request's kv_lease_ms is this
+                # worker's --kv-lease-ms: not the client's fault.
+                lease = self.settings.kv_lease_ms
+                if lease and isinstance(error, InvalidArgument) and str(error).startswith("kv_lease_ms="):
+                    raise FailedPrecondition(
+                        f"this decode worker's --kv-lease-ms={lease} is too long: {error} (prefill on set "
+                        f"{chosen.set_id}); the worker must be restarted with a lease within the store's cap"
+                    ) from exc
                 if not isinstance(error, Unavailable):
                     # Prefill's message first: it names the request's field ("prompt of 900 tokens exceeds
                     # ..."), which the gateway reads to answer the right status and parameter.

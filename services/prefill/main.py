@@ -24,6 +24,7 @@ from pcpstack.common.config import (
     check_non_negative,
     check_positive,
 )
+from pcpstack.common.errors import ServiceError
 from pcpstack.common.server import start_server
 from pcpstack.common.startup import (
     NodeConfig,
@@ -37,6 +38,8 @@ if TYPE_CHECKING:
     from pcpstack.prefill.node import ModelInfo, RunningSet
 
 log = logging.getLogger(__name__)
+# How long start-up waits for --kvstore's answer on --kv-lease-ms (a store not up yet is asked later).
+LEASE_CHECK_TIMEOUT_S = 5.0
 # engine.engine.DEFAULT_CACHE_TOKENS (this module must not import torch): twice SmolLM2's 8,192-token
 # context, 720 MiB a rank at SmolLM2-135M's 46,080 bytes a token in fp32 (23,040 in bf16).
 DEFAULT_KV_CACHE_TOKENS = 16384
@@ -57,7 +60,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--kvstore", default="", help="KV store HOST:PORT (default: resolved via the registry)"
     )
     parser.add_argument(
-        "--kv-lease-ms", type=int, default=0, help="lease of pushed replicas (default: store's)"
+        "--kv-lease-ms",
+        type=int,
+        default=0,
+        help="lease of pushed replicas (default: store's; at most the store's --max-lease-ms)",
     )
     parser.add_argument(
         "--collective-timeout", type=float, default=120.0, help="seconds before a collective fails"
@@ -233,6 +239,8 @@ class PrefillNode:
         from pcpstack.v1 import prefill_pb2_grpc
 
         config = self.config
+        if config.kvstore and config.kv_lease_ms:
+            await check_kv_lease(config.kvstore, config.kv_lease_ms)
         self.resolver = Resolver(config.registry)
         servicer = PrefillServicer(
             self.supervisor,
@@ -277,6 +285,27 @@ class PrefillNode:
             await servicer.close()
 
         return Serving.grpc(self.running, before_stop)
+
+
+async def check_kv_lease(store: str, lease_ms: int) -> None:
+    """Refuses at start-up a --kv-lease-ms that --kvstore would refuse at every push (longer than its
+    --max-lease-ms). A store that cannot answer yet is left to the servicer, which asks each store it
+    meets."""
+    from pcpstack.kvstore.client import KvStoreClient
+    from pcpstack.prefill.server import lease_refusal
+
+    try:
+        async with KvStoreClient(store, deadline_s=LEASE_CHECK_TIMEOUT_S) as client:
+            refusal = await lease_refusal(client, lease_ms)
+    except ServiceError as exc:
+        log.info("--kv-lease-ms not checked with %s at start-up (%s); the first request will", store, exc)
+        return
+    if refusal is not None:
+        raise ConfigError(
+            f"--kv-lease-ms={lease_ms} is refused by --kvstore {store}: {refusal}",
+            ("--kv-lease-ms",),
+            "lease <= the store's --max-lease-ms",
+        )
 
 
 def device_slots(config: PrefillConfig) -> int:

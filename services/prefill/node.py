@@ -6,7 +6,8 @@ ranks is tp 1: its PCP ranks) and reports the set ready once every local rank ha
 and joined the process groups. A rank process's position on this node (its local index) picks its device.
 On the master node (the one running global rank 0) it serves Prefill by handing jobs to global rank 0:
 jobs queue, and the set takes the waiting ones that fit into one forward (batched prefill, up to
-`prefill_batch_max`; each job still gets its own outcome).
+`prefill_batch_max`; each job still gets its own outcome). A job whose caller leaves while it waits is
+withdrawn and never runs, so an overloaded set spends no forward on answers nobody will read.
 When a rank dies, or the group stops making progress, the node fails the requests in flight with
 UNAVAILABLE (SetUnavailable), tells the registry, stops its ranks and waits to be re-assigned.
 """
@@ -115,10 +116,12 @@ class _RankProcess:
 
 @dataclass(eq=False)
 class _Waiting:
-    """A job in the node's queue and the future of (the set that ran it, its outcome)."""
+    """A job in the node's queue, the future of (the set that ran it, its outcome), and the run_job task
+    waiting for its turn (cancelled if its caller leaves before the set takes the job)."""
 
     job: PrefillJob
     result: asyncio.Future
+    task: asyncio.Task
 
 
 @dataclass
@@ -280,8 +283,9 @@ class RankSupervisor:
     async def run_job(self, job: PrefillJob) -> tuple[RunningSet, PrefillOutcome]:
         """Runs one job and returns the set that ran it with its outcome; raises SetUnavailable when the set
         cannot run it. A failure of the job alone is in the outcome. Jobs queue; the oldest takes the
-        waiting jobs that fit after it into the same forward (`_run_batch`)."""
-        waiting = _Waiting(job, asyncio.get_running_loop().create_future())
+        waiting jobs that fit after it into the same forward (`_run_batch`). A job `withdraw`n while it
+        waits raises CancelledError."""
+        waiting = _Waiting(job, asyncio.get_running_loop().create_future(), asyncio.current_task())
         self._queue.append(waiting)
         self.waiting += 1
         try:
@@ -293,6 +297,14 @@ class RankSupervisor:
             self.waiting -= 1
             if waiting in self._queue:
                 self._queue.remove(waiting)
+
+    def withdraw(self, job: PrefillJob) -> None:
+        """Takes a job whose caller left off the queue if the set has not taken it yet: it never runs (nor
+        joins a batch) and its run_job raises CancelledError. A job the set has taken runs to the end."""
+        waiting = next((w for w in self._queue if w.job is job), None)
+        if waiting is not None:
+            self._queue.remove(waiting)
+            waiting.task.cancel()
 
     async def _run_batch(self, head: _Waiting) -> None:
         """Runs `head` with the jobs queued after it that fit (jobs_in_batch: at most prefill_batch_max,

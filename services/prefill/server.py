@@ -1,10 +1,11 @@
 """The Prefill servicer: turns a PrefillRequest into a job for the node's set and the outcome into a reply.
 
 Every check on the request happens here, before any rank works (the shared prompt check of
-pcpstack.engine.prompt, the request-id rule, the set's KV capacity, the fingerprint, the KV store), and each
-failure is raised as its kind of pcpstack.common.errors for the common interceptor to answer. The KV key
-of the attempt is computed here, once, with the keys of its shards when a TP group stores the replica as
-several objects; the ranks push under them and the reply's handle names them.
+pcpstack.engine.prompt, the request-id rule, the set's KV capacity, the fingerprint, the KV store, the KV
+lease against the store's cap), and each failure is raised as its kind of pcpstack.common.errors for the
+common interceptor to answer. The KV key of the attempt is computed here, once, with the keys of its shards
+when a TP group stores the replica as several objects; the ranks push under them and the reply's handle
+names them. A caller who leaves before the set takes its job takes the job off the set's queue.
 
 Prefix reuse (on unless --no-prefix-cache): the servicer derives the prompt's block keys once per stored
 shard of the replica (kvstore.prefix, chained from the shard's own fingerprint and salted by the request's
@@ -26,7 +27,13 @@ import grpc
 from opentelemetry.metrics import Observation
 from opentelemetry.propagate import inject
 
-from pcpstack.common.errors import DeadlineExceeded, FailedPrecondition, Unavailable
+from pcpstack.common.errors import (
+    DeadlineExceeded,
+    FailedPrecondition,
+    InvalidArgument,
+    ServiceError,
+    Unavailable,
+)
 from pcpstack.common.ids import check_request_id
 from pcpstack.common.logs import request_id_var
 from pcpstack.common.telemetry import latency_histogram, meter, tracer
@@ -55,6 +62,15 @@ _forward = latency_histogram(
     _meter, "pcpstack.prefill_forward_time", "seconds of the set's forward pass (its slowest rank)"
 )
 _push = latency_histogram(_meter, "pcpstack.kv_push_time", "seconds to push the KV replica to the store")
+
+
+async def lease_refusal(store: KvStoreClient, lease_ms: int) -> str | None:
+    """Why the store would refuse pins of lease_ms (longer than its --max-lease-ms, which its Stat tells),
+    or None if it takes them or does not tell its cap (a store older than the field: the push decides)."""
+    cap = (await store.stat()).max_lease_ms
+    if cap and lease_ms > cap:
+        return f"lease_ms={lease_ms} exceeds this store's cap of {cap} ms (its --max-lease-ms)"
+    return None
 
 
 class PrefillServicer(prefill_pb2_grpc.PrefillServiceServicer):
@@ -95,6 +111,7 @@ class PrefillServicer(prefill_pb2_grpc.PrefillServiceServicer):
         self._kv_stores = kv_stores
         self._stores_seen: set[str] = set()  # every store ever listed, to tell a gone store from a stranger
         self._lease_ms = lease_ms
+        self._leases_taken: set[tuple[str, int]] = set()  # (store, lease_ms) a store said it takes
 
     async def _store_for(self, requested: str) -> str:
         """The store to push to: the requested one if it is listed, else the default. A requested store that
@@ -122,6 +139,29 @@ class PrefillServicer(prefill_pb2_grpc.PrefillServiceServicer):
         if client is None:
             client = self._kv_clients[address] = KvStoreClient(address)
         return client
+
+    async def _check_lease(self, store: str, requested_ms: int) -> None:
+        """Refuses a lease the store would refuse at the push, after the whole forward: the request's
+        kv_lease_ms (INVALID_ARGUMENT) or, when it asks none, this node's --kv-lease-ms (FAILED_PRECONDITION:
+        not the caller's fault). Each store is asked once per lease; one that cannot answer leaves it to
+        the push."""
+        lease_ms = requested_ms or self._lease_ms
+        if not lease_ms or (store, lease_ms) in self._leases_taken:
+            return  # 0: the store's default, within its cap
+        try:
+            refusal = await lease_refusal(self._kv_client(store), lease_ms)
+        except ServiceError as exc:
+            log.warning("could not check a lease of %d ms with %s: %s", lease_ms, store, exc)
+            return
+        if refusal is None:
+            self._leases_taken.add((store, lease_ms))
+        elif requested_ms:
+            raise InvalidArgument(f"kv_lease_ms={requested_ms} is refused by KV store {store}: {refusal}")
+        else:
+            raise FailedPrecondition(
+                f"this prefill node's --kv-lease-ms={lease_ms} is refused by KV store {store}: {refusal}; "
+                "the node must be restarted with a lease within the store's cap"
+            )
 
     async def close(self) -> None:
         """Closes the store clients (after the background clean-ups)."""
@@ -225,6 +265,7 @@ class PrefillServicer(prefill_pb2_grpc.PrefillServiceServicer):
             )
         self.supervisor.ready_set()  # fail fast, before resolving a store
         store = await self._store_for(request.kvstore_address)
+        await self._check_lease(store, request.kv_lease_ms)
         lease_ms = request.kv_lease_ms or self._lease_ms
         with _tracer.start_as_current_span("prefill.set") as span:
             carrier: dict[str, str] = {}
@@ -258,11 +299,13 @@ class PrefillServicer(prefill_pb2_grpc.PrefillServiceServicer):
             )
             span.set_attribute("pcpstack.request_id", request.request_id)
             span.set_attribute("pcpstack.prompt_tokens", len(ids))
-            # The set finishes a job it started even if the caller leaves; then its replica is deleted.
             task = asyncio.ensure_future(self.supervisor.run_job(job))
             try:
                 running, outcome = await asyncio.wait_for(asyncio.shield(task), context.time_remaining())
             except (TimeoutError, asyncio.CancelledError) as exc:
+                # The caller left: a job still queued leaves the queue and never runs; one the set has taken
+                # runs to the end (its ranks are in the forward together), then its replica is deleted.
+                self.supervisor.withdraw(job)
                 task.add_done_callback(lambda done: self._discard_when_done(done, store, job))
                 if isinstance(exc, asyncio.CancelledError):
                     raise

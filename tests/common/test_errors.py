@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import asyncio
+import logging
+import time
 
 import grpc
 import pytest
@@ -58,6 +60,40 @@ def test_service_errors_travel_as_their_grpc_status_and_come_back_as_the_same_ki
     assert received == [b"first"]
     assert streaming.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
     assert isinstance(error_from_rpc(streaming), errors.ResourceExhausted)
+
+
+def _register_late(server: grpc.aio.Server) -> None:
+    async def late(request: bytes, context) -> bytes:
+        # A busy node: its loop is held past the call's deadline, which gRPC has ended meanwhile.
+        time.sleep(context.time_remaining() + 0.05)
+        raise errors.DeadlineExceeded("prefill did not finish within the deadline")
+
+    server.add_generic_rpc_handlers(
+        [grpc.method_handlers_generic_handler(SERVICE, {"Late": grpc.unary_unary_rpc_method_handler(late)})]
+    )
+
+
+async def _late_call() -> grpc.StatusCode:
+    running = await start_server(_register_late, [SERVICE], ServerOptions(port=0))
+    try:
+        async with grpc.aio.insecure_channel(running.address) as channel:
+            with pytest.raises(grpc.aio.AioRpcError) as late:
+                await channel.unary_unary(f"/{SERVICE}/Late")(b"", timeout=0.5)
+            await asyncio.sleep(0.2)  # the servicer's side of the call ends
+        return late.value.code()
+    finally:
+        await running.stop(0)
+
+
+def test_an_error_raised_after_the_calls_deadline_is_logged_at_info_and_not_sent(caplog) -> None:
+    # gRPC has already answered DEADLINE_EXCEEDED; sending the error's status could only fail in gRPC's
+    # core, which logs an ERROR with two tracebacks.
+    caplog.set_level(logging.INFO)
+    assert asyncio.run(_late_call()) == grpc.StatusCode.DEADLINE_EXCEEDED
+    late = [record for record in caplog.records if record.name == "pcpstack.common.rpc_errors"]
+    assert [record.levelno for record in late] == [logging.INFO]
+    assert "prefill did not finish within the deadline" in late[0].getMessage()
+    assert [record.getMessage() for record in caplog.records if record.levelno >= logging.ERROR] == []
 
 
 def test_an_unknown_status_keeps_its_name() -> None:

@@ -14,7 +14,7 @@ from contextlib import aclosing
 
 import pytest
 
-from pcpstack.common.errors import InvalidArgument, ResourceExhausted, ServiceError
+from pcpstack.common.errors import FailedPrecondition, InvalidArgument, ResourceExhausted, ServiceError
 from pcpstack.common.ids import MAX_REQUEST_ID_CHARS
 from pcpstack.common.ports import free_port
 from pcpstack.decode.batcher import Batcher
@@ -22,6 +22,7 @@ from pcpstack.decode.pipeline import DecodeSettings, GenerateInput, GeneratePipe
 from pcpstack.decode.router import SetRouter
 from pcpstack.engine.engine import Engine
 from pcpstack.kvstore.client import KvStoreClient
+from pcpstack.kvstore.store import DEFAULT_MAX_LEASE_MS
 from pcpstack.registry.endpoints import PrefillEndpoint, Resolution
 from pcpstack.registry.resolver import Resolver
 from tests.decode.support import (
@@ -225,6 +226,20 @@ def test_request_level_failure_leaves_the_set_routable(stack, pipeline) -> None:
     # The router's view never refreshes here, so a set it had dropped would stay dropped.
     _, summary = stack.run(answer(pipeline, GenerateInput(TokenPrompt(prompt(10)), greedy(2))))
     assert summary.completion_tokens == 2
+
+
+@pytest.mark.slow
+def test_a_kv_lease_over_the_stores_cap_fails_as_this_workers_setting_not_the_clients(
+    stack, pipeline
+) -> None:
+    # The request's kv_lease_ms is the worker's --kv-lease-ms: the set refuses it, and the client can change
+    # nothing (FAILED_PRECONDITION naming the flag, not INVALID_ARGUMENT).
+    lease = DEFAULT_MAX_LEASE_MS + 1
+    pipeline.settings = dataclasses.replace(pipeline.settings, kv_lease_ms=lease)
+    with pytest.raises(FailedPrecondition) as info:
+        stack.run(answer(pipeline, GenerateInput(TokenPrompt(prompt(10)), greedy(2))))
+    assert str(info.value).startswith(f"this decode worker's --kv-lease-ms={lease} is too long")
+    assert f"cap of {DEFAULT_MAX_LEASE_MS} ms" in str(info.value)
 
 
 @pytest.mark.slow

@@ -34,6 +34,7 @@ def test_block_tokens_a_lookup_could_not_count_are_refused_at_put():
             assert await client.release(found.lease_id, found.capability, lease=True)
             stat = await client.stat()
             assert (stat.refused_puts, stat.prefix_leases) == (1, 0)
+            assert stat.max_lease_ms == DEFAULT_MAX_LEASE_MS  # what prefill checks a lease against
 
     asyncio.run(body())
 

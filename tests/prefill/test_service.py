@@ -1,8 +1,9 @@
 """The prefill service in real processes: registry, KV store and a PCP=2 prefill node on the tiny model.
 
 The replica the set pushes equals single-rank prefill, also when the set runs a prompt in chunks; concurrent
-requests queue without deadlock; bad requests, and a prompt above the set's KV capacity, are refused before
-any rank works; a prompt extending a stored one computes only its new tokens and its KV (cached prefix plus
+requests queue without deadlock; bad requests, a prompt above the set's KV capacity and a kv_lease_ms above
+the store's cap are refused before any rank works (a node whose own --kv-lease-ms is, at start-up); a
+prompt extending a stored one computes only its new tokens and its KV (cached prefix plus
 new object) equals single-rank prefill; one request's failure (a refused push) fails that request alone
 and the set serves the next; a dead rank makes requests fail fast with UNAVAILABLE, takes the set out of
 routing, and the set re-forms with a newer generation.
@@ -23,9 +24,11 @@ from pcpstack.common.channel import open_channel
 from pcpstack.engine.engine import Engine
 from pcpstack.kvstore.client import KvStoreClient
 from pcpstack.kvstore.prefix import segment_range
+from pcpstack.kvstore.store import DEFAULT_MAX_LEASE_MS
 from pcpstack.prefill.client import PrefillClient
 from pcpstack.prefill.replica import replica_owner
 from pcpstack.v1 import common_pb2, registry_pb2, registry_pb2_grpc
+from tests.common.test_startup import REGISTRY, refusal
 from tests.helpers import child_pids, start_stack
 
 BLOCK_SIZE = 128
@@ -216,6 +219,38 @@ def test_a_kvstore_address_the_registry_does_not_list_is_refused_naming_it(stack
         prefill_and_fetch(stack, "listed-store", prompt(5), kvstore_address=stack.stack.kvstore_address)
     )
     assert listed.kv.store_address == stack.stack.kvstore_address
+
+
+async def _store_stat(address: str):
+    async with KvStoreClient(address) as store:
+        return await store.stat()
+
+
+@pytest.mark.slow
+def test_a_kv_lease_over_the_stores_cap_is_refused_naming_kv_lease_ms_before_any_rank_works(stack) -> None:
+    store = stack.stack.kvstore_address
+    before = stack.run(_store_stat(store))
+    error = prefill_error(stack, "lease-over-cap", prompt(6), kv_lease_ms=DEFAULT_MAX_LEASE_MS + 1)
+    after = stack.run(_store_stat(store))
+    assert error.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert error.details().startswith(
+        f"kv_lease_ms={DEFAULT_MAX_LEASE_MS + 1} is refused by KV store {store}"
+    )
+    assert f"cap of {DEFAULT_MAX_LEASE_MS} ms" in error.details()
+    assert (after.bytes_in, after.refused_puts) == (before.bytes_in, before.refused_puts)
+    at_cap, _ = stack.run(
+        prefill_and_fetch(stack, "lease-at-cap", prompt(6), kv_lease_ms=DEFAULT_MAX_LEASE_MS)
+    )
+    assert at_cap.kv.num_tokens == 6
+
+
+@pytest.mark.slow
+def test_a_node_whose_kv_lease_its_store_refuses_is_refused_at_start_up(stack, child_env) -> None:
+    store, lease = stack.stack.kvstore_address, DEFAULT_MAX_LEASE_MS + 1
+    args = ["--kvstore", store, "--kv-lease-ms", str(lease), "--model", "tiny", "--port", "0"]
+    line = refusal(child_env, "prefill", "--registry", REGISTRY, "--log-level", "WARNING", *args)
+    assert f"--kv-lease-ms={lease} is refused by --kvstore {store}" in line
+    assert f"cap of {DEFAULT_MAX_LEASE_MS} ms" in line
 
 
 @pytest.mark.slow

@@ -1,0 +1,128 @@
+"""A prefill set with more work queued than its callers wait for, in real processes: registry, a 64 MiB KV
+store and a PCP=2 prefill set on the tiny model.
+
+A job whose caller left (its deadline passed) while it still waited in the set's queue leaves the queue and
+never runs, so the next caller waits for none of them and the store never takes their replicas: whether the
+caller is a direct Prefill client or a decode worker's request (whose Prefill call carries its deadline).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import Awaitable, Callable
+
+import grpc
+import pytest
+import torch
+
+from pcpstack.common.errors import DeadlineExceeded
+from pcpstack.decode.pipeline import GenerateInput, TokenPrompt
+from pcpstack.kvstore.client import KvStoreClient
+from pcpstack.prefill.client import PrefillClient
+from pcpstack.v1 import common_pb2
+from tests.decode.support import answer, close_pipeline, greedy, make_pipeline
+from tests.helpers import RunningStack, start_stack
+
+GREEDY = common_pb2.SamplingParams(max_tokens=1, temperature=0)
+# Each prompt runs alone in its forward (above batch.BATCH_TOKENS); the tiny model's KV takes 512 bytes a
+# token, so a replica is 2 MB and the store holds a burst's.
+PROMPT_TOKENS = 4000
+REPLICA_BYTES = PROMPT_TOKENS * 512
+STORE_BYTES = 64 << 20
+BURST = 12
+
+# A caller's attempt: (request id, prompt, timeout) -> whether it was answered (False: its deadline passed).
+Attempt = Callable[[str, list[int], float], Awaitable[bool]]
+
+
+@pytest.fixture(scope="module")
+def stack(tmp_path_factory):
+    running = start_stack(
+        tmp_path_factory.mktemp("abandoned-jobs"),
+        pcp=2,
+        decode=0,
+        model="tiny",
+        kv_capacity_bytes=STORE_BYTES,
+    )
+    yield running
+    running.stop()
+
+
+def prompt(seed: int) -> list[int]:
+    return torch.randint(0, 256, (PROMPT_TOKENS,), generator=torch.Generator().manual_seed(seed)).tolist()
+
+
+async def bytes_in(store_address: str) -> int:
+    async with KvStoreClient(store_address) as store:
+        return (await store.stat()).bytes_in
+
+
+async def burst(stack: RunningStack, attempt: Attempt, seed: int) -> tuple[int, int, int]:
+    """BURST attempts at once whose deadline passes while most of them still queue, then a fresh one with
+    time to spare. Returns how many of the burst were answered, the bytes the store took in from the burst's
+    start until the fresh one was answered (its replica included), and over the second after that."""
+    store = stack.stack.kvstore_address
+    assert await attempt(f"warm-{seed}", prompt(seed), 60)
+    started = time.monotonic()
+    assert await attempt(f"timed-{seed}", prompt(seed + 1), 60)
+    # Twice one prefill on an idle set: a couple are answered, the rest still queue at their deadline.
+    deadline_s = 2 * (time.monotonic() - started)
+    before = await bytes_in(store)
+    answered = await asyncio.gather(
+        *(attempt(f"left-{seed}-{k}", prompt(seed + 2 + k), deadline_s) for k in range(BURST))
+    )
+    assert await attempt(f"fresh-{seed}", prompt(seed + 2 + BURST), 60)
+    until_fresh = await bytes_in(store)
+    await asyncio.sleep(1.0)  # a job left in the queue would run meanwhile
+    return sum(answered), until_fresh - before, await bytes_in(store) - until_fresh
+
+
+def assert_left_jobs_never_ran(answered: int, until_fresh: int, after_fresh: int) -> None:
+    assert answered <= BURST // 2, "the burst's deadline left too few jobs queued to tell"
+    # The answered ones, one whose answer came back a moment after its deadline, the one in its forward
+    # when the deadline passed, and the fresh one: the fresh request was answered after none of the others
+    # (it queued behind all BURST of them before).
+    assert until_fresh <= (answered + 3) * REPLICA_BYTES
+    assert after_fresh == 0
+
+
+@pytest.mark.slow
+def test_prefills_whose_deadline_passed_in_the_queue_never_run_and_the_next_waits_for_none(stack) -> None:
+    async def run() -> tuple[int, int, int]:
+        client = PrefillClient(next(s.address for s in stack.stack.services if s.name == "prefill-0"))
+
+        async def attempt(request_id: str, ids: list[int], timeout: float) -> bool:
+            try:
+                reply = await client.prefill(request_id, ids, GREEDY, timeout=timeout)
+            except grpc.aio.AioRpcError as exc:
+                assert exc.code() == grpc.StatusCode.DEADLINE_EXCEEDED
+                return False
+            async with KvStoreClient(reply.kv.store_address) as store:
+                await store.release(reply.kv.key, reply.kv.capability)
+            return True
+
+        try:
+            return await burst(stack, attempt, 0)
+        finally:
+            await client.close()
+
+    assert_left_jobs_never_ran(*stack.run(run()))
+
+
+@pytest.mark.slow
+def test_generate_requests_whose_deadline_passed_during_prefill_leave_the_sets_queue(stack) -> None:
+    pipeline, resolver = make_pipeline(stack)
+
+    async def attempt(request_id: str, ids: list[int], timeout: float) -> bool:
+        request = GenerateInput(TokenPrompt(tuple(ids)), greedy(1), request_id=request_id, timeout_s=timeout)
+        try:
+            await answer(pipeline, request)
+        except DeadlineExceeded:
+            return False
+        return True
+
+    try:
+        assert_left_jobs_never_ran(*stack.run(burst(stack, attempt, 100)))
+    finally:
+        close_pipeline(stack, pipeline, resolver)
