@@ -13,6 +13,7 @@ import grpc
 
 from pcpstack.common import security as security_mod
 from pcpstack.common.server import DEFAULT_MAX_MESSAGE_BYTES
+from pcpstack.common.telemetry import client_interceptors
 
 DEFAULT_DEADLINE_SECONDS = 30.0
 # A peer that restarts (a KV store, a prefill node) is found again within two seconds: gRPC's own
@@ -87,9 +88,9 @@ def open_channel(
     """
     security = security if security is not None else security_mod.current()
     metadata = security.call_metadata()
-    interceptors = [
-        cls(default_deadline, metadata) for cls in (_UnaryUnary, _UnaryStream, _StreamUnary, _StreamStream)
-    ]
+    kinds = (_UnaryUnary, _UnaryStream, _StreamUnary, _StreamStream)
+    # Tracing outermost: its span covers the deadline and the metadata set here.
+    interceptors = [*client_interceptors(), *(cls(default_deadline, metadata) for cls in kinds)]
     options = [
         ("grpc.max_send_message_length", max_message_bytes),
         ("grpc.max_receive_message_length", max_message_bytes),

@@ -1,7 +1,7 @@
 """OpenTelemetry set-up shared by every process: traces, metrics and the gRPC instrumentation.
 
-`setup_telemetry` must run before any gRPC server or channel is created, because the gRPC
-instrumentation works by wrapping the constructors. Exporters:
+`setup_telemetry` must run before any gRPC server or channel is created: servers and channels take their
+tracing interceptors when they are made (server_interceptors, client_interceptors). Exporters:
 - OTLP (gRPC) when OTEL_EXPORTER_OTLP_ENDPOINT is set, the standard OpenTelemetry variable (metrics
   too unless OTEL_METRICS_EXPORTER=none);
 - a JSON-lines span file when PCPSTACK_TRACE_FILE is set, which tests use to collect the spans of
@@ -20,6 +20,7 @@ the gRPC instrumentation keep their OpenTelemetry names.
 
 from __future__ import annotations
 
+import asyncio
 import inspect
 import json
 import os
@@ -33,11 +34,12 @@ import grpc
 from opentelemetry import context as otel_context
 from opentelemetry import metrics, trace
 from opentelemetry.instrumentation.grpc import (
-    GrpcAioInstrumentorClient,
     GrpcInstrumentorClient,
+    aio_client_interceptors,
     aio_server_interceptor,
     filters,
 )
+from opentelemetry.instrumentation.grpc._aio_client import UnaryUnaryAioClientInterceptor
 from opentelemetry.sdk.metrics import MeterProvider
 from opentelemetry.sdk.metrics.export import MetricReader, PeriodicExportingMetricReader
 from opentelemetry.sdk.resources import Resource
@@ -70,7 +72,7 @@ METRICS_EXPORTER_ENV = "OTEL_METRICS_EXPORTER"
 _lock = threading.Lock()
 _service: str | None = None
 T = TypeVar("T")
-# Which calls a server traces (all but health checks and reflection); None until setup_telemetry.
+# Which calls a server or a channel traces (all but health checks and reflection); None until setup_telemetry.
 _server_filter = None
 
 
@@ -219,8 +221,9 @@ def setup_telemetry(
         not_noise = filters.negate(
             filters.any_of(filters.health_check(), filters.service_prefix("grpc.reflection"))
         )
-        _server_filter = not_noise  # servers trace through server_interceptors(), not a patched constructor
-        GrpcAioInstrumentorClient(filter_=not_noise).instrument()
+        # aio servers and channels trace through server_interceptors() and client_interceptors(), not
+        # patched constructors; the few blocking channels (grpc.health probes) keep the patch
+        _server_filter = not_noise
         GrpcInstrumentorClient(filter_=not_noise).instrument()
 
 
@@ -237,6 +240,49 @@ def server_interceptors() -> list[grpc.aio.ServerInterceptor]:
     if _server_filter is None:
         return []
     return [_StreamsClosedInTheirTask(), aio_server_interceptor(filter_=_server_filter)]
+
+
+def client_interceptors() -> list[grpc.aio.ClientInterceptor]:
+    """The interceptors that trace a channel's calls, outermost first ([] before setup_telemetry):
+    OpenTelemetry's, but for unary calls one that hands the call back at once (_CancellableUnary)."""
+    if _server_filter is None:
+        return []
+    unary, *streams = aio_client_interceptors(filter_=_server_filter)
+    return [_CancellableUnary(unary._tracer, filter_=_server_filter), *streams]
+
+
+_span_endings: set[asyncio.Task] = set()
+
+
+class _CancellableUnary(UnaryUnaryAioClientInterceptor):
+    """OpenTelemetry's client span of a unary call, ended when the call ends. OpenTelemetry's own waits for
+    the call's status inside the interceptor, and grpcio cancels an intercepted call only once its
+    interceptors have handed it back: a caller that left (decode's client hanging up on a queued prefill)
+    could not cancel the call, which ran on at the server."""
+
+    async def _wrap_unary_response(self, continuation, span):
+        try:
+            call = await continuation()
+        except BaseException as exc:
+            self.add_error_details_to_span(span, exc)
+            span.end()
+            raise
+        call.add_done_callback(lambda done: self._end_soon(span, done))
+        return call
+
+    def _end_soon(self, span: trace.Span, call: grpc.aio.Call) -> None:
+        ending = asyncio.ensure_future(self._end(span, call))
+        _span_endings.add(ending)  # a task nobody holds may be collected before it runs
+        ending.add_done_callback(_span_endings.discard)
+
+    async def _end(self, span: trace.Span, call: grpc.aio.Call) -> None:
+        try:
+            code, details = await call.code(), await call.details()  # the call is over: at once
+            span.set_attribute("rpc.grpc.status_code", code.value[0])
+            if code != grpc.StatusCode.OK:
+                span.set_status(trace.Status(trace.StatusCode.ERROR, details))
+        finally:
+            span.end()
 
 
 class _StreamsClosedInTheirTask(grpc.aio.ServerInterceptor):

@@ -525,8 +525,9 @@ class GeneratePipeline:
         remaining: float,
         cache_salt: str = "",
     ) -> prefill_pb2.PrefillResponse:
-        """One Prefill call pushing to `store` ("": the set's default); if the caller leaves first, the call
-        runs on and its replica is released."""
+        """One Prefill call pushing to `store` ("": the set's default). If the caller leaves first, the call
+        is cancelled: the set drops the job if it still queues, or deletes its replica after the forward;
+        an answer already on its way names a replica that this worker releases."""
         set_id, address = chosen.set_id, chosen.address
         client = self._prefill_clients.get(address)
         if client is None:
@@ -549,7 +550,9 @@ class GeneratePipeline:
         try:
             return await asyncio.shield(call)
         except asyncio.CancelledError:
-            # The set has the request; its answer names a replica that only this worker can release.
+            # Nobody will read the answer: under load, a set kept busy with such jobs is what makes callers
+            # give up. A call that has its answer already cannot be cancelled; its replica is released.
+            call.cancel()
             call.add_done_callback(self._release_abandoned)
             raise
 

@@ -117,12 +117,11 @@ def test_cancel_while_the_set_prefills_leaves_nothing_pinned(stack, pipeline) ->
         with pytest.raises(asyncio.CancelledError):
             await task
 
-    stored = stack.run(bytes_stored(stack.stack.kvstore_address))
     stack.run(cancel_during_prefill())
+    # The Prefill call is cancelled with its caller: the set drops the job if it still queued, or deletes
+    # its replica after the forward (tests/prefill/test_abandoned_jobs.py); either way nothing stays pinned.
     assert stack.run(prefills_answered(pipeline))
     assert stack.run(pinned_bytes(stack.stack.kvstore_address)) == 0
-    # The set did store the replica: it was released, not lost before it existed.
-    assert stack.run(bytes_stored(stack.stack.kvstore_address)) > stored
 
 
 class CancelsAsTheSetAnswers(SetRouter):

@@ -1,9 +1,11 @@
 """A prefill set with more work queued than its callers wait for, in real processes: registry, a 64 MiB KV
-store and a PCP=2 prefill set on the tiny model.
+store, a PCP=2 prefill set on the tiny model and a decode worker.
 
-A job whose caller left (its deadline passed) while it still waited in the set's queue leaves the queue and
-never runs, so the next caller waits for none of them and the store never takes their replicas: whether the
-caller is a direct Prefill client or a decode worker's request (whose Prefill call carries its deadline).
+A job whose caller left (its deadline passed, or it hung up) while it still waited in the set's queue
+leaves the queue and never runs, so the next caller waits for none of them and the store never takes their
+replicas: whether the caller is a direct Prefill client, a decode worker's request (whose Prefill call
+carries its deadline) or a client of a decode worker that hangs up without a deadline (the worker cancels
+its Prefill call, through the tracing a service's channels carry).
 """
 
 from __future__ import annotations
@@ -17,6 +19,7 @@ import pytest
 import torch
 
 from pcpstack.common.errors import DeadlineExceeded
+from pcpstack.decode.client import DecodeClient, build_request
 from pcpstack.decode.pipeline import GenerateInput, TokenPrompt
 from pcpstack.kvstore.client import KvStoreClient
 from pcpstack.prefill.client import PrefillClient
@@ -41,7 +44,7 @@ def stack(tmp_path_factory):
     running = start_stack(
         tmp_path_factory.mktemp("abandoned-jobs"),
         pcp=2,
-        decode=0,
+        decode=1,
         model="tiny",
         kv_capacity_bytes=STORE_BYTES,
     )
@@ -126,3 +129,24 @@ def test_generate_requests_whose_deadline_passed_during_prefill_leave_the_sets_q
         assert_left_jobs_never_ran(*stack.run(burst(stack, attempt, 100)))
     finally:
         close_pipeline(stack, pipeline, resolver)
+
+
+@pytest.mark.slow
+def test_a_decode_workers_clients_that_hang_up_take_their_queued_prefills_with_them(stack) -> None:
+    async def run() -> tuple[int, int, int]:
+        client = DecodeClient(stack.decode)
+
+        async def attempt(request_id: str, ids: list[int], wait_s: float) -> bool:
+            request = build_request(ids, request_id=request_id, max_tokens=1, ignore_eos=True)
+            try:  # the call's own deadline is far off: the client gives up and hangs up after wait_s
+                await asyncio.wait_for(client.generate(request, timeout=60), wait_s)
+            except TimeoutError:
+                return False
+            return True
+
+        try:
+            return await burst(stack, attempt, 200)
+        finally:
+            await client.close()
+
+    assert_left_jobs_never_ran(*stack.run(run()))
