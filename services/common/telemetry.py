@@ -222,7 +222,7 @@ def setup_telemetry(
             filters.any_of(filters.health_check(), filters.service_prefix("grpc.reflection"))
         )
         # aio servers and channels trace through server_interceptors() and client_interceptors(), not
-        # patched constructors; the few blocking channels (grpc.health probes) keep the patch
+        # patched constructors; blocking channels (none of pcpstack's own) keep OpenTelemetry's patch
         _server_filter = not_noise
         GrpcInstrumentorClient(filter_=not_noise).instrument()
 
