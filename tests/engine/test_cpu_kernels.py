@@ -35,7 +35,8 @@ def _dense(tensor: gguf.ReaderTensor) -> torch.Tensor:
     ("name", "kind"),
     [("blk.3.ffn_down.weight", "q4_1"), ("blk.5.attn_q.weight", "q4_1"), ("token_embd.weight", "q8_0")],
 )
-@pytest.mark.parametrize("rows", [1, 3, 8, 11, 16])
+# 35 rows: the 1,536-wide weight is dequantized once for all the row tiles, the last one short.
+@pytest.mark.parametrize("rows", [1, 3, 8, 11, 16, 35])
 def test_block_matmul_equals_dense_matmul_of_dequantized_weight(gguf_tensors, name, kind, rows):
     tensor = gguf_tensors[name]
     blocks = quant.from_gguf(tensor.data, tensor.tensor_type.name)
@@ -83,7 +84,8 @@ def _q6_k_case(rows: int, cols: int) -> tuple[quant.BlockWeight, torch.Tensor]:
 
 def test_kernels_built_for_avx2_only_cpus_equal_the_dense_matmul(gguf_tensors, haswell_kernels):
     """The AVX2 code must give the dense results for every block kind, on whole tiles and on the rows left
-    over, with weight rows dequantized once for a batch's row tiles (576 wide) or in every tile (1,536)."""
+    over, with weight rows dequantized once for a batch's row tiles (576 wide; 1,536 wide from 16 rows, four
+    4-row tiles, on) or in every tile (1,536 wide, fewer rows)."""
     lib = haswell_kernels
     gguf_names = ("blk.3.ffn_down.weight", "blk.5.attn_q.weight", "token_embd.weight")
     for name in (*gguf_names, "q6_k 512", "q6_k 1536"):
@@ -96,7 +98,7 @@ def test_kernels_built_for_avx2_only_cpus_equal_the_dense_matmul(gguf_tensors, h
         if name == "token_embd.weight":  # the whole vocabulary is slow to compare densely
             dense = dense[:4096]
             blocks = quant.BlockWeight(blocks.kind, blocks.qs[:4096], blocks.scale[:4096], None)
-        for rows in (1, 2, 3, 4, 7, 16):
+        for rows in (1, 2, 3, 4, 7, 16, 19):
             x = torch.randn(rows, dense.shape[1], generator=torch.Generator().manual_seed(rows))
             out = cpu_kernels.block_matmul(lib, blocks.kind, x, blocks.qs, blocks.scale, blocks.minimum)
             torch.testing.assert_close(out, x @ dense.T, atol=1e-4, rtol=1e-5)
