@@ -46,6 +46,13 @@ CPU_KERNELS_CHOICES = {
     "0": "never use them",
     "1": "use them without the speed check",
 }
+# PCPSTACK_DENSE_MATMUL, read by engine/dense.py: which library runs the fp32 dense matmuls of prefill.
+DENSE_MATMUL_ENV = "PCPSTACK_DENSE_MATMUL"
+DENSE_MATMUL_CHOICES = {
+    "": "the faster of torch's and oneDNN's on this CPU",
+    "torch": "always torch's own (MKL's sgemm)",
+    "onednn": "always oneDNN's",
+}
 # PCPSTACK_COPY_CRC, read by kvstore/copy_crc.py wherever KV is copied (the store, prefill, decode):
 # refused at their start-up rather than at the first copy.
 COPY_CRC_ENV = "PCPSTACK_COPY_CRC"

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import hashlib
 import os
+import platform
 import shutil
 import subprocess
 import tempfile
@@ -21,6 +22,17 @@ CACHE_ENV = "PCPSTACK_KERNEL_CACHE"
 def compiler() -> str | None:
     """The C compiler: $CC, else gcc, else cc; None when there is none."""
     return os.environ.get("CC") or shutil.which("gcc") or shutil.which("cc")
+
+
+def cpu_flags() -> str:
+    """The CPU's flags line from /proc/cpuinfo (what it can run), else the platform's processor name: part
+    of the cache keys of whatever is built or measured for this CPU."""
+    cpuinfo = Path("/proc/cpuinfo")
+    if cpuinfo.exists():
+        for line in cpuinfo.read_text().splitlines():
+            if line.startswith("flags"):
+                return line
+    return platform.processor()
 
 
 def cache_dir() -> Path:

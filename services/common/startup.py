@@ -31,6 +31,8 @@ from pcpstack.common.config import (
     COPY_CRC_ENV,
     CPU_KERNELS_CHOICES,
     CPU_KERNELS_ENV,
+    DENSE_MATMUL_CHOICES,
+    DENSE_MATMUL_ENV,
     DEVICE_KINDS,
     ROLE_SECTIONS,
     ConfigError,
@@ -200,6 +202,7 @@ class NodeConfig(ListenConfig):
             raise ConfigError.broken("--device", self.device, f"must be one of {', '.join(DEVICE_KINDS)}")
         # Read by the engine and the KV copies, in rank processes too: refused here, before any starts.
         env_choice(CPU_KERNELS_ENV, CPU_KERNELS_CHOICES)
+        env_choice(DENSE_MATMUL_ENV, DENSE_MATMUL_CHOICES)
         env_choice(COPY_CRC_ENV, COPY_CRC_CHOICES)
         # Settings the config rules accept (`pcpstack config check` validates the seeds' shapes) but no
         # service acts on yet: refused here rather than accepted and silently ignored.

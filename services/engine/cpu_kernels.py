@@ -112,22 +112,13 @@ class DecodeModelWeightsC(ctypes.Structure):
     ]
 
 
-def _cpu_flags() -> str:
-    cpuinfo = Path("/proc/cpuinfo")
-    if cpuinfo.exists():
-        for line in cpuinfo.read_text().splitlines():
-            if line.startswith("flags"):
-                return line
-    return platform.processor()
-
-
 def _flags() -> tuple[str, ...]:
     arch = os.environ.get(ARCH_ENV) or "native"
     return ("-O3", f"-march={arch}", "-fopenmp", "-fno-math-errno", "-shared", "-fPIC")
 
 
 def _library_path(compiler: str) -> Path:
-    return native.library_path(compiler, SOURCE, _flags() + LIBS, platform.machine(), _cpu_flags())
+    return native.library_path(compiler, SOURCE, _flags() + LIBS, platform.machine(), native.cpu_flags())
 
 
 def enable_setting() -> str:

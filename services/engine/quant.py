@@ -30,7 +30,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from pcpstack.engine import cpu_kernels
+from pcpstack.engine import cpu_kernels, dense
 
 BLOCK = 32
 # The GGUF types `from_gguf` holds in blocks.
@@ -413,4 +413,4 @@ def project(
         if blocks is None:
             raise ValueError("project: neither a dense weight nor blocks")
         weight = dequantized() if dequantized is not None else blocks.dequantize()
-    return torch.nn.functional.linear(x, weight.to(x.dtype))
+    return dense.linear(x, weight.to(x.dtype))

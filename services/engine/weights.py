@@ -41,7 +41,7 @@ import torch
 import torch.distributed as dist
 
 from pcpstack.common.models import resolve_model
-from pcpstack.engine import cpu_kernels
+from pcpstack.engine import cpu_kernels, dense
 from pcpstack.engine.config import ModelArgs
 from pcpstack.engine.device import default_dtype, pick_device
 from pcpstack.engine.families import family_of_config, family_of_gguf
@@ -164,6 +164,8 @@ def load_model(
         keep_16bit=form != DENSE,
         keep_dequantized=form == CACHED,
     )
+    if device.type == "cpu" and dtype == torch.float32:
+        dense.use_onednn()  # decided now (timed once per machine), not in the first request's prefill
     log.info("model %s loaded in %.1f s", name, time.monotonic() - started, extra=PROGRESS)
     return LoadedModel(model, local_args, tokenizer, model_id, device, dtype, args, shard)
 

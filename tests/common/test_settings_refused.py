@@ -1,7 +1,7 @@
 """Settings that once were accepted and then ignored are refused, naming the key or variable, the value and
 the rule: num_kv_heads in an engine_config (the model decides it), master_port on a decode instance (its
-ranks pick a free port), and PCPSTACK_LOG_FORMAT, PCPSTACK_CPU_KERNELS or PCPSTACK_COPY_CRC values no code
-reads."""
+ranks pick a free port), and PCPSTACK_LOG_FORMAT, PCPSTACK_CPU_KERNELS, PCPSTACK_DENSE_MATMUL or
+PCPSTACK_COPY_CRC values no code reads."""
 
 from __future__ import annotations
 
@@ -18,6 +18,7 @@ from pcpstack.common.config import (
     COPY_CRC_ENV,
     CPU_KERNELS_CHOICES,
     CPU_KERNELS_ENV,
+    DENSE_MATMUL_ENV,
     ConfigError,
     EngineConfig,
     env_choice,
@@ -185,6 +186,15 @@ def test_a_model_node_refuses_an_unknown_cpu_kernels_value_before_any_rank_start
     line = refusal(child_env, service, "--registry", REGISTRY, env={CPU_KERNELS_ENV: "yes"})
     assert "PCPSTACK_CPU_KERNELS='yes'" in line
     assert all(f"{value} (" in line for value in ("unset", "0", "1"))
+
+
+@pytest.mark.parametrize("service", ["decode", "prefill"])
+def test_a_model_node_refuses_an_unknown_dense_matmul_value_before_any_rank_starts(
+    child_env, service: str
+) -> None:
+    line = refusal(child_env, service, "--registry", REGISTRY, env={DENSE_MATMUL_ENV: "mkl"})
+    assert "PCPSTACK_DENSE_MATMUL='mkl'" in line
+    assert all(f"{value} (" in line for value in ("unset", "torch", "onednn"))
 
 
 @pytest.mark.parametrize("service", ["decode", "prefill", "kvstore"])

@@ -11,7 +11,9 @@ from tests.engine.conftest import engine_logits, hf_logits
 
 pytestmark = pytest.mark.slow
 
-ATOL = 1e-4
+# Logits run to about 30 and K/V to about 20 here: fp32 sums of them in another order (HF's matmuls are MKL's,
+# ours oneDNN's where that is faster, engine/dense.py; chunks change the order too) differ by up to ~2e-4.
+ATOL = 2e-4
 TEXTS = [
     "The capital of France is",
     "def fibonacci(n):\n    if n < 2:\n        return n\n",
