@@ -8,6 +8,8 @@ there is no home directory)."""
 from __future__ import annotations
 
 import hashlib
+import json
+import logging
 import os
 import platform
 import shutil
@@ -17,6 +19,8 @@ from collections.abc import Sequence
 from pathlib import Path
 
 CACHE_ENV = "PCPSTACK_KERNEL_CACHE"
+
+log = logging.getLogger(__name__)
 
 
 def compiler() -> str | None:
@@ -73,3 +77,25 @@ def build(
         partial.replace(target)
     finally:
         partial.unlink(missing_ok=True)
+
+
+def kept_verdict(path: Path, min_speedup: float) -> dict | None:
+    """A speed verdict kept at `path` (keep_verdict) if it was judged by the same `min_speedup`, else None."""
+    try:
+        verdict = json.loads(path.read_text())
+    except (OSError, ValueError):
+        return None
+    return verdict if verdict.get("min_speedup") == min_speedup else None
+
+
+def keep_verdict(path: Path, verdict: dict) -> None:
+    """Writes a speed verdict for every later process on the machine: atomically (processes starting together
+    may both measure; either answer stands), and not at all where the cache is read-only (measured again
+    next time)."""
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        with tempfile.NamedTemporaryFile("w", dir=path.parent, suffix=".json", delete=False) as tmp:
+            json.dump(verdict, tmp)
+        Path(tmp.name).replace(path)
+    except OSError as error:
+        log.debug("could not keep the verdict in %s: %s", path, error)

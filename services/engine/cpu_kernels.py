@@ -18,12 +18,10 @@ summation order.
 
 import ctypes
 import functools
-import json
 import logging
 import os
 import platform
 import subprocess
-import tempfile
 import time
 from pathlib import Path
 
@@ -180,12 +178,9 @@ def _verdict(lib: ctypes.CDLL) -> dict:
     and written there (atomically: processes starting together may both measure; either answer stands)."""
     min_speedup = float(os.environ.get(MIN_SPEEDUP_ENV) or 1.0)
     path = Path(f"{lib._pcpstack_path}.speed.json")  # type: ignore[attr-defined]
-    try:
-        verdict = json.loads(path.read_text())
-        if verdict.get("min_speedup") == min_speedup:
-            return verdict
-    except (OSError, ValueError):
-        pass
+    kept = native.kept_verdict(path, min_speedup)
+    if kept is not None:
+        return kept
     kernel_us, dense_us = measure_against_dense(lib)
     if dense_us < kernel_us * min_speedup:
         # A loss is kept for good: only one that a second measurement confirms (a moment of contention on
@@ -200,12 +195,7 @@ def _verdict(lib: ctypes.CDLL) -> dict:
         "threads": 1,
     }
     log.info("CPU kernels: block matmul %.0f us against dense fp32 %.0f us", kernel_us, dense_us)
-    try:
-        with tempfile.NamedTemporaryFile("w", dir=path.parent, suffix=".json", delete=False) as tmp:
-            json.dump(verdict, tmp)
-        Path(tmp.name).replace(path)
-    except OSError as error:  # a read-only cache: measure again next time
-        log.debug("could not keep the kernel verdict in %s: %s", path, error)
+    native.keep_verdict(path, verdict)
     return verdict
 
 

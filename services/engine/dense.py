@@ -16,9 +16,7 @@ from __future__ import annotations
 
 import functools
 import hashlib
-import json
 import logging
-import tempfile
 import time
 from pathlib import Path
 
@@ -94,12 +92,9 @@ def _verdict() -> dict:
     """Whether oneDNN beats torch's own matmul here: read from the cache, else measured once and written
     there (atomically: processes starting together may both measure; either answer stands)."""
     path = _verdict_path()
-    try:
-        verdict = json.loads(path.read_text())
-        if verdict.get("min_speedup") == MIN_SPEEDUP:
-            return verdict
-    except (OSError, ValueError):
-        pass
+    kept = native.kept_verdict(path, MIN_SPEEDUP)
+    if kept is not None:
+        return kept
     torch_s, onednn_s, agree = measure()
     verdict = {
         "use_onednn": agree and torch_s >= onednn_s * MIN_SPEEDUP,
@@ -111,13 +106,7 @@ def _verdict() -> dict:
     }
     if not agree:
         log.warning("oneDNN's matmul disagrees with torch's here: dense matmuls stay on torch's")
-    try:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        with tempfile.NamedTemporaryFile("w", dir=path.parent, suffix=".json", delete=False) as tmp:
-            json.dump(verdict, tmp)
-        Path(tmp.name).replace(path)
-    except OSError as error:  # a read-only cache: measure again next time
-        log.debug("could not keep the dense matmul verdict in %s: %s", path, error)
+    native.keep_verdict(path, verdict)
     return verdict
 
 

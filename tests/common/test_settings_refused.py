@@ -180,21 +180,17 @@ def test_an_unknown_cpu_kernels_value_is_refused(monkeypatch, value: str) -> Non
 
 
 @pytest.mark.parametrize("service", ["decode", "prefill"])
-def test_a_model_node_refuses_an_unknown_cpu_kernels_value_before_any_rank_starts(
-    child_env, service: str
+@pytest.mark.parametrize(
+    ("variable", "value", "takes"),
+    [(CPU_KERNELS_ENV, "yes", ("unset", "0", "1")), (DENSE_MATMUL_ENV, "mkl", ("unset", "torch", "onednn"))],
+)
+def test_a_model_node_refuses_an_unknown_engine_setting_before_any_rank_starts(
+    child_env, service: str, variable: str, value: str, takes: tuple[str, ...]
 ) -> None:
-    line = refusal(child_env, service, "--registry", REGISTRY, env={CPU_KERNELS_ENV: "yes"})
-    assert "PCPSTACK_CPU_KERNELS='yes'" in line
-    assert all(f"{value} (" in line for value in ("unset", "0", "1"))
-
-
-@pytest.mark.parametrize("service", ["decode", "prefill"])
-def test_a_model_node_refuses_an_unknown_dense_matmul_value_before_any_rank_starts(
-    child_env, service: str
-) -> None:
-    line = refusal(child_env, service, "--registry", REGISTRY, env={DENSE_MATMUL_ENV: "mkl"})
-    assert "PCPSTACK_DENSE_MATMUL='mkl'" in line
-    assert all(f"{value} (" in line for value in ("unset", "torch", "onednn"))
+    """Read by the engine in every rank process: a bad value must stop the node before any starts."""
+    line = refusal(child_env, service, "--registry", REGISTRY, env={variable: value})
+    assert f"{variable}='{value}'" in line
+    assert all(f"{choice} (" in line for choice in takes)
 
 
 @pytest.mark.parametrize("service", ["decode", "prefill", "kvstore"])
