@@ -1,5 +1,6 @@
 """Building the project's C sources on first use: one cache folder, a cache key per source, flags and
-compiler, and a build that never lets another process load a half-written library. Torch-free, so the KV
+compiler, and a build that never lets another process load a half-written library; beside the libraries,
+the speed verdicts that decide which code a machine runs (kept_verdict, keep_verdict). Torch-free, so the KV
 store's copy (kvstore/copy_crc.c) and the engine's kernels (engine/cpu_kernels.c) share it.
 
 The cache is `~/.cache/pcpstack/kernels`, or $PCPSTACK_KERNEL_CACHE (a temporary folder of the user's when

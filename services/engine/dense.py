@@ -3,9 +3,11 @@
 PyTorch's CPU matmul is MKL's sgemm, and MKL runs its AVX2 code on AMD CPUs even where they have AVX-512:
 on an AMD EPYC with AVX-512 it reached 95-100 GFLOP/s a core against 205-220 for oneDNN's matmul, which
 torch ships too and which picks its code by the CPU's instruction sets (a 2,048-token prefill on one thread:
-7.1-7.5 s against 4.8-5.4 s). Neither wins everywhere, so the engine takes whichever is faster here: at the
-first dense matmul both are timed on a prefill-shaped product, and the verdict is kept in the kernel cache
-under a key of torch's version and the CPU's flags, so every process on the machine makes the same choice.
+7.1-7.5 s against 4.8-5.4 s). Neither wins everywhere, so the engine takes whichever is faster here: when it
+first loads a model for fp32 on the CPU, both are timed on a prefill-shaped product, and the verdict is kept
+in the kernel cache under a key of torch's version and the CPU's flags, so every process on the machine
+makes the same choice. oneDNN builds code for each new shape it meets (1-4 ms, once per prompt length and
+projection shape in a process), well under what it saves on any prompt long enough to take this path.
 
 PCPSTACK_DENSE_MATMUL: unset (default) picks the faster; `torch` always PyTorch's own; `onednn` always
 oneDNN's (a ConfigError when the engine loads where this torch has none). Both compute in fp32 and give the
