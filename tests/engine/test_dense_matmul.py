@@ -112,12 +112,19 @@ def test_onednn_forced_where_torch_lacks_it_is_refused_when_the_model_loads(fres
 @needs_onednn
 def test_prefill_logits_are_the_same_on_either_library(fresh) -> None:
     ids = torch.randint(3, 256, (300,), generator=torch.Generator().manual_seed(1)).tolist()
-    logits = {}
+    logits, onednn_calls = {}, []
+    real = dense._onednn
+    fresh.setattr(dense, "_onednn", lambda x, weight: onednn_calls.append(x.shape) or real(x, weight))
     for choice in ("torch", "onednn"):
         fresh.setenv(dense.DENSE_MATMUL_ENV, choice)
         dense.use_onednn.cache_clear()
         engine = Engine.load("tiny")
         assert dense.use_onednn() is (choice == "onednn")
+        onednn_calls.clear()
         logits[choice] = engine.prefill("s", ids)
+        # The chosen library, and only it, took the prompt's projections (all 300 rows) and the last
+        # token's logits.
+        expected = {len(ids), 1} if choice == "onednn" else set()
+        assert {shape[0] for shape in onednn_calls} == expected
     torch.testing.assert_close(logits["onednn"], logits["torch"], rtol=1e-4, atol=1e-4)
     assert logits["onednn"].argmax() == logits["torch"].argmax()
