@@ -1,12 +1,14 @@
 """The run-wise causal kernel (attention.attend_runs) against dense masked attention: queries in runs of
 consecutive positions, cut into diagonal blocks, attend to a whole prompt's K/V exactly as one masked
-softmax over every key at or before each query would."""
+softmax over every key at or before each query would, on either library's products (engine.dense): torch's
+flash kernel, or from ONEDNN_MIN_KEYS keys on oneDNN's matmuls."""
 
 import pytest
 import torch
 import torch.nn.functional as F
 
-from pcpstack.engine.attention import DIAGONAL_BLOCK, attend_runs, position_runs
+from pcpstack.engine import attention, dense
+from pcpstack.engine.attention import DIAGONAL_BLOCK, ONEDNN_BLOCK, attend_runs, position_runs
 from pcpstack.prefill.split import DualChunkSplit
 
 ATOL = 1e-5
@@ -26,6 +28,18 @@ def dense_reference(
     return out.transpose(0, 1).reshape(len(positions), N_HEADS * HEAD_DIM)
 
 
+@pytest.fixture(params=["torch", "onednn"])
+def library(request, monkeypatch):
+    """PCPSTACK_DENSE_MATMUL set to each library in turn (oneDNN only where this torch has it)."""
+    if request.param == "onednn" and not dense.onednn_available():
+        pytest.skip("this torch build has no oneDNN")
+    monkeypatch.setenv(dense.DENSE_MATMUL_ENV, request.param)
+    dense.use_onednn.cache_clear()
+    yield request.param
+    monkeypatch.undo()
+    dense.use_onednn.cache_clear()
+
+
 def random_qkv(context: int, positions: list[int]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     generator = torch.Generator().manual_seed(context)
     q = torch.randn(len(positions), N_HEADS, HEAD_DIM, generator=generator)
@@ -34,9 +48,9 @@ def random_qkv(context: int, positions: list[int]) -> tuple[torch.Tensor, torch.
     return q, k, v
 
 
-@pytest.mark.parametrize("block", [7, 64, DIAGONAL_BLOCK])
+@pytest.mark.parametrize("block", [7, 64, None])
 @pytest.mark.parametrize("context", [1, 5, 300, 601])
-def test_a_whole_prompt_in_blocks_equals_masked_attention(context: int, block: int) -> None:
+def test_a_whole_prompt_in_blocks_equals_masked_attention(library, context: int, block: int | None) -> None:
     positions = list(range(context))
     q, k, v = random_qkv(context, positions)
     got = attend_runs(q, k, v, [(0, context)], N_HEADS // N_KV_HEADS, block=block)
@@ -45,7 +59,7 @@ def test_a_whole_prompt_in_blocks_equals_masked_attention(context: int, block: i
 
 @pytest.mark.parametrize("pcp", [2, 3])
 @pytest.mark.parametrize("context", [3, 17, 777, 1031])
-def test_each_dual_chunk_share_equals_masked_attention(context: int, pcp: int) -> None:
+def test_each_dual_chunk_share_equals_masked_attention(library, context: int, pcp: int) -> None:
     split = DualChunkSplit(context, pcp)
     for rank in range(pcp):
         positions = split.positions(rank)
@@ -57,10 +71,26 @@ def test_each_dual_chunk_share_equals_masked_attention(context: int, pcp: int) -
         torch.testing.assert_close(got, want, atol=ATOL, rtol=0)
 
 
-def test_block_size_changes_the_result_only_by_rounding() -> None:
+def test_block_size_changes_the_result_only_by_rounding(library) -> None:
     context = 700
     q, k, v = random_qkv(context, list(range(context)))
     one_block = attend_runs(q, k, v, [(0, context)], N_HEADS // N_KV_HEADS, block=context)
-    for block in (100, DIAGONAL_BLOCK):
+    for block in (100, DIAGONAL_BLOCK, ONEDNN_BLOCK):
         blocked = attend_runs(q, k, v, [(0, context)], N_HEADS // N_KV_HEADS, block=block)
         torch.testing.assert_close(blocked, one_block, atol=ATOL, rtol=0)
+
+
+def test_long_contexts_take_onednn_only_where_chosen(library, monkeypatch) -> None:
+    """From ONEDNN_MIN_KEYS keys, oneDNN's products take each block of queries (both products, every K/V
+    head) when the dense products run there; shorter contexts, and the torch setting, never reach it."""
+    calls = []
+    real = dense.onednn_linear
+    monkeypatch.setattr(dense, "onednn_linear", lambda x, weight: calls.append(x.shape) or real(x, weight))
+    for context in (attention.ONEDNN_MIN_KEYS - 1, attention.ONEDNN_MIN_KEYS + 10):
+        calls.clear()
+        q, k, v = random_qkv(context, list(range(context)))
+        got = attend_runs(q, k, v, [(0, context)], N_HEADS // N_KV_HEADS)
+        torch.testing.assert_close(got, dense_reference(q, k, v, torch.arange(context)), atol=ATOL, rtol=0)
+        blocks = -(-context // ONEDNN_BLOCK)
+        long_on_onednn = library == "onednn" and context >= attention.ONEDNN_MIN_KEYS
+        assert len(calls) == (2 * N_KV_HEADS * blocks if long_on_onednn else 0)

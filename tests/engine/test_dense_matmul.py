@@ -11,7 +11,7 @@ import torch
 
 from pcpstack.common import native
 from pcpstack.common.config import ConfigError
-from pcpstack.engine import dense
+from pcpstack.engine import attention, dense
 from pcpstack.engine.engine import Engine
 
 needs_onednn = pytest.mark.skipif(not dense.onednn_available(), reason="this torch build has no oneDNN")
@@ -111,10 +111,10 @@ def test_onednn_forced_where_torch_lacks_it_is_refused_when_the_model_loads(fres
 
 @needs_onednn
 def test_prefill_logits_are_the_same_on_either_library(fresh) -> None:
-    ids = torch.randint(3, 256, (300,), generator=torch.Generator().manual_seed(1)).tolist()
+    ids = torch.randint(3, 256, (700,), generator=torch.Generator().manual_seed(1)).tolist()
     logits, onednn_calls = {}, []
-    real = dense._onednn
-    fresh.setattr(dense, "_onednn", lambda x, weight: onednn_calls.append(x.shape) or real(x, weight))
+    real = dense.onednn_linear
+    fresh.setattr(dense, "onednn_linear", lambda x, weight: onednn_calls.append(x.shape) or real(x, weight))
     for choice in ("torch", "onednn"):
         fresh.setenv(dense.DENSE_MATMUL_ENV, choice)
         dense.use_onednn.cache_clear()
@@ -122,9 +122,10 @@ def test_prefill_logits_are_the_same_on_either_library(fresh) -> None:
         assert dense.use_onednn() is (choice == "onednn")
         onednn_calls.clear()
         logits[choice] = engine.prefill("s", ids)
-        # The chosen library, and only it, took the prompt's projections (all 300 rows) and the last
-        # token's logits.
-        expected = {len(ids), 1} if choice == "onednn" else set()
+        # The chosen library, and only it, took the prompt's projections (all 700 rows), the last token's
+        # logits, and attention's products: the tiny model's 2 query heads a K/V head times a block of
+        # 128 queries, and of the last 60.
+        expected = {len(ids), 1, 2 * attention.ONEDNN_BLOCK, 2 * 60} if choice == "onednn" else set()
         assert {shape[0] for shape in onednn_calls} == expected
     torch.testing.assert_close(logits["onednn"], logits["torch"], rtol=1e-4, atol=1e-4)
     assert logits["onednn"].argmax() == logits["torch"].argmax()
