@@ -323,12 +323,13 @@ def _attend_block_onednn(
     length, n_heads, head_dim = q.shape
     n_kv_heads = keys.shape[0]
     grouped = (q * head_dim**-0.5).view(length, n_kv_heads, q_per_kv, head_dim).permute(1, 2, 0, 3)
-    future = torch.ones(length, length, dtype=torch.bool).triu_(1)
+    # -inf above the diagonal square's diagonal, added (a masked_fill of the strided slice was 7x as slow).
+    future = torch.full((length, length), float("-inf")).triu_(1)
     out = q.new_empty(length, n_kv_heads, q_per_kv, head_dim)
     for head in range(n_kv_heads):
         rows = grouped[head].reshape(q_per_kv * length, head_dim)
         scores = dense.onednn_linear(rows, keys[head, :end]).view(q_per_kv, length, end)
-        scores[:, :, start:].masked_fill_(future, float("-inf"))
+        scores[:, :, start:].add_(future)
         probs = torch.softmax(scores, dim=-1).view(q_per_kv * length, end)
         mixed = dense.onednn_linear(probs, values[head, :, :end].contiguous())  # [q_per_kv * L, D]
         out[:, head] = mixed.view(q_per_kv, length, head_dim).transpose(0, 1)
