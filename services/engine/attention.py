@@ -270,22 +270,28 @@ def attend_runs(
     weights. Unlike a masked kernel this skips the masked-out work, which is what gives context-parallel
     ranks their share of the causal saving. Where the dense products run on oneDNN (engine.dense) and the
     context is long enough, each block is instead one product against every key up to its end
-    (`_attend_block_onednn`), in blocks of `ONEDNN_BLOCK` unless `block` is given. Returns [n, H * D].
+    (`_attend_block_onednn`), in blocks of `ONEDNN_BLOCK` (unless `block` is given) that end at its
+    multiples. Returns [n, H * D].
     """
     on_onednn = _products_on_onednn(q, k.shape[0])
     if on_onednn:
         # K as [kv_heads, ctx, D] and V as [kv_heads, D, ctx]: each block's products take leading slices.
         k, v = k.transpose(0, 1).contiguous(), v.permute(1, 2, 0).contiguous()
     block = block or (ONEDNN_BLOCK if on_onednn else DIAGONAL_BLOCK)
+    attend = _attend_block_onednn if on_onednn else _attend_block
     outputs, offset = [], 0
     for run_start, run_end in runs:
-        for start in range(run_start, run_end, block):
-            end = min(start + block, run_end)
+        start = run_start
+        while start < run_end:
+            # oneDNN's blocks end at multiples of `block` (or the run's end): their shapes recur from prompt
+            # to prompt, where a context-parallel rank's runs, which start where the split puts them, would
+            # otherwise bring oneDNN new shapes to build code for (1-5 ms each) in every block of every new
+            # prompt length.
+            end = min((start // block + 1) * block if on_onednn else start + block, run_end)
             length = end - start
-            rows = q[offset : offset + length]
+            outputs.append(attend(q[offset : offset + length], k, v, start, end, q_per_kv))
             offset += length
-            attend = _attend_block_onednn if on_onednn else _attend_block
-            outputs.append(attend(rows, k, v, start, end, q_per_kv))
+            start = end
     return torch.cat(outputs)
 
 

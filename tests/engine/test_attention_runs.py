@@ -94,3 +94,32 @@ def test_long_contexts_take_onednn_only_where_chosen(library, monkeypatch) -> No
         blocks = -(-context // ONEDNN_BLOCK)
         long_on_onednn = library == "onednn" and context >= attention.ONEDNN_MIN_KEYS
         assert len(calls) == (2 * N_KV_HEADS * blocks if long_on_onednn else 0)
+
+
+def test_onednn_blocks_end_at_multiples_of_the_block(library, monkeypatch) -> None:
+    """A context-parallel rank's runs start where the split puts them; oneDNN's blocks still end at
+    multiples of ONEDNN_BLOCK (or at a run's end): their shapes recur from one prompt length to the next."""
+    if library != "onednn":
+        pytest.skip("the torch setting's blocks take the flash kernel")
+    context = 1031
+    positions = DualChunkSplit(context, 2).positions(1)
+    runs = position_runs(positions)
+    assert runs[0][0] % ONEDNN_BLOCK != 0  # a run that starts off the block grid
+    blocks = []
+    real = attention._attend_block_onednn
+    monkeypatch.setattr(
+        attention,
+        "_attend_block_onednn",
+        lambda q, k, v, start, end, group: blocks.append((start, end)) or real(q, k, v, start, end, group),
+    )
+    q, k, v = random_qkv(context, positions)
+    got = attend_runs(q, k, v, runs, N_HEADS // N_KV_HEADS)
+    torch.testing.assert_close(got, dense_reference(q, k, v, torch.tensor(positions)), atol=ATOL, rtol=0)
+    expected = []
+    for run_start, run_end in runs:
+        cuts = [
+            run_start,
+            *range(run_start // ONEDNN_BLOCK * ONEDNN_BLOCK + ONEDNN_BLOCK, run_end, ONEDNN_BLOCK),
+        ]
+        expected += list(zip(cuts, [*cuts[1:], run_end], strict=True))
+    assert blocks == expected
