@@ -8,7 +8,6 @@ from pathlib import Path
 
 import torch
 
-from pcpstack.common import malloc
 from pcpstack.engine.attention import AttentionMetadata, KvExchange
 from pcpstack.engine.dcp import DcpShard, DcpStep, KvPart
 from pcpstack.engine.kv_cache import BlockAllocator, KvLayout, PagedKVCache, blocks_needed, slots_for
@@ -65,9 +64,6 @@ class Engine:
         self.dcp = dcp or DcpShard(0, 1, block_size)
         if self.dcp.block_size != block_size:
             raise ValueError(f"DCP interleave size {self.dcp.block_size} must equal block_size={block_size}")
-        if self.device.type == "cpu":
-            # Forwards free and allocate the same activations: keep them in the process (common.malloc).
-            malloc.keep_freed_memory()
 
     @classmethod
     def load(

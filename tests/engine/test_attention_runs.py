@@ -96,11 +96,10 @@ def test_long_contexts_take_onednn_only_where_chosen(library, monkeypatch) -> No
         assert len(calls) == (2 * N_KV_HEADS * blocks if long_on_onednn else 0)
 
 
+@pytest.mark.parametrize("library", ["onednn"], indirect=True)
 def test_onednn_blocks_end_at_multiples_of_the_block(library, monkeypatch) -> None:
     """A context-parallel rank's runs start where the split puts them; oneDNN's blocks still end at
     multiples of ONEDNN_BLOCK (or at a run's end): their shapes recur from one prompt length to the next."""
-    if library != "onednn":
-        pytest.skip("the torch setting's blocks take the flash kernel")
     context = 1031
     positions = DualChunkSplit(context, 2).positions(1)
     runs = position_runs(positions)
