@@ -68,7 +68,10 @@ class Segment:
     """One store-owned tmpfs file, kept mapped read-write by the store.
 
     A standby segment (`later=True`) is only created here, at its size; `prepare` (on a worker thread)
-    allocates its pages and maps them, and only then (`ready`) may it hold an object."""
+    allocates its pages and maps them, and only then (`ready`) may it hold an object. Meanwhile the store
+    holds an exclusive flock on the file, which a writer mapping it ahead of its put waits for
+    (SegmentMaps.prefetch): two processes faulting the same fresh tmpfs pages at once wait on each page's
+    lock and each pays for the faults, which cost the two together up to 1.5x the store's work alone."""
 
     def __init__(self, path: Path, size: int, later: bool = False) -> None:
         self.path = path
@@ -81,6 +84,7 @@ class Segment:
         fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
         try:
             if later:
+                fcntl.flock(fd, fcntl.LOCK_EX)  # before anyone learns its name; prepare lets go
                 os.ftruncate(fd, max(size, 1))  # its name and size exist at once; its pages come in prepare
                 self._fd: int | None = fd
                 return
@@ -108,6 +112,8 @@ class Segment:
         except OSError:
             self.failed = True  # the pool destroys it at its next allocate, standby or trim
         finally:
+            # Explicitly: the mapping holds a duplicate of fd, and with it the lock, past the close.
+            fcntl.flock(fd, fcntl.LOCK_UN)
             os.close(fd)
         self.ready = not self.failed
 
@@ -371,6 +377,30 @@ def lower_thread_priority() -> None:
         )
 
 
+# How long a writer mapping a standby ahead of its put waits for the store to finish preparing it (a 256
+# MiB one takes ~0.1 s where the memory is at hand, up to ~1 s in fresh memory of a VM), and how often it
+# looks. After that it maps it anyway, as it would without the wait.
+PREPARED_WAIT_S = 10.0
+PREPARED_POLL_S = 0.002
+
+
+def wait_until_unlocked(fd: int, timeout_s: float) -> bool:
+    """Waits until no other process holds an exclusive flock on fd's file (the store, preparing a standby)
+    or timeout_s passes; True if it was let go. Polls rather than blocks, so that a store frozen mid-way
+    cannot hold the caller forever."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        try:
+            fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
+        except BlockingIOError:
+            if time.monotonic() >= deadline:
+                return False
+            time.sleep(PREPARED_POLL_S)
+            continue
+        fcntl.flock(fd, fcntl.LOCK_UN)
+        return True
+
+
 def _fits(seg: Segment, size: int) -> bool:
     """Whether seg holds an object of size bytes as it is: at least that large, at most a quarter more."""
     return size <= seg.size <= size + int(size * MAX_REUSE_SLACK)
@@ -569,7 +599,7 @@ class SegmentMaps:
             if name in self._maps:
                 return True
         try:
-            map_ = self._map_file(name, 0, "write")
+            map_ = self._map_file(name, 0, "write", prepared_within_s=PREPARED_WAIT_S)
         except (OSError, ValueError):
             return False
         with self._lock:
@@ -579,11 +609,14 @@ class SegmentMaps:
             self._keep(name, _Mapping(map_))
             return True
 
-    def _map_file(self, name: str, size: int, populate: str) -> mmap.mmap:
+    def _map_file(self, name: str, size: int, populate: str, prepared_within_s: float = 0.0) -> mmap.mmap:
         """Maps the whole file; populate: "write" builds every page table entry writable (a writer's),
-        "read" read-only (a reader's), "" none (a ranged read touches only its pages)."""
+        "read" read-only (a reader's), "" none (a ranged read touches only its pages). prepared_within_s:
+        first wait up to that long for the store to finish preparing it (a standby: Segment.prepare)."""
         fd = os.open(os.path.join(self.directory, name), os.O_RDWR)
         try:
+            if prepared_within_s:
+                wait_until_unlocked(fd, prepared_within_s)
             held = os.fstat(fd).st_size
             if held < size:  # touching a mapping past the file's end would kill this process (SIGBUS)
                 raise ValueError(f"segment {name!r} holds {held} bytes, fewer than the {size} to copy")

@@ -10,10 +10,12 @@ import mmap
 import os
 import random
 import threading
+import time
 
 import pytest
 import torch
 
+from pcpstack.kvstore import shm
 from pcpstack.kvstore.checksum import crc32c
 from pcpstack.kvstore.client import KvStoreClient
 from pcpstack.kvstore.shm import (
@@ -175,6 +177,37 @@ def test_a_standby_waits_in_the_pool_until_prepared_then_goes_to_the_put_naming_
     segments.recycle(standby)
     assert segments.allocate(1 << 20, preferred=standby.name) is standby  # 4x too large: resized, not kept
     assert standby.size == 1 << 20
+
+
+def test_a_writer_maps_a_standby_only_once_the_store_has_prepared_it(segments):
+    """Two processes faulting the same fresh tmpfs pages at once each pay for them: the store holds a lock
+    on a standby until its pages are in, and a writer mapping it ahead of its put waits for that."""
+    standby, _ = segments.standby(4 << 20, budget=64 << 20)
+    maps = SegmentMaps(str(segments.directory))
+    prefetch = threading.Thread(target=maps.prefetch, args=(standby.name,))
+    prefetch.start()
+    prefetch.join(timeout=0.5)
+    assert prefetch.is_alive() and maps.mapped == []  # still waiting for the store
+    segments.prepare(standby)
+    prefetch.join(timeout=10)
+    assert not prefetch.is_alive() and maps.mapped == [standby.name]
+    assert maps.fill(standby.name, memoryview(b"abcd")) == crc32c(b"abcd")
+    with standby.view(0, 4) as data:  # the same pages as the store's
+        assert bytes(data) == b"abcd"
+    maps.close()
+
+
+def test_a_writer_maps_a_standby_anyway_when_the_store_never_lets_go(segments, monkeypatch):
+    """A store frozen while preparing cannot hold a writer's prefetch forever: past PREPARED_WAIT_S it maps
+    the segment as it would have without waiting."""
+    monkeypatch.setattr(shm, "PREPARED_WAIT_S", 0.2)
+    standby, _ = segments.standby(4 << 20, budget=64 << 20)
+    maps = SegmentMaps(str(segments.directory))
+    started = time.monotonic()
+    assert maps.prefetch(standby.name) and maps.mapped == [standby.name]
+    assert time.monotonic() - started >= 0.2
+    maps.close()
+    segments.prepare(standby)
 
 
 def test_no_standby_beyond_the_budget_and_one_prepared_after_close_is_unlinked(tmp_path):
