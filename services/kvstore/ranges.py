@@ -11,14 +11,15 @@ order; where copy_crc.c is built it copies and checksums each range's pieces in 
 
 from __future__ import annotations
 
+import itertools
 import math
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 
 import numpy as np
 
 from pcpstack.kvstore import copy_crc
-from pcpstack.kvstore.checksum import TWO_THREADS_MIN_BYTES, crc32c_two_threads, on_two_threads
+from pcpstack.kvstore.checksum import TWO_THREADS_MIN_BYTES, crc32c, crc32c_two_threads, on_two_threads
 from pcpstack.kvstore.errors import InvalidArgument
 from pcpstack.v1 import kvstore_pb2 as pb
 
@@ -144,6 +145,37 @@ def gather_with_crc(source, ranges: Sequence[ByteRange], out) -> int:
             lambda: _gather_fused(lib, src, second, dst[split:total]),
             total - split,
         )
+
+
+# Pieces at least this long are checksummed where they lie (crc_of_selection); a range of shorter ones is
+# gathered into a scratch buffer first, as one call per small piece costs more than copying them.
+CRC_IN_PLACE_MIN_BYTES = 16 << 10
+
+
+def crc_of_selection(source, ranges: Sequence[ByteRange]) -> int:
+    """The CRC32C gather_with_crc returns for these ranges, without gathering them: for a store whose
+    reader copies the selection out of shared memory itself and needs only its checksum (a prefix of 1,504
+    SmolLM2 tokens, 69 MB in 60 pieces: 3 ms, against 7 ms to gather it into warm memory and 40-110 ms into
+    a fresh buffer). The ranges must have passed check_ranges against source."""
+    crc = 0
+    with memoryview(source) as view:
+        src = _bytes(view)
+        for byte_range in ranges:
+            if byte_range.length < CRC_IN_PLACE_MIN_BYTES:
+                scratch = bytearray(byte_range.nbytes)
+                gather(src, [byte_range], scratch)
+                crc = crc32c(scratch, crc)
+                continue
+            for offset in _piece_offsets(byte_range):
+                crc = crc32c(src[offset : offset + byte_range.length], crc)
+    return crc
+
+
+def _piece_offsets(byte_range: ByteRange) -> Iterator[int]:
+    """Where each piece of the range starts, in row-major order of its repeats (outermost first)."""
+    strides = [repeat.stride for repeat in byte_range.repeats]
+    for index in itertools.product(*(range(repeat.count) for repeat in byte_range.repeats)):
+        yield byte_range.offset + sum(i * stride for i, stride in zip(index, strides, strict=True))
 
 
 def _gather_fused(lib, src: memoryview, ranges: Sequence[ByteRange], dst: memoryview) -> int:

@@ -24,7 +24,7 @@ from pcpstack.common.errors import ServiceError
 from pcpstack.common.server import RunningServer, ServerOptions, start_server
 from pcpstack.common.telemetry import meter
 from pcpstack.kvstore.errors import CapacityExceeded, InvalidArgument
-from pcpstack.kvstore.ranges import ByteRange, check_ranges, gather_with_crc
+from pcpstack.kvstore.ranges import ByteRange, check_ranges, crc_of_selection, gather_with_crc
 from pcpstack.kvstore.shm import (
     Segment,
     SegmentStore,
@@ -266,13 +266,17 @@ class KvStoreServicer(kvstore_pb2_grpc.KvStoreServiceServicer):
             segment: Segment | None = obj.payload
             ranges = [ByteRange.from_wire(r) for r in request.ranges]
             selected = check_ranges(ranges, obj.total_bytes) if ranges else 0
+            use_shm = request.accept_shm and segment is not None
             selection, selected_crc = None, 0
             if ranges:
-                # The selection's CRC32C comes from the store's copy, which matched the writer's at commit.
-                selection = anonymous_buffer(selected)
+                # The selection's CRC32C comes from the store's copy, which matched the writer's at commit. A
+                # reader over shared memory copies the selection out itself: only its checksum is needed.
                 with segment.view(0, obj.total_bytes) as whole:
-                    selected_crc = await to_thread_to_the_end(gather_with_crc, whole, ranges, selection)
-            use_shm = request.accept_shm and segment is not None
+                    if use_shm:
+                        selected_crc = await to_thread_to_the_end(crc_of_selection, whole, ranges)
+                    else:
+                        selection = anonymous_buffer(selected)
+                        selected_crc = await to_thread_to_the_end(gather_with_crc, whole, ranges, selection)
             chunk_size = min(request.max_chunk_size or self._config.default_chunk_bytes, self._max_chunk)
             yield pb.GetResponse(
                 header=pb.GetHeader(

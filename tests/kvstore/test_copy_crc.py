@@ -12,7 +12,15 @@ import pytest
 from pcpstack.common import native
 from pcpstack.common.config import ConfigError
 from pcpstack.kvstore import checksum, copy_crc
-from pcpstack.kvstore.ranges import ByteRange, ByteRepeat, _halves, gather_with_crc, selection_bytes
+from pcpstack.kvstore.ranges import (
+    CRC_IN_PLACE_MIN_BYTES,
+    ByteRange,
+    ByteRepeat,
+    _halves,
+    crc_of_selection,
+    gather_with_crc,
+    selection_bytes,
+)
 from pcpstack.kvstore.shm import copy_with_crc
 
 _CAN_BUILD = copy_crc._cpu_has_instructions() and bool(
@@ -193,6 +201,26 @@ def test_gather_with_crc_of_large_selections_on_two_threads(fresh_library, fused
     out = np.zeros(expected.size, np.uint8)
     assert gather_with_crc(memoryview(source), ranges, memoryview(out)) == crc32c.crc32c(expected)
     assert np.array_equal(out, expected)
+
+
+@pytest.mark.parametrize("fused", [pytest.param(True, marks=needs_build), False])
+def test_the_crc_of_a_selection_in_place_is_the_crc_of_its_gathered_bytes(fresh_library, fused: bool) -> None:
+    """A store answering a ranged read over shared memory checksums the selection where it lies: pieces of
+    16 KiB and more one by one, ranges of smaller ones gathered first; either way the gathered bytes' CRC."""
+    fresh_library.setenv(copy_crc.ENABLE_ENV, "1" if fused else "0")
+    assert (copy_crc.library() is not None) == fused
+    ranges = [
+        *_RANGES,
+        ByteRange(40, CRC_IN_PLACE_MIN_BYTES, (ByteRepeat(70_000, 3), ByteRepeat(20_000, 2))),
+        ByteRange(1, CRC_IN_PLACE_MIN_BYTES - 1, (ByteRepeat(30_000, 5),)),
+    ]
+    source = _random(9 << 20, 12)
+    expected = np.concatenate([_numpy_gather(source, r) for r in ranges])
+    assert crc_of_selection(memoryview(source), ranges) == crc32c.crc32c(expected)
+    for selection in _LARGE_SELECTIONS:
+        source = _random(40 << 20, 13)
+        expected = np.concatenate([_numpy_gather(source, r) for r in selection])
+        assert crc_of_selection(memoryview(source), selection) == crc32c.crc32c(expected)
 
 
 @pytest.mark.parametrize("selection", [0, 1])
