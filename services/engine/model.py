@@ -52,6 +52,17 @@ class Linear(nn.Linear):
             self.dequantized = weight
         return weight
 
+    def hold_dense(self) -> bool:
+        """Dequantizes a weight held only in blocks now and keeps it as the dense weight: from then on more
+        than MAX_ROWS rows take the dense matmul, as with a weight loaded dense (weights.load_model's
+        `prefill`). False if there was nothing to do."""
+        if self.weight is not None or self.blocks is None:
+            return False
+        weight = self.dequantized if self.dequantized is not None else self.blocks.dequantize()
+        self.weight = nn.Parameter(weight, requires_grad=False)
+        self.dequantized = None
+        return True
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         y = project(x, self.weight, self.blocks, self.dense_weight)
         return y if self.bias is None else y + self.bias

@@ -6,12 +6,14 @@ Weights stay in the form they are stored in (`WEIGHTS_ENV`, the `weights` argume
   see services/engine/quant.py) are loaded only as quantized blocks: decode and short prompts run the C block
   kernels on them, and an embedding lookup dequantizes only the rows it reads. A longer input needs a
   projection in fp32: "cached" (the default) dequantizes it the first time and keeps it (SmolLM2's 30
-  layers: 405 MiB), so a process that only decodes never holds one and a prefill rank pays it once instead
-  of ~0.2 s a forward; "stored" dequantizes it for that call only (a model whose fp32 projections do not
-  fit). A fused projection of parts in different types (a Q4_K_M file's Q4_K query and key, Q6_K value)
-  stays in blocks as a chain of forms. Other quantized types are dequantized to dense weights, with a log
-  line naming them. This needs the CPU block kernels (cpu_kernels.library()) and an fp32 run on the CPU;
-  else the whole model is dense (as with `weights="dense"`), with a log line saying why.
+  layers: 405 MiB), so a process that only decodes never holds one, and a prefill rank (load_model's
+  `prefill`) dequantizes every projection at load instead of ~0.2 s a forward, and from then on runs any
+  input over MAX_ROWS rows dense, as a dense load does; "stored" dequantizes it for that call only (a
+  model whose fp32 projections do not fit). A fused projection of parts in different types (a Q4_K_M file's
+  Q4_K query and key, Q6_K value) stays in blocks as a chain of forms. Other quantized types are dequantized
+  to dense weights, with a log line naming them. This needs the CPU block kernels (cpu_kernels.library()) and
+  an fp32 run on the CPU; else the whole model is dense (as with `weights="dense"`), with a log line saying
+  why.
 - Safetensors in bf16 or fp16, and a GGUF's F16 matrices, stay 16-bit; a matmul upcasts the weight per call
   (exact, so the results equal a load in fp32). Norms and biases, small, are held in the run dtype.
 `weights="dense"` converts every weight to the run dtype at load instead; a GGUF's projections then also
@@ -46,7 +48,7 @@ from pcpstack.engine.config import ModelArgs
 from pcpstack.engine.device import default_dtype, pick_device
 from pcpstack.engine.families import family_of_config, family_of_gguf
 from pcpstack.engine.gguf_file import GgufFile, GgufTensor, read_gguf
-from pcpstack.engine.model import Transformer
+from pcpstack.engine.model import Linear, Transformer
 from pcpstack.engine.parallel import SINGLE_RANK, TensorParallelShard
 from pcpstack.engine.quant import BLOCK, BLOCK_TYPES, BlockWeight, from_gguf
 from pcpstack.engine.rope import RopeScaling
@@ -113,12 +115,14 @@ def load_model(
     unpermute_gguf_qk: bool = True,
     shard: TensorParallelShard = SINGLE_RANK,
     weights: str | None = None,
+    prefill: bool = False,
 ) -> LoadedModel:
     """Load a model: None is the embedded default, "tiny" a random tiny model (fixed seed), a *.gguf file,
     a Hugging Face folder, or a Hugging Face repo id in the local cache (common/models.py). With a `shard`
     of a TP group, only that rank's part of it (ValueError when the model cannot be split that way).
     `weights` is "cached", "stored" or "dense" (see the module docstring; default: $PCPSTACK_WEIGHTS, else
-    "cached").
+    "cached"). `prefill`: for a process that prefills (a prefill rank); with "cached" weights it makes every
+    projection's fp32 weight at load rather than at its first long input.
     `unpermute_gguf_qk=False` exists only to prove that skipping the un-permutation is caught by the
     tests."""
     name = path or "(the embedded default)"
@@ -164,6 +168,9 @@ def load_model(
         keep_16bit=form != DENSE,
         keep_dequantized=form == CACHED,
     )
+    if prefill and form == CACHED:
+        held = sum(module.hold_dense() for module in model.modules() if isinstance(module, Linear))
+        log.info("%d projections of %s hold their fp32 weight from load (a prefill process)", held, name)
     if device.type == "cpu" and dtype == torch.float32:
         dense.use_onednn()  # decided now (timed once per machine), not in the first request's prefill
     log.info("model %s loaded in %.1f s", name, time.monotonic() - started, extra=PROGRESS)

@@ -592,7 +592,7 @@ def rank_main(spec: RankSpec, conn: Connection, progress: Synchronized) -> None:
             device,
             spec.collective_timeout_s,
         )
-        loaded = load_model(spec.model, device, shard=groups.shard())
+        loaded = load_model(spec.model, device, shard=groups.shard(), prefill=True)
         num_blocks = blocks_needed(spec.kv_cache_tokens, spec.block_size)
         engine = Engine(loaded, block_size=spec.block_size, num_blocks=num_blocks)
         fingerprint = KvLayout.for_model(

@@ -7,7 +7,7 @@ import torch
 
 from pcpstack.engine.engine import Engine
 from pcpstack.engine.model import Linear
-from pcpstack.engine.quant import MAX_ROWS_WITHOUT_DENSE
+from pcpstack.engine.quant import MAX_ROWS_WITHOUT_DENSE, BlockWeight
 from pcpstack.engine.weights import WEIGHTS_ENV, LoadedModel, load_model, weights_form
 from tests.engine.conftest import engine_logits
 
@@ -68,6 +68,39 @@ def test_cached_weights_dequantize_each_projection_once_and_only_for_a_long_inpu
     # down 576 x 1,536) in fp32; the embedding and the tied LM head stay in blocks.
     assert sum(w.nbytes for w in kept) == 30 * 3_538_944 * 4
     assert cached.model.tok_embeddings.weight is None and cached.model.output_weight() is None
+
+
+def test_a_prefill_process_holds_each_projection_dense_from_load(stored, monkeypatch):
+    """load_model(prefill=True), as a prefill rank loads: each projection's fp32 weight is made at load (a
+    rank needs it for its first long prompt anyway), so short inputs too (a warm turn's few dozen new
+    tokens) take the dense matmul from the first request on, whatever ran before; decode's blocks stay."""
+    loaded = load_model(None, "cpu", torch.float32, weights="cached", prefill=True)
+    linears = _linears(loaded)
+    assert all(linear.weight is not None and linear.dequantized is None for linear in linears)
+    assert all(torch.equal(linear.weight, linear.blocks.dequantize()) for linear in linears)
+    assert sum(linear.weight.nbytes for linear in linears) == 30 * 3_538_944 * 4
+    engine, stored_engine = (Engine(m, block_size=16, num_blocks=64) for m in (loaded, stored))
+    vocab = loaded.args.vocab_size
+    long_prompt = _prompt(LONG, vocab)  # the same values in the same dense calls as stored weights
+    assert torch.equal(engine_logits(engine, long_prompt), engine_logits(stored_engine, long_prompt))
+
+    projections = {id(linear.blocks) for linear in [*linears, *_linears(stored)]}
+    block_calls = []
+    original = BlockWeight.matmul
+
+    def counted(self: BlockWeight, x: torch.Tensor) -> torch.Tensor:
+        block_calls.append(id(self) in projections)
+        return original(self, x)
+
+    monkeypatch.setattr(BlockWeight, "matmul", counted)
+    short_prompt = _prompt(SHORT, vocab)
+    reference = engine_logits(stored_engine, short_prompt)  # on the block kernels
+    assert block_calls.count(True) == 30 * 4  # qkv, wo, gate/up, down of each layer
+    block_calls.clear()
+    logits = engine_logits(engine, short_prompt)
+    assert block_calls.count(True) == 0  # every projection dense
+    assert torch.equal(logits.argmax(-1), reference.argmax(-1))
+    assert torch.allclose(logits, reference, atol=2e-3, rtol=0)  # another summation order only
 
 
 def test_stored_weights_dequantize_for_each_long_input_and_keep_nothing(stored):
