@@ -22,9 +22,11 @@ from pcpstack.kvstore.errors import ChecksumMismatch
 from pcpstack.kvstore.wire import Chunk, encode_chunk
 from pcpstack.v1 import kvstore_pb2 as pb
 
-# Measured best of 1..8 MiB on the gRPC path here (CPU of both ends per 256 MiB): fewer messages to handle,
-# and a receiver's copy into place this large streams past the cache.
-DEFAULT_CHUNK_BYTES = 4 << 20
+# Chunks of the gRPC path. 4 MiB was the best of 1..8 MiB on an Intel Xeon under load (CPU of both ends per
+# 256 MiB, 1 Dec); on the AMD EPYC (L2 2 MiB, 2 Dec: bench kv, 3 rounds of 9 interleaved) 2 MiB beat 1 and 4
+# in every round: put 2.47-2.62 GB/s against 1.87-2.17, get 2.43-2.77 against 2.00-2.11, with less CPU at
+# both ends (client 73-79 ms per 256 MiB against 89-101, store 84-99 against 103-111).
+DEFAULT_CHUNK_BYTES = 2 << 20
 
 
 def verify_object(key: str, actual: int, announced: int, announced_by: str) -> int:

@@ -62,8 +62,8 @@ def test_metadata_and_block_keys_count_against_the_capacity():
 @pytest.mark.parametrize(
     ("service", "value", "rule"),
     [
-        ("kvstore", "1000", "at least 4195328 for a store"),
-        ("kvstore", str(1 << 20), "at least 4195328 for a store"),
+        ("kvstore", "1000", "at least 2098176 for a store"),
+        ("kvstore", str(1 << 20), "at least 2098176 for a store"),
         ("registry", "1000", "at least 65536"),
     ],
 )
