@@ -399,8 +399,12 @@ async def _load(stack: LocalStack, vocab: int, args: argparse.Namespace) -> list
 
 
 async def _served(
-    stacks: dict[int, str], raw_sets: dict[int, RankSet | None], vocab: int, args: argparse.Namespace
-) -> tuple[dict[tuple[int, int], list[Timing]], dict[tuple[int, int], list[float]]]:
+    stacks: dict[int, LocalStack], raw_sets: dict[int, RankSet | None], vocab: int, args: argparse.Namespace
+) -> tuple[
+    dict[tuple[int, int], list[Timing]],
+    dict[tuple[int, int], list[float]],
+    dict[tuple[int, int], list[float]],
+]:
     """Served PCP, every size's stack (its decode address in `stacks`) and raw rank set up at once.
 
     Per length: a warm-up request on each stack (it pays for first-touch allocations of this length, as
@@ -409,11 +413,18 @@ async def _served(
     without the services (bench prefill's RankSet, kept up beside the stacks). Sizes take turns within a
     round and the order of sizes, and of request and raw prefill, flips every other round: this machine's
     speed drifts by a third over minutes, so only what ran side by side is compared. Returns per
-    (pcp, tokens) the requests' timings (the warm-up first) and the raw prefill times (global rank 0's,
-    barrier to barrier)."""
+    (pcp, tokens) the requests' timings (the warm-up first), the raw prefill times (global rank 0's,
+    barrier to barrier) and the KV store's CPU seconds during each timed request."""
     sizes = sorted(stacks)
     timings: dict[tuple[int, int], list[Timing]] = {}
     raw: dict[tuple[int, int], list[float]] = {}
+    store_cpu: dict[tuple[int, int], list[float]] = {}
+
+    def store_cpu_s(pcp: int) -> float:
+        return _cpu_by_role(stacks[pcp]).get("kvstore", 0.0)
+
+    async def request(pcp: int, ids: list[int]) -> Timing:
+        return await _one(stacks[pcp].decode_addresses[0], ids, 2)
 
     async def raw_prefill(pcp: int, tokens: int) -> float:
         return (await asyncio.to_thread(raw_sets[pcp].prefill, tokens))[0].wall_s
@@ -422,20 +433,22 @@ async def _served(
         for pcp in sizes:  # raw warm-ups first: a set's ranks load before the stacks' first requests
             if raw_sets[pcp] is not None:
                 await raw_prefill(pcp, tokens)
-            raw[(pcp, tokens)] = []
+            raw[(pcp, tokens)], store_cpu[(pcp, tokens)] = [], []
         for pcp in sizes:
             # Two tokens: the second waits for the KV fetch, so the trace holds decode.kv_fetch too.
-            timings[(pcp, tokens)] = [await _one(stacks[pcp], _prompt(vocab, tokens, 100 * tokens + pcp), 2)]
+            timings[(pcp, tokens)] = [await request(pcp, _prompt(vocab, tokens, 100 * tokens + pcp))]
         for repeat in range(1, args.repeats + 1):
             flipped = repeat % 2 == 0
             for pcp in reversed(sizes) if flipped else sizes:
                 prompt = _prompt(vocab, tokens, 100 * tokens + pcp + 10 * repeat)
                 if raw_sets[pcp] is not None and flipped:
                     raw[(pcp, tokens)].append(await raw_prefill(pcp, tokens))
-                timings[(pcp, tokens)].append(await _one(stacks[pcp], prompt, 2))
+                before = store_cpu_s(pcp)
+                timings[(pcp, tokens)].append(await request(pcp, prompt))
+                store_cpu[(pcp, tokens)].append(store_cpu_s(pcp) - before)
                 if raw_sets[pcp] is not None and not flipped:
                     raw[(pcp, tokens)].append(await raw_prefill(pcp, tokens))
-    return timings, raw
+    return timings, raw, store_cpu
 
 
 def _raw_rank_set(args: argparse.Namespace, pcp: int) -> contextlib.AbstractContextManager:
@@ -485,10 +498,10 @@ async def _stacks(args: argparse.Namespace, vocab: int, trace_dir: Path) -> dict
             stacks = {}
             for pcp in sizes:
                 options = _stack_options(args, pcp, trace_file=str(spans_files[pcp]))
-                stack = await up.enter_async_context(LocalStack(options, progress=lambda m: None))
-                stacks[pcp] = stack.decode_addresses[0]
-                await _one(stacks[pcp], _prompt(vocab, 16, 0), 2)  # warm-up
-            measured["served"], measured["raw"] = await _served(stacks, raw_sets, vocab, args)
+                stacks[pcp] = await up.enter_async_context(LocalStack(options, progress=lambda m: None))
+                await _one(stacks[pcp].decode_addresses[0], _prompt(vocab, 16, 0), 2)  # warm-up
+            served = await _served(stacks, raw_sets, vocab, args)
+            measured["served"], measured["raw"], measured["store_cpu"] = served
         for pcp in sizes:
             spans = read_span_file(spans_files[pcp])  # complete once the stack has stopped
             for tokens in args.served_tokens:
@@ -574,6 +587,9 @@ def _served_result(args: argparse.Namespace, measured: dict) -> dict:
                 "served_ttft_s": _summary(served),
                 # The first request of this length on the stack, as a one-off `generate --local` sees it.
                 "first_request_ttft_s": round(warm_up.ttft_s, 4),
+                # The KV store's work for each request (the replica's put, its standby's pages): it runs
+                # beside the forward on the machine's cores.
+                "store_cpu_s": _summary(measured["store_cpu"][(pcp, tokens)]),
             }
             raw = measured["raw"][(pcp, tokens)]
             if raw:

@@ -962,7 +962,10 @@ def _served_section(e2e: dict) -> list[str]:
         "and of request and raw prefill, flips every other round, so what is compared ran side by side. "
         "Medians (min–max). The paired columns are the median over rounds of what ran back to back in one "
         "round (a request against its raw prefill, PCP=1 against PCP=2): the drift between rounds cancels "
-        "there, and a gap between a paired figure and its ratio of medians is that drift.",
+        "there, and a gap between a paired figure and its ratio of medians is that drift. KV store CPU: "
+        "the store's CPU seconds during each timed request (the replica's put, and the pages of the standby "
+        "segment the put lands in, readied while the ranks' forward runs): on a 2-core machine they come "
+        "out of a PCP=2 set's cores, beside PCP=1's single rank they take the idle one.",
         "",
     ]
 
@@ -996,11 +999,12 @@ def _served_section(e2e: dict) -> list[str]:
             speedup(raw_base, r, "raw_prefill_s"),
             paired(r, "raw_speedup_paired"),
             f"{_num(r['first_request_ttft_s'])} s" if "first_request_ttft_s" in r else "",
+            seconds(r["store_cpu_s"]) if "store_cpu_s" in r else "",
         ]
         for r in sorted(served["rows"], key=lambda r: (r["tokens"], r["pcp"]))
     ]
     header = ["tokens", "PCP", "served TTFT", "raw prefill", "overhead", "overhead, paired"]
-    header += ["served ÷ PCP=1", "paired", "raw ÷ PCP=1", "paired", "first request's TTFT"]
+    header += ["served ÷ PCP=1", "paired", "raw ÷ PCP=1", "paired", "first request's TTFT", "KV store CPU"]
     lines += _table(header, rows)
     breakdown = sorted(served.get("breakdown", []), key=lambda b: (b["tokens"], b["pcp"]))
     if not breakdown:

@@ -182,6 +182,7 @@ def _served_row(pcp: int, tokens: int, served: float, raw: float) -> dict:
         "overhead_pct": round(100 * (served - raw) / raw, 1),
         "overhead_paired_pct": round(100 * (served - raw) / raw - 2, 1),  # its rounds drifted
         "first_request_ttft_s": served * 1.25,
+        "store_cpu_s": {"median": tokens / 8192, "min": tokens / 8192, "max": tokens / 4096},
     }
 
 
@@ -267,7 +268,7 @@ def test_full_results_give_tables_ratios_targets_and_plots(tmp_path) -> None:
     assert "| 16.7 % | **missed** |" in worst and "worst: PCP=2 at 4096 tokens of 4 row(s)" in worst
     # overhead, its paired median, served ÷ PCP=1 and paired, raw ÷ PCP=1 and paired
     row = "| 4096 | 2 | 28.0 s (28.0–30.8) | 24.0 s (24.0–24.0) | 16.7 % | 14.7 % | 1.79× | 1.83× |"
-    assert f"{row} 2.00× | 2.04× | 35.0 s |" in text
+    assert f"{row} 2.00× | 2.04× | 35.0 s | 0.5 s (0.5–1.00) |" in text
     phases = "| 28.0 | 0.01 | 0 | 0.02 | 0.07 | 24.0 | 0.4 | 3.30 | 0.2 | 0.5 | 90 % |"
     assert f"| 4096 | 2 | last {phases}" in text
     roofline = text.split("### Decode step roofline", 1)[1]

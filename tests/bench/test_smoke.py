@@ -59,6 +59,7 @@ def test_benchmark_smoke_run_writes_json(area, tmp_path, child_env) -> None:
         for row in rows:
             assert row["served_ttft_s"]["n"] == row["raw_prefill_s"]["n"] == 2
             assert row["served_ttft_s"]["median"] > 0 and row["raw_prefill_s"]["median"] > 0
+            assert row["store_cpu_s"]["n"] == 2 and row["store_cpu_s"]["min"] >= 0
             assert "overhead_paired_pct" in row
         for key in ("speedup", "raw_speedup", "speedup_paired", "raw_speedup_paired"):
             assert set(saved["served"][key]) == {"pcp2_over_pcp1_at_64"}, key
