@@ -356,6 +356,33 @@ def _where_cores_went(before: dict[str, float], after: dict[str, float], wall_s:
     return used
 
 
+# A stack has settled once its processes use less than this share of one core over SETTLE_WINDOW_S (an idle
+# local stack uses ~4 %: the ranks' and registry's ticks).
+SETTLED_CORE_SHARE = 0.1
+SETTLE_WINDOW_S = 0.2
+SETTLE_TIMEOUT_S = 10.0
+
+
+async def _settled(stacks: list[LocalStack]) -> float:
+    """Waits until the stacks' processes together are idle (under SETTLED_CORE_SHARE of a core over a
+    window), at most SETTLE_TIMEOUT_S; returns the seconds waited."""
+    started = time.monotonic()
+
+    def used() -> float:
+        return sum(
+            sum(v for k, v in _cpu_by_role(stack).items() if k not in ("clients", "idle")) for stack in stacks
+        )
+
+    before = used()
+    while time.monotonic() - started < SETTLE_TIMEOUT_S:
+        await asyncio.sleep(SETTLE_WINDOW_S)
+        now = used()
+        if now - before < SETTLED_CORE_SHARE * SETTLE_WINDOW_S:
+            break
+        before = now
+    return time.monotonic() - started
+
+
 def _ttft_floor(prefill_cpu_s: float, clients: int, prefill_threads: int) -> float:
     """TTFT p50 of `clients` prompts prefilled back to back, each taking the wall time its share of the
     prefill CPU would take on the set's threads with nothing else running (the k-th first token after k
@@ -410,7 +437,9 @@ async def _served(
     Per length: a warm-up request on each stack (it pays for first-touch allocations of this length, as
     bench prefill's warm-up does) and a warm-up raw prefill on each set; then `repeats` rounds, each one
     request per stack, one at a time, every prompt new, each beside one raw prefill of the same ranks
-    without the services (bench prefill's RankSet, kept up beside the stacks). Sizes take turns within a
+    without the services (bench prefill's RankSet, kept up beside the stacks). Each request and raw
+    prefill starts once every stack has settled (_settled): work a stack does after a reply (the KV store
+    readying a standby for the next put) is not charged to whatever runs next. Sizes take turns within a
     round and the order of sizes, and of request and raw prefill, flips every other round: this machine's
     speed drifts by a third over minutes, so only what ran side by side is compared. Returns per
     (pcp, tokens) the requests' timings (the warm-up first), the raw prefill times (global rank 0's,
@@ -424,9 +453,11 @@ async def _served(
         return _cpu_by_role(stacks[pcp]).get("kvstore", 0.0)
 
     async def request(pcp: int, ids: list[int]) -> Timing:
+        await _settled(list(stacks.values()))
         return await _one(stacks[pcp].decode_addresses[0], ids, 2)
 
     async def raw_prefill(pcp: int, tokens: int) -> float:
+        await _settled(list(stacks.values()))
         return (await asyncio.to_thread(raw_sets[pcp].prefill, tokens))[0].wall_s
 
     for tokens in args.served_tokens:

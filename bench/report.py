@@ -962,10 +962,11 @@ def _served_section(e2e: dict) -> list[str]:
         "and of request and raw prefill, flips every other round, so what is compared ran side by side. "
         "Medians (min–max). The paired columns are the median over rounds of what ran back to back in one "
         "round (a request against its raw prefill, PCP=1 against PCP=2): the drift between rounds cancels "
-        "there, and a gap between a paired figure and its ratio of medians is that drift. KV store CPU: "
-        "the store's CPU seconds during each timed request (the replica's put, and the pages of the standby "
-        "segment the put lands in, readied while the ranks' forward runs): on a 2-core machine they come "
-        "out of a PCP=2 set's cores, beside PCP=1's single rank they take the idle one.",
+        "there, and a gap between a paired figure and its ratio of medians is that drift. Every request and "
+        "raw prefill starts once all stacks have settled. KV store CPU: the store's CPU seconds from each "
+        "timed request's start to its last token: the replica's put and a standby segment's pages (readied "
+        "during the ranks' forward when a rank announces a size unlike its last put's, right after the put "
+        "when the size repeats; on a 2-core machine the former comes out of a PCP=2 set's cores).",
         "",
     ]
 

@@ -50,6 +50,7 @@ from pcpstack.kvstore.errors import (
 )
 from pcpstack.kvstore.ranges import ByteRange, ByteRepeat, selection_bytes
 from pcpstack.kvstore.shm import (
+    MAX_REUSE_SLACK,
     ReceiveBuffers,
     SegmentMaps,
     copy_with_crc,
@@ -171,6 +172,7 @@ class KvStoreClient:
         self.standby_shm_name = ""
         self._standby_on_request = False  # set by prepare_put: standbys come from it, not from puts
         self._standby_min_bytes = 0  # the store's (Stat): smaller puts get no standby
+        self._last_put_bytes = 0
         self._prefetching: threading.Thread | None = None
 
     async def close(self) -> None:
@@ -240,8 +242,9 @@ class KvStoreClient:
             block_keys=block_keys,
             block_tokens=block_tokens,
             standby_shm_name=self.standby_shm_name if use_shm else "",
-            standby_on_request=use_shm and self._standby_on_request,
+            standby_on_request=use_shm and self._standby_on_request and not self._size_repeats(total_bytes),
         )
+        self._last_put_bytes = total_bytes
         call = self._put()
         try:
             await call.write(pb.PutRequest(header=header))
@@ -268,12 +271,22 @@ class KvStoreClient:
         finally:
             await _end_stream(call)
 
+    def _size_repeats(self, size: int) -> bool:
+        """Whether a put of size bytes repeats the size of the one before it (each within the slack of a
+        standby sized for the other, shm.MAX_REUSE_SLACK): then the next is likely that size again, and
+        even a writer that announces its puts asks the store for a standby of it after this put (between
+        the puts, rather than during the forward that announces the next one; the announcement then finds
+        it held)."""
+        small, large = sorted((size, self._last_put_bytes))
+        return small >= self._standby_min_bytes > 0 and large <= small + int(small * MAX_REUSE_SLACK)
+
     async def prepare_put(self, size: int, timeout_s: float = ANNOUNCE_TIMEOUT_S) -> str:
         """Tells the store the size of this writer's next put before it has the bytes (a prefill rank, as
         its forward starts): on the shared-memory path the store readies a standby segment of that size,
         which this client maps on a thread of its own meanwhile, so that the put lands in mapped pages
         even when its size is unlike the last put's. From the first call that asks the store (a size of
-        at least its standby_min_bytes), it readies this writer's standbys only when asked. Returns the
+        at least its standby_min_bytes), it readies this writer's standbys only when asked, or after a
+        put whose size repeats the one before it (_size_repeats). Returns the
         standby's name, "" for none. A hint: one that fails or takes over timeout_s (an older store, a
         frozen one, a broken channel) is logged and changes nothing, the put still works."""
         try:

@@ -693,6 +693,38 @@ def test_two_writers_taking_turns_each_put_into_their_own_standby():
 
 
 @pytest.mark.timeout(60)
+def test_a_writer_that_announces_puts_of_a_repeating_size_gets_the_next_standby_after_each_put():
+    """Prompts of one length (a benchmark, a fixed context): once a put repeats the size of the one before
+    it, the store readies the next standby right after the put, between requests, and the next announcement
+    finds it held rather than readying one during the forward; a put of another size goes back to asking."""
+
+    async def body():
+        async with running_store() as server, KvStoreClient(server.address) as writer:
+            store, size = server.servicer.store, 10 << 20
+            for index in range(2):
+                standby = await writer.prepare_put(size)
+                writer.wait_for_standby(timeout=10)
+                await writer.put(f"o{index}", "fp", random.randbytes(size))
+                assert store.find(f"o{index}").payload.name == standby
+            after_put = writer.standby_shm_name  # the second put repeated the first one's size
+            assert after_put and after_put != standby
+            assert (
+                await writer.prepare_put(size - (1 << 20)) == after_put
+            )  # held, and holds 9 MiB: no new one
+            writer.wait_for_standby(timeout=10)
+            await writer.put("o2", "fp", random.randbytes(size - (1 << 20)))
+            assert store.find("o2").payload.name == after_put
+            assert writer.standby_shm_name  # 9 MiB after 10 repeats it too
+            other = await writer.prepare_put(3 * size)  # another length: asked for, as before
+            assert other and other != after_put
+            writer.wait_for_standby(timeout=10)
+            await writer.put("o3", "fp", random.randbytes(3 * size))
+            assert store.find("o3").payload.name == other and writer.standby_shm_name == ""
+
+    asyncio.run(body())
+
+
+@pytest.mark.timeout(60)
 def test_a_writer_that_announces_each_puts_size_gets_a_standby_of_that_size_before_it():
     """Puts of sizes unlike each other (prompts of any length): each announced with PrepareStandby lands
     in the standby readied for it; after such puts the store names no standby of its own; sizes under the
