@@ -51,6 +51,7 @@ from pcpstack.common.telemetry import read_span_file
 from pcpstack.decode.client import DecodeClient, build_request
 from pcpstack.engine.engine import Engine
 from pcpstack.engine.parallel import ParallelLayout
+from pcpstack.engine.weights import load_model
 
 _CLOCK_TICKS = os.sysconf("SC_CLK_TCK")
 
@@ -571,7 +572,7 @@ class _InProcess:
 
     def __init__(self, args: argparse.Namespace) -> None:
         self._threads = args.pcp * args.threads_per_rank
-        self._engine = Engine.load(args.model, block_size=128)
+        self._engine = Engine(load_model(args.model, prefill=True), block_size=128)  # as a prefill rank loads
 
     def prefill(self, ids: list[int]) -> float:
         """Seconds one prefill of ids took."""

@@ -95,7 +95,7 @@ def _rank(global_rank: int, layout: ParallelLayout, port: int, args: dict, comma
     if distributed:
         groups = init_parallel_groups(layout, global_rank, "127.0.0.1", port, device, timeout_seconds=600)
         pcp_rank, shard = groups.pcp_rank, groups.shard()
-    loaded = load_model(args["model"], "cpu", shard=shard)
+    loaded = load_model(args["model"], "cpu", shard=shard, prefill=True)  # as a prefill rank loads
     exchange_group = None
     if groups is not None:  # as a prefill rank does: shared memory when the set shares a host
         kv_row_bytes = loaded.args.n_kv_heads * loaded.args.head_dim * loaded.dtype.itemsize
