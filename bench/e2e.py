@@ -364,9 +364,9 @@ SETTLE_WINDOW_S = 0.2
 SETTLE_TIMEOUT_S = 10.0
 
 
-async def _settled(stacks: list[LocalStack]) -> float:
+async def _settled(stacks: list[LocalStack]) -> None:
     """Waits until the stacks' processes together are idle (under SETTLED_CORE_SHARE of a core over a
-    window), at most SETTLE_TIMEOUT_S; returns the seconds waited."""
+    window), at most SETTLE_TIMEOUT_S."""
     started = time.monotonic()
 
     def used() -> float:
@@ -379,9 +379,8 @@ async def _settled(stacks: list[LocalStack]) -> float:
         await asyncio.sleep(SETTLE_WINDOW_S)
         now = used()
         if now - before < SETTLED_CORE_SHARE * SETTLE_WINDOW_S:
-            break
+            return
         before = now
-    return time.monotonic() - started
 
 
 def _ttft_floor(prefill_cpu_s: float, clients: int, prefill_threads: int) -> float:
@@ -433,7 +432,7 @@ async def _served(
     dict[tuple[int, int], list[float]],
     dict[tuple[int, int], list[float]],
 ]:
-    """Served PCP, every size's stack (its decode address in `stacks`) and raw rank set up at once.
+    """Served PCP, every size's stack (`stacks`) and raw rank set up at once.
 
     Per length: a warm-up request on each stack (it pays for first-touch allocations of this length, as
     bench prefill's warm-up does) and a warm-up raw prefill on each set; then `repeats` rounds, each one
@@ -619,8 +618,8 @@ def _served_result(args: argparse.Namespace, measured: dict) -> dict:
                 "served_ttft_s": _summary(served),
                 # The first request of this length on the stack, as a one-off `generate --local` sees it.
                 "first_request_ttft_s": round(warm_up.ttft_s, 4),
-                # The KV store's work for each request (the replica's put, its standby's pages): it runs
-                # beside the forward on the machine's cores.
+                # The KV store's work for each request: the replica's put and its standby's pages, readied
+                # beside the ranks' forward (a new size) or right after the put (a repeating one).
                 "store_cpu_s": _summary(measured["store_cpu"][(pcp, tokens)]),
             }
             raw = measured["raw"][(pcp, tokens)]

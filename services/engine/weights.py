@@ -170,7 +170,8 @@ def load_model(
     )
     if prefill and form == CACHED:
         held = sum(module.hold_dense() for module in model.modules() if isinstance(module, Linear))
-        log.info("%d projections of %s hold their fp32 weight from load (a prefill process)", held, name)
+        if held:
+            log.info("%d projections of %s hold their fp32 weight from load (a prefill process)", held, name)
     if device.type == "cpu" and dtype == torch.float32:
         dense.use_onednn()  # decided now (timed once per machine), not in the first request's prefill
     log.info("model %s loaded in %.1f s", name, time.monotonic() - started, extra=PROGRESS)

@@ -309,9 +309,9 @@ def test_background_work_lowers_the_priority_of_its_own_thread_only():
 def test_a_prefetched_segment_is_kept_mapped_for_the_next_fill(segments):
     maps = SegmentMaps(str(segments.directory), max_mapped=2)
     standby, _ = segments.standby(2 << 20, budget=64 << 20)
+    segments.prepare(standby)  # a prefetch waits for that (test_a_writer_maps_a_standby_only_once_...)
     assert maps.prefetch(standby.name) and maps.mapped == [standby.name]
     assert maps.prefetch(standby.name)  # mapped already: kept as it is
-    segments.prepare(standby)
     payload = random.randbytes(2 << 20)
     assert maps.fill(standby.name, memoryview(payload)) == crc32c(payload)
     with standby.view(0, 2 << 20) as stored:
