@@ -452,9 +452,12 @@ async def _served(
     def store_cpu_s(pcp: int) -> float:
         return _cpu_by_role(stacks[pcp]).get("kvstore", 0.0)
 
-    async def request(pcp: int, ids: list[int]) -> Timing:
+    async def request(pcp: int, ids: list[int]) -> tuple[Timing, float]:
+        """The request's timing and the KV store's CPU seconds from its start to its last token."""
         await _settled(list(stacks.values()))
-        return await _one(stacks[pcp].decode_addresses[0], ids, 2)
+        before = store_cpu_s(pcp)
+        timing = await _one(stacks[pcp].decode_addresses[0], ids, 2)
+        return timing, store_cpu_s(pcp) - before
 
     async def raw_prefill(pcp: int, tokens: int) -> float:
         await _settled(list(stacks.values()))
@@ -467,16 +470,16 @@ async def _served(
             raw[(pcp, tokens)], store_cpu[(pcp, tokens)] = [], []
         for pcp in sizes:
             # Two tokens: the second waits for the KV fetch, so the trace holds decode.kv_fetch too.
-            timings[(pcp, tokens)] = [await request(pcp, _prompt(vocab, tokens, 100 * tokens + pcp))]
+            timings[(pcp, tokens)] = [(await request(pcp, _prompt(vocab, tokens, 100 * tokens + pcp)))[0]]
         for repeat in range(1, args.repeats + 1):
             flipped = repeat % 2 == 0
             for pcp in reversed(sizes) if flipped else sizes:
                 prompt = _prompt(vocab, tokens, 100 * tokens + pcp + 10 * repeat)
                 if raw_sets[pcp] is not None and flipped:
                     raw[(pcp, tokens)].append(await raw_prefill(pcp, tokens))
-                before = store_cpu_s(pcp)
-                timings[(pcp, tokens)].append(await request(pcp, prompt))
-                store_cpu[(pcp, tokens)].append(store_cpu_s(pcp) - before)
+                timing, store_cpu_used = await request(pcp, prompt)
+                timings[(pcp, tokens)].append(timing)
+                store_cpu[(pcp, tokens)].append(store_cpu_used)
                 if raw_sets[pcp] is not None and not flipped:
                     raw[(pcp, tokens)].append(await raw_prefill(pcp, tokens))
     return timings, raw, store_cpu

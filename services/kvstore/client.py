@@ -50,11 +50,11 @@ from pcpstack.kvstore.errors import (
 )
 from pcpstack.kvstore.ranges import ByteRange, ByteRepeat, selection_bytes
 from pcpstack.kvstore.shm import (
-    MAX_REUSE_SLACK,
     ReceiveBuffers,
     SegmentMaps,
     copy_with_crc,
     lower_thread_priority,
+    reusable_for,
     shares_memory_with,
     to_thread_to_the_end,
 )
@@ -273,12 +273,12 @@ class KvStoreClient:
 
     def _size_repeats(self, size: int) -> bool:
         """Whether a put of size bytes repeats the size of the one before it (each within the slack of a
-        standby sized for the other, shm.MAX_REUSE_SLACK): then the next is likely that size again, and
+        standby sized for the other, shm.reusable_for): then the next is likely that size again, and
         even a writer that announces its puts asks the store for a standby of it after this put (between
         the puts, rather than during the forward that announces the next one; the announcement then finds
         it held)."""
         small, large = sorted((size, self._last_put_bytes))
-        return small >= self._standby_min_bytes > 0 and large <= small + int(small * MAX_REUSE_SLACK)
+        return small >= self._standby_min_bytes > 0 and reusable_for(large, small)
 
     async def prepare_put(self, size: int, timeout_s: float = ANNOUNCE_TIMEOUT_S) -> str:
         """Tells the store the size of this writer's next put before it has the bytes (a prefill rank, as

@@ -37,6 +37,7 @@ import contextlib
 import ctypes
 import errno
 import fcntl
+import logging
 import mmap
 import os
 import secrets
@@ -53,6 +54,8 @@ import numpy as np
 from pcpstack.kvstore import copy_crc
 from pcpstack.kvstore.checksum import TWO_THREADS_MIN_BYTES, crc32c, crc32c_two_threads, on_two_threads
 from pcpstack.kvstore.ranges import ByteRange, gather_with_crc
+
+log = logging.getLogger(__name__)
 
 PREFIX = "pcpkv-"
 _HUGE_PAGE = 2 << 20
@@ -113,7 +116,8 @@ class Segment:
             self.failed = True  # the pool destroys it at its next allocate, standby or trim
         finally:
             # Explicitly: the mapping holds a duplicate of fd, and with it the lock, past the close.
-            fcntl.flock(fd, fcntl.LOCK_UN)
+            with contextlib.suppress(OSError):
+                fcntl.flock(fd, fcntl.LOCK_UN)
             os.close(fd)
         self.ready = not self.failed
 
@@ -401,9 +405,14 @@ def wait_until_unlocked(fd: int, timeout_s: float) -> bool:
         return True
 
 
+def reusable_for(segment_bytes: int, size: int) -> bool:
+    """Whether a segment of segment_bytes holds an object of size bytes as it is: at least that large, at
+    most MAX_REUSE_SLACK more."""
+    return size <= segment_bytes <= size + int(size * MAX_REUSE_SLACK)
+
+
 def _fits(seg: Segment, size: int) -> bool:
-    """Whether seg holds an object of size bytes as it is: at least that large, at most a quarter more."""
-    return size <= seg.size <= size + int(size * MAX_REUSE_SLACK)
+    return reusable_for(seg.size, size)
 
 
 def reclaim_orphans(directory: Path) -> int:
@@ -615,8 +624,12 @@ class SegmentMaps:
         first wait up to that long for the store to finish preparing it (a standby: Segment.prepare)."""
         fd = os.open(os.path.join(self.directory, name), os.O_RDWR)
         try:
-            if prepared_within_s:
-                wait_until_unlocked(fd, prepared_within_s)
+            if prepared_within_s and not wait_until_unlocked(fd, prepared_within_s):
+                log.warning(
+                    "the store still prepares segment %s after %.0f s; mapping it anyway",
+                    name,
+                    prepared_within_s,
+                )
             held = os.fstat(fd).st_size
             if held < size:  # touching a mapping past the file's end would kill this process (SIGBUS)
                 raise ValueError(f"segment {name!r} holds {held} bytes, fewer than the {size} to copy")

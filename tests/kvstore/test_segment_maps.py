@@ -197,7 +197,7 @@ def test_a_writer_maps_a_standby_only_once_the_store_has_prepared_it(segments):
     maps.close()
 
 
-def test_a_writer_maps_a_standby_anyway_when_the_store_never_lets_go(segments, monkeypatch):
+def test_a_writer_maps_a_standby_anyway_when_the_store_never_lets_go(segments, monkeypatch, caplog):
     """A store frozen while preparing cannot hold a writer's prefetch forever: past PREPARED_WAIT_S it maps
     the segment as it would have without waiting."""
     monkeypatch.setattr(shm, "PREPARED_WAIT_S", 0.2)
@@ -206,6 +206,7 @@ def test_a_writer_maps_a_standby_anyway_when_the_store_never_lets_go(segments, m
     started = time.monotonic()
     assert maps.prefetch(standby.name) and maps.mapped == [standby.name]
     assert time.monotonic() - started >= 0.2
+    assert f"the store still prepares segment {standby.name}" in caplog.text
     maps.close()
     segments.prepare(standby)
 
