@@ -10,6 +10,7 @@ import time
 
 import torch
 
+from bench.decode_profile import profile_step
 from bench.engine_weights import Q4_K_M, load_forms, synthetic_1b_forms
 from bench.machine import machine_facts
 from bench.roofline import add_roofline
@@ -80,6 +81,8 @@ def _time_decode(
         elapsed = time.perf_counter() - start
         rates.append(batch * steps / elapsed)
         step_ms.append(1000 * elapsed / steps)
+    # Where the step's time went (bench/decode_profile.py), on these sequences as they now stand.
+    profile = profile_step(engine, seqs, statistics.median(step_ms))
     for s in seqs:
         engine.free(s)
     return {
@@ -87,6 +90,7 @@ def _time_decode(
         "tokens_per_s_min": min(rates),
         "tokens_per_s_max": max(rates),
         "step_ms": statistics.median(step_ms),
+        **({"profile": profile} if profile is not None else {}),
     }
 
 

@@ -727,7 +727,13 @@ def _decode_section(results: dict, plots: dict[str, Path], report: Path) -> list
     if not rows:
         return [*lines, f"Decode: {NOT_MEASURED} (`pcpstack bench engine`, `bench e2e`, `bench peers`).", ""]
     lines += _table(["stack", "model", "streams", "context", "tokens/s (all streams)", "how"], rows)
-    return lines + _image("decode", plots, report) + _roofline_table(results) + _weights_table(results)
+    return (
+        lines
+        + _image("decode", plots, report)
+        + _roofline_table(results)
+        + _profile_table(results)
+        + _weights_table(results)
+    )
 
 
 def _roofline_table(results: dict) -> list[str]:
@@ -763,6 +769,52 @@ def _roofline_table(results: dict) -> list[str]:
         )
     header = ["batch", "context", "weights", "K/V", "bytes per step", "ceiling tokens/s", "tokens/s"]
     return lines + _table([*header, "of ceiling"], rows)
+
+
+def _profile_rows(label: str, decode: dict) -> list[list[str]]:
+    rows = []
+    for key, row in sorted(decode.items(), key=lambda kv: int(kv[0].removeprefix("batch_"))):
+        profile = row.get("profile")
+        if not profile:
+            continue
+        step, projections, attention = profile["step_ms"], profile["projections_ms"], profile["attention_ms"]
+        rows.append(
+            [
+                label,
+                key.removeprefix("batch_"),
+                _num(profile["mean_context"]),
+                f"{_num(step)} ms",
+                f"{_num(projections)} ms ({100 * projections / step:.0f} %)",
+                _num(profile["projection_flops"] / projections / 1e6),
+                f"{_num(attention)} ms ({100 * attention / step:.0f} %)",
+                _num(profile["kv_bytes"] / attention / 1e6),
+                f"{_num(profile['rest_ms'])} ms",
+            ]
+        )
+    return rows
+
+
+def _profile_table(results: dict) -> list[str]:
+    """Where a decode step's time goes (bench/decode_profile.py), from bench engine and bench isa."""
+    lines = ["### Decode step profile", ""]
+    rows = _profile_rows("engine (this CPU's own set)", results.get("engine", {}).get("decode", {}))
+    isa = results.get("isa", {})
+    for arch, ours in isa.get("pcpstack", {}).items():
+        if ours.get("available"):
+            rows += _profile_rows(f"bench isa, -march={arch}", ours.get("decode", {}))
+    if not rows:
+        return [*lines, f"Profile: {NOT_MEASURED} (`pcpstack bench engine`, `bench isa`).", ""]
+    lines += [
+        "The step's parts, each timed again by itself with the same kernels and threads: every projection on "
+        "its quantized blocks (random rows of the batch's size) and every layer's paged attention over the "
+        "batch's own block tables (random queries). The rest is the step less both: norms, RoPE, SiLU, cache "
+        "writes, threads waiting for each other, the Python around the call. A part alone starts a team of "
+        "threads per call, which the fused step does not, so the parts come out a little high and the rest "
+        "low (below zero where the step is short).",
+        "",
+    ]
+    header = ["configuration", "batch", "context", "step", "projections", "GFLOP/s", "attention", "K/V GB/s"]
+    return lines + _table([*header, "rest"], rows)
 
 
 def _weights_table(results: dict) -> list[str]:

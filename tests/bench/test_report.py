@@ -89,7 +89,21 @@ def _engine() -> dict:
         "prefill": {str(n): {"median_s": n / 200, "min_s": n / 210, "max_s": n / 190} for n in (512, 2048)},
         "decode": {
             "batch_1": {"context": 512, "tokens_per_s": 80.0, "step_ms": 12.5},
-            "batch_8": {"context": 512, "tokens_per_s": 400.0, "step_ms": 20.0},
+            "batch_8": {
+                "context": 512,
+                "tokens_per_s": 400.0,
+                "step_ms": 20.0,
+                # 2 GFLOP in 10 ms of projections, 100 MB of K/V in 5 ms of attention, 5 ms left.
+                "profile": {
+                    "step_ms": 20.0,
+                    "projections_ms": 10.0,
+                    "attention_ms": 5.0,
+                    "rest_ms": 5.0,
+                    "mean_context": 560.0,
+                    "projection_flops": 2_000_000_000,
+                    "kv_bytes": 100_000_000,
+                },
+            },
         },
         "roofline": {
             "copy": {"bytes": 256 * 2**20, "gb_s": 10.0, "gb_s_min": 9.0, "gb_s_max": 11.0},
@@ -274,6 +288,10 @@ def test_full_results_give_tables_ratios_targets_and_plots(tmp_path) -> None:
     roofline = text.split("### Decode step roofline", 1)[1]
     assert "Copy bandwidth 10.0 GB/s (9.00–11.0)" in roofline
     assert "| 1 | 560 | 80.0 MB | 20.0 MB | 100 MB | 100 | 80.0 | 80 % |" in roofline
+    profile = text.split("### Decode step profile", 1)[1].split("###", 1)[0]
+    row = "| engine (this CPU's own set) | 8 | 560 | 20.0 ms | 10.0 ms (50 %) | 200 | 5.00 ms (25 %) | 20.0 |"
+    assert f"{row} 5.00 ms |" in profile
+    assert "| 1 |" not in profile  # a batch measured without a profile has no row
     for name in ("prefill_ttft", "decode_concurrency", "kv_throughput", "e2e_load"):
         assert (plots / f"{name}.png").read_bytes().startswith(b"\x89PNG")
         assert f"(plots/{name}.png)" in text
