@@ -12,7 +12,9 @@ whole model's K/V, whatever TP the prefill set or this worker runs. A decode con
 heads with ranged Gets (decode.kv_ranges) and hands the batch one part per rank. Every store object of the
 replica is released exactly once on every path: after the fetch (or when no fetch is needed), when the
 request fails or is cancelled mid-fetch, and, when the caller leaves while the set is still prefilling, as
-soon as the set's answer names the replica nobody will load.
+soon as the set's answer names the replica nobody will load. One case no end can tell: a caller that leaves
+as the answer is in flight (sent by the set, not yet taken in here) cancels a call the set saw succeed;
+that replica stays pinned until its lease (kv_lease_ms) ends.
 
 Prefix reuse: the set may answer with a handle whose leading `cached_tokens` come from the store's prefix
 blocks (`prefix_segments`, read through the handle's prefix lease, one ranged Get per segment; a TP
@@ -534,25 +536,26 @@ class GeneratePipeline:
             client = self._prefill_clients[address] = PrefillClient(address)
         self.router.started(set_id, store)
         self._prefilling += 1
-        call = asyncio.ensure_future(
-            client.prefill(
-                request_id,
-                ids,
-                sampling,
-                kvstore_address=store,
-                kv_lease_ms=self.settings.kv_lease_ms,
-                expected_fingerprint=self.settings.kv_fingerprint,
-                cache_salt=cache_salt,
-                timeout=min(remaining, self.settings.prefill_timeout_s),
-            )
+        rpc = client.start_prefill(
+            request_id,
+            ids,
+            sampling,
+            kvstore_address=store,
+            kv_lease_ms=self.settings.kv_lease_ms,
+            expected_fingerprint=self.settings.kv_fingerprint,
+            cache_salt=cache_salt,
+            timeout=min(remaining, self.settings.prefill_timeout_s),
         )
+        call = asyncio.ensure_future(_answer(rpc))
         call.add_done_callback(lambda _: self._prefill_done(set_id, store))
         try:
             return await asyncio.shield(call)
         except asyncio.CancelledError:
             # Nobody will read the answer: under load, a set kept busy with such jobs is what makes callers
-            # give up. A call that has its answer already cannot be cancelled; its replica is released.
-            call.cancel()
+            # give up. The RPC is cancelled, not the task awaiting it: an answer this process has already
+            # taken in (cancel() does nothing then) still reaches `call`, and its replica is released.
+            # Cancelling the task dropped such an answer unread, its replica pinned until its lease ended.
+            rpc.cancel()
             call.add_done_callback(self._release_abandoned)
             raise
 
@@ -755,6 +758,11 @@ class GeneratePipeline:
         for name, outcome in zip(names, outcomes, strict=True):
             if isinstance(outcome, BaseException):  # the store's lease reclaims it anyway
                 log.warning("release of %s failed: %s", name, outcome)
+
+
+async def _answer(rpc: grpc.aio.UnaryUnaryCall) -> prefill_pb2.PrefillResponse:
+    """The answer of a started Prefill call, awaited in a task of its own."""
+    return await rpc
 
 
 async def _all_or_none(awaitables: Iterable[Awaitable[T]]) -> list[T]:

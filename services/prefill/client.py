@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import grpc
+
 from pcpstack.common.channel import open_channel
 from pcpstack.v1 import common_pb2, prefill_pb2, prefill_pb2_grpc
 
@@ -15,6 +17,13 @@ class PrefillClient:
         self._stub = prefill_pb2_grpc.PrefillServiceStub(self._channel)
 
     async def prefill(
+        self, request_id: str, token_ids: list[int], sampling: common_pb2.SamplingParams, **options: object
+    ) -> prefill_pb2.PrefillResponse:
+        """Prefills one prompt (options as start_prefill's); raises grpc.aio.AioRpcError with the service's
+        status on failure."""
+        return await self.start_prefill(request_id, token_ids, sampling, **options)
+
+    def start_prefill(
         self,
         request_id: str,
         token_ids: list[int],
@@ -26,8 +35,9 @@ class PrefillClient:
         no_prefix_cache: bool = False,
         cache_salt: str = "",
         timeout: float | None = None,
-    ) -> prefill_pb2.PrefillResponse:
-        """Prefills one prompt; raises grpc.aio.AioRpcError with the service's status on failure.
+    ) -> grpc.aio.UnaryUnaryCall:
+        """The Prefill call, started: awaiting it gives the response. Its `cancel()` says whether it
+        cancelled anything (False: the answer had already arrived, and names a replica to release).
         no_prefix_cache: the caller cannot load a cached prefix; cache_salt: the request's cache salt."""
         request = prefill_pb2.PrefillRequest(
             request_id=request_id,
@@ -39,7 +49,7 @@ class PrefillClient:
             no_prefix_cache=no_prefix_cache,
             cache_salt=cache_salt,
         )
-        return await self._stub.Prefill(request, timeout=timeout)
+        return self._stub.Prefill(request, timeout=timeout)
 
     async def close(self) -> None:
         """Closes the channel."""

@@ -23,14 +23,17 @@ TOO_BIG_FOR_THE_STORE = 3000
 
 
 def make_pipeline(
-    stack: RunningStack, router_cls: type[SetRouter] = SetRouter, **engine_options
+    stack: RunningStack, router_cls: type[SetRouter] = SetRouter, kv_lease_ms: int = 0, **engine_options
 ) -> tuple[GeneratePipeline, Resolver]:
-    """A pipeline over the stack; its resolver's clock stands still, so a set it forgets stays forgotten."""
+    """A pipeline over the stack; its resolver's clock stands still, so a set it forgets stays forgotten.
+    kv_lease_ms: the replicas' lease it asks for (0: the store's default)."""
     engine = Engine.load("tiny", block_size=BLOCK_SIZE, **engine_options)
     fingerprint = engine.layout.fingerprint()
     resolver = Resolver(stack.stack.registry_address, clock=lambda: 0.0)
     router = router_cls(resolver.resolve, fingerprint)
-    settings = DecodeSettings(model_name="tiny", kv_fingerprint=fingerprint, prefill_timeout_s=60)
+    settings = DecodeSettings(
+        model_name="tiny", kv_fingerprint=fingerprint, prefill_timeout_s=60, kv_lease_ms=kv_lease_ms
+    )
     return GeneratePipeline(engine, Batcher(engine), router, settings), resolver
 
 

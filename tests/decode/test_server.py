@@ -15,6 +15,7 @@ from pcpstack.common.server import ServerOptions, start_server
 from pcpstack.decode.client import DecodeClient, build_request
 from pcpstack.decode.pipeline import GeneratePipeline
 from pcpstack.decode.server import SERVICE_NAME, DecodeServicer
+from pcpstack.kvstore.client import KvStoreClient
 from pcpstack.v1 import decode_pb2, decode_pb2_grpc
 from tests.decode.support import close_pipeline, greedy, make_pipeline, prefills_answered, prompt
 from tests.helpers import RunningStack, pinned_bytes, prefix_leases
@@ -28,9 +29,10 @@ def serving(stack: RunningStack, **engine_options) -> Iterator[str]:
 
 
 @contextmanager
-def serving_pipeline(stack: RunningStack, **engine_options) -> Iterator[tuple[str, GeneratePipeline]]:
-    """A Decode server in this process over a fresh pipeline: its address, and the pipeline."""
-    pipeline, resolver = make_pipeline(stack, **engine_options)
+def serving_pipeline(stack: RunningStack, **options) -> Iterator[tuple[str, GeneratePipeline]]:
+    """A Decode server in this process over a fresh pipeline (options: make_pipeline's): its address, and
+    the pipeline."""
+    pipeline, resolver = make_pipeline(stack, **options)
     servicer = DecodeServicer(pipeline)
     running = stack.run(
         start_server(
@@ -150,13 +152,30 @@ def test_calls_cancelled_at_every_point_leave_nothing_pinned(stack) -> None:
                 await asyncio.sleep(0.5)
         else:
             follow_up = await generate(address, request)
-        store = stack.stack.kvstore_address
         left = (await pinned_bytes(store), await prefix_leases(store))
         return answered, follow_up.summary.completion_tokens, *left
 
-    with serving_pipeline(stack) as (address, pipeline):
+    # A caller that leaves while the set's answer is already on its way (sent, not yet taken by this
+    # process's event loop) cannot be told apart from one that left before it: neither end releases that
+    # replica, and its lease reclaims it. The pipeline asks for a lease short enough to end within
+    # pinned_bytes' wait; every other replica is released or deleted, so at most a few of the sixteen
+    # expire (the race needs a cancel within milliseconds of an answer).
+    store = stack.stack.kvstore_address
+    expired_before = stack.run(_lease_expiries(store))
+    with serving_pipeline(stack, kv_lease_ms=LEASE_MS) as (address, pipeline):
         answered, completed, pinned, leases = stack.run(load(address, pipeline))
         assert pipeline.batcher.queue_depth == 0
     assert answered and completed == 3
     assert pinned == 0
     assert leases == 0, f"{leases} prefix leases still held after every call ended"
+    expired = stack.run(_lease_expiries(store)) - expired_before
+    assert expired <= 3, f"{expired} of 16 cancelled calls left their replica to its lease"
+
+
+# The replicas' lease in the test of cancelled calls: every call's replica is fetched well within it.
+LEASE_MS = 4000
+
+
+async def _lease_expiries(store_address: str) -> int:
+    async with KvStoreClient(store_address) as store:
+        return (await store.stat()).lease_expiries
