@@ -37,7 +37,7 @@ class PrefillClient:
         timeout: float | None = None,
     ) -> grpc.aio.UnaryUnaryCall:
         """The Prefill call, started: awaiting it gives the response. Its `cancel()` says whether it
-        cancelled anything (False: the answer had already arrived, and names a replica to release).
+        cancelled anything (False: the call had already ended; an answer names a replica to release).
         no_prefix_cache: the caller cannot load a cached prefix; cache_salt: the request's cache salt."""
         request = prefill_pb2.PrefillRequest(
             request_id=request_id,
