@@ -1241,6 +1241,12 @@ def _peers_section(results: dict) -> list[str]:
     return lines
 
 
+def _rounds_spread(rate: float, row: dict, low: str, high: str) -> str:
+    """A rate with the spread of its rounds' rates where it has them, else of its own runs."""
+    rounds = row.get("rounds_tokens_per_s")
+    return _spread(rate, min(rounds), max(rounds), "") if rounds else _spread(rate, row[low], row[high], "")
+
+
 def _isa_section(results: dict) -> list[str]:
     """Decode with both sides built for a narrower instruction set on this CPU (bench/isa.py)."""
     lines = ["## Narrower instruction set on this CPU", ""]
@@ -1249,9 +1255,16 @@ def _isa_section(results: dict) -> list[str]:
         return [*lines, f"{NOT_MEASURED} (`pcpstack bench isa --llama-path DIR`).", ""]
     llama = isa.get("llama.cpp", {})
     rate = llama.get("decode", {}).get("tokens_per_s_median") if llama.get("available") else None
+    rounds = isa.get("rounds")
+    how = (
+        f" a round, {rounds} rounds: rates are the rounds' median (their spread), and each ratio to "
+        "llama.cpp is the median of the ratios taken within a round, minutes apart (their spread)"
+        if rounds
+        else ""
+    )
     lines += [
         f"`pcpstack bench isa`: {isa.get('model')}, {isa.get('threads')} threads, {isa.get('context')} "
-        f"tokens of context, {isa.get('repeats')} runs. A stand-in for a CPU without AVX-512: the same "
+        f"tokens of context, {isa.get('repeats')} runs{how}. A stand-in for a CPU without AVX-512: the same "
         "instructions on this CPU, not another CPU's cores and memory.",
         "",
     ]
@@ -1267,12 +1280,16 @@ def _isa_section(results: dict) -> list[str]:
             lines += [f"- pcpstack -march={arch}: unavailable: {side.get('reason')}"]
             continue
         for batch, row in side["decode"].items():
-            spread = _spread(row["tokens_per_s"], row["tokens_per_s_min"], row["tokens_per_s_max"], "")
-            ratio = f"{row['tokens_per_s'] / rate:.2f}×" if rate else ""
+            spread = _rounds_spread(row["tokens_per_s"], row, "tokens_per_s_min", "tokens_per_s_max")
+            paired = isa.get("ratios", {}).get(arch, {}).get(batch)
+            if isinstance(paired, dict):  # paired within rounds (results before rounds hold a plain number)
+                ratio = _spread(paired["median"], paired["min"], paired["max"], "×")
+            else:
+                ratio = f"{row['tokens_per_s'] / rate:.2f}×" if rate else ""
             rows.append([f"pcpstack -march={arch}", batch.removeprefix("batch_"), spread, ratio])
     if rate is not None:
         d = llama["decode"]
-        spread = _spread(d["tokens_per_s_median"], d["tokens_per_s_min"], d["tokens_per_s_max"], "")
+        spread = _rounds_spread(d["tokens_per_s_median"], d, "tokens_per_s_min", "tokens_per_s_max")
         rows.append(["llama.cpp (same set)", "1", spread, "1.00×"])
     lines.append("")
     if rows:

@@ -1,7 +1,7 @@
 """`bench isa`: our decode with the kernels built for AVX2 + FMA (-march=haswell) and natively, each in a
 process of its own, on the real SmolLM2 weights; llama.cpp unavailable without a build folder; the report's
-section from the result. A few decode steps at a short context: it checks the measurement runs and records
-what it ran, not a speed."""
+section from the result; ratios paired within rounds. A few decode steps at a short context: it checks the
+measurement runs and records what it ran, not a speed."""
 
 from __future__ import annotations
 
@@ -20,6 +20,7 @@ def _args(**changes) -> argparse.Namespace:
         llama_path=None,
         threads=1,
         repeats=1,
+        rounds=1,
         decode_steps=2,
         decode_tokens=2,
         decode_context=16,
@@ -66,3 +67,54 @@ def test_a_llama_path_that_is_not_a_folder_is_refused(tmp_path: Path) -> None:
 def test_batches_must_be_positive() -> None:
     with pytest.raises(argparse.ArgumentTypeError, match="--batches='0,4'"):
         isa._batches("0,4")
+
+
+def test_rounds_must_be_positive() -> None:
+    with pytest.raises(SystemExit, match="--rounds=0: must be >= 1"):
+        isa.run(_args(rounds=0))
+
+
+def _decode(rate: float) -> dict:
+    return {"tokens_per_s": rate, "tokens_per_s_min": rate - 1, "tokens_per_s_max": rate + 1, "profile": rate}
+
+
+def _round(haswell_16: float, native_16: float, llama: float) -> tuple[dict, dict]:
+    ours = {
+        arch: {"available": True, "march": arch, "decode": {"batch_16": _decode(rate)}}
+        for arch, rate in (("haswell", haswell_16), ("native", native_16))
+    }
+    rate = {"tokens_per_s_median": llama, "tokens_per_s_min": llama - 1, "tokens_per_s_max": llama + 1}
+    return ours, {"available": True, "version": "0.3", "decode": rate}
+
+
+def test_each_ratio_is_paired_within_a_round_and_each_row_is_its_median_round() -> None:
+    # llama.cpp drifts from 100 to 160 between rounds; ours drifts with it: paired ratios stay near 3,
+    # while the medians of each side alone (420 / 150) would read 2.8x.
+    rounds = [_round(300, 500, 100), _round(480, 600, 160), _round(420, 550, 150)]
+    ours, llama, ratios = isa._combine(rounds)
+    row = ours["haswell"]["decode"]["batch_16"]
+    assert row["tokens_per_s"] == 420 and row["profile"] == 420  # the median round's own row, whole
+    assert row["rounds_tokens_per_s"] == [300, 480, 420]
+    assert llama["decode"]["tokens_per_s_median"] == 150
+    assert llama["decode"]["rounds_tokens_per_s"] == [100, 160, 150]
+    assert ratios["haswell"]["batch_16"] == {"median": 3.0, "min": 2.8, "max": 3.0, "rounds": [3.0, 3.0, 2.8]}
+    assert ratios["native"]["batch_16"]["rounds"] == [5.0, 3.75, 3.67]
+    text = render(
+        {"isa": {"rounds": 3, "pcpstack": ours, "llama.cpp": llama, "ratios": ratios}},
+        Path("bench/results"),
+        {},
+        Path("BENCHMARKS.md"),
+        None,
+    )
+    section = text.split("## Narrower instruction set on this CPU", 1)[1]
+    assert "| pcpstack -march=haswell | 16 | 420 (300–480) | 3.00× (2.80–3.00) |" in section
+    assert "| llama.cpp (same set) | 1 | 150 (100–160) | 1.00× |" in section
+    assert "3 rounds" in section
+
+
+def test_a_round_without_llama_cpp_leaves_no_ratio() -> None:
+    missing = {"available": False, "reason": "llama.cpp's process was killed by SIGKILL before reporting"}
+    rounds = [_round(300, 500, 100), (_round(480, 600, 160)[0], missing)]
+    ours, llama, ratios = isa._combine(rounds)
+    assert llama == missing and ratios == {}
+    assert ours["native"]["decode"]["batch_16"]["rounds_tokens_per_s"] == [500, 600]
