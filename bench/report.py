@@ -1257,8 +1257,9 @@ def _isa_section(results: dict) -> list[str]:
     rate = llama.get("decode", {}).get("tokens_per_s_median") if llama.get("available") else None
     rounds = isa.get("rounds")
     how = (
-        f" a round, {rounds} rounds: rates are the rounds' median (their spread), and each ratio to "
-        "llama.cpp is the median of the ratios taken within a round, minutes apart (their spread)"
+        f" a round, {rounds} round{'s' * (rounds != 1)}: rates are the rounds' median (their spread), and "
+        "each ratio to llama.cpp is the median of the ratios taken within a round, minutes apart (their "
+        "spread)"
         if rounds
         else ""
     )
