@@ -1241,10 +1241,9 @@ def _peers_section(results: dict) -> list[str]:
     return lines
 
 
-def _rounds_spread(rate: float, row: dict, low: str, high: str) -> str:
-    """A rate with the spread of its rounds' rates where it has them, else of its own runs."""
-    rounds = row.get("rounds_tokens_per_s")
-    return _spread(rate, min(rounds), max(rounds), "") if rounds else _spread(rate, row[low], row[high], "")
+def _over_rounds(rate: float, row: dict) -> str:
+    """A rate (its median round's) with the spread of every round's rate (bench/isa.py)."""
+    return _spread(rate, min(row["rounds_tokens_per_s"]), max(row["rounds_tokens_per_s"]), "")
 
 
 def _isa_section(results: dict) -> list[str]:
@@ -1256,16 +1255,11 @@ def _isa_section(results: dict) -> list[str]:
     llama = isa.get("llama.cpp", {})
     rate = llama.get("decode", {}).get("tokens_per_s_median") if llama.get("available") else None
     rounds = isa.get("rounds")
-    how = (
-        f" a round, {rounds} round{'s' * (rounds != 1)}: rates are the rounds' median (their spread), and "
-        "each ratio to llama.cpp is the median of the ratios taken within a round, minutes apart (their "
-        "spread)"
-        if rounds
-        else ""
-    )
     lines += [
         f"`pcpstack bench isa`: {isa.get('model')}, {isa.get('threads')} threads, {isa.get('context')} "
-        f"tokens of context, {isa.get('repeats')} runs{how}. A stand-in for a CPU without AVX-512: the same "
+        f"tokens of context, {isa.get('repeats')} runs a round, {rounds} round{'s' * (rounds != 1)}: rates "
+        "are the rounds' median (their spread), and each ratio to llama.cpp is the median of the ratios "
+        "taken within a round, minutes apart (their spread). A stand-in for a CPU without AVX-512: the same "
         "instructions on this CPU, not another CPU's cores and memory.",
         "",
     ]
@@ -1281,17 +1275,12 @@ def _isa_section(results: dict) -> list[str]:
             lines += [f"- pcpstack -march={arch}: unavailable: {side.get('reason')}"]
             continue
         for batch, row in side["decode"].items():
-            spread = _rounds_spread(row["tokens_per_s"], row, "tokens_per_s_min", "tokens_per_s_max")
             paired = isa.get("ratios", {}).get(arch, {}).get(batch)
-            if isinstance(paired, dict):  # paired within rounds (results before rounds hold a plain number)
-                ratio = _spread(paired["median"], paired["min"], paired["max"], "×")
-            else:
-                ratio = f"{row['tokens_per_s'] / rate:.2f}×" if rate else ""
-            rows.append([f"pcpstack -march={arch}", batch.removeprefix("batch_"), spread, ratio])
+            ratio = _spread(paired["median"], paired["min"], paired["max"], "×") if paired else ""
+            streams = batch.removeprefix("batch_")
+            rows.append([f"pcpstack -march={arch}", streams, _over_rounds(row["tokens_per_s"], row), ratio])
     if rate is not None:
-        d = llama["decode"]
-        spread = _rounds_spread(d["tokens_per_s_median"], d, "tokens_per_s_min", "tokens_per_s_max")
-        rows.append(["llama.cpp (same set)", "1", spread, "1.00×"])
+        rows.append(["llama.cpp (same set)", "1", _over_rounds(rate, llama["decode"]), "1.00×"])
     lines.append("")
     if rows:
         lines += _table(["decode", "streams", "tokens/s", "÷ llama.cpp 1 stream"], rows)
