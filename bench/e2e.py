@@ -622,7 +622,7 @@ def _served_result(args: argparse.Namespace, measured: dict) -> dict:
                 # The first request of this length on the stack, as a one-off `generate --local` sees it.
                 "first_request_ttft_s": round(warm_up.ttft_s, 4),
                 # The KV store's work for each request: the replica's put and its standby's pages, readied
-                # beside the ranks' forward (a new size) or right after the put (a repeating one).
+                # beside the ranks' forward (a new size) or right after the forward (a repeating one).
                 "store_cpu_s": _summary(measured["store_cpu"][(pcp, tokens)]),
             }
             raw = measured["raw"][(pcp, tokens)]

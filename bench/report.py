@@ -1017,8 +1017,9 @@ def _served_section(e2e: dict) -> list[str]:
         "there, and a gap between a paired figure and its ratio of medians is that drift. Every request and "
         "raw prefill starts once all stacks have settled. KV store CPU: the store's CPU seconds from each "
         "timed request's start to its last token: the replica's put and a standby segment's pages (readied "
-        "during the ranks' forward when a rank announces a size unlike its last put's, right after the put "
-        "when the size repeats; on a 2-core machine the former comes out of a PCP=2 set's cores).",
+        "during the ranks' forward when the pushing rank holds none of the size it announces, and for "
+        "every rank of the set right after a forward whose size repeats the one before; on a 2-core machine "
+        "the former comes out of a PCP=2 set's cores).",
         "",
     ]
 

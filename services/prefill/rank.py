@@ -74,6 +74,7 @@ from pcpstack.engine.weights import load_model
 from pcpstack.kvstore.client import KvStoreClient
 from pcpstack.kvstore.prefix import PREFIX_BLOCK_TOKENS, segment_range
 from pcpstack.kvstore.ranges import ByteRange
+from pcpstack.kvstore.shm import reusable_for
 from pcpstack.prefill.batch import BatchSplit, pack_jobs, prefill_batch, unpack_jobs
 from pcpstack.prefill.context_parallel import (
     KvAllGather,
@@ -287,6 +288,9 @@ class RankWorker:
         # The K/V heads (of the whole model) this rank computes with: a cached prefix loads these.
         self.kv_heads = TensorParallelShard(spec.tp_rank, spec.tp_size).kv_head_range(engine.loaded.full_args)
         self.pusher = ReplicaPusher()
+        # Per forward, the push this rank would make of its first job were it the job's owner: (store
+        # address, bytes), None where its TP rank pushes no shard; the forward before and the last one.
+        self._push_sizes: list[tuple[str, int] | None] = [None, None]
 
     def step(self, jobs: list[PrefillJob] | None) -> tuple[int, list[PrefillOutcome] | None]:
         """One round of the set: rank 0 passes its jobs, run in one forward (None: idle tick). Returns (op,
@@ -447,13 +451,42 @@ class RankWorker:
 
     def _announce_push(self, jobs: list[PrefillJob], owners: list[int], cached: list[int]) -> None:
         """Before the forward: the size of this rank's first push of it, to its store (ReplicaPusher.prepare),
-        which readies a segment of that size while the forward runs. Its shard holds the tokens after the
-        cached prefix, every layer's K and V of this rank's K/V heads."""
+        which readies a segment of that size while the forward runs unless this rank holds one that fits
+        already (keep_standby). Its shard holds the tokens after the cached prefix, every layer's K and V
+        of this rank's K/V heads."""
+        self._push_sizes = [self._push_sizes[-1], self._push_size(jobs[0], cached[0])]
         for job, owner, held in zip(jobs, owners, cached, strict=True):
             if self._shard_to_push(job, owner) is not None:
-                planes, row = self._kv_planes_and_row_bytes()
-                self.pusher.prepare(job.kvstore_address, planes * (len(job.token_ids) - held) * row)
+                self.pusher.prepare(job.kvstore_address, self._push_size(job, held)[1])
                 return
+
+    def _push_size(self, job: PrefillJob, held: int) -> tuple[str, int] | None:
+        """(store address, bytes) of the shard of `job` this rank pushes when its PCP rank owns the job,
+        `held` tokens of it cached; None when its TP rank pushes none (a K/V head another one stores)."""
+        if not any(s.tp_rank == self.spec.tp_rank for s in job.stored_shards(self.fingerprint)):
+            return None
+        planes, row = self._kv_planes_and_row_bytes()
+        return job.kvstore_address, planes * (len(job.token_ids) - held) * row
+
+    def keep_standby(self) -> None:
+        """After a forward, its outcomes sent: when its push size repeats the forward's before it (within a
+        standby's slack, shm.reusable_for), tells the store that this rank's next push will be that size,
+        whether or not it pushed this time, so the store readies a standby for it now, between requests.
+
+        Which PCP rank pushes a request's replica follows from its id (replica_owner), so each rank of a
+        set pushes some requests and skips others; a standby readied only after the rank's own push (the
+        client's rule) leaves every rank its first push or two of a new size to prepare during that
+        forward, which on a host whose cores the ranks fill comes out of the ranks' time. bench e2e's
+        served test, PCP=2 on 2 cores, two runs each side interleaved: the store's CPU a request 0.34-0.43
+        -> 0.07-0.09 s at 2,048 tokens and 0.80-0.83 -> 0.13-0.18 s at 4,096; the whole path over the raw
+        ranks at 2,048 (paired) 7.3-10.7 -> 1.9-3.7 %. A size that does not repeat readies nothing here: a
+        standby for it would likely not fit the next one."""
+        before, last = self._push_sizes
+        if before is None or last is None or before[0] != last[0]:
+            return
+        small, large = sorted((before[1], last[1]))
+        if small > 0 and reusable_for(large, small):
+            self.pusher.prepare(*last)
 
     def _kv_planes_and_row_bytes(self) -> tuple[int, int]:
         """(K and V planes of all layers, bytes of one token's row of this rank's K/V heads in one plane):
@@ -626,6 +659,8 @@ def rank_main(spec: RankSpec, conn: Connection, progress: Synchronized) -> None:
             progress.value = time.time()
             if outcomes is not None:
                 conn.send(outcomes)
+            if op == OP_PREFILL:
+                worker.keep_standby()  # with the replies on their way
             if op == OP_STOP:
                 break
     except Exception as exc:

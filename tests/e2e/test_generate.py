@@ -10,6 +10,7 @@ included) gets INVALID_ARGUMENT naming the field.
 from __future__ import annotations
 
 import asyncio
+import time
 
 import grpc
 import pytest
@@ -209,3 +210,30 @@ def test_each_replica_lands_in_the_segment_its_rank_announced_before_the_forward
         result = stack.run(_answer(stack.decode, prompt, cache_salt=f"standby-{index}", max_tokens=2))
         assert result.summary.cached_prompt_tokens == 0
         assert stack.run(_store_stat(stack)).standby_puts == before + 1, f"prompt of {lines} lines"
+
+
+@pytest.mark.slow
+def test_every_rank_holds_a_standby_once_its_set_has_prefilled_a_size_twice(smollm_stack_pcp2) -> None:
+    """Each request's replica is pushed by the PCP rank its id picks, so a rank that pushed none of the
+    last requests would have to ready a segment during its next forward, out of the ranks' cores. Once
+    the set has prefilled two prompts of the same length in a row, every rank tells the store to ready
+    a standby of that size for its next push, pushing this time or not: the store's pool grows by one
+    replica's size per rank (replicas stay in the store for prefix reuse, so no segment comes back)."""
+    stack = smollm_stack_pcp2
+    # ~1,400 tokens (65 MB replicas): longer than any prompt before it in this module, so no pooled
+    # segment from earlier tests fits these sizes.
+    text = " ".join(f"Line {i}: a grey owl sees {i % 7} mice." for i in range(120))
+    before = stack.run(_store_stat(stack)).pooled_bytes
+    tokens = set()
+    for salt in ("twice-a", "twice-b"):
+        result = stack.run(_answer(stack.decode, text, cache_salt=salt, max_tokens=2))
+        assert result.summary.cached_prompt_tokens == 0
+        tokens.add(result.summary.prompt_tokens)
+    assert len(tokens) == 1
+    # SmolLM2-135M's fp32 K/V: 30 layers x K and V x 3 K/V heads x 64 x 4 bytes a token.
+    replica = tokens.pop() * 30 * 2 * 3 * 64 * 4
+    deadline = time.monotonic() + 30  # the ranks ask after their replies, the store answers at once
+    while (grown := stack.run(_store_stat(stack)).pooled_bytes - before) < 2 * replica:
+        assert time.monotonic() < deadline, f"pool grew by {grown} bytes, want 2 standbys of {replica}"
+        time.sleep(0.1)
+    assert grown == 2 * replica
