@@ -6,8 +6,10 @@ it, so later repeats measure the steady state: the store's warm segment pool, an
 mappings of those segments and the receive buffer the previous get left behind. A first, untimed round
 warms both processes' memory (on this VM the first touch of fresh memory costs up to 3x); it is reported
 apart as `first_*`. Reports medians of the timed repeats, and the CPU time each side spent: the client's
-(all its threads) per put and get, and the store's per put (its process's clock ticks, 10 ms each, summed
-over the timed puts and averaged). On a busy machine wall times swing widely; CPU times hold.
+(all its threads) per put and get, and the store's per put and per object, the latter all its work for
+one object from the announcement on: a standby's pages included, which are readied between puts (its
+process's clock ticks, 10 ms each, summed over the timed repeats and averaged). On a busy machine wall times
+swing widely; CPU times hold.
 
 Path `shm_full` is the shared-memory path as a serving store sees it after a while: full of replicas kept
 for prefix reuse. Each put is released after its get instead of deleted, so from the ninth put on (the store
@@ -100,12 +102,13 @@ async def _measure(
     count = (kept_from if keep else 0) + repeats + 1
     sizes = _mixed_sizes(size, count) if announce else [size] * count
     payload = memoryview(os.urandom(size))
-    puts, gets, put_cpu, get_cpu, store_put_cpu = [], [], [], [], []
+    puts, gets, put_cpu, get_cpu, store_put_cpu, store_cpu_each = [], [], [], [], [], []
     async with KvStoreClient(address, prefer_shm=prefer_shm, chunk_bytes=chunk) as client:
         if await client.uses_shm() != prefer_shm:
             raise RuntimeError(f"client could not take the {'shm' if prefer_shm else 'gRPC'} path")
         for i, n in enumerate(sizes):
             key = f"bench-{path}-{i}"
+            store_cycle = process_cpu_s(store_pid)
             if announce:  # as a prefill rank does when its forward starts; the pause stands for the forward
                 await client.prepare_put(n)
                 await asyncio.sleep(KEPT_PAUSE_S)
@@ -123,12 +126,13 @@ async def _measure(
             del data
             if not keep:
                 await client.delete(key, capability)
-                continue
-            await client.release(key, capability)
-            if not announce and size >= STANDBY_MIN_BYTES:
-                await asyncio.sleep(KEPT_PAUSE_S)
+            else:
+                await client.release(key, capability)
+                if not announce and size >= STANDBY_MIN_BYTES:
+                    await asyncio.sleep(KEPT_PAUSE_S)
+            store_cpu_each.append(process_cpu_s(store_pid) - store_cycle)
     if keep:  # the puts that filled the store are not the steady state
-        for kept in (sizes, puts, gets, put_cpu, get_cpu, store_put_cpu):
+        for kept in (sizes, puts, gets, put_cpu, get_cpu, store_put_cpu, store_cpu_each):
             del kept[:kept_from]
     put_rates = [n / t / 1e6 for n, t in zip(sizes, puts, strict=True)]
     get_rates = [n / t / 1e6 for n, t in zip(sizes, gets, strict=True)]
@@ -142,6 +146,8 @@ async def _measure(
         "first_get_mb_s": round(first_get, 1),
         "put_client_cpu_ms": round(statistics.median(put_cpu[1:]) * 1e3, 1),
         "put_store_cpu_ms": round(statistics.mean(store_put_cpu[1:]) * 1e3, 1),
+        # All the store's work for one object: its announcement and standby, put, get, release or delete.
+        "store_cpu_per_object_ms": round(statistics.mean(store_cpu_each[1:]) * 1e3, 1),
         "get_client_cpu_ms": round(statistics.median(get_cpu[1:]) * 1e3, 1),
         **({"sizes": sizes} if announce else {}),
     }

@@ -246,7 +246,9 @@ class SegmentStore:
     def standby(self, size: int, budget: int, held: str = "") -> tuple[Segment | None, bool]:
         """A free segment for a writer's next put of about size bytes, and whether it is new: the pooled
         standby it holds already (`held`) if that fits; else a pooled one that fits and is promised to no
-        other writer (ready or being prepared); else a new one in the pool, if the pool stays within budget
+        other writer (ready or being prepared); else, where the pool has no room for a new one beside the
+        free segments, the smallest larger one promised to none, shrunk to size; else a new one in the
+        pool, if the pool stays within budget
         bytes with it (pooled segments that fit no writer's standby and are promised to none make room,
         largest first), whose pages are still to come (run `prepare` on a worker thread); else None. The
         segment is promised to this writer, and only its puts take it (each PCP rank that pushes keeps a
@@ -265,6 +267,23 @@ class SegmentStore:
             return seg, False
         if self._closed or self.promised_bytes + size > budget:
             return None, False
+        larger = [seg for seg in self._pool if seg.ready and not seg.promised and seg.size > size]
+        if larger and self.pooled_bytes + size > budget:
+            # No room for a new one beside the free ones (a full store's evictions left them): rather than
+            # unlink them for it, the smallest larger one shrunk to size (its tail pages go back), whose
+            # pages are warm where a new one's must all be allocated and zeroed, during the announcing
+            # writer's forward. (Growing a smaller one would fault its tail here, on the store's loop.)
+            seg = min(larger, key=lambda s: s.size)
+            self._pool.remove(seg)
+            try:
+                seg.resize(size)
+            except BaseException:  # out of the pool already: unlinked, not forgotten
+                seg.destroy()
+                raise
+            self._promise(seg)
+            self._pool.append(seg)
+            self._trim(budget, spare_promised=True)
+            return seg, False
         self._trim(budget - size, spare_promised=True)
         if self.pooled_bytes + size > budget:  # what is left unpromised is still being prepared
             return None, False

@@ -48,6 +48,7 @@ def test_benchmark_smoke_run_writes_json(area, tmp_path, child_env) -> None:
         assert peers["llama.cpp"]["available"] or peers["llama.cpp"]["reason"], peers["llama.cpp"]
     if area == "kv":  # every path, the full store's included, moved the bytes it was given
         assert all(saved[path]["put_mb_s"] > 0 and saved[path]["get_mb_s"] > 0 for path in KV_PATHS)
+        assert all(saved[path]["store_cpu_per_object_ms"] >= 0 for path in KV_PATHS)  # reported for each
         assert len(set(saved["shm_mixed"]["sizes"])) > 1
     if area == "e2e":  # the second turn took the first turn's 18 full prefix blocks of 16 from the store
         second = saved["multi_turn"]["turns"][1]

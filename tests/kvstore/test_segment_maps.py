@@ -341,3 +341,32 @@ def test_each_writer_keeps_a_standby_of_its_own(segments):
     assert bigger is not first and bigger.promised and not first.promised
     segments.trim(0)  # the standbys are free segments: the budget reclaims them (not one being prepared)
     assert not first.path.exists() and segments.pooled_bytes == 16 << 20
+
+
+def test_a_standby_shrinks_a_larger_free_segment_where_the_pool_has_no_room_for_a_new_one(segments):
+    """In a full store the free segments are what evictions left, and the pool has no room for a new
+    standby beside them: the smallest larger one promised to nobody becomes the standby, shrunk to size,
+    its pages warm (a new segment's would all be allocated during the announcing writer's forward, after
+    unlinking free ones for its room). Another writer's standby is never taken; with room to spare a new
+    one is made and the larger free one stays as it is."""
+    theirs, _ = segments.standby(32 << 20, budget=128 << 20)  # another writer's
+    segments.prepare(theirs)
+    idle = [segments.allocate(size) for size in (12 << 20, 24 << 20)]
+    for seg in idle:
+        segments.recycle(seg)  # 68 MiB pooled
+    standby, new = segments.standby(4 << 20, budget=70 << 20)
+    assert standby is idle[0] and not new and standby.promised and standby.ready
+    assert standby.size == os.path.getsize(standby.path) == 4 << 20
+    assert segments.pooled_bytes == (32 + 4 + 24) << 20 and theirs.size == 32 << 20
+    assert segments.allocate(4 << 20, preferred=standby.name) is standby  # its writer's put takes it
+    payload = random.randbytes(4 << 20)
+    standby.write(0, payload)
+    with standby.view(0, 4 << 20) as stored:
+        assert stored == payload
+    segments.recycle(standby)  # 60 MiB pooled, the 4 MiB one free again
+    roomy, new = segments.standby(16 << 20, budget=128 << 20)
+    assert new and roomy not in idle and idle[1].size == 24 << 20
+    segments.prepare(roomy)
+    tight, new = segments.standby(16 << 20, budget=80 << 20)  # 76 MiB pooled: no room for 16 more
+    assert tight is idle[1] and not new and tight.size == 16 << 20
+    assert segments.pooled_bytes == (32 + 4 + 16 + 16) << 20
