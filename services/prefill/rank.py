@@ -456,8 +456,9 @@ class RankWorker:
         of this rank's K/V heads."""
         self._push_sizes = [self._push_sizes[-1], self._push_size(jobs[0], cached[0])]
         for job, owner, held in zip(jobs, owners, cached, strict=True):
-            if self._shard_to_push(job, owner) is not None:
-                self.pusher.prepare(job.kvstore_address, self._push_size(job, held)[1])
+            push = self._push_size(job, held)
+            if push is not None and self._shard_to_push(job, owner) is not None:
+                self.pusher.prepare(*push)
                 return
 
     def _push_size(self, job: PrefillJob, held: int) -> tuple[str, int] | None:
