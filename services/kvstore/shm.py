@@ -233,15 +233,20 @@ class SegmentStore:
                 return seg
             bigger = [seg for seg in ready if seg.size >= size]
             seg = min(bigger, key=lambda s: s.size) if bigger else max(ready, key=lambda s: s.size)
-            self._pool.remove(seg)
-            seg.promised = False
-            try:
-                seg.resize(size)
-            except BaseException:  # out of the pool already: unlinked, not forgotten
-                seg.destroy()
-                raise
-            return seg
+            return self._resized_out_of_pool(seg, size)
         return Segment(self._new_path(), size)
+
+    def _resized_out_of_pool(self, seg: Segment, size: int) -> Segment:
+        """Takes a ready pooled segment out of the pool, promised to nobody, resized to size. If the resize
+        fails it is unlinked (out of the pool already, never forgotten) and the error raised."""
+        self._pool.remove(seg)
+        seg.promised = False
+        try:
+            seg.resize(size)
+        except BaseException:
+            seg.destroy()
+            raise
+        return seg
 
     def standby(self, size: int, budget: int, held: str = "") -> tuple[Segment | None, bool]:
         """A free segment for a writer's next put of about size bytes, and whether it is new: the pooled
@@ -273,13 +278,7 @@ class SegmentStore:
             # unlink them for it, the smallest larger one shrunk to size (its tail pages go back), whose
             # pages are warm where a new one's must all be allocated and zeroed, during the announcing
             # writer's forward. (Growing a smaller one would fault its tail here, on the store's loop.)
-            seg = min(larger, key=lambda s: s.size)
-            self._pool.remove(seg)
-            try:
-                seg.resize(size)
-            except BaseException:  # out of the pool already: unlinked, not forgotten
-                seg.destroy()
-                raise
+            seg = self._resized_out_of_pool(min(larger, key=lambda s: s.size), size)
             self._promise(seg)
             self._pool.append(seg)
             self._trim(budget, spare_promised=True)

@@ -444,8 +444,10 @@ class RankWorker:
 
     def _shard_to_push(self, job: PrefillJob, owner: int) -> ReplicaShard | None:
         """The shard of the job's replica this rank pushes: on the owner's TP ranks the job's shards name."""
-        if self.spec.pcp_rank != owner:
-            return None
+        return self._tp_shard(job) if self.spec.pcp_rank == owner else None
+
+    def _tp_shard(self, job: PrefillJob) -> ReplicaShard | None:
+        """The shard of the job's replica this rank's TP rank stores when its PCP rank owns the job."""
         mine = [s for s in job.stored_shards(self.fingerprint) if s.tp_rank == self.spec.tp_rank]
         return mine[0] if mine else None
 
@@ -457,14 +459,14 @@ class RankWorker:
         self._push_sizes = [self._push_sizes[-1], self._push_size(jobs[0], cached[0])]
         for job, owner, held in zip(jobs, owners, cached, strict=True):
             push = self._push_size(job, held)
-            if push is not None and self._shard_to_push(job, owner) is not None:
+            if push is not None and self.spec.pcp_rank == owner:
                 self.pusher.prepare(*push)
                 return
 
     def _push_size(self, job: PrefillJob, held: int) -> tuple[str, int] | None:
         """(store address, bytes) of the shard of `job` this rank pushes when its PCP rank owns the job,
         `held` tokens of it cached; None when its TP rank pushes none (a K/V head another one stores)."""
-        if not any(s.tp_rank == self.spec.tp_rank for s in job.stored_shards(self.fingerprint)):
+        if self._tp_shard(job) is None:
             return None
         planes, row = self._kv_planes_and_row_bytes()
         return job.kvstore_address, planes * (len(job.token_ids) - held) * row
