@@ -19,7 +19,8 @@ spread. Each side's row is its median round's, with every round's rate beside it
 
 llama.cpp for --llama-path, built without AVX-512 into a folder of its own (the README has the command):
   CMAKE_ARGS="-DGGML_NATIVE=OFF -DGGML_AVX2=ON -DGGML_FMA=ON -DGGML_F16C=ON -DGGML_AVX512=OFF ..." \\
-    pip install --no-deps --target DIR llama-cpp-python
+    pip install --no-deps --target DIR llama-cpp-python diskcache
+(--no-deps keeps the venv's numpy; llama_cpp imports diskcache, which the folder must then hold itself)
 """
 
 from __future__ import annotations
@@ -74,7 +75,8 @@ def _ours(gguf: Path, args: argparse.Namespace) -> dict:
     from bench.engine import _time_decode
     from pcpstack.engine.engine import Engine
 
-    if cpu_kernels.library() is None:
+    lib = cpu_kernels.library()
+    if lib is None:
         return {"available": False, "reason": f"our kernels did not build (or lost to torch) for {args.arch}"}
     steps = args.decode_steps * args.repeats + 1
     per_sequence = -(-(args.decode_context + steps) // 16)
@@ -84,7 +86,7 @@ def _ours(gguf: Path, args: argparse.Namespace) -> dict:
         rows[f"batch_{batch}"] = _time_decode(
             engine, batch, args.decode_steps, args.repeats, args.decode_context
         )
-    return {"available": True, "march": args.arch, "decode": rows}
+    return {"available": True, "march": args.arch, "mtune": cpu_kernels.tuned_as(lib), "decode": rows}
 
 
 def _llama(gguf: Path, args: argparse.Namespace) -> dict:
@@ -93,8 +95,11 @@ def _llama(gguf: Path, args: argparse.Namespace) -> dict:
 
     folder = Path(args.llama_path).resolve()
     sys.path.insert(0, str(folder))
-    import llama_cpp
-
+    try:
+        import llama_cpp
+    except ImportError as exc:  # e.g. a --no-deps install without diskcache, which llama_cpp imports
+        reason = f"llama_cpp in --llama-path={folder} cannot be imported ({exc}); see the module's docstring"
+        return {"available": False, "reason": reason}
     if not Path(llama_cpp.__file__).resolve().is_relative_to(folder):
         raise RuntimeError(f"--llama-path={folder}: llama_cpp was imported from {llama_cpp.__file__} instead")
     system_info = llama_cpp.llama_print_system_info().decode()

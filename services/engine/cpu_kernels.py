@@ -5,6 +5,10 @@ $PCPSTACK_KERNEL_ARCH, e.g. `haswell` to build the AVX2 code on an AVX-512 machi
 `~/.cache/pcpstack/kernels` (or $PCPSTACK_KERNEL_CACHE) by a hash of the source, flags, compiler and CPU
 flags, so every process after the first loads it in milliseconds.
 
+A first build makes two libraries, one tuned as -march implies and one with GCC's generic tuning (TUNINGS),
+times the same decode-shaped block matmuls in both and keeps the faster, its choice written beside them: the
+vector code is the same, but the CPU's own tuning is not always the faster schedule for it.
+
 The engine never takes a path slower than its fallback: right after the first build, the kernels' block
 matmul is timed against torch's dense fp32 matmul of the same shape on this CPU, and the verdict is kept
 beside the library (so every process on the machine makes the same choice). Kernels that lose are not used,
@@ -16,8 +20,10 @@ lose, or are off, `library()` is None and the engine runs its plain PyTorch path
 summation order.
 """
 
+import contextlib
 import ctypes
 import functools
+import json
 import logging
 import os
 import platform
@@ -38,6 +44,13 @@ CACHE_ENV = native.CACHE_ENV
 ARCH_ENV = "PCPSTACK_KERNEL_ARCH"
 # How much faster than torch's dense matmul the kernels must be to be used (1.0: at least as fast).
 MIN_SPEEDUP_ENV = "PCPSTACK_KERNEL_MIN_SPEEDUP"
+# GCC tunings a first build tries (-mtune; "": the one -march implies), the faster kept (_chosen_tuning). On
+# an AMD EPYC without AVX-512 (Zen 3: -march=native is znver3) the batch-16 Q4_1 matmul took 560 us with the
+# CPU's own tuning against 430 with the generic one, batch 1 equal (117 / 118 us), and decode at 16 streams
+# ran 212-236 against 263-289 tokens/s; elsewhere the CPU's own may win, so both are timed.
+TUNINGS = ("", "generic")
+# Rows of the block matmuls that choose the tuning: one stream's decode and a batch of 16's.
+TUNING_ROWS = (1, 16)
 # libmvec: glibc's vector expf for the softmax.
 LIBS = ("-lm", "-lmvec")
 
@@ -110,13 +123,39 @@ class DecodeModelWeightsC(ctypes.Structure):
     ]
 
 
-def _flags() -> tuple[str, ...]:
+def _flags(tuning: str = "") -> tuple[str, ...]:
     arch = os.environ.get(ARCH_ENV) or "native"
-    return ("-O3", f"-march={arch}", "-fopenmp", "-fno-math-errno", "-shared", "-fPIC")
+    tune = (f"-mtune={tuning}",) if tuning else ()
+    return ("-O3", f"-march={arch}", *tune, "-fopenmp", "-fno-math-errno", "-shared", "-fPIC")
 
 
-def _library_path(compiler: str) -> Path:
-    return native.library_path(compiler, SOURCE, _flags() + LIBS, platform.machine(), native.cpu_flags())
+def _library_path(compiler: str, tuning: str = "") -> Path:
+    flags = _flags(tuning) + LIBS
+    return native.library_path(compiler, SOURCE, flags, platform.machine(), native.cpu_flags())
+
+
+def _built(compiler: str, tuning: str) -> ctypes.CDLL:
+    """The library of one tuning, compiled first if the cache lacks it; raises OSError or SubprocessError
+    where it cannot be built or loaded."""
+    path = _library_path(compiler, tuning)
+    if not path.exists():
+        # `progress`: a local stack relays these to its user (a first build takes a while).
+        started = time.monotonic()
+        log.info("building CPU kernels with %s into %s", compiler, path, extra={"progress": "kernels"})
+        native.build(compiler, SOURCE, _flags(tuning), LIBS, path, timeout_s=300)
+        log.info("CPU kernels built in %.1f s", time.monotonic() - started, extra={"progress": "kernels"})
+    lib = ctypes.CDLL(str(path))
+    for name, argtypes in _SIGNATURES.items():
+        function = getattr(lib, name)
+        function.argtypes, function.restype = argtypes, _RESTYPES.get(name)
+    lib._pcpstack_path = path  # type: ignore[attr-defined]  (where its verdict is kept)
+    lib._pcpstack_tuning = tuning  # type: ignore[attr-defined]  (what tuned_as reports)
+    return lib
+
+
+def tuned_as(lib: ctypes.CDLL) -> str:
+    """The -mtune a library of build_library was compiled with ("": the one its -march implies)."""
+    return lib._pcpstack_tuning  # type: ignore[attr-defined]
 
 
 def enable_setting() -> str:
@@ -134,24 +173,38 @@ def build_library() -> ctypes.CDLL | None:
     if compiler is None:
         log.warning("no C compiler found: decode runs on plain PyTorch kernels (slower)")
         return None
-    try:
-        path = _library_path(compiler)
-        if not path.exists():
-            # `progress`: a local stack relays these to its user (a first build takes a while).
-            started = time.monotonic()
-            log.info("building CPU kernels with %s into %s", compiler, path, extra={"progress": "kernels"})
-            native.build(compiler, SOURCE, _flags(), LIBS, path, timeout_s=300)
-            log.info("CPU kernels built in %.1f s", time.monotonic() - started, extra={"progress": "kernels"})
-        lib = ctypes.CDLL(str(path))
-    except (OSError, subprocess.SubprocessError) as error:
-        detail = getattr(error, "stderr", "") or error
-        log.warning("CPU kernels unavailable, decode runs on plain PyTorch kernels (slower): %s", detail)
+    libs, failure = {}, None
+    for tuning in TUNINGS:
+        try:
+            libs[tuning] = _built(compiler, tuning)
+        except (OSError, subprocess.SubprocessError) as error:
+            failure = getattr(error, "stderr", "") or error
+    if not libs:
+        log.warning("CPU kernels unavailable, decode runs on plain PyTorch kernels (slower): %s", failure)
         return None
-    for name, argtypes in _SIGNATURES.items():
-        function = getattr(lib, name)
-        function.argtypes, function.restype = argtypes, _RESTYPES.get(name)
-    lib._pcpstack_path = path  # type: ignore[attr-defined]  (where its verdict is kept)
-    return lib
+    return libs[_chosen_tuning(compiler, libs)]
+
+
+def _chosen_tuning(compiler: str, libs: dict[str, ctypes.CDLL]) -> str:
+    """The tuning whose library decodes faster here: read from beside the default tuning's library, else
+    timed once (measure_tunings) and written there, so every process on the machine loads the same one."""
+    if len(libs) == 1:
+        return next(iter(libs))
+    path = Path(f"{_library_path(compiler)}.tuning.json")
+    with contextlib.suppress(OSError, ValueError, KeyError):
+        kept = json.loads(path.read_text())["tuning"]
+        if kept in libs:
+            return kept
+    micros = measure_tunings(libs)
+    chosen = min(libs, key=lambda tuning: micros[tuning])
+    log.info(
+        "CPU kernels: -mtune=%s chosen (block matmuls of %s rows: %s us)",
+        chosen or "(-march's own)",
+        " and ".join(map(str, TUNING_ROWS)),
+        ", ".join(f"{tuning or '-march'} {us:.0f}" for tuning, us in micros.items()),
+    )
+    native.keep_verdict(path, {"tuning": chosen, "micros": micros})
+    return chosen
 
 
 @functools.cache
@@ -236,6 +289,38 @@ def measure_against_dense(
     finally:
         torch.set_num_threads(threads)
     return best_kernel * 1e6, best_dense * 1e6
+
+
+def measure_tunings(
+    libs: dict[str, ctypes.CDLL], k: int = 576, n: int = 1536, count: int = 16, repeats: int = 3
+) -> dict[str, float]:
+    """Per tuning, microseconds of decode-shaped Q4_1 block matmuls (TUNING_ROWS x k by n x k: the fastest
+    call of each size, summed), on one thread, the libraries taking turns over the same `count` matrices so
+    a machine's drift meets them alike."""
+    generator = torch.Generator().manual_seed(0)
+    blocks = [
+        (
+            torch.randint(0, 256, (n, k // 32, 16), dtype=torch.uint8, generator=generator),
+            torch.rand(n, k // 32, generator=generator),
+            torch.rand(n, k // 32, generator=generator),
+        )
+        for _ in range(count)
+    ]
+    inputs = [torch.rand(rows, k, generator=generator) for rows in TUNING_ROWS]
+    best = {(tuning, i): float("inf") for tuning in libs for i in range(len(inputs))}
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        for _ in range(repeats):
+            for tuning, lib in libs.items():
+                for i, x in enumerate(inputs):
+                    for qs, scale, minimum in blocks:
+                        started = time.perf_counter()
+                        block_matmul(lib, "q4_1", x, qs, scale, minimum)
+                        best[tuning, i] = min(best[tuning, i], time.perf_counter() - started)
+    finally:
+        torch.set_num_threads(threads)
+    return {tuning: round(sum(best[tuning, i] for i in range(len(inputs))) * 1e6, 1) for tuning in libs}
 
 
 def block_matmul(

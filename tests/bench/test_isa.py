@@ -11,7 +11,8 @@ from pathlib import Path
 import pytest
 
 from bench import isa
-from bench.report import render
+from bench.report import _isa_cpu_note, render
+from pcpstack.engine import cpu_kernels
 
 
 def _args(**changes) -> argparse.Namespace:
@@ -39,6 +40,7 @@ def test_ours_decodes_with_kernels_built_for_haswell_and_for_this_cpu(result: di
     for arch, side in result["pcpstack"].items():
         assert side["available"], side
         assert side["march"] == arch
+        assert side["mtune"] in cpu_kernels.TUNINGS  # the tuning its first build chose here
         assert set(side["decode"]) == {"batch_1", "batch_2"}
         assert all(row["tokens_per_s"] > 0 for row in side["decode"].values())
 
@@ -54,14 +56,32 @@ def test_without_a_llama_build_llama_cpp_is_unavailable_and_no_ratio_is_made_up(
 def test_the_report_shows_both_builds(result: dict) -> None:
     text = render({"isa": result}, Path("bench/results"), {}, Path("BENCHMARKS.md"), None)
     section = text.split("## Narrower instruction set on this CPU", 1)[1]
-    assert "| pcpstack -march=haswell | 1 |" in section
-    assert "| pcpstack -march=native | 2 |" in section
+
+    def name(arch: str) -> str:
+        tuning = result["pcpstack"][arch]["mtune"]
+        return f"pcpstack -march={arch}" + (f" -mtune={tuning}" if tuning else "")
+
+    assert f"| {name('haswell')} | 1 |" in section
+    assert f"| {name('native')} | 2 |" in section
     assert "- llama.cpp: unavailable: no --llama-path" in section
 
 
 def test_a_llama_path_that_is_not_a_folder_is_refused(tmp_path: Path) -> None:
     with pytest.raises(SystemExit, match=r"--llama-path=.*is not a folder"):
         isa.run(_args(llama_path=str(tmp_path / "missing"), batches=[1]))
+
+
+def test_a_llama_build_that_cannot_be_imported_is_reported_unavailable_not_a_crash(tmp_path: Path) -> None:
+    # As a --no-deps --target install without diskcache: llama_cpp's own import fails inside the folder.
+    package = tmp_path / "llama_cpp"
+    package.mkdir()
+    (package / "__init__.py").write_text("import diskcache_not_installed_here\n")
+    result = isa.run(_args(llama_path=str(tmp_path), batches=[1]))
+    llama = result["llama.cpp"]
+    assert llama["available"] is False
+    assert "cannot be imported (No module named 'diskcache_not_installed_here')" in llama["reason"]
+    assert result["pcpstack"]["native"]["available"]  # our side was still measured
+    assert "ratios" not in result
 
 
 def test_batches_must_be_positive() -> None:
@@ -108,6 +128,10 @@ def test_each_ratio_is_paired_within_a_round_and_each_row_is_its_median_round() 
     )
     section = text.split("## Narrower instruction set on this CPU", 1)[1]
     assert "| pcpstack -march=haswell | 16 | 420 (300–480) | 3.00× (2.80–3.00) |" in section
+    ours["native"]["mtune"] = "generic"  # a library built with gcc's generic tuning says so
+    isa_result = {"rounds": 3, "pcpstack": ours, "llama.cpp": llama}
+    text = render({"isa": isa_result}, Path("bench/results"), {}, Path("BENCHMARKS.md"), None)
+    assert "| pcpstack -march=native -mtune=generic | 16 | 550 (500–600) |" in text
     assert "| llama.cpp (same set) | 1 | 150 (100–160) | 1.00× |" in section
     assert "3 rounds" in section
 
@@ -118,3 +142,11 @@ def test_a_round_without_llama_cpp_leaves_no_ratio() -> None:
     ours, llama, ratios = isa._combine(rounds)
     assert llama == missing and ratios == {}
     assert ours["native"]["decode"]["batch_16"]["rounds_tokens_per_s"] == [500, 600]
+
+
+def test_the_report_says_whether_its_cpu_had_the_wider_set_or_only_avx2() -> None:
+    wide = _isa_cpu_note({"cpu_model": "AMD EPYC", "cpu_flags": ["avx2", "fma", "avx512f"]})
+    assert wide.startswith("A stand-in for a CPU without AVX-512")
+    narrow = _isa_cpu_note({"cpu_model": "AMD EPYC", "cpu_flags": ["avx2", "fma"]})
+    assert narrow.startswith("This CPU (AMD EPYC: avx2, fma) has no AVX-512")
+    assert "not a stand-in" in narrow
