@@ -37,6 +37,7 @@ import os
 import statistics
 import tempfile
 import time
+import urllib.request
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -52,6 +53,7 @@ from pcpstack.decode.client import DecodeClient, build_request
 from pcpstack.engine.engine import Engine
 from pcpstack.engine.parallel import ParallelLayout
 from pcpstack.engine.weights import load_model
+from pcpstack.prefill.batch import BATCH_TOKENS
 
 _CLOCK_TICKS = os.sysconf("SC_CLK_TCK")
 
@@ -357,6 +359,21 @@ def _where_cores_went(before: dict[str, float], after: dict[str, float], wall_s:
     return used
 
 
+def _forwards(stack: LocalStack) -> tuple[float, float]:
+    """The forwards the stack's prefill set has run so far and the prompts they took together (its
+    metrics' pcpstack.prefill_batch_prompts histogram: count and sum)."""
+    url = next(url for name, url in stack.metrics_urls.items() if name.startswith("prefill"))
+    with urllib.request.urlopen(url, timeout=10) as answer:
+        text = answer.read().decode()
+    found = {"count": 0.0, "sum": 0.0}
+    for line in text.splitlines():
+        name, _, number = line.partition(" ")
+        for kind in found:
+            if name == f"pcpstack:prefill_batch_prompts_{kind}":
+                found[kind] = float(number)
+    return found["count"], found["sum"]
+
+
 # A stack has settled once its processes use less than this share of one core over SETTLE_WINDOW_S (an idle
 # local stack uses ~4 %: the ranks' and registry's ticks).
 SETTLED_CORE_SHARE = 0.1
@@ -402,11 +419,12 @@ async def _load(stack: LocalStack, vocab: int, args: argparse.Namespace) -> list
     rows = []
     for clients in args.concurrency:
         prompts = [_prompt(vocab, args.prompt_tokens, 1000 * clients + i) for i in range(clients)]
-        before = _cpu_by_role(stack)
+        before, forwards_before = _cpu_by_role(stack), _forwards(stack)
         started = time.perf_counter()
         results = await asyncio.gather(*(_one(address, p, args.max_tokens) for p in prompts))
         wall = time.perf_counter() - started
         cores = _where_cores_went(before, _cpu_by_role(stack), wall)
+        forwards, prompts_run = (a - b for a, b in zip(_forwards(stack), forwards_before, strict=True))
         rows.append(
             {
                 "clients": clients,
@@ -417,6 +435,10 @@ async def _load(stack: LocalStack, vocab: int, args: argparse.Namespace) -> list
                 "output_tokens_per_s": round(clients * args.max_tokens / wall, 1),
                 "wall_s": round(wall, 2),
                 "cpu_s": cores,
+                # How the set took the prompts: forwards, and prompts in each on average.
+                "forwards": int(forwards),
+                "prompts_per_forward": round(prompts_run / forwards, 2) if forwards else None,
+                "batch_tokens": BATCH_TOKENS,
                 "ttft_p50_floor_s": _ttft_floor(
                     cores.get("prefill", 0.0), clients, args.pcp * args.threads_per_rank
                 ),
@@ -510,6 +532,7 @@ def _stack_options(
         threads_per_rank=args.threads_per_rank,
         trace_file=trace_file,
         prefill_batch_max=batch_max,
+        metrics=True,  # the load runs read how many forwards the set ran (_forwards)
     )
 
 

@@ -931,7 +931,8 @@ def _cores_under_load(e2e: dict) -> list[str]:
     lines = [
         "Where the cores went during each load run (CPU seconds; idle: the cores' idle time; elsewhere: "
         "processes outside the stack), and the TTFT p50 floor: the p50 the set would give prefilling the "
-        "prompts back to back, each forward at the CPU cost it had here, never descheduled or kept waiting.",
+        "prompts back to back, each forward at the CPU cost it had here, never descheduled or kept waiting. "
+        "Forwards: how many the set ran, and the prompts each took on average." + _batch_limit_note(runs),
         "",
     ]
     rows = [
@@ -943,13 +944,36 @@ def _cores_under_load(e2e: dict) -> list[str]:
             _num(sum(v for k, v in r["cpu_s"].items() if k not in (*MAIN_ROLES, "idle", "elsewhere"))),
             _num(r["cpu_s"]["idle"]),
             _num(r["cpu_s"].get("elsewhere", 0.0)),
+            _forwards_cell(r),
             f"{_num(r['ttft_s']['median'])} s",
             f"{_num(r['ttft_p50_floor_s'])} s",
         ]
         for name, r in runs
     ]
-    header = ["stack", "clients", "wall", *MAIN_ROLES, "other services", "idle", "elsewhere"]
+    header = ["stack", "clients", "wall", *MAIN_ROLES, "other services", "idle", "elsewhere", "forwards"]
     return lines + _table([*header, "TTFT p50", "p50 floor"], rows)
+
+
+def _batch_limit_note(runs: list[tuple[str, dict]]) -> str:
+    """Where every load run took one prompt a forward because a prompt filled a batch's token limit alone:
+    then batched and unbatched stacks ran the same schedule."""
+    if not runs or any(r.get("prompts_per_forward") != 1 or "batch_tokens" not in r for _, r in runs):
+        return ""
+    limit, tokens = runs[0][1]["batch_tokens"], runs[0][1]["prompt_tokens"]
+    if tokens < limit:
+        return ""
+    return (
+        f" Every run took one prompt a forward: a batch holds at most {limit} prompt tokens (past that, "
+        f"batching measured no gain) and these prompts have {tokens}, so both stacks ran the same schedule "
+        "and their TTFTs differ by the run's noise, not by batching."
+    )
+
+
+def _forwards_cell(row: dict) -> str:
+    """A load run's forwards and prompts per forward ("–" for a result from before bench e2e counted them)."""
+    if row.get("prompts_per_forward") is None:
+        return "–"
+    return f"{row['forwards']} ({_num(row['prompts_per_forward'])} each)"
 
 
 def _multi_turn_section(e2e: dict) -> list[str]:
@@ -1256,6 +1280,21 @@ def _over_rounds(rate: float, row: dict) -> str:
     return _spread(rate, min(row["rounds_tokens_per_s"]), max(row["rounds_tokens_per_s"]), "")
 
 
+def _isa_cpu_note(isa: dict) -> str:
+    """What bench isa's rows stand for: on a CPU with AVX-512, a stand-in for one without; on a CPU that
+    has none (its flags say so), that CPU's own measurement."""
+    flags = isa.get("cpu_flags")
+    if flags is not None and "avx512f" not in flags:
+        return (
+            f"This CPU ({isa.get('cpu_model')}: {', '.join(flags)}) has no AVX-512: the AVX2 + FMA builds "
+            "are its own instruction set, so these rows are an AVX2-only CPU's measurement, not a stand-in."
+        )
+    return (
+        "A stand-in for a CPU without AVX-512: the same instructions on this CPU, not another CPU's cores "
+        "and memory."
+    )
+
+
 def _isa_section(results: dict) -> list[str]:
     """Decode with both sides built for a narrower instruction set on this CPU (bench/isa.py)."""
     lines = ["## Narrower instruction set on this CPU", ""]
@@ -1269,8 +1308,7 @@ def _isa_section(results: dict) -> list[str]:
         f"`pcpstack bench isa`: {isa.get('model')}, {isa.get('threads')} threads, {isa.get('context')} "
         f"tokens of context, {isa.get('repeats')} runs a round, {rounds} round{'s' * (rounds != 1)}: rates "
         "are the rounds' median (their spread), and each ratio to llama.cpp is the median of the ratios "
-        "taken within a round, minutes apart (their spread). A stand-in for a CPU without AVX-512: the same "
-        "instructions on this CPU, not another CPU's cores and memory.",
+        "taken within a round, minutes apart (their spread). " + _isa_cpu_note(isa),
         "",
     ]
     if rate is None:
@@ -1288,7 +1326,8 @@ def _isa_section(results: dict) -> list[str]:
             paired = isa.get("ratios", {}).get(arch, {}).get(batch)
             ratio = _spread(paired["median"], paired["min"], paired["max"], "×") if paired else ""
             streams = batch.removeprefix("batch_")
-            rows.append([f"pcpstack -march={arch}", streams, _over_rounds(row["tokens_per_s"], row), ratio])
+            name = f"pcpstack -march={arch}" + (f" -mtune={side['mtune']}" if side.get("mtune") else "")
+            rows.append([name, streams, _over_rounds(row["tokens_per_s"], row), ratio])
     if rate is not None:
         rows.append(["llama.cpp (same set)", "1", _over_rounds(rate, llama["decode"]), "1.00×"])
     lines.append("")

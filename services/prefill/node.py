@@ -26,6 +26,7 @@ from multiprocessing.connection import Connection
 
 import torch
 
+from pcpstack.common.telemetry import meter
 from pcpstack.engine.config import ModelArgs
 from pcpstack.engine.device import default_dtype, pick_device
 from pcpstack.engine.engine import DEFAULT_CACHE_TOKENS
@@ -39,6 +40,12 @@ from pcpstack.prefill.rank import RankReady, RankSpec, rank_main
 from pcpstack.v1 import registry_pb2
 
 log = logging.getLogger(__name__)
+# How many prompts each forward of the set took (batched prefill: up to --prefill-batch-max, BATCH_TOKENS).
+_batch_prompts = meter("pcpstack.prefill").create_histogram(
+    "pcpstack.prefill_batch_prompts",
+    description="prompts the set prefilled in one forward",
+    explicit_bucket_boundaries_advisory=(1, 2, 4, 8, 16, 32, 64),
+)
 
 
 @dataclass(frozen=True)
@@ -327,6 +334,7 @@ class RankSupervisor:
             running.pending = asyncio.get_running_loop().create_future()
             master = next(r for r in running.ranks if r.global_rank == 0)
             master.conn.send([w.job for w in batch])
+            _batch_prompts.record(len(batch))
             outcomes = await running.pending
         except Exception as exc:
             for waiting in batch:

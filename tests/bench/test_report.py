@@ -7,6 +7,7 @@ from pathlib import Path
 
 import pytest
 
+from bench import report
 from bench.e2e import TTFT_PHASES
 from bench.report import write_report
 
@@ -353,9 +354,15 @@ def test_prefix_reuse_and_batching_rows_give_their_tables_and_issue_18_targets(t
             "elsewhere": 0.3,
         },
         "ttft_p50_floor_s": 3.188,
+        "forwards": 16,
+        "prompts_per_forward": 1.0,
+        "batch_tokens": 512,
     }
     text, _ = _generate(tmp_path, e2e=e2e)
-    assert "| default | 16 | 10.0 s | 12.0 | 4.00 | 0.3 | 0.3 | 3.10 | 0.3 | 8.00 s | 3.19 s |" in text
+    cores = "| default | 16 | 10.0 s | 12.0 | 4.00 | 0.3 | 0.3 | 3.10 | 0.3 |"
+    assert f"{cores} 16 (1.00 each) | 8.00 s | 3.19 s |" in text
+    # 512-token prompts fill a batch's 512 tokens alone: the report says both stacks ran the same schedule.
+    assert "Every run took one prompt a forward: a batch holds at most 512 prompt tokens" in text
     assert "| 2 | 1430 | 1280 |" in text and "| 14 % | yes |" in text
     # The worst later turn (3: 1.3 s of 4.3 s) sets the target's value: 30.2 % misses 25 %.
     assert "| 30.2 % | **missed** |" in _line(text, "| a conversation's later turn")
@@ -472,3 +479,13 @@ def test_prefill_rows_with_rank_cpu_give_the_cpu_speedup_and_the_lockstep_ceilin
     assert "| 4096 | 2 | 25.0 s (22.5–30.0) | 164 | 2.00× | 28.0 s | 1.75× |" in text
     assert "| 2048 | 1 | 20.5 s (18.4–24.6) | 100 | 1.00× | 20.0 s | 1.00× |" in text
     assert "twice the slower one over one alone: 1.60×." in text
+
+
+def test_a_load_run_shows_its_forwards_and_whether_batching_could_take_its_prompts() -> None:
+    run = {"prompt_tokens": 512, "forwards": 16, "prompts_per_forward": 1.0, "batch_tokens": 512}
+    assert report._forwards_cell(run) == "16 (1.00 each)"
+    assert report._forwards_cell({"prompt_tokens": 512}) == "–"  # a result from before forwards were counted
+    assert "both stacks ran the same schedule" in report._batch_limit_note([("default", run)])
+    # Shorter prompts that the set batched: nothing to explain.
+    batched = run | {"prompt_tokens": 128, "forwards": 5, "prompts_per_forward": 3.2}
+    assert report._batch_limit_note([("default", batched), ("one prompt a forward", run)]) == ""

@@ -69,4 +69,7 @@ def test_benchmark_smoke_run_writes_json(area, tmp_path, child_env) -> None:
         roles = {"prefill", "decode", "kvstore", "registry", "clients", "idle", "elsewhere"}
         for row in saved["load"]:
             assert roles <= set(row["cpu_s"]) and row["wall_s"] > 0
+            # The set's metrics counted the forwards of the run: together they took every client's prompt.
+            assert 1 <= row["forwards"] <= row["clients"]
+            assert row["forwards"] * row["prompts_per_forward"] == pytest.approx(row["clients"], rel=0.01)
         assert sum(row["cpu_s"][r] for row in saved["load"] for r in roles - {"idle", "elsewhere"}) > 0

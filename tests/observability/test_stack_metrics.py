@@ -165,6 +165,9 @@ def test_prefill_times_every_forward_and_kv_push(stack: Stack) -> None:
     for histogram in ("prefill_forward_time", "kv_push_time"):
         assert value(text, f"pcpstack:{histogram}_seconds_count") == REQUESTS, histogram
         assert value(text, f"pcpstack:{histogram}_seconds_sum") > 0, histogram
+    # One request at a time: a forward each, of one prompt.
+    assert value(text, "pcpstack:prefill_batch_prompts_count") == REQUESTS
+    assert value(text, "pcpstack:prefill_batch_prompts_sum") == REQUESTS
 
 
 def test_kvstore_bytes_are_cached_not_pinned_once_released(stack: Stack) -> None:
