@@ -179,6 +179,7 @@ def build_library() -> ctypes.CDLL | None:
             libs[tuning] = _built(compiler, tuning)
         except (OSError, subprocess.SubprocessError) as error:
             failure = getattr(error, "stderr", "") or error
+            log.info("CPU kernels tuned as %s could not be built: %s", tuning or "-march implies", failure)
     if not libs:
         log.warning("CPU kernels unavailable, decode runs on plain PyTorch kernels (slower): %s", failure)
         return None
@@ -264,14 +265,7 @@ def measure_against_dense(
     default model mostly uses."""
     generator = torch.Generator().manual_seed(0)
     count = max(1, dense_bytes // (n * k * 4))
-    blocks = [
-        (
-            torch.randint(0, 256, (n, k // 32, 16), dtype=torch.uint8, generator=generator),
-            torch.rand(n, k // 32, generator=generator),
-            torch.rand(n, k // 32, generator=generator),
-        )
-        for _ in range(count)
-    ]
+    blocks = _random_q4_1(n, k, count, generator)
     dense = [torch.rand(n, k, generator=generator) for _ in range(count)]
     x = torch.rand(1, k, generator=generator)
     best_kernel = best_dense = float("inf")
@@ -291,14 +285,11 @@ def measure_against_dense(
     return best_kernel * 1e6, best_dense * 1e6
 
 
-def measure_tunings(
-    libs: dict[str, ctypes.CDLL], k: int = 576, n: int = 1536, count: int = 16, repeats: int = 3
-) -> dict[str, float]:
-    """Per tuning, microseconds of decode-shaped Q4_1 block matmuls (TUNING_ROWS x k by n x k: the fastest
-    call of each size, summed), on one thread, the libraries taking turns over the same `count` matrices so
-    a machine's drift meets them alike."""
-    generator = torch.Generator().manual_seed(0)
-    blocks = [
+def _random_q4_1(
+    n: int, k: int, count: int, generator: torch.Generator
+) -> list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]:
+    """`count` random Q4_1 matrices of n x k as block_matmul takes them: (qs, scale, minimum)."""
+    return [
         (
             torch.randint(0, 256, (n, k // 32, 16), dtype=torch.uint8, generator=generator),
             torch.rand(n, k // 32, generator=generator),
@@ -306,6 +297,16 @@ def measure_tunings(
         )
         for _ in range(count)
     ]
+
+
+def measure_tunings(
+    libs: dict[str, ctypes.CDLL], k: int = 576, n: int = 1536, count: int = 16, repeats: int = 3
+) -> dict[str, float]:
+    """Per tuning, microseconds of decode-shaped Q4_1 block matmuls (TUNING_ROWS x k by n x k: the fastest
+    call of each size, summed), on one thread, the libraries taking turns over the same `count` matrices so
+    a machine's drift meets them alike."""
+    generator = torch.Generator().manual_seed(0)
+    blocks = _random_q4_1(n, k, count, generator)
     inputs = [torch.rand(rows, k, generator=generator) for rows in TUNING_ROWS]
     best = {(tuning, i): float("inf") for tuning in libs for i in range(len(inputs))}
     threads = torch.get_num_threads()
