@@ -458,8 +458,10 @@ class RankWorker:
         of this rank's K/V heads."""
         self._push_sizes = [self._push_sizes[-1], self._push_size(jobs[0], cached[0])]
         for job, owner, held in zip(jobs, owners, cached, strict=True):
+            if self.spec.pcp_rank != owner:
+                continue
             push = self._push_size(job, held)
-            if push is not None and self.spec.pcp_rank == owner:
+            if push is not None:
                 self.pusher.prepare(*push)
                 return
 
