@@ -60,7 +60,7 @@ _SIGNATURES = {
     "q8_0_matmul": (_ptr, _i64, _i64, _ptr, _ptr, _i64, _ptr, _int),
     "q6_k_matmul": (_ptr, _i64, _i64, _ptr, _ptr, _i64, _ptr, _int),
     # q, seqs, heads, kv_heads, dim, k_cache, v_cache, num_blocks, block_size, tables, width, lens, scale,
-    # out, threads; returns 0, or -1 for a table or length that lies outside the cache.
+    # out, threads; returns 0, -1 for a table or length that lies outside the cache, -2 when out of memory.
     "paged_decode_attention": (_ptr, *[_i64] * 4, _ptr, _ptr, _i64, _i64, _ptr, _i64, _ptr, _f32, _ptr, _int),
     # weights, x, m, out, cos, sin, k_cache, v_cache, num_blocks, block_size, slots, tables, width, lens,
     # threads; returns 0, -1 for a slot, table or length outside the cache, -2 when out of memory.
@@ -388,8 +388,7 @@ def paged_decode_attention(
         out.data_ptr(),
         torch.get_num_threads(),
     )
-    if status != 0:
-        raise ValueError("paged_decode_attention: block tables or context lengths lie outside the cache")
+    _check_step("paged_decode_attention", status)
     return out
 
 

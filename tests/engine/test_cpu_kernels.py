@@ -243,7 +243,7 @@ def test_paged_decode_attention_equals_sdpa_over_each_sequences_blocks():
     [
         # A 128-wide head; blocks of 5 tokens, so key tiles straddle blocks; lengths 1 to 2,048.
         (8, 2, 128, 5, [1, 2, 31, 2048]),
-        # One sequence: its heads split over tasks at ranges that cut through a K/V head's group.
+        # One sequence: its context split into parts of whole blocks, combined after.
         (12, 3, 64, 16, [333]),
         # A head of 40 floats: whole 8-lane vectors on AVX2, the plain loops on AVX-512; no grouping.
         (6, 6, 40, 7, [1, 9, 100]),
@@ -255,6 +255,30 @@ def test_paged_decode_attention_equals_sdpa_for_other_head_layouts(
     lib = haswell_kernels if arch == "haswell" else cpu_kernels.build_library()
     case = _paged_case(3, context_lens, block_size, heads, kv_heads, dim)
     _assert_paged_attention_equals_sdpa(lib, *case)
+
+
+@pytest.mark.parametrize("threads", [1, 2, 3])
+@pytest.mark.parametrize(
+    ("block_size", "context_lens"),
+    [
+        # Fewer sequences than twice the threads: each context is cut into parts of whole blocks; a context
+        # of one token or one block leaves some parts empty; 5-token blocks end a part inside a key tile.
+        (16, [1]),
+        (16, [20]),
+        (16, [333]),
+        (5, [97, 1, 240]),
+    ],
+)
+def test_paged_decode_attention_of_few_sequences_combines_the_parts_of_each_context(
+    threads, block_size, context_lens
+):
+    case = _paged_case(5, context_lens, block_size)
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        _assert_paged_attention_equals_sdpa(cpu_kernels.build_library(), *case)
+    finally:
+        torch.set_num_threads(before)
 
 
 def test_paged_decode_attention_refuses_a_table_outside_the_cache():
