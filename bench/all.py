@@ -37,7 +37,7 @@ SMOKE_ARGS: dict[str, list[str]] = {
         *("--overhead-tokens", "64", "--repeats", "2"),
         # Served PCP, both sizes' stacks up together, two rounds (the second in flipped order): served
         # TTFT, its breakdown from real spans, and the raw prefill beside each timed request.
-        *("--served-pcp", "1,2", "--served-tokens", "64"),
+        *("--served-pcp", "1,2", "--served-tokens", "64", "--scaling-seconds", "0.3"),
         # Two turns: the second reads the first's 18 full prefix blocks of 16 (288 tokens) from the store.
         *("--multi-turn", "2", "--history-tokens", "300", "--turn-tokens", "8"),
     ],

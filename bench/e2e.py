@@ -44,7 +44,7 @@ from pathlib import Path
 
 import torch
 
-from bench.machine import machine_facts, process_cpu_s
+from bench.machine import machine_facts, process_cpu_s, two_process_scaling
 from bench.prefill import RankSet
 from pcpstack.cli.stack import LocalStack, StackOptions
 from pcpstack.common.config import served_model_name
@@ -74,6 +74,13 @@ def _int_list(text: str) -> list[int]:
     return [int(x) for x in text.split(",") if x.strip()]
 
 
+def _seconds(text: str) -> float:
+    value = float(text)
+    if not value >= 0:
+        raise argparse.ArgumentTypeError(f"must be 0 or more seconds, got {text}")
+    return value
+
+
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     """Options of the end-to-end benchmark."""
     parser.add_argument(
@@ -94,6 +101,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         type=_int_list,
         default=[2048, 4096],
         help="prompt lengths of the served-PCP test, e.g. 2048,4096 ('' skips the test)",
+    )
+    parser.add_argument(
+        "--scaling-seconds",
+        type=_seconds,
+        default=2.0,
+        help="seconds of each two-process scaling window beside the served stacks, before and after their "
+        "rounds (0 skips it)",
     )
     parser.add_argument(
         "--no-raw-prefill",
@@ -507,6 +521,13 @@ async def _served(
     return timings, raw, store_cpu
 
 
+def _scaling(args: argparse.Namespace) -> dict:
+    """bench prefill's two-process scaling (3 rounds of --scaling-seconds, 1 under a second), with its
+    lockstep ceiling."""
+    scaling = two_process_scaling(args.scaling_seconds, rounds=3 if args.scaling_seconds >= 1 else 1)
+    return {**scaling, "lockstep": round(2 * min(scaling["pair_gflops"]) / scaling["alone_gflops"], 2)}
+
+
 def _raw_rank_set(args: argparse.Namespace, pcp: int) -> contextlib.AbstractContextManager:
     """bench prefill's rank processes for TP=1 x PCP=pcp (up until the block ends), or None without
     --raw-prefill."""
@@ -557,8 +578,13 @@ async def _stacks(args: argparse.Namespace, vocab: int, trace_dir: Path) -> dict
                 options = _stack_options(args, pcp, trace_file=str(spans_files[pcp]))
                 stacks[pcp] = await up.enter_async_context(LocalStack(options, progress=lambda m: None))
                 await _one(stacks[pcp].decode_addresses[0], _prompt(vocab, 16, 0), 2)  # warm-up
+            # What two one-thread processes get done together against one alone, beside the idle stacks,
+            # before and after the served rounds: the most PCP=2 over PCP=1 can reach on these cores then.
+            measured["scaling"] = [await asyncio.to_thread(_scaling, args)] if args.scaling_seconds else []
             served = await _served(stacks, raw_sets, vocab, args)
             measured["served"], measured["raw"], measured["store_cpu"] = served
+            if args.scaling_seconds:
+                measured["scaling"].append(await asyncio.to_thread(_scaling, args))
         for pcp in sizes:
             spans = read_span_file(spans_files[pcp])  # complete once the stack has stopped
             for tokens in args.served_tokens:
@@ -686,6 +712,9 @@ def _served_result(args: argparse.Namespace, measured: dict) -> dict:
         "speedup_paired": paired_speedups(served_times),
         "raw_speedup_paired": paired_speedups(measured["raw"]),
         "breakdown": measured.get("breakdown", []),
+        # Twice the slower of two one-thread processes over one alone, beside the stacks before (and after)
+        # the rounds: the ceiling of PCP=2 over PCP=1 on these cores (bench prefill's lockstep_scaling).
+        "two_process_scaling": measured.get("scaling", []),
     }
 
 

@@ -330,6 +330,18 @@ def _reuse_targets(results: dict) -> list[Target]:
     ]
 
 
+def _lockstep_note(served: dict) -> str:
+    """The ceiling of PCP=2 over PCP=1 that bench e2e measured beside its served stacks, as a clause to
+    append ("" for a result from before it was measured)."""
+    ceilings = [scaling["lockstep"] for scaling in served.get("two_process_scaling", [])]
+    if not ceilings:
+        return ""
+    return (
+        "; these cores' ceiling for it beside the stacks, twice the slower of two one-thread processes over "
+        f"one alone (before / after the rounds): {' / '.join(f'{c:.2f}×' for c in ceilings)}"
+    )
+
+
 def _served_targets(results: dict) -> list[Target]:
     """Served PCP (issue 21, bench e2e's served test): PCP=2 over PCP=1 as a client measures TTFT at 4096
     tokens, and the whole path's TTFT over the same ranks' raw prefill at 2048 and 4096 tokens (the worst
@@ -347,7 +359,9 @@ def _served_targets(results: dict) -> list[Target]:
             False,
             "×",
             speedup,
-            how if speedup is not None else f"{NOT_MEASURED}: no bench e2e served PCP=1 and 2 at 4096 tokens",
+            how + _lockstep_note(served)
+            if speedup is not None
+            else f"{NOT_MEASURED}: no bench e2e served PCP=1 and 2 at 4096 tokens",
         ),
         Target(
             "whole-path TTFT over the same ranks' raw prefill at 2048 and 4096 tokens (worst row)",
@@ -1094,6 +1108,19 @@ def _served_section(e2e: dict) -> list[str]:
     header = ["tokens", "PCP", "served TTFT", "raw prefill", "overhead", "overhead, paired"]
     header += ["served ÷ PCP=1", "paired", "raw ÷ PCP=1", "paired", "first request's TTFT", "KV store CPU"]
     lines += _table(header, rows)
+    scalings = served.get("two_process_scaling", [])
+    ceilings = [scaling["lockstep"] for scaling in scalings]
+    if scalings:
+        measured = "; ".join(
+            f"{s['alone_gflops']} GFLOP/s alone, {' + '.join(str(g) for g in s['pair_gflops'])} together"
+            for s in scalings
+        )
+        lines += [
+            "Beside the idle stacks, before and after the rounds, one fp32 matmul process alone and two at "
+            f"once ({measured}): ranks in step go at the slower one's pace, so PCP=2 over PCP=1 could reach "
+            f"at most {' / '.join(f'{ceiling:.2f}×' for ceiling in ceilings)} on these cores then.",
+            "",
+        ]
     breakdown = sorted(served.get("breakdown", []), key=lambda b: (b["tokens"], b["pcp"]))
     if not breakdown:
         return lines

@@ -469,6 +469,23 @@ def test_served_rows_without_raw_prefill_leave_the_overhead_target_not_measured(
     assert "| 4096 | 2 | 28.0 s (28.0–30.8) | not measured yet |  |  | 1.79× | 1.83× |  |  | 35.0 s |" in text
 
 
+def test_served_pcp_shows_the_ceiling_measured_beside_the_stacks(tmp_path) -> None:
+    e2e = _e2e()
+    e2e["served"]["two_process_scaling"] = [
+        {"alone_gflops": 100.0, "pair_gflops": [90.0, 98.0], "scaling": 1.88, "rounds": 3, "lockstep": 1.8},
+        {"alone_gflops": 100.0, "pair_gflops": [96.0, 99.0], "scaling": 1.95, "rounds": 3, "lockstep": 1.92},
+    ]
+    text, _ = _generate(tmp_path, e2e=e2e)
+    target = _line(text, "| served PCP=2 TTFT speedup over PCP=1 at 4096")
+    assert "1.79× | **missed**" in target and "(before / after the rounds): 1.80× / 1.92× |" in target
+    assert "(100.0 GFLOP/s alone, 90.0 + 98.0 together; 100.0 GFLOP/s alone, 96.0 + 99.0 together)" in text
+    assert "could reach at most 1.80× / 1.92× on these cores then." in text
+    # A result from before the ceiling was measured says nothing of it.
+    text, _ = _generate(tmp_path, e2e=_e2e())
+    assert "ceiling" not in _line(text, "| served PCP=2 TTFT speedup over PCP=1 at 4096")
+    assert "could reach at most" not in text
+
+
 def test_prefill_rows_with_rank_cpu_give_the_cpu_speedup_and_the_lockstep_ceiling(tmp_path) -> None:
     prefill = _prefill()
     for row, cpu in zip(prefill["results"], (20.0, 49.0, 11.0, 28.0), strict=True):

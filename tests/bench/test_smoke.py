@@ -64,6 +64,10 @@ def test_benchmark_smoke_run_writes_json(area, tmp_path, child_env) -> None:
             assert "overhead_paired_pct" in row
         for key in ("speedup", "raw_speedup", "speedup_paired", "raw_speedup_paired"):
             assert set(saved["served"][key]) == {"pcp2_over_pcp1_at_64"}, key
+        # The cores' ceiling for PCP=2 over PCP=1, measured beside the stacks before and after the rounds.
+        scalings = saved["served"]["two_process_scaling"]
+        assert len(scalings) == 2
+        assert all(s["alone_gflops"] > 0 and 0 < s["lockstep"] <= 2.5 for s in scalings)
         # Where the cores went under load: every kind of process of the stack is counted (the tiny
         # model's forwards may each take less than the 10 ms clock tick, so only the total must show).
         roles = {"prefill", "decode", "kvstore", "registry", "clients", "idle", "elsewhere"}
