@@ -61,8 +61,8 @@ extern float expf(float);
 #define WIDE_MAX_ROWS 2
 /* A tile of one input row keeps that row's block in registers and multiplies each weight row's block as soon
  * as it is dequantized, so only one weight block is live at a time and four weight rows fit AVX2's 16
- * registers (the order of every sum is unchanged). On an AMD EPYC Zen 3, 2 threads, 1 x 576 by 576 x 1536:
- * 1.2x the speed of two weight rows dequantized whole before their multiply-adds. Left to AVX2: AVX-512's
+ * registers (the order of every sum is unchanged). On an AMD EPYC Zen 3, one thread, 1 x 576 by 576 x 1536:
+ * 1.16x the speed of two weight rows dequantized whole before their multiply-adds. Left to AVX2: AVX-512's
  * tiles of four rows already fit its 32 registers, and no AVX-512 CPU was at hand to measure the change. */
 #if defined(__AVX2__) && !defined(__AVX512F__)
 #define SINGLE_ROW_INTERLEAVED 1
