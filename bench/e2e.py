@@ -76,8 +76,8 @@ def _int_list(text: str) -> list[int]:
 
 def _seconds(text: str) -> float:
     value = float(text)
-    if not value >= 0:
-        raise argparse.ArgumentTypeError(f"must be 0 or more seconds, got {text}")
+    if not 0 <= value < float("inf"):  # nan and inf fail too (inf would never end)
+        raise argparse.ArgumentTypeError(f"must be a finite number of seconds, 0 or more, got {text}")
     return value
 
 
@@ -522,10 +522,9 @@ async def _served(
 
 
 def _scaling(args: argparse.Namespace) -> dict:
-    """bench prefill's two-process scaling (3 rounds of --scaling-seconds, 1 under a second), with its
-    lockstep ceiling."""
-    scaling = two_process_scaling(args.scaling_seconds, rounds=3 if args.scaling_seconds >= 1 else 1)
-    return {**scaling, "lockstep": round(2 * min(scaling["pair_gflops"]) / scaling["alone_gflops"], 2)}
+    """bench prefill's two-process scaling and its lockstep ceiling (3 rounds of --scaling-seconds, 1 under
+    a second)."""
+    return two_process_scaling(args.scaling_seconds, rounds=3 if args.scaling_seconds >= 1 else 1)
 
 
 def _raw_rank_set(args: argparse.Namespace, pcp: int) -> contextlib.AbstractContextManager:
@@ -713,7 +712,7 @@ def _served_result(args: argparse.Namespace, measured: dict) -> dict:
         "raw_speedup_paired": paired_speedups(measured["raw"]),
         "breakdown": measured.get("breakdown", []),
         # Twice the slower of two one-thread processes over one alone, beside the stacks before (and after)
-        # the rounds: the ceiling of PCP=2 over PCP=1 on these cores (bench prefill's lockstep_scaling).
+        # the rounds: the ceiling of PCP=2 over PCP=1 on these cores (two_process_scaling's lockstep).
         "two_process_scaling": measured.get("scaling", []),
     }
 

@@ -110,5 +110,8 @@ def two_process_scaling(seconds: float = 2.0, rounds: int = 3) -> dict:
         "alone_gflops": alone,
         "pair_gflops": pair,
         "scaling": round(sum(pair) / alone, 2),
+        # PCP ranks exchange K/V every layer, so a pair moves at its slower process's pace: twice the slower
+        # one's rate over one alone is the ceiling of PCP=2 over PCP=1 (the sum of both rates is not).
+        "lockstep": round(2 * min(pair) / alone, 2),
         "rounds": rounds,
     }

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import argparse
 import os
 import subprocess
 import sys
@@ -9,8 +10,20 @@ import time
 
 import pytest
 
-from bench.e2e import _idle_s, _process_tree, _ttft_floor, _where_cores_went
+from bench.e2e import _idle_s, _process_tree, _ttft_floor, _where_cores_went, add_arguments
 from bench.machine import process_cpu_s
+
+
+def test_scaling_seconds_must_be_finite_and_not_negative(capsys) -> None:
+    parser = argparse.ArgumentParser(prog="bench e2e")
+    add_arguments(parser)
+    assert parser.parse_args(["--scaling-seconds", "0"]).scaling_seconds == 0.0  # 0 skips the measurement
+    for bad in ("-1", "inf", "nan"):
+        with pytest.raises(SystemExit) as exit_info:
+            parser.parse_args(["--scaling-seconds", bad])
+        assert exit_info.value.code == 2
+        error = capsys.readouterr().err
+        assert f"--scaling-seconds: must be a finite number of seconds, 0 or more, got {bad}" in error
 
 
 def test_ttft_floor_is_the_median_first_token_of_back_to_back_forwards() -> None:

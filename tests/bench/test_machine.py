@@ -15,6 +15,7 @@ def test_two_processes_report_their_rates_and_their_sum_over_one_alone() -> None
     assert scaling["alone_gflops"] > 0
     assert len(scaling["pair_gflops"]) == 2 and min(scaling["pair_gflops"]) > 0
     assert scaling["scaling"] == round(sum(scaling["pair_gflops"]) / scaling["alone_gflops"], 2)
+    assert scaling["lockstep"] == round(2 * min(scaling["pair_gflops"]) / scaling["alone_gflops"], 2)
     assert scaling["rounds"] == 1
 
 
