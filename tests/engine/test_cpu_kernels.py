@@ -86,7 +86,8 @@ def _q6_k_case(rows: int, cols: int) -> tuple[quant.BlockWeight, torch.Tensor]:
 def test_kernels_built_for_avx2_only_cpus_equal_the_dense_matmul(gguf_tensors, haswell_kernels):
     """The AVX2 code must give the dense results for every block kind, on whole tiles and on the rows left
     over, with weight rows dequantized once for a batch's row tiles (576 wide; 1,536 wide from 16 rows, four
-    4-row tiles, on) or in every tile (1,536 wide, fewer rows)."""
+    4-row tiles, on) or in every tile (1,536 wide, fewer rows), and in panels of 16 input rows (16 and 19
+    rows; 67 Q6_K weight rows end in a panel tile of one)."""
     lib = haswell_kernels
     gguf_names = ("blk.3.ffn_down.weight", "blk.5.attn_q.weight", "token_embd.weight")
     for name in (*gguf_names, "q6_k 512", "q6_k 1536"):
@@ -119,12 +120,13 @@ def _dequantized(blocks: quant.BlockWeight) -> torch.Tensor:
 
 @pytest.mark.parametrize("kind", ["q4_1", "q8_0", "q6_k"])
 def test_block_matmul_of_one_hot_rows_returns_every_dequantized_weight_bit_for_bit(kind):
-    """Every tile shape (the wide one of batch 1 and 2, the rows left after it, batch 3's, and batches of
-    several row tiles, whose weight rows are dequantized once for all of them) reads each block with its own
-    scale and min and looks up each nibble exactly: one-hot inputs give the weights back."""
+    """Every tile shape (the wide one of batch 1 and 2, the rows left after it, batch 3's, batches of several
+    row tiles, whose weight rows are dequantized once for all of them, and on AVX2 the panels of 16 input
+    rows, with 1 to 6 weight rows and the input rows after the last whole panel) reads each block with its
+    own scale and min and looks up each nibble exactly: one-hot inputs give the weights back."""
     generator = torch.Generator().manual_seed(7)
     cols = 64
-    for weight_rows in (1, 7):
+    for weight_rows in (1, 4, 11):
         width = 16 if kind == "q4_1" else 32
         qs = torch.randint(0, 256, (weight_rows, cols // 32, width), generator=generator)
         if kind == "q6_k":  # 6-bit q - 32
@@ -138,7 +140,7 @@ def test_block_matmul_of_one_hot_rows_returns_every_dequantized_weight_bit_for_b
         minimum = minimum if kind == "q4_1" else None
         blocks = quant.BlockWeight(kind, qs, scale, minimum)
         expected = _dequantized(blocks)
-        for batch in (1, 2, 3, 9, 16):
+        for batch in (1, 2, 3, 9, 16, 35):
             eye = torch.eye(cols)
             for first in range(0, cols, batch):
                 x = eye[first : first + batch]
