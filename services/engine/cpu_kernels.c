@@ -582,34 +582,35 @@ static void matmul_rows(const block_weight *w, const float *x, int64_t m, float 
     for (int64_t offset = 0; w; offset += w->n, w = w->next) matmul_part(w, x, m, y + offset, n, xt);
 }
 
+/* matmul_rows by a team of `threads` threads, each with its own input panels (none, the other tiles doing
+ * their rows, if they cannot be allocated). */
+static void matmul_team(const block_weight *w, const float *x, int64_t m, float *y, int threads) {
+    const int64_t each = panel_floats(m, w->k);
+    float *xt = each ? aligned_alloc(64, sizeof(float) * (size_t)(threads * each)) : NULL;
+#pragma omp parallel num_threads(threads)
+    matmul_rows(w, x, m, y, xt ? xt + omp_get_thread_num() * each : NULL);
+    free(xt);
+}
+
 /* y[m, n] = x[m, k] @ W^T for W [n, k] in Q4_1 blocks (qs [n, k / 32, 16], scale and min [n, k / 32]). */
 void q4_1_matmul(const float *x, int64_t m, int64_t k, const uint8_t *qs, const float *scale, const float *min,
                  int64_t n, float *y, int threads) {
     const block_weight w = {KIND_Q4_1, n, k, qs, scale, min, NULL, NULL};
-    float *xt = panel_floats(m, k) ? aligned_alloc(64, sizeof(float) * (size_t)(threads * panel_floats(m, k))) : NULL;
-#pragma omp parallel num_threads(threads)
-    matmul_rows(&w, x, m, y, xt ? xt + omp_get_thread_num() * panel_floats(m, k) : NULL);
-    free(xt);
+    matmul_team(&w, x, m, y, threads);
 }
 
 /* y[m, n] = x[m, k] @ W^T for W [n, k] in Q8_0 blocks (qs [n, k / 32, 32], scale [n, k / 32]). */
 void q8_0_matmul(const float *x, int64_t m, int64_t k, const int8_t *qs, const float *scale, int64_t n,
                  float *y, int threads) {
     const block_weight w = {KIND_Q8_0, n, k, qs, scale, NULL, NULL, NULL};
-    float *xt = panel_floats(m, k) ? aligned_alloc(64, sizeof(float) * (size_t)(threads * panel_floats(m, k))) : NULL;
-#pragma omp parallel num_threads(threads)
-    matmul_rows(&w, x, m, y, xt ? xt + omp_get_thread_num() * panel_floats(m, k) : NULL);
-    free(xt);
+    matmul_team(&w, x, m, y, threads);
 }
 
 /* y[m, n] = x[m, k] @ W^T for W [n, k] in Q6_K-form blocks (qs [n, k / 32, 32], scale [n, k / 16]). */
 void q6_k_matmul(const float *x, int64_t m, int64_t k, const int8_t *qs, const float *scale, int64_t n,
                  float *y, int threads) {
     const block_weight w = {KIND_Q6_K, n, k, qs, scale, NULL, NULL, NULL};
-    float *xt = panel_floats(m, k) ? aligned_alloc(64, sizeof(float) * (size_t)(threads * panel_floats(m, k))) : NULL;
-#pragma omp parallel num_threads(threads)
-    matmul_rows(&w, x, m, y, xt ? xt + omp_get_thread_num() * panel_floats(m, k) : NULL);
-    free(xt);
+    matmul_team(&w, x, m, y, threads);
 }
 
 /* Scaled scores of one query head against LANES keys (rows[i] + offset, dim floats each), DV = dim / LANES
@@ -938,15 +939,15 @@ typedef struct {
     int64_t own; /* floats of each thread's own part */
 } layer_scratch;
 
-/* Cache-line aligned, as are the parts for the usual model sizes (multiples of 16 floats): a vector load
- * across two lines costs two. `extra` floats more follow the buffers (the model step's hidden rows). Returns
- * -2 when out of memory, else 0; the caller frees `qkv`. */
 /* Floats of a thread's transposed input panels for any of a layer's matmuls of m rows. */
 static int64_t layer_panel_floats(const decode_layer_weights *lw, int64_t m) {
     const int64_t q_dim = lw->heads * lw->head_dim, k = lw->dim > lw->hidden ? lw->dim : lw->hidden;
     return panel_floats(m, k > q_dim ? k : q_dim);
 }
 
+/* Cache-line aligned, as are the parts for the usual model sizes (multiples of 16 floats): a vector load
+ * across two lines costs two. `extra` floats more follow the buffers (the model step's hidden rows). Returns
+ * -2 when out of memory, else 0; the caller frees `qkv`. */
 static int layer_scratch_alloc(const decode_layer_weights *lw, int64_t m, int threads, int64_t extra,
                                layer_scratch *s) {
     const int64_t dim = lw->dim, q_dim = lw->heads * lw->head_dim, kv_dim = lw->kv_heads * lw->head_dim;

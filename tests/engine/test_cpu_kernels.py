@@ -47,6 +47,25 @@ def test_block_matmul_equals_dense_matmul_of_dequantized_weight(gguf_tensors, na
     torch.testing.assert_close(blocks.matmul(x), x @ dense.T, atol=1e-4, rtol=1e-5)
 
 
+@pytest.mark.parametrize(
+    ("name", "kind"),
+    [("blk.3.ffn_down.weight", "q4_1"), ("blk.5.attn_q.weight", "q4_1"), ("token_embd.weight", "q8_0")],
+)
+def test_block_matmul_gives_each_row_the_same_bits_in_any_batch(gguf_tensors, name, kind):
+    """A row's result does not depend on the batch it is multiplied in: alone (the one-row tile), among a
+    few (the several-row tiles), or in a panel of 16 rows and the rows after it (on AVX2, in rounds of 768
+    elements over the 1,536-wide down projection)."""
+    tensor = gguf_tensors[name]
+    blocks = quant.from_gguf(tensor.data, tensor.tensor_type.name)
+    if kind == "q8_0":  # the whole vocabulary is slow to multiply this often
+        blocks = quant.BlockWeight(blocks.kind, blocks.qs[:600], blocks.scale[:600], None)
+    x = torch.randn(35, blocks.shape[1], generator=torch.Generator().manual_seed(3))
+    batch = blocks.matmul(x)
+    for first, rows in ((0, 1), (5, 1), (7, 2), (16, 3), (0, 8), (3, 16), (16, 19)):
+        part = blocks.matmul(x[first : first + rows])
+        assert torch.equal(part, batch[first : first + rows]), (first, rows)
+
+
 @pytest.fixture
 def fresh_kernels(monkeypatch, tmp_path):
     """Kernels built and judged anew in an empty cache, with the module's caches restored afterwards."""
