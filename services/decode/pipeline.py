@@ -12,9 +12,10 @@ whole model's K/V, whatever TP the prefill set or this worker runs. A decode con
 heads with ranged Gets (decode.kv_ranges) and hands the batch one part per rank. Every store object of the
 replica is released exactly once on every path: after the fetch (or when no fetch is needed), when the
 request fails or is cancelled mid-fetch, and, when the caller leaves while the set is still prefilling, as
-soon as the set's answer names the replica nobody will load. One case no end can tell: a caller that leaves
-as the answer is in flight (sent by the set, not yet taken in here) cancels a call the set saw succeed;
-that replica stays pinned until its lease (kv_lease_ms) ends.
+soon as the set's answer names the replica nobody will load. A caller that leaves as the answer is in flight
+(sent by the set, not yet taken in here) cancels a call the set saw succeed: each Prefill carries a fresh
+abandon_token, and when a cancelled call ends without its answer this worker calls the set's Abandon with
+it, which deletes such a replica (and does nothing where the set dropped the job itself).
 
 Prefix reuse: the set may answer with a handle whose leading `cached_tokens` come from the store's prefix
 blocks (`prefix_segments`, read through the handle's prefix lease, one ranged Get per segment; a TP
@@ -536,6 +537,7 @@ class GeneratePipeline:
             client = self._prefill_clients[address] = PrefillClient(address)
         self.router.started(set_id, store)
         self._prefilling += 1
+        abandon_token = uuid.uuid4().hex
         rpc = client.start_prefill(
             request_id,
             ids,
@@ -544,6 +546,7 @@ class GeneratePipeline:
             kv_lease_ms=self.settings.kv_lease_ms,
             expected_fingerprint=self.settings.kv_fingerprint,
             cache_salt=cache_salt,
+            abandon_token=abandon_token,
             timeout=min(remaining, self.settings.prefill_timeout_s),
         )
         call = asyncio.ensure_future(_answer(rpc))
@@ -556,19 +559,30 @@ class GeneratePipeline:
             # taken in (cancel() does nothing then) still reaches `call`, and its replica is released.
             # Cancelling the task dropped such an answer unread, its replica pinned until its lease ended.
             rpc.cancel()
-            call.add_done_callback(self._release_abandoned)
+            call.add_done_callback(lambda done: self._release_abandoned(done, client, abandon_token))
             raise
 
     def _prefill_done(self, set_id: str, store: str) -> None:
         self._prefilling -= 1
         self.router.finished(set_id, store)
 
-    def _release_abandoned(self, call: asyncio.Future) -> None:
+    def _release_abandoned(self, call: asyncio.Future, client: PrefillClient, abandon_token: str) -> None:
+        """Releases the replica of an answer taken in after its caller left; where the call ended without
+        one, asks the set to delete the replica of an answer it may have sent meanwhile."""
         if call.cancelled() or call.exception() is not None:
-            return
-        task = asyncio.ensure_future(self._release(call.result().kv))
+            work = self._abandon(client, abandon_token)
+        else:
+            work = self._release(call.result().kv)
+        task = asyncio.ensure_future(work)
         self._background.add(task)
         task.add_done_callback(self._background.discard)
+
+    async def _abandon(self, client: PrefillClient, abandon_token: str) -> None:
+        try:
+            if await client.abandon(abandon_token):
+                log.info("the set deleted the replica of an answer that arrived after its caller left")
+        except Exception as exc:  # the replica's lease reclaims it anyway
+            log.warning("could not abandon a prefill answer on %s: %s", client.address, exc)
 
     def _kv_client(self, address: str) -> KvStoreClient:
         client = self._kv_clients.get(address)

@@ -34,11 +34,13 @@ class PrefillClient:
         expected_fingerprint: str = "",
         no_prefix_cache: bool = False,
         cache_salt: str = "",
+        abandon_token: str = "",
         timeout: float | None = None,
     ) -> grpc.aio.UnaryUnaryCall:
         """The Prefill call, started: awaiting it gives the response. Its `cancel()` says whether it
         cancelled anything (False: the call had already ended; an answer names a replica to release).
-        no_prefix_cache: the caller cannot load a cached prefix; cache_salt: the request's cache salt."""
+        no_prefix_cache: the caller cannot load a cached prefix; cache_salt: the request's cache salt;
+        abandon_token: a secret for `abandon`, should the answer never be taken in."""
         request = prefill_pb2.PrefillRequest(
             request_id=request_id,
             token_ids=token_ids,
@@ -48,8 +50,15 @@ class PrefillClient:
             expected_fingerprint=expected_fingerprint,
             no_prefix_cache=no_prefix_cache,
             cache_salt=cache_salt,
+            abandon_token=abandon_token,
         )
         return self._stub.Prefill(request, timeout=timeout)
+
+    async def abandon(self, abandon_token: str, timeout: float = 10.0) -> bool:
+        """Has the set delete the replica of the Prefill that carried `abandon_token`, whose answer was never
+        taken in; whether there was one to delete."""
+        request = prefill_pb2.AbandonRequest(abandon_token=abandon_token)
+        return (await self._stub.Abandon(request, timeout=timeout)).deleted
 
     async def close(self) -> None:
         """Closes the channel."""

@@ -14,12 +14,20 @@ ALL shards hold (leaving the last token to compute) and hands the job the cached
 reply's handle names the prefix's segments (each with its shard's K/V heads and fingerprint) and the one
 lease pinning them, beside the new replica. The lease is the reader's to release, or this servicer's when
 nobody will read it (the set did not use the prefix, the request failed, its caller left).
+
+A caller that gives up as its answer is on the way (sent here, not yet taken in there) cancels a call this
+side saw succeed, and nobody holds the replica's key and capability but this servicer. A request may carry
+an abandon_token: the answer's replica is kept under it until the replica's lease ends, and Abandon with
+that token deletes it (and releases the prefix lease the answer handed over) instead of leaving it pinned
+until then.
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
+import time
+from collections import OrderedDict
 from collections.abc import Awaitable, Callable
 from dataclasses import replace
 
@@ -40,6 +48,7 @@ from pcpstack.common.telemetry import latency_histogram, meter, tracer
 from pcpstack.engine.prompt import check_prompt
 from pcpstack.kvstore.client import KvStoreClient
 from pcpstack.kvstore.prefix import PREFIX_BLOCK_TOKENS, prefix_block_keys, reusable_blocks
+from pcpstack.kvstore.store import DEFAULT_MAX_LEASE_MS
 from pcpstack.prefill.errors import PromptOverCapacity, StoreGone, StoreNotListed
 from pcpstack.prefill.job import (
     CachedPrefix,
@@ -54,6 +63,11 @@ from pcpstack.prefill.replica import replica_key
 from pcpstack.v1 import common_pb2, prefill_pb2, prefill_pb2_grpc
 
 log = logging.getLogger(__name__)
+# The longest abandon_token a request may carry (a random hex token is 32).
+MAX_ABANDON_TOKEN = 128
+# An answer kept for Abandon: when its replica's lease ends, its store, the (key, capability) of each of its
+# objects, and the prefix lease it handed over (None: none).
+KeptAnswer = tuple[float, str, tuple[tuple[str, str], ...], CachedPrefix | None]
 SERVICE_NAME = prefill_pb2.DESCRIPTOR.services_by_name["PrefillService"].full_name
 _tracer = tracer(__name__)
 _meter = meter("pcpstack.prefill")
@@ -103,6 +117,8 @@ class PrefillServicer(prefill_pb2_grpc.PrefillServiceServicer):
         self.info = info
         self._tp_size = tp_size
         self._background: set[asyncio.Future] = set()
+        # Answers sent with an abandon_token, oldest first.
+        self._answered: OrderedDict[str, KeptAnswer] = OrderedDict()
         _meter.create_observable_gauge(
             "pcpstack.prefill.queue_depth",
             callbacks=[lambda _: [Observation(supervisor.load)]],
@@ -223,18 +239,20 @@ class PrefillServicer(prefill_pb2_grpc.PrefillServiceServicer):
         """Deletes every stored shard of a replica nobody will read (its caller left, or its request
         failed), and releases its prefix lease."""
         if outcome.replica_stored:
-            self._later(self._delete(address, outcome))
+            objects = tuple((stored.shard.key, stored.capability) for stored in outcome.shards)
+            self._later(self._delete(address, objects))
         if job.prefix is not None:
             self._later(self._release_prefix(address, job.prefix))
 
-    async def _delete(self, address: str, outcome: PrefillOutcome) -> None:
+    async def _delete(self, address: str, objects: tuple[tuple[str, str], ...]) -> None:
+        """Deletes a replica's store objects, (key, capability) each."""
         # Each shard on its own: one that cannot be deleted must not keep the others in the store.
-        for stored in outcome.shards:
+        for key, capability in objects:
             try:
                 async with KvStoreClient(address) as client:
-                    await client.delete(stored.shard.key, stored.capability)
+                    await client.delete(key, capability)
             except Exception as exc:  # the store's lease reclaims it anyway
-                log.warning("could not delete abandoned replica shard %s: %s", stored.shard.key, exc)
+                log.warning("could not delete abandoned replica shard %s: %s", key, exc)
 
     def _discard_when_done(self, done: asyncio.Future, address: str, job: PrefillJob) -> None:
         if not done.cancelled() and done.exception() is None:
@@ -249,6 +267,10 @@ class PrefillServicer(prefill_pb2_grpc.PrefillServiceServicer):
         request_id_var.set(request.request_id)
         info = self.info
         check_request_id(request.request_id)
+        if len(request.abandon_token) > MAX_ABANDON_TOKEN:
+            raise InvalidArgument(
+                f"abandon_token has {len(request.abandon_token)} characters; at most {MAX_ABANDON_TOKEN}"
+            )
         # Prefill samples one token; max_tokens matters to decode only.
         ids, sampling = check_prompt(
             request.token_ids, request.sampling, info.limits, default_max_tokens=1, generates=False
@@ -326,7 +348,42 @@ class PrefillServicer(prefill_pb2_grpc.PrefillServiceServicer):
         _requests.add(1, {"outcome": "ok"})
         _forward.record(outcome.forward_seconds)
         _push.record(outcome.push_seconds)
+        if request.abandon_token:
+            self._keep_answer(request.abandon_token, store, lease_ms, job, outcome)
         return self._reply(job, running.assignment, outcome)
+
+    def _keep_answer(
+        self, token: str, store: str, lease_ms: int, job: PrefillJob, outcome: PrefillOutcome
+    ) -> None:
+        """Keeps what Abandon needs to delete this answer's replica, until its lease (0: the store's default,
+        at most DEFAULT_MAX_LEASE_MS) is over."""
+        self._forget_expired()
+        objects = tuple((stored.shard.key, stored.capability) for stored in outcome.shards)
+        prefix = job.prefix if outcome.cached_tokens else None
+        expires = time.monotonic() + (lease_ms or DEFAULT_MAX_LEASE_MS) / 1000
+        self._answered[token] = (expires, store, objects, prefix)
+
+    def _forget_expired(self) -> None:
+        """Drops the kept answers whose replica's lease is over (the store has reclaimed it), oldest first."""
+        now = time.monotonic()
+        while self._answered and next(iter(self._answered.values()))[0] <= now:
+            self._answered.popitem(last=False)
+
+    async def Abandon(
+        self, request: prefill_pb2.AbandonRequest, context: grpc.aio.ServicerContext
+    ) -> prefill_pb2.AbandonResponse:
+        if not request.abandon_token:
+            raise InvalidArgument("abandon_token must not be empty")
+        self._forget_expired()
+        kept = self._answered.pop(request.abandon_token, None)
+        if kept is None:
+            return prefill_pb2.AbandonResponse(deleted=False)
+        _, store, objects, prefix = kept
+        await self._delete(store, objects)
+        if prefix is not None:
+            await self._release_prefix(store, prefix)
+        log.info("deleted the replica of an answer its caller never took in")
+        return prefill_pb2.AbandonResponse(deleted=True)
 
     def _reply(self, job: PrefillJob, assignment, outcome: PrefillOutcome) -> prefill_pb2.PrefillResponse:
         layout = self.info.layout

@@ -25,7 +25,7 @@ _sym_db = _symbol_database.Default()
 from pcpstack.v1 import common_pb2 as pcpstack_dot_v1_dot_common__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x19pcpstack/v1/prefill.proto\x12\x0bpcpstack.v1\x1a\x18pcpstack/v1/common.proto\"\xdf\x01\n\x0ePrefillRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x11\n\ttoken_ids\x18\x02 \x03(\r\x12-\n\x08sampling\x18\x03 \x01(\x0b\x32\x1b.pcpstack.v1.SamplingParams\x12\x17\n\x0fkvstore_address\x18\x04 \x01(\t\x12\x13\n\x0bkv_lease_ms\x18\x05 \x01(\r\x12\x1c\n\x14\x65xpected_fingerprint\x18\x06 \x01(\t\x12\x17\n\x0fno_prefix_cache\x18\x07 \x01(\x08\x12\x12\n\ncache_salt\x18\x08 \x01(\t\"\x9b\x02\n\x0fPrefillResponse\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x16\n\x0e\x66irst_token_id\x18\x02 \x01(\r\x12!\n\x02kv\x18\x03 \x01(\x0b\x32\x15.pcpstack.v1.KvHandle\x12\x0e\n\x06set_id\x18\x04 \x01(\t\x12\x12\n\ngeneration\x18\x05 \x01(\x04\x12\x10\n\x08pcp_size\x18\x06 \x01(\r\x12\x17\n\x0f\x66orward_seconds\x18\x07 \x01(\x01\x12\x17\n\x0fkv_push_seconds\x18\x08 \x01(\x01\x12\x38\n\x14\x66irst_token_logprobs\x18\t \x01(\x0b\x32\x1a.pcpstack.v1.TokenLogprobs\x12\x17\n\x0f\x63omputed_tokens\x18\n \x01(\r2V\n\x0ePrefillService\x12\x44\n\x07Prefill\x12\x1b.pcpstack.v1.PrefillRequest\x1a\x1c.pcpstack.v1.PrefillResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x19pcpstack/v1/prefill.proto\x12\x0bpcpstack.v1\x1a\x18pcpstack/v1/common.proto\"\xf6\x01\n\x0ePrefillRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x11\n\ttoken_ids\x18\x02 \x03(\r\x12-\n\x08sampling\x18\x03 \x01(\x0b\x32\x1b.pcpstack.v1.SamplingParams\x12\x17\n\x0fkvstore_address\x18\x04 \x01(\t\x12\x13\n\x0bkv_lease_ms\x18\x05 \x01(\r\x12\x1c\n\x14\x65xpected_fingerprint\x18\x06 \x01(\t\x12\x17\n\x0fno_prefix_cache\x18\x07 \x01(\x08\x12\x12\n\ncache_salt\x18\x08 \x01(\t\x12\x15\n\rabandon_token\x18\t \x01(\t\"\'\n\x0e\x41\x62\x61ndonRequest\x12\x15\n\rabandon_token\x18\x01 \x01(\t\"\"\n\x0f\x41\x62\x61ndonResponse\x12\x0f\n\x07\x64\x65leted\x18\x01 \x01(\x08\"\x9b\x02\n\x0fPrefillResponse\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x16\n\x0e\x66irst_token_id\x18\x02 \x01(\r\x12!\n\x02kv\x18\x03 \x01(\x0b\x32\x15.pcpstack.v1.KvHandle\x12\x0e\n\x06set_id\x18\x04 \x01(\t\x12\x12\n\ngeneration\x18\x05 \x01(\x04\x12\x10\n\x08pcp_size\x18\x06 \x01(\r\x12\x17\n\x0f\x66orward_seconds\x18\x07 \x01(\x01\x12\x17\n\x0fkv_push_seconds\x18\x08 \x01(\x01\x12\x38\n\x14\x66irst_token_logprobs\x18\t \x01(\x0b\x32\x1a.pcpstack.v1.TokenLogprobs\x12\x17\n\x0f\x63omputed_tokens\x18\n \x01(\r2\x9c\x01\n\x0ePrefillService\x12\x44\n\x07Prefill\x12\x1b.pcpstack.v1.PrefillRequest\x1a\x1c.pcpstack.v1.PrefillResponse\x12\x44\n\x07\x41\x62\x61ndon\x12\x1b.pcpstack.v1.AbandonRequest\x1a\x1c.pcpstack.v1.AbandonResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -33,9 +33,13 @@ _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'pcpstack.v1.prefill_pb2', _
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
   _globals['_PREFILLREQUEST']._serialized_start=69
-  _globals['_PREFILLREQUEST']._serialized_end=292
-  _globals['_PREFILLRESPONSE']._serialized_start=295
-  _globals['_PREFILLRESPONSE']._serialized_end=578
-  _globals['_PREFILLSERVICE']._serialized_start=580
-  _globals['_PREFILLSERVICE']._serialized_end=666
+  _globals['_PREFILLREQUEST']._serialized_end=315
+  _globals['_ABANDONREQUEST']._serialized_start=317
+  _globals['_ABANDONREQUEST']._serialized_end=356
+  _globals['_ABANDONRESPONSE']._serialized_start=358
+  _globals['_ABANDONRESPONSE']._serialized_end=392
+  _globals['_PREFILLRESPONSE']._serialized_start=395
+  _globals['_PREFILLRESPONSE']._serialized_end=678
+  _globals['_PREFILLSERVICE']._serialized_start=681
+  _globals['_PREFILLSERVICE']._serialized_end=837
 # @@protoc_insertion_point(module_scope)

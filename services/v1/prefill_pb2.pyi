@@ -35,6 +35,7 @@ class PrefillRequest(_message.Message):
     EXPECTED_FINGERPRINT_FIELD_NUMBER: _builtins.int
     NO_PREFIX_CACHE_FIELD_NUMBER: _builtins.int
     CACHE_SALT_FIELD_NUMBER: _builtins.int
+    ABANDON_TOKEN_FIELD_NUMBER: _builtins.int
     request_id: _builtins.str
     """Unique id of the request; decides which rank's replica is kept (sha256 selection)."""
     kvstore_address: _builtins.str
@@ -50,6 +51,10 @@ class PrefillRequest(_message.Message):
     cache_salt: _builtins.str
     """Cache salt (vLLM's cache_salt): enters the first block's key, so only requests with the same salt
     share prefix blocks. Empty: the unsalted blocks.
+    """
+    abandon_token: _builtins.str
+    """A secret the caller may later pass to Abandon (empty: none). The set keeps it with its answer for the
+    replica's lease.
     """
     @_builtins.property
     def token_ids(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]:
@@ -70,14 +75,56 @@ class PrefillRequest(_message.Message):
         expected_fingerprint: _builtins.str = ...,
         no_prefix_cache: _builtins.bool = ...,
         cache_salt: _builtins.str = ...,
+        abandon_token: _builtins.str = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["sampling", b"sampling"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["cache_salt", b"cache_salt", "expected_fingerprint", b"expected_fingerprint", "kv_lease_ms", b"kv_lease_ms", "kvstore_address", b"kvstore_address", "no_prefix_cache", b"no_prefix_cache", "request_id", b"request_id", "sampling", b"sampling", "token_ids", b"token_ids"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["abandon_token", b"abandon_token", "cache_salt", b"cache_salt", "expected_fingerprint", b"expected_fingerprint", "kv_lease_ms", b"kv_lease_ms", "kvstore_address", b"kvstore_address", "no_prefix_cache", b"no_prefix_cache", "request_id", b"request_id", "sampling", b"sampling", "token_ids", b"token_ids"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
 Global___PrefillRequest: _TypeAlias = PrefillRequest  # noqa: Y015
+
+@_typing.final
+class AbandonRequest(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    ABANDON_TOKEN_FIELD_NUMBER: _builtins.int
+    abandon_token: _builtins.str
+    def __init__(
+        self,
+        *,
+        abandon_token: _builtins.str = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["abandon_token", b"abandon_token"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___AbandonRequest: _TypeAlias = AbandonRequest  # noqa: Y015
+
+@_typing.final
+class AbandonResponse(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    DELETED_FIELD_NUMBER: _builtins.int
+    deleted: _builtins.bool
+    """Whether a replica was deleted: false when the token is unknown, its lease is over, or the set had
+    already dropped the job (a caller that left before the answer was sent).
+    """
+    def __init__(
+        self,
+        *,
+        deleted: _builtins.bool = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["deleted", b"deleted"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___AbandonResponse: _TypeAlias = AbandonResponse  # noqa: Y015
 
 @_typing.final
 class PrefillResponse(_message.Message):

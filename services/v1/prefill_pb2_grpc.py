@@ -40,6 +40,11 @@ class PrefillServiceStub:
                 request_serializer=pcpstack_dot_v1_dot_prefill__pb2.PrefillRequest.SerializeToString,
                 response_deserializer=pcpstack_dot_v1_dot_prefill__pb2.PrefillResponse.FromString,
                 _registered_method=True)
+        self.Abandon = channel.unary_unary(
+                '/pcpstack.v1.PrefillService/Abandon',
+                request_serializer=pcpstack_dot_v1_dot_prefill__pb2.AbandonRequest.SerializeToString,
+                response_deserializer=pcpstack_dot_v1_dot_prefill__pb2.AbandonResponse.FromString,
+                _registered_method=True)
 
 
 class PrefillServiceServicer:
@@ -54,6 +59,15 @@ class PrefillServiceServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def Abandon(self, request, context):
+        """Deletes the replica of an answer whose caller never took it in (it gave up as the answer was on its
+        way), named by the abandon_token its Prefill carried; without it, that replica stays pinned until its
+        lease ends.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_PrefillServiceServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -61,6 +75,11 @@ def add_PrefillServiceServicer_to_server(servicer, server):
                     servicer.Prefill,
                     request_deserializer=pcpstack_dot_v1_dot_prefill__pb2.PrefillRequest.FromString,
                     response_serializer=pcpstack_dot_v1_dot_prefill__pb2.PrefillResponse.SerializeToString,
+            ),
+            'Abandon': grpc.unary_unary_rpc_method_handler(
+                    servicer.Abandon,
+                    request_deserializer=pcpstack_dot_v1_dot_prefill__pb2.AbandonRequest.FromString,
+                    response_serializer=pcpstack_dot_v1_dot_prefill__pb2.AbandonResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -91,6 +110,33 @@ class PrefillService:
             '/pcpstack.v1.PrefillService/Prefill',
             pcpstack_dot_v1_dot_prefill__pb2.PrefillRequest.SerializeToString,
             pcpstack_dot_v1_dot_prefill__pb2.PrefillResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Abandon(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/pcpstack.v1.PrefillService/Abandon',
+            pcpstack_dot_v1_dot_prefill__pb2.AbandonRequest.SerializeToString,
+            pcpstack_dot_v1_dot_prefill__pb2.AbandonResponse.FromString,
             options,
             channel_credentials,
             insecure,

@@ -39,6 +39,11 @@ class PrefillServiceStub:
     """Prefills the prompt across the set's PCP ranks, pushes one complete KV replica to the KV store
     and returns the first generated token with a handle to the replica.
     """
+    Abandon: _grpc.UnaryUnaryMultiCallable[_prefill_pb2.AbandonRequest, _prefill_pb2.AbandonResponse]
+    """Deletes the replica of an answer whose caller never took it in (it gave up as the answer was on its
+    way), named by the abandon_token its Prefill carried; without it, that replica stays pinned until its
+    lease ends.
+    """
 
 @_typing.type_check_only
 class PrefillServiceAsyncStub(PrefillServiceStub):
@@ -48,6 +53,11 @@ class PrefillServiceAsyncStub(PrefillServiceStub):
     Prefill: _aio.UnaryUnaryMultiCallable[_prefill_pb2.PrefillRequest, _prefill_pb2.PrefillResponse]  # type: ignore[assignment]
     """Prefills the prompt across the set's PCP ranks, pushes one complete KV replica to the KV store
     and returns the first generated token with a handle to the replica.
+    """
+    Abandon: _aio.UnaryUnaryMultiCallable[_prefill_pb2.AbandonRequest, _prefill_pb2.AbandonResponse]  # type: ignore[assignment]
+    """Deletes the replica of an answer whose caller never took it in (it gave up as the answer was on its
+    way), named by the abandon_token its Prefill carried; without it, that replica stays pinned until its
+    lease ends.
     """
 
 class PrefillServiceServicer(metaclass=_abc_1.ABCMeta):
@@ -61,6 +71,17 @@ class PrefillServiceServicer(metaclass=_abc_1.ABCMeta):
     ) -> _typing.Union[_prefill_pb2.PrefillResponse, _abc.Awaitable[_prefill_pb2.PrefillResponse]]:
         """Prefills the prompt across the set's PCP ranks, pushes one complete KV replica to the KV store
         and returns the first generated token with a handle to the replica.
+        """
+
+    @_abc_1.abstractmethod
+    def Abandon(
+        self,
+        request: _prefill_pb2.AbandonRequest,
+        context: _ServicerContext,
+    ) -> _typing.Union[_prefill_pb2.AbandonResponse, _abc.Awaitable[_prefill_pb2.AbandonResponse]]:
+        """Deletes the replica of an answer whose caller never took it in (it gave up as the answer was on its
+        way), named by the abandon_token its Prefill carried; without it, that replica stays pinned until its
+        lease ends.
         """
 
 def add_PrefillServiceServicer_to_server(servicer: PrefillServiceServicer, server: _typing.Union[_grpc.Server, _aio.Server]) -> None: ...

@@ -25,7 +25,7 @@ from pcpstack.kvstore.client import KvStoreClient
 from pcpstack.prefill.client import PrefillClient
 from pcpstack.v1 import common_pb2
 from tests.decode.support import answer, close_pipeline, greedy, make_pipeline
-from tests.helpers import RunningStack, start_stack
+from tests.helpers import RunningStack, pinned_bytes, start_stack
 
 GREEDY = common_pb2.SamplingParams(max_tokens=1, temperature=0)
 # Each prompt runs alone in its forward (above batch.BATCH_TOKENS); the tiny model's KV takes 512 bytes a
@@ -150,3 +150,47 @@ def test_a_decode_workers_clients_that_hang_up_take_their_queued_prefills_with_t
             await client.close()
 
     assert_left_jobs_never_ran(*stack.run(run()))
+
+
+@pytest.mark.slow
+def test_an_answer_its_caller_never_took_in_is_deleted_by_its_abandon_token(stack) -> None:
+    """The set answered, but its caller had given up as the answer travelled (the call ended cancelled
+    there, successful here): only the set holds the replica's key and capability. Abandon with the token
+    the Prefill carried deletes it, and releases no more than that; a token spent, never sent or empty
+    deletes nothing, and an over-long one is refused with the request."""
+    store = stack.stack.kvstore_address
+    address = next(s.address for s in stack.stack.services if s.name == "prefill-0")
+
+    async def run() -> tuple[int, bool, bool, bool, int]:
+        client = PrefillClient(address)
+        try:
+            reply = await client.prefill(
+                "answer-lost", prompt(300), GREEDY, abandon_token="token-1", timeout=60
+            )
+            held = await pinned(store)
+            assert reply.kv.num_tokens == PROMPT_TOKENS
+            deleted = await client.abandon("token-1")
+            again = await client.abandon("token-1")
+            unknown = await client.abandon("never-sent")
+            with pytest.raises(grpc.aio.AioRpcError) as empty:
+                await client.abandon("")
+            assert empty.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+            assert "abandon_token" in empty.value.details()
+            with pytest.raises(grpc.aio.AioRpcError) as long:
+                await client.prefill(
+                    "token-too-long", prompt(301), GREEDY, abandon_token="x" * 129, timeout=60
+                )
+            assert long.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+            assert "abandon_token has 129 characters; at most 128" in long.value.details()
+            return held, deleted, again, unknown, await pinned_bytes(store)
+        finally:
+            await client.close()
+
+    held, deleted, again, unknown, left = stack.run(run())
+    assert held >= REPLICA_BYTES  # the answer's replica was pinned for its reader
+    assert (deleted, again, unknown, left) == (True, False, False, 0)
+
+
+async def pinned(store_address: str) -> int:
+    async with KvStoreClient(store_address) as store:
+        return (await store.stat()).pinned_bytes
