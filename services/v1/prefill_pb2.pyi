@@ -87,10 +87,13 @@ Global___PrefillRequest: _TypeAlias = PrefillRequest  # noqa: Y015
 
 @_typing.final
 class AbandonRequest(_message.Message):
+    """The answer to forget, by the token its Prefill carried."""
+
     DESCRIPTOR: _descriptor.Descriptor
 
     ABANDON_TOKEN_FIELD_NUMBER: _builtins.int
     abandon_token: _builtins.str
+    """PrefillRequest.abandon_token of that Prefill; must not be empty."""
     def __init__(
         self,
         *,
@@ -106,6 +109,8 @@ Global___AbandonRequest: _TypeAlias = AbandonRequest  # noqa: Y015
 
 @_typing.final
 class AbandonResponse(_message.Message):
+    """What Abandon did."""
+
     DESCRIPTOR: _descriptor.Descriptor
 
     DELETED_FIELD_NUMBER: _builtins.int
