@@ -48,6 +48,8 @@ PROTECTED_METHODS = frozenset(
         "/pcpstack.v1.RegistryService/Session",
         "/pcpstack.v1.RegistryService/Deregister",
         "/pcpstack.v1.PrefillService/Prefill",
+        # Deletes store objects, as Delete does (its token is a second secret, not a way around this one).
+        "/pcpstack.v1.PrefillService/Abandon",
         "/pcpstack.v1.KvStoreService/Put",
         "/pcpstack.v1.KvStoreService/Release",
         "/pcpstack.v1.KvStoreService/Delete",

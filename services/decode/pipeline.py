@@ -106,6 +106,11 @@ _kv_bytes = _meter.create_counter("pcpstack.decode.kv_bytes_fetched", unit="By")
 # Without a deadline from the caller a request still ends some time.
 _DEFAULT_DEADLINE_S = 3600.0
 _CHAT_ROLES = ("system", "user", "assistant")
+# How a Prefill call can end here while the set answered it: the set then keeps the answer's replica until
+# Abandon or its lease.
+_ANSWER_MAY_BE_LOST = frozenset(
+    {grpc.StatusCode.DEADLINE_EXCEEDED, grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.CANCELLED}
+)
 
 
 @dataclass(frozen=True)
@@ -553,6 +558,12 @@ class GeneratePipeline:
         call.add_done_callback(lambda _: self._prefill_done(set_id, store))
         try:
             return await asyncio.shield(call)
+        except grpc.aio.AioRpcError as exc:
+            # The set may have sent its answer as the call ended on this side: the deadline passed here a
+            # moment before it did there, or the connection broke with the answer on the wire.
+            if exc.code() in _ANSWER_MAY_BE_LOST:
+                self._in_background(self._abandon(client, abandon_token))
+            raise
         except asyncio.CancelledError:
             # Nobody will read the answer: under load, a set kept busy with such jobs is what makes callers
             # give up. The RPC is cancelled, not the task awaiting it: an answer this process has already
@@ -570,9 +581,12 @@ class GeneratePipeline:
         """Releases the replica of an answer taken in after its caller left; where the call ended without
         one, asks the set to delete the replica of an answer it may have sent meanwhile."""
         if call.cancelled() or call.exception() is not None:
-            work = self._abandon(client, abandon_token)
+            self._in_background(self._abandon(client, abandon_token))
         else:
-            work = self._release(call.result().kv)
+            self._in_background(self._release(call.result().kv))
+
+    def _in_background(self, work: Awaitable[None]) -> None:
+        """Runs a clean-up in a task of its own, kept until done (close waits for it)."""
         task = asyncio.ensure_future(work)
         self._background.add(task)
         task.add_done_callback(self._background.discard)
@@ -580,7 +594,7 @@ class GeneratePipeline:
     async def _abandon(self, client: PrefillClient, abandon_token: str) -> None:
         try:
             if await client.abandon(abandon_token):
-                log.info("the set deleted the replica of an answer that arrived after its caller left")
+                log.info("the set deletes the replica of an answer this worker never took in")
         except Exception as exc:  # the replica's lease reclaims it anyway
             log.warning("could not abandon a prefill answer on %s: %s", client.address, exc)
 

@@ -379,8 +379,12 @@ enum { KIND_Q4_1 = 0, KIND_Q8_0 = 1, KIND_Q6_K = 2 };
 #define PANELS 0
 #endif
 
-/* Floats of the transposed input panels of m rows of k (0 where m fills no panel). */
-static int64_t panel_floats(int64_t m, int64_t k) { return PANELS ? m / PANEL_WIDTH * PANEL_WIDTH * k : 0; }
+/* Floats of the transposed input panels of m rows of k: 0 where m fills no panel, or where PANEL_ROWS
+ * weight rows of k do not fit matmul_part's buffer (then no panel tiles run, and none is allocated). */
+static int64_t panel_floats(int64_t m, int64_t k) {
+    const int fits = PANEL_ROWS * k * (int64_t)sizeof(float) <= BUFFER_BYTES;
+    return PANELS && fits ? m / PANEL_WIDTH * PANEL_WIDTH * k : 0;
+}
 
 #if PANELS
 /* r[j] becomes what was lane j of every r[i] (an 8 x 8 transpose in registers). */
@@ -520,7 +524,7 @@ static void matmul_part(const block_weight *w, const float *x, int64_t m, float 
     const int64_t k = w->k, blocks = k / BLOCK;
     float weights[BUFFER_BYTES / sizeof(float)] __attribute__((aligned(64)));
     const int64_t row_bytes = k * (int64_t)sizeof(float);
-    const int panels = xt && panel_floats(m, k) > 0 && PANEL_ROWS * row_bytes <= (int64_t)sizeof(weights);
+    const int panels = xt && panel_floats(m, k) > 0;
     const int64_t whole = panels ? m / PANEL_WIDTH * PANEL_WIDTH : 0; /* the rows in whole panels */
     const int buffered = !panels && m > ROW_TILE && WEIGHT_ROWS * row_bytes <= (int64_t)sizeof(weights) &&
                          ((m + WEIGHT_ROWS) * row_bytes <= BUFFER_BYTES || m >= WIDE_BUFFER_TILES * ROW_TILE);
@@ -939,10 +943,14 @@ typedef struct {
     int64_t own; /* floats of each thread's own part */
 } layer_scratch;
 
-/* Floats of a thread's transposed input panels for any of a layer's matmuls of m rows. */
+/* Floats of a thread's transposed input panels for any of a layer's matmuls of m rows (those whose k
+ * takes panels: the input's dim, the attention's q_dim, the FFN's hidden). */
 static int64_t layer_panel_floats(const decode_layer_weights *lw, int64_t m) {
-    const int64_t q_dim = lw->heads * lw->head_dim, k = lw->dim > lw->hidden ? lw->dim : lw->hidden;
-    return panel_floats(m, k > q_dim ? k : q_dim);
+    const int64_t sizes[3] = {panel_floats(m, lw->dim), panel_floats(m, lw->heads * lw->head_dim),
+                              panel_floats(m, lw->hidden)};
+    int64_t most = 0;
+    for (int i = 0; i < 3; i++) most = sizes[i] > most ? sizes[i] : most;
+    return most;
 }
 
 /* Cache-line aligned, as are the parts for the usual model sizes (multiples of 16 floats): a vector load

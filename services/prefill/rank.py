@@ -168,6 +168,16 @@ class RankReady:
     max_seq_len: int
 
 
+def repeating_push(before: tuple[str, int] | None, last: tuple[str, int] | None) -> tuple[str, int] | None:
+    """The standby (store address, bytes) to ready after two forwards whose pushes would have been `before`
+    and `last` ((store, bytes), None: none): one that holds either size, when both go to one store and
+    their sizes are within a standby's slack of each other (shm.reusable_for); else None."""
+    if before is None or last is None or before[0] != last[0]:
+        return None
+    small, large = sorted((before[1], last[1]))
+    return (last[0], large) if small > 0 and reusable_for(large, small) else None
+
+
 class ReplicaPusher:
     """Pushes KV replicas to a KV store from this (synchronous) rank process, and reads cached prefixes.
 
@@ -486,12 +496,9 @@ class RankWorker:
         -> 0.07-0.09 s at 2,048 tokens and 0.80-0.83 -> 0.13-0.18 s at 4,096; the whole path over the raw
         ranks at 2,048 (paired) 7.3-10.7 -> 1.9-3.7 %. A size that does not repeat readies nothing here: a
         standby for it would likely not fit the next one."""
-        before, last = self._push_sizes
-        if before is None or last is None or before[0] != last[0]:
-            return
-        small, large = sorted((before[1], last[1]))
-        if small > 0 and reusable_for(large, small):
-            self.pusher.prepare(*last)
+        standby = repeating_push(*self._push_sizes)
+        if standby is not None:
+            self.pusher.prepare(*standby)
 
     def _kv_planes_and_row_bytes(self) -> tuple[int, int]:
         """(K and V planes of all layers, bytes of one token's row of this rank's K/V heads in one plane):

@@ -87,6 +87,11 @@ async def lease_refusal(store: KvStoreClient, lease_ms: int) -> str | None:
     return None
 
 
+def _stored_objects(outcome: PrefillOutcome) -> tuple[tuple[str, str], ...]:
+    """(key, capability) of each of the replica's shards in the store."""
+    return tuple((stored.shard.key, stored.capability) for stored in outcome.shards)
+
+
 class PrefillServicer(prefill_pb2_grpc.PrefillServiceServicer):
     """Serves Prefill on the master node of a PCP set."""
 
@@ -128,6 +133,7 @@ class PrefillServicer(prefill_pb2_grpc.PrefillServiceServicer):
         self._stores_seen: set[str] = set()  # every store ever listed, to tell a gone store from a stranger
         self._lease_ms = lease_ms
         self._leases_taken: set[tuple[str, int]] = set()  # (store, lease_ms) a store said it takes
+        self._lease_caps: dict[str, int] = {}  # each store's --max-lease-ms, as its Stat told
 
     async def _store_for(self, requested: str) -> str:
         """The store to push to: the requested one if it is listed, else the default. A requested store that
@@ -239,8 +245,7 @@ class PrefillServicer(prefill_pb2_grpc.PrefillServiceServicer):
         """Deletes every stored shard of a replica nobody will read (its caller left, or its request
         failed), and releases its prefix lease."""
         if outcome.replica_stored:
-            objects = tuple((stored.shard.key, stored.capability) for stored in outcome.shards)
-            self._later(self._delete(address, objects))
+            self._later(self._delete(address, _stored_objects(outcome)))
         if job.prefix is not None:
             self._later(self._release_prefix(address, job.prefix))
 
@@ -289,6 +294,7 @@ class PrefillServicer(prefill_pb2_grpc.PrefillServiceServicer):
         store = await self._store_for(request.kvstore_address)
         await self._check_lease(store, request.kv_lease_ms)
         lease_ms = request.kv_lease_ms or self._lease_ms
+        kept_ms = await self._lease_bound_ms(store, lease_ms) if request.abandon_token else 0
         with _tracer.start_as_current_span("prefill.set") as span:
             carrier: dict[str, str] = {}
             inject(carrier)
@@ -349,22 +355,35 @@ class PrefillServicer(prefill_pb2_grpc.PrefillServiceServicer):
         _forward.record(outcome.forward_seconds)
         _push.record(outcome.push_seconds)
         if request.abandon_token:
-            self._keep_answer(request.abandon_token, store, lease_ms, job, outcome)
+            self._keep_answer(request.abandon_token, store, kept_ms, job, outcome)
         return self._reply(job, running.assignment, outcome)
 
+    async def _lease_bound_ms(self, store: str, lease_ms: int) -> int:
+        """How long a replica pushed with lease_ms can stay pinned: lease_ms, or for 0 (the store's default
+        lease) the store's cap, which bounds that default; asked of each store once (DEFAULT_MAX_LEASE_MS
+        where it cannot tell)."""
+        if lease_ms:
+            return lease_ms
+        if store not in self._lease_caps:
+            try:
+                self._lease_caps[store] = (await self._kv_client(store).stat()).max_lease_ms
+            except ServiceError as exc:
+                log.warning("could not ask %s for its lease cap: %s", store, exc)
+                return DEFAULT_MAX_LEASE_MS
+        return self._lease_caps[store] or DEFAULT_MAX_LEASE_MS
+
     def _keep_answer(
-        self, token: str, store: str, lease_ms: int, job: PrefillJob, outcome: PrefillOutcome
+        self, token: str, store: str, kept_ms: int, job: PrefillJob, outcome: PrefillOutcome
     ) -> None:
-        """Keeps what Abandon needs to delete this answer's replica, until its lease (0: the store's default,
-        at most DEFAULT_MAX_LEASE_MS) is over."""
+        """Keeps what Abandon needs to delete this answer's replica, for kept_ms (its lease at most)."""
         self._forget_expired()
-        objects = tuple((stored.shard.key, stored.capability) for stored in outcome.shards)
         prefix = job.prefix if outcome.cached_tokens else None
-        expires = time.monotonic() + (lease_ms or DEFAULT_MAX_LEASE_MS) / 1000
-        self._answered[token] = (expires, store, objects, prefix)
+        self._answered.pop(token, None)  # a token sent again is the newer answer's, kept in arrival order
+        self._answered[token] = (time.monotonic() + kept_ms / 1000, store, _stored_objects(outcome), prefix)
 
     def _forget_expired(self) -> None:
-        """Drops the kept answers whose replica's lease is over (the store has reclaimed it), oldest first."""
+        """Drops the oldest kept answers while their replica's lease is over (the store has reclaimed it).
+        Leases differ between requests, so a later one may expire first: Abandon checks each itself."""
         now = time.monotonic()
         while self._answered and next(iter(self._answered.values()))[0] <= now:
             self._answered.popitem(last=False)
@@ -376,13 +395,15 @@ class PrefillServicer(prefill_pb2_grpc.PrefillServiceServicer):
             raise InvalidArgument("abandon_token must not be empty")
         self._forget_expired()
         kept = self._answered.pop(request.abandon_token, None)
-        if kept is None:
+        if kept is None or kept[0] <= time.monotonic():
             return prefill_pb2.AbandonResponse(deleted=False)
         _, store, objects, prefix = kept
-        await self._delete(store, objects)
+        # In the background, as every clean-up here: a caller that leaves cannot stop it halfway, with the
+        # entry already gone and the rest of the replica pinned until its lease ends.
+        self._later(self._delete(store, objects))
         if prefix is not None:
-            await self._release_prefix(store, prefix)
-        log.info("deleted the replica of an answer its caller never took in")
+            self._later(self._release_prefix(store, prefix))
+        log.info("deleting the replica of an answer its caller never took in")
         return prefill_pb2.AbandonResponse(deleted=True)
 
     def _reply(self, job: PrefillJob, assignment, outcome: PrefillOutcome) -> prefill_pb2.PrefillResponse:

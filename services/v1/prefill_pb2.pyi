@@ -115,8 +115,9 @@ class AbandonResponse(_message.Message):
 
     DELETED_FIELD_NUMBER: _builtins.int
     deleted: _builtins.bool
-    """Whether a replica was deleted: false when the token is unknown, its lease is over, or the set had
-    already dropped the job (a caller that left before the answer was sent).
+    """Whether the set held an answer under that token: its replica is then deleted, after the reply (a
+    caller that leaves cannot stop that halfway). False when the token is unknown or spent, its lease is
+    over, or the set had already dropped the job (a caller that left before the answer was sent).
     """
     def __init__(
         self,

@@ -49,14 +49,29 @@ def test_block_matmul_equals_dense_matmul_of_dequantized_weight(gguf_tensors, na
 
 @pytest.mark.parametrize(
     ("name", "kind"),
-    [("blk.3.ffn_down.weight", "q4_1"), ("blk.5.attn_q.weight", "q4_1"), ("token_embd.weight", "q8_0")],
+    [
+        ("blk.3.ffn_down.weight", "q4_1"),
+        ("blk.5.attn_q.weight", "q4_1"),
+        ("token_embd.weight", "q8_0"),
+        ("random 40 x 2048", "q4_1"),
+        ("random 30 x 2080", "q4_1"),
+    ],
 )
 def test_block_matmul_gives_each_row_the_same_bits_in_any_batch(gguf_tensors, name, kind):
     """A row's result does not depend on the batch it is multiplied in: alone (the one-row tile), among a
     few (the several-row tiles), or in a panel of 16 rows and the rows after it (on AVX2, in rounds of 768
-    elements over the 1,536-wide down projection)."""
-    tensor = gguf_tensors[name]
-    blocks = quant.from_gguf(tensor.data, tensor.tensor_type.name)
+    elements: two whole ones over the 1,536-wide down projection, 768 + 768 + 512 over 2,048 columns; 2,080
+    columns are too wide for the panels' weight buffer, so other tiles take the whole batch)."""
+    if name.startswith("random"):
+        rows, cols = (int(n) for n in name.split()[1::2])
+        generator = torch.Generator().manual_seed(cols)
+        qs = torch.randint(0, 256, (rows, cols // 32, 16), generator=generator).to(torch.uint8)
+        scale = torch.rand(rows, cols // 32, generator=generator).half().float()
+        minimum = -torch.rand(rows, cols // 32, generator=generator).half().float()
+        blocks = quant.BlockWeight(kind, qs, scale, minimum)
+    else:
+        tensor = gguf_tensors[name]
+        blocks = quant.from_gguf(tensor.data, tensor.tensor_type.name)
     if kind == "q8_0":  # the whole vocabulary is slow to multiply this often
         blocks = quant.BlockWeight(blocks.kind, blocks.qs[:600], blocks.scale[:600], None)
     x = torch.randn(35, blocks.shape[1], generator=torch.Generator().manual_seed(3))
@@ -311,14 +326,21 @@ def test_paged_decode_attention_refuses_a_table_outside_the_cache():
         cpu_kernels.paged_decode_attention(lib, q, k_cache, v_cache, tables, lens + 10_000)
 
 
-def test_fused_decode_layers_equal_the_layer_modules(smollm, smollm_engine):
+# Decode batches of sequences of different lengths: nine (more rows than one matmul tile holds), and nineteen
+# (on AVX2, a panel of 16 rows and three rows after it).
+NINE = (1, 17, 40, 2, 5, 9, 12, 3, 7)
+NINETEEN = (*NINE, 4, 30, 6, 11, 8, 21, 14, 10, 2, 16)
+
+
+@pytest.mark.parametrize("lengths", [NINE, NINETEEN], ids=["nine", "nineteen"])
+def test_fused_decode_layers_equal_the_layer_modules(smollm, smollm_engine, lengths):
     """Batched decode through the fused C layers gives the logits of the same steps through the PyTorch
     modules (which call the block matmuls and the attention kernel one by one), for sequences of different
-    lengths, nine of them (more rows than one matmul tile holds); later steps read the K/V rows the fused
-    layers wrote."""
+    lengths: nine of them (more rows than one matmul tile holds), and nineteen (on AVX2, a panel of 16 rows
+    through the fused layers' own panel buffers, and three rows after it); later steps read the K/V rows the
+    fused layers wrote."""
     generator = torch.Generator().manual_seed(2)
     vocab = smollm.args.vocab_size
-    lengths = (1, 17, 40, 2, 5, 9, 12, 3, 7)
     prompts = [torch.randint(0, vocab, (n,), generator=generator).tolist() for n in lengths]
     kernels = [layer.decode_kernel for layer in smollm.model.layers]
     assert all(k is not None for k in kernels)
@@ -347,11 +369,11 @@ def test_fused_decode_layers_equal_the_layer_modules(smollm, smollm_engine):
     torch.testing.assert_close(decode(True), decode(False), atol=1e-4, rtol=0)
 
 
-@pytest.mark.parametrize("lengths", [(530,), (1, 17, 40, 2, 5, 9, 12, 3, 7)])
+@pytest.mark.parametrize("lengths", [(530,), NINE, NINETEEN], ids=["one", "nine", "nineteen"])
 def test_fused_decode_step_equals_the_fused_layers_and_logits_projection(smollm, smollm_engine, lengths):
     """The whole step as one C call (layers, final norm, logits) computes what the layer kernels called one by
     one, the norm module and the logits block matmul compute, and picks the same tokens: one stream at a long
-    context, and nine of them."""
+    context, and nine and nineteen of them."""
     model = smollm.model
     assert model.decode_kernel is not None
     generator = torch.Generator().manual_seed(3)

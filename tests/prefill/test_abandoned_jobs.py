@@ -157,11 +157,12 @@ def test_an_answer_its_caller_never_took_in_is_deleted_by_its_abandon_token(stac
     """The set answered, but its caller had given up as the answer travelled (the call ended cancelled
     there, successful here): only the set holds the replica's key and capability. Abandon with the token
     the Prefill carried deletes it, and releases no more than that; a token spent, never sent or empty
-    deletes nothing, and an over-long one is refused with the request."""
+    deletes nothing, nor does one whose replica's lease is over (the store has reclaimed it), and an
+    over-long one is refused with the request."""
     store = stack.stack.kvstore_address
     address = next(s.address for s in stack.stack.services if s.name == "prefill-0")
 
-    async def run() -> tuple[int, bool, bool, bool, int]:
+    async def run() -> tuple[int, bool, bool, bool, bool, int]:
         client = PrefillClient(address)
         try:
             reply = await client.prefill(
@@ -169,6 +170,12 @@ def test_an_answer_its_caller_never_took_in_is_deleted_by_its_abandon_token(stac
             )
             held = await pinned(store)
             assert reply.kv.num_tokens == PROMPT_TOKENS
+            # An answer whose lease ends first, kept after one that lives on.
+            await client.prefill(
+                "lease-over", prompt(302), GREEDY, kv_lease_ms=500, abandon_token="token-2", timeout=60
+            )
+            await asyncio.sleep(0.8)
+            expired = await client.abandon("token-2")
             deleted = await client.abandon("token-1")
             again = await client.abandon("token-1")
             unknown = await client.abandon("never-sent")
@@ -182,13 +189,13 @@ def test_an_answer_its_caller_never_took_in_is_deleted_by_its_abandon_token(stac
                 )
             assert long.value.code() == grpc.StatusCode.INVALID_ARGUMENT
             assert "abandon_token has 129 characters; at most 128" in long.value.details()
-            return held, deleted, again, unknown, await pinned_bytes(store)
+            return held, deleted, again, unknown, expired, await pinned_bytes(store)
         finally:
             await client.close()
 
-    held, deleted, again, unknown, left = stack.run(run())
+    held, deleted, again, unknown, expired, left = stack.run(run())
     assert held >= REPLICA_BYTES  # the answer's replica was pinned for its reader
-    assert (deleted, again, unknown, left) == (True, False, False, 0)
+    assert (deleted, again, unknown, expired, left) == (True, False, False, False, 0)
 
 
 async def pinned(store_address: str) -> int:

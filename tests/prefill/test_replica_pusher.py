@@ -1,5 +1,6 @@
 """The rank's KV pusher against a real KV store process: a refused push raises the store's error at once
-(no pointless retry) and leaves no task pending in the pusher's loop (one would be destroyed pending)."""
+(no pointless retry) and leaves no task pending in the pusher's loop (one would be destroyed pending). And
+the size of the standby a rank readies between forwards."""
 
 from __future__ import annotations
 
@@ -12,7 +13,7 @@ import pytest
 
 from pcpstack.cli.launch import spawn_and_wait_listening
 from pcpstack.common.errors import AlreadyExists, ResourceExhausted
-from pcpstack.prefill.rank import ReplicaPusher
+from pcpstack.prefill.rank import ReplicaPusher, repeating_push
 
 FINGERPRINT = "f" * 64
 CAPACITY = 64 * 1024
@@ -46,3 +47,17 @@ def test_a_refused_push_raises_the_store_error_and_leaves_no_pending_task(
     gc.collect()
     assert "Task was destroyed" not in caplog.text
     assert "retrying on a new channel" not in caplog.text
+
+
+def test_the_standby_readied_between_forwards_holds_either_repeating_size() -> None:
+    """keep_standby's choice: after pushes of two sizes within a standby's slack (shm.MAX_REUSE_SLACK) to one
+    store, a standby of the larger, which holds either, whichever came last; none for sizes further apart,
+    two stores, or a forward that would push nothing."""
+    store, other = "127.0.0.1:1", "127.0.0.1:2"
+    assert repeating_push((store, 1000), (store, 1200)) == (store, 1200)
+    assert repeating_push((store, 1200), (store, 1000)) == (store, 1200)  # the smaller last
+    assert repeating_push((store, 1000), (store, 1000)) == (store, 1000)
+    assert repeating_push((store, 1000), (store, 1300)) is None  # 30 % apart
+    assert repeating_push((store, 1000), (other, 1000)) is None
+    assert repeating_push(None, (store, 1000)) is None
+    assert repeating_push((store, 0), (store, 0)) is None
