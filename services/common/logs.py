@@ -14,7 +14,8 @@ import json
 import logging
 import sys
 import time
-from typing import TextIO
+from collections.abc import Callable
+from typing import Any, TextIO
 
 from pcpstack.common.config import env_choice
 
@@ -90,3 +91,34 @@ def setup_logging(service: str, level: str | int = "INFO", stream: TextIO | None
     root = logging.getLogger()
     root.handlers[:] = [handler]
     root.setLevel(level)
+
+
+class ThrottledWarning:
+    """A warning that can repeat many times a second while a peer is down: logged at most once per
+    interval_s for each key (the peer's address, the error's text), and the next line logged for that key
+    says how many were left out since. Keys idle for a whole interval are forgotten once there are many."""
+
+    MAX_KEYS = 64
+
+    def __init__(
+        self, logger: logging.Logger, interval_s: float = 60.0, clock: Callable[[], float] = time.monotonic
+    ) -> None:
+        self._logger = logger
+        self._interval_s = interval_s
+        self._clock = clock
+        self._last: dict[str, tuple[float, int]] = {}  # key -> (when last logged, how many left out since)
+
+    def warning(self, key: str, message: str, *args: object, **kwargs: Any) -> None:
+        """Logs message % args (kwargs: as Logger.warning takes them) unless this key's last line was
+        logged under interval_s ago."""
+        now = self._clock()
+        last = self._last.get(key)
+        if last is not None and now - last[0] < self._interval_s:
+            self._last[key] = (last[0], last[1] + 1)
+            return
+        if last is not None and last[1]:
+            message += f" ({last[1]} more like it in the {now - last[0]:.0f} s before, not logged)"
+        self._logger.warning(message, *args, **kwargs)
+        self._last[key] = (now, 0)
+        if len(self._last) > self.MAX_KEYS:
+            self._last = {k: v for k, v in self._last.items() if now - v[0] < self._interval_s}

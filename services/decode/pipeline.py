@@ -53,7 +53,7 @@ from pcpstack.common.errors import (
     error_of_code,
 )
 from pcpstack.common.ids import check_request_id
-from pcpstack.common.logs import request_id_var
+from pcpstack.common.logs import ThrottledWarning, request_id_var
 from pcpstack.common.rpc_errors import error_from_rpc
 from pcpstack.common.telemetry import (
     current_in_steps,
@@ -111,6 +111,8 @@ _CHAT_ROLES = ("system", "user", "assistant")
 _ANSWER_MAY_BE_LOST = frozenset(
     {grpc.StatusCode.DEADLINE_EXCEEDED, grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.CANCELLED}
 )
+# While a set is down every request sent there fails to abandon too: one line a minute per set says so.
+_abandon_failures = ThrottledWarning(log)
 
 
 @dataclass(frozen=True)
@@ -596,7 +598,9 @@ class GeneratePipeline:
             if await client.abandon(abandon_token):
                 log.info("the set deletes the replica of an answer this worker never took in")
         except Exception as exc:  # the replica's lease reclaims it anyway
-            log.warning("could not abandon a prefill answer on %s: %s", client.address, exc)
+            _abandon_failures.warning(
+                client.address, "could not abandon a prefill answer on %s: %s", client.address, exc
+            )
 
     def _kv_client(self, address: str) -> KvStoreClient:
         client = self._kv_clients.get(address)

@@ -367,6 +367,7 @@ class KvStoreServicer(kvstore_pb2_grpc.KvStoreServiceServicer):
             standby_min_bytes=self._config.standby_min_bytes,
             standby_puts=self.segments.standby_puts,
             max_lease_ms=self.store.config.max_lease_ms,
+            default_lease_ms=self.store.config.default_lease_ms,
         )
         # Counters are for anyone; an object's details only for a holder of its capability.
         obj = self.store.describe(request.key, request.capability) if request.key else None

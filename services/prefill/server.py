@@ -87,6 +87,13 @@ async def lease_refusal(store: KvStoreClient, lease_ms: int) -> str | None:
     return None
 
 
+async def default_lease_ms(store: KvStoreClient) -> int:
+    """How long the store pins what asks for no lease (lease_ms 0): its --default-lease-ms, as its Stat tells;
+    from a store older than that field, its cap (which bounds the default) or DEFAULT_MAX_LEASE_MS."""
+    stat = await store.stat()
+    return stat.default_lease_ms or stat.max_lease_ms or DEFAULT_MAX_LEASE_MS
+
+
 def _stored_objects(outcome: PrefillOutcome) -> tuple[tuple[str, str], ...]:
     """(key, capability) of each of the replica's shards in the store."""
     return tuple((stored.shard.key, stored.capability) for stored in outcome.shards)
@@ -133,7 +140,7 @@ class PrefillServicer(prefill_pb2_grpc.PrefillServiceServicer):
         self._stores_seen: set[str] = set()  # every store ever listed, to tell a gone store from a stranger
         self._lease_ms = lease_ms
         self._leases_taken: set[tuple[str, int]] = set()  # (store, lease_ms) a store said it takes
-        self._lease_caps: dict[str, int] = {}  # each store's --max-lease-ms, as its Stat told
+        self._default_leases: dict[str, int] = {}  # how long each store pins for lease_ms 0, as its Stat told
 
     async def _store_for(self, requested: str) -> str:
         """The store to push to: the requested one if it is listed, else the default. A requested store that
@@ -359,18 +366,17 @@ class PrefillServicer(prefill_pb2_grpc.PrefillServiceServicer):
         return self._reply(job, running.assignment, outcome)
 
     async def _lease_bound_ms(self, store: str, lease_ms: int) -> int:
-        """How long a replica pushed with lease_ms can stay pinned: lease_ms, or for 0 (the store's default
-        lease) the store's cap, which bounds that default; asked of each store once (DEFAULT_MAX_LEASE_MS
-        where it cannot tell)."""
+        """How long a replica pushed with lease_ms can stay pinned: lease_ms, or for 0 the store's default
+        lease, asked of each store once (DEFAULT_MAX_LEASE_MS while the store cannot tell)."""
         if lease_ms:
             return lease_ms
-        if store not in self._lease_caps:
+        if store not in self._default_leases:
             try:
-                self._lease_caps[store] = (await self._kv_client(store).stat()).max_lease_ms
+                self._default_leases[store] = await default_lease_ms(self._kv_client(store))
             except ServiceError as exc:
-                log.warning("could not ask %s for its lease cap: %s", store, exc)
+                log.warning("could not ask %s for its default lease: %s", store, exc)
                 return DEFAULT_MAX_LEASE_MS
-        return self._lease_caps[store] or DEFAULT_MAX_LEASE_MS
+        return self._default_leases[store]
 
     def _keep_answer(
         self, token: str, store: str, kept_ms: int, job: PrefillJob, outcome: PrefillOutcome

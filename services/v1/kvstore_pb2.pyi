@@ -655,6 +655,7 @@ class StatResponse(_message.Message):
     STANDBY_MIN_BYTES_FIELD_NUMBER: _builtins.int
     STANDBY_PUTS_FIELD_NUMBER: _builtins.int
     MAX_LEASE_MS_FIELD_NUMBER: _builtins.int
+    DEFAULT_LEASE_MS_FIELD_NUMBER: _builtins.int
     objects: _builtins.int
     """Committed objects held."""
     bytes: _builtins.int
@@ -713,6 +714,10 @@ class StatResponse(_message.Message):
     """The longest pin lease a put or lookup may ask for (the store's --max-lease-ms); 0 from a store that
     predates this field.
     """
+    default_lease_ms: _builtins.int
+    """The lease a put or lookup that asks for none (lease_ms 0) gets (the store's --default-lease-ms); 0 from
+    a store that predates this field.
+    """
     @_builtins.property
     def object(self) -> Global___ObjectStat:
         """The object asked for, if any and if it exists."""
@@ -746,10 +751,11 @@ class StatResponse(_message.Message):
         standby_min_bytes: _builtins.int = ...,
         standby_puts: _builtins.int = ...,
         max_lease_ms: _builtins.int = ...,
+        default_lease_ms: _builtins.int = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["object", b"object"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["aborted_puts", b"aborted_puts", "bytes", b"bytes", "bytes_in", b"bytes_in", "bytes_out", b"bytes_out", "capacity_bytes", b"capacity_bytes", "evictions", b"evictions", "lease_expiries", b"lease_expiries", "max_lease_ms", b"max_lease_ms", "object", b"object", "objects", b"objects", "pinned_bytes", b"pinned_bytes", "pooled_bytes", b"pooled_bytes", "prefix_blocks", b"prefix_blocks", "prefix_blocks_hit", b"prefix_blocks_hit", "prefix_blocks_queried", b"prefix_blocks_queried", "prefix_bytes", b"prefix_bytes", "prefix_lease_expiries", b"prefix_lease_expiries", "prefix_leases", b"prefix_leases", "prefix_lookups", b"prefix_lookups", "refused_puts", b"refused_puts", "repeated_releases", b"repeated_releases", "reserved_bytes", b"reserved_bytes", "shm_dir", b"shm_dir", "shm_probe", b"shm_probe", "standby_min_bytes", b"standby_min_bytes", "standby_puts", b"standby_puts"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["aborted_puts", b"aborted_puts", "bytes", b"bytes", "bytes_in", b"bytes_in", "bytes_out", b"bytes_out", "capacity_bytes", b"capacity_bytes", "default_lease_ms", b"default_lease_ms", "evictions", b"evictions", "lease_expiries", b"lease_expiries", "max_lease_ms", b"max_lease_ms", "object", b"object", "objects", b"objects", "pinned_bytes", b"pinned_bytes", "pooled_bytes", b"pooled_bytes", "prefix_blocks", b"prefix_blocks", "prefix_blocks_hit", b"prefix_blocks_hit", "prefix_blocks_queried", b"prefix_blocks_queried", "prefix_bytes", b"prefix_bytes", "prefix_lease_expiries", b"prefix_lease_expiries", "prefix_leases", b"prefix_leases", "prefix_lookups", b"prefix_lookups", "refused_puts", b"refused_puts", "repeated_releases", b"repeated_releases", "reserved_bytes", b"reserved_bytes", "shm_dir", b"shm_dir", "shm_probe", b"shm_probe", "standby_min_bytes", b"standby_min_bytes", "standby_puts", b"standby_puts"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

@@ -39,3 +39,24 @@ def test_log_lines_carry_service_and_request_id_across_awaits(monkeypatch) -> No
         ("decode", "", "outside"),
     ]
     assert entries[0]["tokens"] == 3 and entries[0]["level"] == "INFO"
+
+
+def test_a_throttled_warning_logs_once_an_interval_per_key_and_counts_what_it_left_out(caplog) -> None:
+    now = [100.0]
+    warning = logs.ThrottledWarning(logging.getLogger("test.throttled"), interval_s=60, clock=lambda: now[0])
+    with caplog.at_level(logging.WARNING, logger="test.throttled"):
+        for _ in range(5):  # one set down, five requests in a second
+            warning.warning("set-a", "could not reach %s", "set-a")
+            now[0] += 0.2
+        warning.warning("set-b", "could not reach %s", "set-b")  # another key has its own interval
+        now[0] = 161.0
+        warning.warning("set-a", "could not reach %s", "set-a")
+        warning.warning("set-a", "could not reach %s", "set-a")
+        now[0] = 300.0
+        warning.warning("set-a", "could not reach %s", "set-a")
+    assert [record.getMessage() for record in caplog.records] == [
+        "could not reach set-a",
+        "could not reach set-b",
+        "could not reach set-a (4 more like it in the 61 s before, not logged)",
+        "could not reach set-a (1 more like it in the 139 s before, not logged)",
+    ]

@@ -27,6 +27,7 @@ from pcpstack.kvstore.errors import (
 )
 from pcpstack.kvstore.server import KvStoreServerConfig
 from pcpstack.kvstore.shm import BACKGROUND_NICE, SegmentMaps
+from pcpstack.prefill.server import default_lease_ms
 from pcpstack.v1 import kvstore_pb2 as pb
 from pcpstack.v1 import kvstore_pb2_grpc
 from tests.kvstore.conftest import running_store, segment_files
@@ -454,6 +455,9 @@ def test_lease_above_the_cap_is_invalid_argument_naming_the_cap(lease_ms: int):
                 await client.put("k", "fp", b"abcd", lease_ms=lease_ms)
             stats = await client.stat()
             assert (stats.objects, stats.reserved_bytes, stats.refused_puts) == (0, 0, 2)
+            assert (stats.default_lease_ms, stats.max_lease_ms) == (1000, 5000)
+            # A prefill set keeps an answer's delete rights for this long when the push asked no lease.
+            assert await default_lease_ms(client) == 1000
             assert (await client.put("k", "fp", b"abcd", lease_ms=5000)).total_bytes == 4
 
     asyncio.run(body())

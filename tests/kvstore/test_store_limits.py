@@ -35,6 +35,7 @@ def test_block_tokens_a_lookup_could_not_count_are_refused_at_put():
             stat = await client.stat()
             assert (stat.refused_puts, stat.prefix_leases) == (1, 0)
             assert stat.max_lease_ms == DEFAULT_MAX_LEASE_MS  # what prefill checks a lease against
+            assert stat.default_lease_ms == 60_000  # how long prefill keeps an answer pushed with lease 0
 
     asyncio.run(body())
 
