@@ -21,6 +21,7 @@ from collections.abc import Awaitable, Callable
 import aetcd
 
 from pcpstack.common.errors import ServiceError
+from pcpstack.common.logs import ThrottledWarning
 from pcpstack.registry.etcd_store import EtcdStore
 
 log = logging.getLogger(__name__)
@@ -29,6 +30,8 @@ log = logging.getLogger(__name__)
 # this long plus a poll
 LEADER_TTL_S = 2
 POLL_S = 0.2
+# While etcd is unreachable the campaign retries every POLL_S: each distinct error is logged every 30 s.
+_unreachable = ThrottledWarning(log, interval_s=30.0)
 # seconds before its lease could expire in etcd that a leader no refresh of which reached etcd steps down:
 # gone before another replica can win the key (the lease runs from etcd's receipt of the last refresh, later
 # than this replica sent it)
@@ -97,7 +100,9 @@ class Election:
                 log.error("registry replica stopped leading", extra={"address": self._address.decode()})
                 self._on_deposed()
             except (aetcd.exceptions.ClientError, ServiceError, OSError) as exc:
-                log.warning("leader election: etcd unreachable; retrying", extra={"error": str(exc)})
+                _unreachable.warning(
+                    str(exc), "leader election: etcd unreachable; retrying", extra={"error": str(exc)}
+                )
                 self._store.unreachable(exc)
                 await asyncio.sleep(POLL_S)
 

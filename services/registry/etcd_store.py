@@ -33,11 +33,14 @@ import socket
 import time
 from collections.abc import AsyncIterator, Awaitable, Mapping
 from dataclasses import dataclass
+from pathlib import Path
 from typing import TypeVar
 from urllib.parse import urlsplit
 
 import aetcd
 import aetcd.exceptions
+import aetcd.rpc
+import aetcd.watcher
 import grpc
 
 from pcpstack.common.config import ConfigError
@@ -64,15 +67,16 @@ class Superseded(Unavailable):
 
 @dataclass(frozen=True)
 class Endpoint:
-    """One etcd member's client URL, parsed."""
+    """One etcd member's client URL, parsed; secure: https (TLS)."""
 
     host: str
     port: int
+    secure: bool = False
 
 
 def parse_endpoints(urls: str) -> list[Endpoint]:
-    """Endpoints from "http://HOST:PORT[,http://HOST:PORT...]"; raises ConfigError naming the bad one (only
-    plain http: TLS to etcd is not supported yet)."""
+    """Endpoints from "http://HOST:PORT[,http://HOST:PORT...]" or the same with https:// (TLS; all of one
+    scheme); raises ConfigError naming the bad one."""
     endpoints = []
     for url in (part.strip() for part in urls.split(",")):
         parts = urlsplit(url)
@@ -80,11 +84,91 @@ def parse_endpoints(urls: str) -> list[Endpoint]:
             port = parts.port
         except ValueError:
             port = None
-        if parts.scheme != "http" or not parts.hostname or port is None or parts.path not in ("", "/"):
-            rule = f"every endpoint must be http://HOST:PORT; {url!r} is not"
+        scheme_ok = parts.scheme in ("http", "https")
+        if not scheme_ok or not parts.hostname or port is None or parts.path not in ("", "/"):
+            rule = f"every endpoint must be http://HOST:PORT or https://HOST:PORT; {url!r} is not"
             raise ConfigError.broken("--etcd", urls, rule)
-        endpoints.append(Endpoint(parts.hostname, port))
+        endpoints.append(Endpoint(parts.hostname, port, parts.scheme == "https"))
+    if len({endpoint.secure for endpoint in endpoints}) > 1:
+        rule = "the endpoints are one channel: all http:// or all https://, not a mix"
+        raise ConfigError.broken("--etcd", urls, rule)
     return endpoints
+
+
+@dataclass(frozen=True)
+class EtcdTls:
+    """TLS to etcd (https:// endpoints), as read from the flags' files: the CA the members' certificates
+    come from (empty: the system's roots), this registry's client certificate and key (empty: none; an etcd
+    started with --client-cert-auth needs them), and the name checked in every member's certificate."""
+
+    server_name: str
+    ca: bytes = b""
+    cert: bytes = b""
+    key: bytes = b""
+
+    def credentials(self) -> grpc.ChannelCredentials:
+        """The channel credentials gRPC dials with."""
+        return grpc.ssl_channel_credentials(self.ca or None, self.key or None, self.cert or None)
+
+
+def load_tls(urls: str, ca: str = "", cert: str = "", key: str = "", server_name: str = "") -> EtcdTls | None:
+    """The TLS the flags describe for the endpoints urls (None: plain http), its files read and checked now
+    (a file gRPC would only reject at the first handshake shows as etcd never answering); raises ConfigError
+    naming the flag and the rule."""
+    endpoints = parse_endpoints(urls)
+    given = {"--etcd-ca": ca, "--etcd-cert": cert, "--etcd-key": key, "--etcd-server-name": server_name}
+    if not endpoints[0].secure:
+        for flag, value in given.items():
+            if value:
+                raise ConfigError.broken(flag, value, "needs https:// --etcd endpoints (TLS)")
+        return None
+    if bool(cert) != bool(key):
+        raise ConfigError(
+            f"--etcd-cert={cert!r} --etcd-key={key!r}: a client certificate and its key are given together",
+            ("--etcd-cert", "--etcd-key"),
+            "--etcd-cert and --etcd-key are given together",
+        )
+    tls = EtcdTls(
+        server_name=server_name or endpoints[0].host,
+        ca=_read_file("--etcd-ca", ca),
+        cert=_read_file("--etcd-cert", cert),
+        key=_read_file("--etcd-key", key),
+    )
+    _check_pem(tls, ca, cert, key)
+    return tls
+
+
+def _read_file(flag: str, path: str) -> bytes:
+    if not path:
+        return b""
+    try:
+        return Path(path).read_bytes()
+    except OSError as exc:
+        raise ConfigError.broken(flag, path, f"cannot be read: {exc.strerror or exc}") from None
+
+
+def _check_pem(tls: EtcdTls, ca: str, cert: str, key: str) -> None:
+    from cryptography import x509
+    from cryptography.hazmat.primitives import serialization
+
+    if tls.ca:
+        try:
+            x509.load_pem_x509_certificates(tls.ca)
+        except ValueError:
+            raise ConfigError.broken("--etcd-ca", ca, "must hold PEM certificates") from None
+    if not tls.cert:
+        return
+    try:
+        chain = x509.load_pem_x509_certificates(tls.cert)
+    except ValueError:
+        raise ConfigError.broken("--etcd-cert", cert, "must hold a PEM certificate") from None
+    try:
+        private = serialization.load_pem_private_key(tls.key, password=None)
+    except (ValueError, TypeError):
+        raise ConfigError.broken("--etcd-key", key, "must hold an unencrypted PEM private key") from None
+    if private.public_key() != chain[0].public_key():
+        rule = f"is not the key of --etcd-cert={cert!r}: a certificate and its key belong together"
+        raise ConfigError.broken("--etcd-key", key, rule)
 
 
 async def _resolve(endpoints: list[Endpoint]) -> list[str]:
@@ -111,11 +195,14 @@ async def _resolve(endpoints: list[Endpoint]) -> list[str]:
 
 class _Client(aetcd.Client):
     """aetcd's client, its one channel dialled over every endpoint's addresses (gRPC's ipv4: scheme lists
-    several) as they resolve when it connects; `reresolve` dials anew when they have changed."""
+    several) as they resolve when it connects; `reresolve` dials anew when they have changed. With tls the
+    channel is a TLS one (aetcd dials plain text only), every member's certificate checked for
+    tls.server_name (the channel's addresses are IPs, which no certificate needs to name)."""
 
-    def __init__(self, endpoints: list[Endpoint]) -> None:
+    def __init__(self, endpoints: list[Endpoint], tls: EtcdTls | None = None) -> None:
         super().__init__(timeout=REQUEST_TIMEOUT_S)
         self._endpoints = endpoints
+        self._tls = tls
         self.addresses: list[str] = []
         self._resolved_at = -math.inf
 
@@ -128,7 +215,25 @@ class _Client(aetcd.Client):
             if not self.addresses:
                 names = ", ".join(f"{e.host}:{e.port}" for e in self._endpoints)
                 raise aetcd.exceptions.ConnectionFailedError(f"no etcd endpoint resolves ({names}); retrying")
-        await super().connect()
+        if self._tls is None or self._connected.is_set():
+            await super().connect()
+        else:
+            self._open_tls_channel(self._tls)
+
+    def _open_tls_channel(self, tls: EtcdTls) -> None:
+        """What aetcd's connect sets up (the channel, its service stubs, the watcher), over TLS. Nothing here
+        awaits, so no other task sees it half done; the handshake happens at the first request, whose
+        failure reads as etcd not answering (ConnectionFailedError), as a plain channel's does."""
+        options = [("grpc.ssl_target_name_override", tls.server_name)]
+        self.channel = grpc.aio.secure_channel(f"{self._host}:{self._port}", tls.credentials(), options)
+        self.kvstub = aetcd.rpc.KVStub(self.channel)
+        self.clusterstub = aetcd.rpc.ClusterStub(self.channel)
+        self.leasestub = aetcd.rpc.LeaseStub(self.channel)
+        self.maintenancestub = aetcd.rpc.MaintenanceStub(self.channel)
+        self._watcher = aetcd.watcher.Watcher(
+            aetcd.rpc.WatchStub(self.channel), timeout=self._timeout, metadata=self.metadata
+        )
+        self._connected.set()
 
     async def reresolve(self) -> None:
         """After a request found no address answering: resolves the names again (at most every
@@ -175,10 +280,10 @@ class EtcdStore:
         self._resolving: asyncio.Task | None = None
 
     @classmethod
-    async def connect(cls, urls: str, prefix: str, lease_s: float) -> EtcdStore:
-        """A store over the etcd cluster at urls, its keys under prefix; node records live under leases of
-        lease_s (rounded up)."""
-        client = _Client(parse_endpoints(urls))
+    async def connect(cls, urls: str, prefix: str, lease_s: float, tls: EtcdTls | None = None) -> EtcdStore:
+        """A store over the etcd cluster at urls (over TLS with tls: https:// urls), its keys under prefix;
+        node records live under leases of lease_s (rounded up)."""
+        client = _Client(parse_endpoints(urls), tls)
         store = cls(client, prefix, max(MIN_LEASE_TTL_S, math.ceil(lease_s)))
         # an etcd that cannot be reached (or whose names do not resolve) yet is retried by every later call
         with contextlib.suppress(aetcd.exceptions.ClientError):

@@ -8,6 +8,7 @@ import logging
 import os
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from pcpstack.common.config import ConfigError, check_non_negative, check_positive
 from pcpstack.common.server import DEFAULT_MAX_MESSAGE_BYTES
@@ -19,6 +20,9 @@ from pcpstack.common.startup import (
     run_service,
 )
 from pcpstack.registry.membership import Settings
+
+if TYPE_CHECKING:
+    from pcpstack.registry.etcd_store import EtcdTls
 
 log = logging.getLogger(__name__)
 DEFAULT_PORT = 7000
@@ -65,10 +69,30 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--etcd",
         default=None,
-        metavar="http://HOST:PORT[,...]",
+        metavar="http[s]://HOST:PORT[,...]",
         help="keep membership state (sets, generations, node records under leases) in this etcd cluster "
         "instead of in memory; registries started against one etcd elect a leader that assembles sets, "
         "and a restarted or newly elected one awaits the same sets (needs aetcd; docs/registry-on-etcd.md)",
+    )
+    parser.add_argument(
+        "--etcd-ca",
+        default="",
+        metavar="FILE",
+        help="PEM CA certificates the etcd members' certificates are checked against, with https:// --etcd "
+        "endpoints (default: the system's roots)",
+    )
+    parser.add_argument(
+        "--etcd-cert",
+        default="",
+        metavar="FILE",
+        help="PEM client certificate this registry shows etcd (one started with --client-cert-auth needs "
+        "it), with --etcd-key",
+    )
+    parser.add_argument("--etcd-key", default="", metavar="FILE", help="the --etcd-cert's PEM private key")
+    parser.add_argument(
+        "--etcd-server-name",
+        default="",
+        help="name every etcd member's certificate must carry (default: the first --etcd endpoint's host)",
     )
     parser.add_argument(
         "--etcd-prefix",
@@ -92,6 +116,10 @@ class RegistryConfig(ListenConfig):
     snapshot: Path | None = None
     etcd: str | None = None
     etcd_prefix: str = DEFAULT_ETCD_PREFIX
+    etcd_ca: str = ""
+    etcd_cert: str = ""
+    etcd_key: str = ""
+    etcd_server_name: str = ""
     verify_peer_address: bool = True
     advertise: str = ""
 
@@ -105,6 +133,10 @@ class RegistryConfig(ListenConfig):
             self._check_snapshot(self.snapshot)
         if self.etcd is not None:
             self._check_etcd(self.etcd)
+        else:
+            for flag, value in self._etcd_tls_flags().items():
+                if value:
+                    raise ConfigError.broken(flag, value, "is TLS to etcd: it needs --etcd")
         if _is_wildcard(self.advertise):
             raise ConfigError.broken(
                 "--advertise", self.advertise, "must be an address others can dial, not a wildcard"
@@ -135,6 +167,7 @@ class RegistryConfig(ListenConfig):
             rule = f"needs the aetcd package (pip install 'pcpstack[etcd]'): {exc}"
             raise ConfigError.broken("--etcd", urls, rule) from None
         parse_endpoints(urls)
+        self.etcd_tls()  # its files are read and checked now
         if _is_wildcard(self.host) and not self.advertise:
             # the leader's address is written for the other replicas to dial: a wildcard is no address
             raise ConfigError(
@@ -143,6 +176,22 @@ class RegistryConfig(ListenConfig):
                 ("--host", "--advertise"),
                 "--etcd with a wildcard --host needs --advertise",
             )
+
+    def _etcd_tls_flags(self) -> dict[str, str]:
+        return {
+            "--etcd-ca": self.etcd_ca,
+            "--etcd-cert": self.etcd_cert,
+            "--etcd-key": self.etcd_key,
+            "--etcd-server-name": self.etcd_server_name,
+        }
+
+    def etcd_tls(self) -> EtcdTls | None:
+        """TLS to etcd as the flags give it (None: plain http, or no --etcd), its files read."""
+        if self.etcd is None:
+            return None
+        from pcpstack.registry.etcd_store import load_tls
+
+        return load_tls(self.etcd, self.etcd_ca, self.etcd_cert, self.etcd_key, self.etcd_server_name)
 
     @property
     def advertised_host(self) -> str:
@@ -173,6 +222,7 @@ async def start(config: RegistryConfig) -> Serving:
         config.etcd,
         config.etcd_prefix,
         advertised_host=config.advertised_host,
+        etcd_tls=config.etcd_tls(),
     )
     log.info("registry serving", extra={"address": registry.address, "lease_s": settings.lease_s})
     return Serving.grpc(registry.running, registry.stop)

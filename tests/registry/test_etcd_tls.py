@@ -1,0 +1,173 @@
+"""Registry replicas on a real one-member etcd that serves clients over TLS and takes only clients with a
+certificate from its CA (etcd's --client-cert-auth): a replica given the CA, a client certificate and its
+key leads; one whose certificate comes from another CA, or that checks the members' certificates for a name
+they do not carry, never reaches etcd and says why while it keeps running; TLS flags that cannot work are
+refused at start-up (exit 2) naming the flag and the rule."""
+
+from __future__ import annotations
+
+import asyncio
+import shutil
+import subprocess
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from pcpstack.cli.certs import write_certs
+from pcpstack.common.config import ConfigError
+from pcpstack.common.ports import free_port
+from pcpstack.registry.etcd_local import EtcdCluster, ServerTls
+from pcpstack.registry.etcd_store import EtcdStore, load_tls
+from pcpstack.registry.main import RegistryConfig
+from tests.registry.support import until, wait_serving
+from tests.registry.test_etcd_leader_cut import _kill, _leader_named_by, _leads, _replica
+
+pytestmark = pytest.mark.timeout(90)
+
+
+@pytest.fixture(scope="module")
+def certs(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A CA with certificates for etcd and for the registry (both naming localhost and 127.0.0.1), and in
+    other/ a certificate from an unrelated CA."""
+    out = tmp_path_factory.mktemp("etcd-certs")
+    write_certs(out, names=["etcd", "registry"])
+    write_certs(out / "other", names=["registry"])
+    return out
+
+
+@pytest.fixture(scope="module")
+def etcd(tmp_path_factory: pytest.TempPathFactory, certs: Path) -> Iterator[EtcdCluster]:
+    data_dir = tmp_path_factory.mktemp("etcd-tls")
+    tls = ServerTls(ca=certs / "ca.pem", cert=certs / "etcd.pem", key=certs / "etcd-key.pem")
+    with EtcdCluster(data_dir, members=1, tls=tls) as cluster:
+        yield cluster
+    shutil.rmtree(data_dir, ignore_errors=True)
+
+
+def _tls_flags(folder: Path) -> list[str]:
+    return [
+        "--etcd-ca",
+        str(folder / "ca.pem"),
+        "--etcd-cert",
+        str(folder / "registry.pem"),
+        "--etcd-key",
+        str(folder / "registry-key.pem"),
+    ]
+
+
+def test_a_replica_with_a_client_certificate_from_etcds_ca_leads_over_tls(etcd, certs, child_env, tmp_path):
+    async def scenario():
+        assert etcd.endpoints.startswith("https://")
+        port = free_port()
+        prefix = "/tls/registry/"
+        process = _replica(etcd.endpoints, prefix, port, child_env, tmp_path / "tls.log", *_tls_flags(certs))
+        ca, cert, key = (str(certs / name) for name in ("ca.pem", "registry.pem", "registry-key.pem"))
+        tls = load_tls(etcd.endpoints, ca, cert, key)
+        store = await EtcdStore.connect(etcd.endpoints, prefix, 2.0, tls)
+        try:
+            await wait_serving(f"127.0.0.1:{port}")
+            await until(lambda: _leads(f"127.0.0.1:{port}"), timeout=30)
+            leader = await store.client.get(store.key("leader"))
+            assert leader is not None and leader.value == f"127.0.0.1:{port}".encode()
+            # A watch (what a replica holding sessions streams commands from) runs over the TLS channel too.
+            _, revision = await store.mailbox("")
+            await store.post([("node-a", b"assign")])
+            watch = store.watch_mailboxes(revision + 1)
+            node_id, _, message = await asyncio.wait_for(anext(watch), 10)
+            await watch.aclose()
+            assert (node_id, message) == ("node-a", b"assign")
+        finally:
+            _kill([process])
+            await store.close()
+
+    asyncio.run(asyncio.wait_for(scenario(), 75))
+
+
+def test_a_replica_etcd_does_not_trust_or_that_does_not_trust_etcd_keeps_running_and_says_why(
+    etcd, certs, child_env, tmp_path
+):
+    """One shows a certificate from another CA (etcd refuses it); one checks the members' certificates for
+    a name they do not carry (it refuses etcd). Neither leads; both keep serving and log the failure."""
+
+    async def scenario():
+        ports = [free_port(), free_port()]
+        logs = [tmp_path / "stranger.log", tmp_path / "wrong-name.log"]
+        foreign = _tls_flags(certs / "other")
+        foreign[1] = str(certs / "ca.pem")  # it trusts etcd; etcd does not trust its certificate
+        processes = [
+            _replica(etcd.endpoints, "/stranger/registry/", ports[0], child_env, logs[0], *foreign),
+            _replica(
+                etcd.endpoints,
+                "/wrong-name/registry/",
+                ports[1],
+                child_env,
+                logs[1],
+                *_tls_flags(certs),
+                "--etcd-server-name",
+                "etcd.elsewhere.example",
+            ),
+        ]
+        why = ("SSLV3_ALERT_BAD_CERTIFICATE", "Hostname Verification Check failed")
+        try:
+            for log, reason in zip(logs, why, strict=True):
+
+                async def says_why(log: Path = log, reason: str = reason) -> bool:
+                    text = log.read_text(errors="replace")
+                    return "etcd unreachable" in text and reason in text
+
+                await until(says_why, timeout=30)
+            await asyncio.sleep(2.0)  # an election would have finished by now
+            for port, process, log in zip(ports, processes, logs, strict=True):
+                assert process.poll() is None, log.read_text(errors="replace")
+                assert await _leader_named_by(f"127.0.0.1:{port}") != f"127.0.0.1:{port}"
+                # retried five times a second, said once (each distinct error once every 30 s)
+                assert log.read_text(errors="replace").count("etcd unreachable") == 1
+        finally:
+            _kill(processes)
+
+    asyncio.run(asyncio.wait_for(scenario(), 75))
+
+
+def _refusal(certs: Path, **flags: str) -> ConfigError:
+    with pytest.raises(ConfigError) as refused:
+        RegistryConfig(**{"etcd": "https://127.0.0.1:2379", **flags})
+    return refused.value
+
+
+def test_tls_flags_that_cannot_work_are_refused_naming_the_flag(certs, tmp_path) -> None:
+    ca, cert, key = (str(certs / name) for name in ("ca.pem", "registry.pem", "registry-key.pem"))
+    other_key = str(certs / "other" / "registry-key.pem")
+    not_pem = tmp_path / "not.pem"
+    not_pem.write_text("not a certificate\n")
+    cases = {
+        "--etcd-ca": dict(etcd="http://127.0.0.1:2379", etcd_ca=ca),  # TLS files on a plain endpoint
+        "--etcd-server-name": dict(etcd="http://127.0.0.1:2379", etcd_server_name="etcd"),
+        "--etcd-cert": dict(etcd_cert=cert),  # a certificate without its key
+        "--etcd": dict(etcd="http://127.0.0.1:2379,https://127.0.0.2:2379"),  # a mix of schemes
+        "--etcd-key": dict(etcd_cert=cert, etcd_key=other_key),  # another certificate's key
+    }
+    for flag, given in cases.items():
+        assert flag in _refusal(certs, **given).keys, given
+    unreadable = _refusal(certs, etcd_ca=str(tmp_path / "missing.pem"))
+    assert unreadable.keys == ("--etcd-ca",) and "cannot be read" in str(unreadable)
+    garbled = _refusal(certs, etcd_ca=str(not_pem))
+    assert garbled.keys == ("--etcd-ca",) and "PEM" in str(garbled)
+    with pytest.raises(ConfigError) as without_etcd:
+        RegistryConfig(etcd_key=key)
+    assert without_etcd.value.keys == ("--etcd-key",) and "needs --etcd" in str(without_etcd.value)
+    # What the flags accept: a CA alone (a server-only TLS etcd), or all three.
+    assert RegistryConfig(etcd="https://127.0.0.1:2379", etcd_ca=ca).etcd_tls() is not None
+    full = RegistryConfig(etcd="https://localhost:2379", etcd_ca=ca, etcd_cert=cert, etcd_key=key).etcd_tls()
+    assert full is not None and full.server_name == "localhost" and full.cert and full.key
+
+
+def test_a_registry_started_with_half_a_client_certificate_exits_2_naming_both_flags(certs, child_env):
+    command = [sys.executable, "-m", "pcpstack.cli", "serve", "registry", "--port", str(free_port())]
+    command += ["--etcd", "https://127.0.0.1:2379", "--etcd-cert", str(certs / "registry.pem")]
+    done = subprocess.run(command, env=child_env, capture_output=True, text=True, timeout=60)
+    assert done.returncode == 2, done.stderr
+    lines = done.stderr.strip().splitlines()
+    assert len(lines) == 1 and "config error" in lines[0]
+    assert "--etcd-cert" in lines[0] and "--etcd-key" in lines[0]
