@@ -95,8 +95,9 @@ def setup_logging(service: str, level: str | int = "INFO", stream: TextIO | None
 
 class ThrottledWarning:
     """A warning that can repeat many times a second while a peer is down: logged at most once per
-    interval_s for each key (the peer's address, the error's text), and the next line logged for that key
-    says how many were left out since. Keys idle for a whole interval are forgotten once there are many."""
+    interval_s for each key (the peer and the kind of error), and the next line logged for that key says
+    how many were left out since the one before. Once there are more than MAX_KEYS keys, those not logged
+    for a whole interval are forgotten, each with a last line for what it left out."""
 
     MAX_KEYS = 64
 
@@ -106,7 +107,8 @@ class ThrottledWarning:
         self._logger = logger
         self._interval_s = interval_s
         self._clock = clock
-        self._last: dict[str, tuple[float, int]] = {}  # key -> (when last logged, how many left out since)
+        # key -> (when last logged, that line's message, how many left out since)
+        self._last: dict[str, tuple[float, str, int]] = {}
 
     def warning(self, key: str, message: str, *args: object, **kwargs: Any) -> None:
         """Logs message % args (kwargs: as Logger.warning takes them) unless this key's last line was
@@ -114,11 +116,21 @@ class ThrottledWarning:
         now = self._clock()
         last = self._last.get(key)
         if last is not None and now - last[0] < self._interval_s:
-            self._last[key] = (last[0], last[1] + 1)
+            self._last[key] = (last[0], last[1], last[2] + 1)
             return
-        if last is not None and last[1]:
-            message += f" ({last[1]} more like it in the {now - last[0]:.0f} s before, not logged)"
-        self._logger.warning(message, *args, **kwargs)
-        self._last[key] = (now, 0)
+        text = message % args if args else message
+        self._logger.warning(text + (self._left_out(last, now) if last else ""), **kwargs)
+        self._last[key] = (now, text, 0)
         if len(self._last) > self.MAX_KEYS:
-            self._last = {k: v for k, v in self._last.items() if now - v[0] < self._interval_s}
+            for idle, (logged_at, logged, left_out) in list(self._last.items()):
+                if now - logged_at >= self._interval_s:
+                    del self._last[idle]
+                    if left_out:
+                        self._logger.warning(logged + self._left_out((logged_at, logged, left_out), now))
+
+    @staticmethod
+    def _left_out(last: tuple[float, str, int], now: float) -> str:
+        logged_at, _, left_out = last
+        if not left_out:
+            return ""
+        return f" ({left_out} more like it not logged after the one {now - logged_at:.0f} s before)"

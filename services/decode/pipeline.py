@@ -111,7 +111,8 @@ _CHAT_ROLES = ("system", "user", "assistant")
 _ANSWER_MAY_BE_LOST = frozenset(
     {grpc.StatusCode.DEADLINE_EXCEEDED, grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.CANCELLED}
 )
-# While a set is down every request sent there fails to abandon too: one line a minute per set says so.
+# While a set is down every request sent there fails to abandon too: one line a minute per set and kind of
+# error says so.
 _abandon_failures = ThrottledWarning(log)
 
 
@@ -598,9 +599,9 @@ class GeneratePipeline:
             if await client.abandon(abandon_token):
                 log.info("the set deletes the replica of an answer this worker never took in")
         except Exception as exc:  # the replica's lease reclaims it anyway
-            _abandon_failures.warning(
-                client.address, "could not abandon a prefill answer on %s: %s", client.address, exc
-            )
+            kind = exc.code().name if isinstance(exc, grpc.aio.AioRpcError) else type(exc).__name__
+            message = "could not abandon a prefill answer on %s: %s"
+            _abandon_failures.warning(f"{client.address} {kind}", message, client.address, exc)
 
     def _kv_client(self, address: str) -> KvStoreClient:
         client = self._kv_clients.get(address)

@@ -94,6 +94,36 @@ async def default_lease_ms(store: KvStoreClient) -> int:
     return stat.default_lease_ms or stat.max_lease_ms or DEFAULT_MAX_LEASE_MS
 
 
+class LeaseBounds:
+    """How long a replica pushed to a store can stay pinned there, for keeping what Abandon needs that long:
+    the lease the push asked for, or for 0 the store's default lease, asked of each store again once
+    REFRESH_S have passed (a restarted store may have another); DEFAULT_MAX_LEASE_MS while it cannot tell."""
+
+    REFRESH_S = 60.0
+
+    def __init__(
+        self, client: Callable[[str], KvStoreClient], clock: Callable[[], float] = time.monotonic
+    ) -> None:
+        self._client = client
+        self._clock = clock
+        self._defaults: dict[str, tuple[float, int]] = {}  # store -> (when asked, its default lease)
+
+    async def bound_ms(self, store: str, lease_ms: int) -> int:
+        """lease_ms, or for 0 the store's default lease."""
+        if lease_ms:
+            return lease_ms
+        known = self._defaults.get(store)
+        if known is not None and self._clock() - known[0] < self.REFRESH_S:
+            return known[1]
+        try:
+            default = await default_lease_ms(self._client(store))
+        except ServiceError as exc:
+            log.warning("could not ask %s for its default lease: %s", store, exc)
+            return max(DEFAULT_MAX_LEASE_MS, known[1] if known else 0)
+        self._defaults[store] = (self._clock(), default)
+        return default
+
+
 def _stored_objects(outcome: PrefillOutcome) -> tuple[tuple[str, str], ...]:
     """(key, capability) of each of the replica's shards in the store."""
     return tuple((stored.shard.key, stored.capability) for stored in outcome.shards)
@@ -140,7 +170,7 @@ class PrefillServicer(prefill_pb2_grpc.PrefillServiceServicer):
         self._stores_seen: set[str] = set()  # every store ever listed, to tell a gone store from a stranger
         self._lease_ms = lease_ms
         self._leases_taken: set[tuple[str, int]] = set()  # (store, lease_ms) a store said it takes
-        self._default_leases: dict[str, int] = {}  # how long each store pins for lease_ms 0, as its Stat told
+        self._lease_bounds = LeaseBounds(self._kv_client)
 
     async def _store_for(self, requested: str) -> str:
         """The store to push to: the requested one if it is listed, else the default. A requested store that
@@ -301,7 +331,7 @@ class PrefillServicer(prefill_pb2_grpc.PrefillServiceServicer):
         store = await self._store_for(request.kvstore_address)
         await self._check_lease(store, request.kv_lease_ms)
         lease_ms = request.kv_lease_ms or self._lease_ms
-        kept_ms = await self._lease_bound_ms(store, lease_ms) if request.abandon_token else 0
+        kept_ms = await self._lease_bounds.bound_ms(store, lease_ms) if request.abandon_token else 0
         with _tracer.start_as_current_span("prefill.set") as span:
             carrier: dict[str, str] = {}
             inject(carrier)
@@ -364,19 +394,6 @@ class PrefillServicer(prefill_pb2_grpc.PrefillServiceServicer):
         if request.abandon_token:
             self._keep_answer(request.abandon_token, store, kept_ms, job, outcome)
         return self._reply(job, running.assignment, outcome)
-
-    async def _lease_bound_ms(self, store: str, lease_ms: int) -> int:
-        """How long a replica pushed with lease_ms can stay pinned: lease_ms, or for 0 the store's default
-        lease, asked of each store once (DEFAULT_MAX_LEASE_MS while the store cannot tell)."""
-        if lease_ms:
-            return lease_ms
-        if store not in self._default_leases:
-            try:
-                self._default_leases[store] = await default_lease_ms(self._kv_client(store))
-            except ServiceError as exc:
-                log.warning("could not ask %s for its default lease: %s", store, exc)
-                return DEFAULT_MAX_LEASE_MS
-        return self._default_leases[store]
 
     def _keep_answer(
         self, token: str, store: str, kept_ms: int, job: PrefillJob, outcome: PrefillOutcome

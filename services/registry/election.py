@@ -30,8 +30,8 @@ log = logging.getLogger(__name__)
 # this long plus a poll
 LEADER_TTL_S = 2
 POLL_S = 0.2
-# While etcd is unreachable the campaign retries every POLL_S: each distinct error is logged every 30 s.
-_unreachable = ThrottledWarning(log, interval_s=30.0)
+# While etcd is unreachable the campaign retries every POLL_S; each distinct error is logged every this often.
+UNREACHABLE_LOG_S = 30.0
 # seconds before its lease could expire in etcd that a leader no refresh of which reached etcd steps down:
 # gone before another replica can win the key (the lease runs from etcd's receipt of the last refresh, later
 # than this replica sent it)
@@ -59,6 +59,7 @@ class Election:
         # True while this replica holds the leader key (set after on_elected has run)
         self.leading = False
         self._lease_id: int | None = None
+        self._unreachable = ThrottledWarning(log, interval_s=UNREACHABLE_LOG_S)
 
     @property
     def address(self) -> str:
@@ -100,7 +101,7 @@ class Election:
                 log.error("registry replica stopped leading", extra={"address": self._address.decode()})
                 self._on_deposed()
             except (aetcd.exceptions.ClientError, ServiceError, OSError) as exc:
-                _unreachable.warning(
+                self._unreachable.warning(
                     str(exc), "leader election: etcd unreachable; retrying", extra={"error": str(exc)}
                 )
                 self._store.unreachable(exc)

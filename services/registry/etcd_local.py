@@ -31,7 +31,8 @@ def etcd_binary() -> Path:
 @dataclass(frozen=True)
 class ServerTls:
     """PEM files for members that serve clients over TLS and take only clients whose certificate comes from
-    ca (etcd's --client-cert-auth)."""
+    ca (etcd's --client-cert-auth). cert must allow client authentication too: the health probe shows it
+    as its client certificate (`pcpstack certs` issues both uses)."""
 
     ca: Path
     cert: Path

@@ -32,7 +32,7 @@ import math
 import socket
 import time
 from collections.abc import AsyncIterator, Awaitable, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TypeVar
 from urllib.parse import urlsplit
@@ -104,7 +104,7 @@ class EtcdTls:
     server_name: str
     ca: bytes = b""
     cert: bytes = b""
-    key: bytes = b""
+    key: bytes = field(default=b"", repr=False)
 
     def credentials(self) -> grpc.ChannelCredentials:
         """The channel credentials gRPC dials with."""
@@ -122,6 +122,14 @@ def load_tls(urls: str, ca: str = "", cert: str = "", key: str = "", server_name
             if value:
                 raise ConfigError.broken(flag, value, "needs https:// --etcd endpoints (TLS)")
         return None
+    hosts = list(dict.fromkeys(endpoint.host for endpoint in endpoints))
+    if len(hosts) > 1 and not server_name:
+        rule = (
+            f"https:// endpoints on {len(hosts)} hosts need --etcd-server-name: one channel checks one name "
+            "in every member's certificate, and a member whose certificate names only itself would be "
+            "refused once the channel fails over to it; give a name all their certificates carry"
+        )
+        raise ConfigError.broken("--etcd", urls, rule)
     if bool(cert) != bool(key):
         raise ConfigError(
             f"--etcd-cert={cert!r} --etcd-key={key!r}: a client certificate and its key are given together",
@@ -201,8 +209,12 @@ class _Client(aetcd.Client):
 
     def __init__(self, endpoints: list[Endpoint], tls: EtcdTls | None = None) -> None:
         super().__init__(timeout=REQUEST_TIMEOUT_S)
+        secure = endpoints[0].secure
+        if tls is not None and not secure:
+            raise ValueError("TLS settings for http:// etcd endpoints: TLS needs https:// ones")
         self._endpoints = endpoints
-        self._tls = tls
+        # https:// without settings: the system's roots, the first endpoint's name
+        self._tls = EtcdTls(server_name=endpoints[0].host) if secure and tls is None else tls
         self.addresses: list[str] = []
         self._resolved_at = -math.inf
 
@@ -224,7 +236,8 @@ class _Client(aetcd.Client):
         """What aetcd's connect sets up (the channel, its service stubs, the watcher), over TLS. Nothing here
         awaits, so no other task sees it half done; the handshake happens at the first request, whose
         failure reads as etcd not answering (ConnectionFailedError), as a plain channel's does."""
-        options = [("grpc.ssl_target_name_override", tls.server_name)]
+        # (aetcd's user-and-password authentication is not offered: nothing here sends them)
+        options = [*self._options.items(), ("grpc.ssl_target_name_override", tls.server_name)]
         self.channel = grpc.aio.secure_channel(f"{self._host}:{self._port}", tls.credentials(), options)
         self.kvstub = aetcd.rpc.KVStub(self.channel)
         self.clusterstub = aetcd.rpc.ClusterStub(self.channel)

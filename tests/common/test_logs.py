@@ -54,9 +54,18 @@ def test_a_throttled_warning_logs_once_an_interval_per_key_and_counts_what_it_le
         warning.warning("set-a", "could not reach %s", "set-a")
         now[0] = 300.0
         warning.warning("set-a", "could not reach %s", "set-a")
-    assert [record.getMessage() for record in caplog.records] == [
+        warning.warning("set-a", "could not reach %s", "set-a")
+        # Many keys: those idle for an interval are forgotten, with a line for what they left out.
+        for k in range(logs.ThrottledWarning.MAX_KEYS):
+            now[0] += 1
+            warning.warning(f"set-{k}", "could not reach %s", k)
+    messages = [record.getMessage() for record in caplog.records]
+    assert messages[:5] == [
         "could not reach set-a",
         "could not reach set-b",
-        "could not reach set-a (4 more like it in the 61 s before, not logged)",
-        "could not reach set-a (1 more like it in the 139 s before, not logged)",
+        "could not reach set-a (4 more like it not logged after the one 61 s before)",
+        "could not reach set-a (1 more like it not logged after the one 139 s before)",
+        "could not reach 0",
     ]
+    assert "could not reach set-a (1 more like it not logged after the one 63 s before)" in messages
+    assert len(messages) == 4 + logs.ThrottledWarning.MAX_KEYS + 1

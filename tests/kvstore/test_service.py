@@ -15,6 +15,7 @@ import time
 import grpc
 import pytest
 
+from pcpstack.common.ports import free_port
 from pcpstack.kvstore.client import ByteRange, KvStoreClient, make_key
 from pcpstack.kvstore.errors import (
     AlreadyExists,
@@ -27,7 +28,8 @@ from pcpstack.kvstore.errors import (
 )
 from pcpstack.kvstore.server import KvStoreServerConfig
 from pcpstack.kvstore.shm import BACKGROUND_NICE, SegmentMaps
-from pcpstack.prefill.server import default_lease_ms
+from pcpstack.kvstore.store import DEFAULT_MAX_LEASE_MS
+from pcpstack.prefill.server import LeaseBounds
 from pcpstack.v1 import kvstore_pb2 as pb
 from pcpstack.v1 import kvstore_pb2_grpc
 from tests.kvstore.conftest import running_store, segment_files
@@ -456,11 +458,36 @@ def test_lease_above_the_cap_is_invalid_argument_naming_the_cap(lease_ms: int):
             stats = await client.stat()
             assert (stats.objects, stats.reserved_bytes, stats.refused_puts) == (0, 0, 2)
             assert (stats.default_lease_ms, stats.max_lease_ms) == (1000, 5000)
-            # A prefill set keeps an answer's delete rights for this long when the push asked no lease.
-            assert await default_lease_ms(client) == 1000
             assert (await client.put("k", "fp", b"abcd", lease_ms=5000)).total_bytes == 4
 
     asyncio.run(body())
+
+
+def test_a_prefill_set_keeps_an_answer_for_the_lease_its_push_asked_or_the_stores_default():
+    """What a set keeps Abandon's rights for (LeaseBounds): the push's lease, else the store's default lease
+    as its Stat tells, asked again after REFRESH_S (a store restarted with another default); a store that
+    does not answer gets the longest default."""
+    now = [0.0]
+
+    async def body():
+        async with (
+            running_store(default_lease_ms=1000, max_lease_ms=5000) as first,
+            running_store(default_lease_ms=2000, max_lease_ms=5000) as restarted,
+            KvStoreClient(first.address) as before,
+            KvStoreClient(restarted.address) as after,
+            KvStoreClient(f"127.0.0.1:{free_port()}", deadline_s=5.0) as silent,
+        ):
+            clients = {"store": before, "silent": silent}
+            bounds = LeaseBounds(clients.__getitem__, clock=lambda: now[0])
+            asked = (await bounds.bound_ms("store", 300), await bounds.bound_ms("store", 0))
+            clients["store"] = after  # the store came back with a longer default lease
+            now[0] += LeaseBounds.REFRESH_S - 1
+            cached = await bounds.bound_ms("store", 0)
+            now[0] += 1
+            return asked, cached, await bounds.bound_ms("store", 0), await bounds.bound_ms("silent", 0)
+
+    asked, cached, refreshed, silent = asyncio.run(body())
+    assert (asked, cached, refreshed, silent) == ((300, 1000), 1000, 2000, DEFAULT_MAX_LEASE_MS)
 
 
 def test_store_caps_leases_at_ten_minutes_by_default():

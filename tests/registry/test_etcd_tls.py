@@ -62,7 +62,9 @@ def test_a_replica_with_a_client_certificate_from_etcds_ca_leads_over_tls(etcd, 
         assert etcd.endpoints.startswith("https://")
         port = free_port()
         prefix = "/tls/registry/"
-        process = _replica(etcd.endpoints, prefix, port, child_env, tmp_path / "tls.log", *_tls_flags(certs))
+        # a name the member's certificate carries other than the endpoint's own
+        flags = [*_tls_flags(certs), "--etcd-server-name", "localhost"]
+        process = _replica(etcd.endpoints, prefix, port, child_env, tmp_path / "tls.log", *flags)
         ca, cert, key = (str(certs / name) for name in ("ca.pem", "registry.pem", "registry-key.pem"))
         tls = load_tls(etcd.endpoints, ca, cert, key)
         store = await EtcdStore.connect(etcd.endpoints, prefix, 2.0, tls)
@@ -145,11 +147,20 @@ def test_tls_flags_that_cannot_work_are_refused_naming_the_flag(certs, tmp_path)
         "--etcd-ca": dict(etcd="http://127.0.0.1:2379", etcd_ca=ca),  # TLS files on a plain endpoint
         "--etcd-server-name": dict(etcd="http://127.0.0.1:2379", etcd_server_name="etcd"),
         "--etcd-cert": dict(etcd_cert=cert),  # a certificate without its key
+        "--etcd-key": dict(etcd_key=key),  # a key without its certificate
         "--etcd": dict(etcd="http://127.0.0.1:2379,https://127.0.0.2:2379"),  # a mix of schemes
-        "--etcd-key": dict(etcd_cert=cert, etcd_key=other_key),  # another certificate's key
     }
     for flag, given in cases.items():
         assert flag in _refusal(certs, **given).keys, given
+    mismatched = _refusal(certs, etcd_cert=cert, etcd_key=other_key)  # another certificate's key
+    assert mismatched.keys == ("--etcd-key",) and "is not the key of" in str(mismatched)
+    # Members on several hosts: one channel checks one name, which must then be given.
+    several = _refusal(certs, etcd="https://etcd-0.etcd:2379,https://etcd-1.etcd:2379", etcd_ca=ca)
+    assert several.keys == ("--etcd",) and "--etcd-server-name" in str(several)
+    named = RegistryConfig(
+        etcd="https://etcd-0.etcd:2379,https://etcd-1.etcd:2379", etcd_ca=ca, etcd_server_name="etcd"
+    ).etcd_tls()
+    assert named is not None and named.server_name == "etcd"
     unreadable = _refusal(certs, etcd_ca=str(tmp_path / "missing.pem"))
     assert unreadable.keys == ("--etcd-ca",) and "cannot be read" in str(unreadable)
     garbled = _refusal(certs, etcd_ca=str(not_pem))
@@ -161,6 +172,9 @@ def test_tls_flags_that_cannot_work_are_refused_naming_the_flag(certs, tmp_path)
     assert RegistryConfig(etcd="https://127.0.0.1:2379", etcd_ca=ca).etcd_tls() is not None
     full = RegistryConfig(etcd="https://localhost:2379", etcd_ca=ca, etcd_cert=cert, etcd_key=key).etcd_tls()
     assert full is not None and full.server_name == "localhost" and full.cert and full.key
+    assert "PRIVATE KEY" not in repr(full)  # a traceback or log line showing the settings
+    with pytest.raises(ValueError, match="TLS needs https://"):  # what the code takes, as the flags do
+        asyncio.run(EtcdStore.connect("http://127.0.0.1:2379", "/refused/", 2.0, full))
 
 
 def test_a_registry_started_with_half_a_client_certificate_exits_2_naming_both_flags(certs, child_env):
