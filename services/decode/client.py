@@ -8,6 +8,11 @@ from dataclasses import dataclass, field
 from pcpstack.common.channel import open_channel
 from pcpstack.v1 import common_pb2, decode_pb2, decode_pb2_grpc
 
+# How a worker's RESOURCE_EXHAUSTED refusal of a request it has no room to hold (its --max-requests) begins:
+# another worker may take it, and a router may try one (other RESOURCE_EXHAUSTED refusals are the request's).
+BUSY = "decode worker busy"
+DEFAULT_MAX_REQUESTS = 256
+
 
 @dataclass
 class Generation:

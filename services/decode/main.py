@@ -32,6 +32,7 @@ from pcpstack.common.config import (
     check_positive,
     served_model_name,
 )
+from pcpstack.common.errors import ResourceExhausted
 from pcpstack.common.server import start_server
 from pcpstack.common.startup import (
     DrainGate,
@@ -41,12 +42,17 @@ from pcpstack.common.startup import (
     add_process_arguments,
     run_service,
 )
+from pcpstack.common.telemetry import meter
+from pcpstack.decode.client import BUSY, DEFAULT_MAX_REQUESTS
 
 if TYPE_CHECKING:  # torch and the model load only when the worker starts
     from pcpstack.engine.engine import Engine
     from pcpstack.engine.tp_engine import TensorParallelEngine
 
 log = logging.getLogger(__name__)
+_busy_refusals = meter("pcpstack.decode").create_counter(
+    "pcpstack.decode.requests_refused_busy", description="Generate requests refused: --max-requests were held"
+)
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -55,6 +61,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     add_node_arguments(parser, "decode")
     parser.add_argument("--threads", type=int, default=0, help="torch threads (default: torch's choice)")
     parser.add_argument("--max-batch", type=int, default=16, help="most sequences in one decode step")
+    parser.add_argument(
+        "--max-requests",
+        type=int,
+        default=DEFAULT_MAX_REQUESTS,
+        help="most requests this worker holds at once, in prefill, waiting for cache room or decoding; more "
+        f"are refused at once with RESOURCE_EXHAUSTED (the gateway tries another worker, then answers 429) "
+        f"(default {DEFAULT_MAX_REQUESTS})",
+    )
     parser.add_argument("--kv-cache-tokens", type=int, default=32768, help="tokens the paged KV cache holds")
     parser.add_argument("--prefill-timeout", type=float, default=300.0, help="seconds a prefill may take")
     parser.add_argument(
@@ -90,6 +104,7 @@ class DecodeConfig(NodeConfig):
     # 0: torch's choice.
     threads: int = 0
     max_batch: int = 16
+    max_requests: int = DEFAULT_MAX_REQUESTS
     kv_cache_tokens: int = 32768
     prefill_timeout: float = 300.0
     kv_lease_ms: int = 0
@@ -100,6 +115,7 @@ class DecodeConfig(NodeConfig):
         super().__post_init__()
         check_non_negative("--threads", self.threads, "0: torch's choice")
         check_positive("--max-batch", self.max_batch)
+        check_positive("--max-requests", self.max_requests)
         check_positive("--kv-cache-tokens", self.kv_cache_tokens)
         check_positive("--prefill-timeout", self.prefill_timeout)
         check_non_negative("--kv-lease-ms", self.kv_lease_ms, "0: the store's default")
@@ -107,11 +123,18 @@ class DecodeConfig(NodeConfig):
         check_non_negative("--drain-seconds", self.drain_seconds)
 
 
-def gate_generate(servicer, gate: DrainGate) -> None:
-    """Makes the servicer's Generate pass `gate`: counted while it streams, refused once the gate closes."""
+def gate_generate(servicer, gate: DrainGate, max_requests: int = DEFAULT_MAX_REQUESTS) -> None:
+    """Makes the servicer's Generate pass `gate`: counted while it streams, refused once the gate closes,
+    and refused ResourceExhausted (BUSY) while max_requests are running."""
     generate = servicer.Generate
 
     async def gated(request, context) -> AsyncIterator:
+        if gate.running >= max_requests:
+            _busy_refusals.add(1)
+            raise ResourceExhausted(
+                f"{BUSY}: it holds {gate.running} requests, its --max-requests; send this one to another "
+                "worker or again shortly"
+            )
         with gate.admit():
             async with aclosing(generate(request, context)) as stream:
                 async for message in stream:
@@ -213,7 +236,7 @@ async def start(config: DecodeConfig) -> Serving:
     pipeline = GeneratePipeline(engine, batcher, router, settings)
     servicer = DecodeServicer(pipeline)
     gate = DrainGate()
-    gate_generate(servicer, gate)
+    gate_generate(servicer, gate, config.max_requests)
     running = await start_server(
         lambda server: decode_pb2_grpc.add_DecodeServiceServicer_to_server(servicer, server),
         [SERVICE_NAME],

@@ -5,8 +5,10 @@ flight on the worker (fresh, but blind to other gateways) plus the load the regi
 worker's heartbeat (seen by every gateway, but only as fresh as that heartbeat); ties go to the worker used
 least recently, so idle workers share the work in turn. A worker whose call failed UNAVAILABLE is taken as
 unhealthy for UNHEALTHY_FOR_S and chosen only when nothing else is left. When a worker fails UNAVAILABLE
-before it sent anything, the call is made again on another worker: the client has seen nothing yet, so no
-answer is duplicated. Once a token was sent a failure is the client's to see.
+before it sent anything, or refuses the request because it holds its --max-requests already (BUSY), the
+call is made again on another worker: the client has seen nothing yet, so no answer is duplicated; when
+every worker was busy the client gets the last one's refusal, a 429. Once a token was sent a failure is the
+client's to see.
 
 A client (one gRPC channel) is kept per worker address.
 """
@@ -26,7 +28,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from pcpstack.common.channel import open_channel
 from pcpstack.common.errors import ServiceError
-from pcpstack.decode.client import DecodeClient
+from pcpstack.decode.client import BUSY, DecodeClient
 from pcpstack.gateway.errors import ApiError, error_from_rpc, service_unavailable
 from pcpstack.registry.client import Resolver
 from pcpstack.v1 import decode_pb2
@@ -54,6 +56,11 @@ def least_loaded(candidates: Sequence[Candidate]) -> Candidate:
     if not candidates:
         raise ValueError("no candidate")
     return min(candidates, key=lambda c: (c.unhealthy, c.in_flight + c.registry_load, c.last_used))
+
+
+def _busy(exc: grpc.aio.AioRpcError) -> bool:
+    """Whether the worker refused the request only because it holds its --max-requests already."""
+    return exc.code() == grpc.StatusCode.RESOURCE_EXHAUSTED and (exc.details() or "").startswith(BUSY)
 
 
 class DecodePool:
@@ -128,7 +135,7 @@ class DecodePool:
         self, request: decode_pb2.GenerateRequest, timeout: float | None
     ) -> AsyncGenerator[decode_pb2.GenerateResponse, None]:
         """The Generate stream of the least-loaded worker, with gRPC failures as ApiError. A worker that
-        fails UNAVAILABLE before its first message is replaced by another one, each worker tried once.
+        fails UNAVAILABLE or busy before its first message is replaced by another one, each tried once.
         Closing the iterator cancels the call."""
         tried: set[str] = set()
         workers = await self.workers()
@@ -148,12 +155,17 @@ class DecodePool:
                 return
             except grpc.aio.AioRpcError as exc:
                 error = self._failure(address, exc)
-                if exc.code() != grpc.StatusCode.UNAVAILABLE or sent or len(tried) == len(workers):
+                busy = _busy(exc)
+                elsewhere = busy or exc.code() == grpc.StatusCode.UNAVAILABLE
+                if not elsewhere or sent or len(tried) == len(workers):
                     raise error from None
-                log.warning(
-                    "decode worker unavailable before its first token; trying another",
-                    extra={"worker": address, "error": exc.details()},
-                )
+                if busy:  # an overloaded deployment says so for every request: not a warning each time
+                    log.info("decode worker busy; trying another", extra={"worker": address})
+                else:
+                    log.warning(
+                        "decode worker unavailable before its first token; trying another",
+                        extra={"worker": address, "error": exc.details()},
+                    )
             finally:
                 self._in_flight[address] -= 1
                 call.cancel()  # a no-op once finished; stops decode when the client went away

@@ -144,6 +144,7 @@ def test_prefill_refuses_an_unparsable_config_file(child_env, tmp_path: Path) ->
         (["--registry", "nowhere"], "--registry='nowhere'"),
         (["--registry", REGISTRY, "--model", "/no/such/model.gguf"], "model='/no/such/model.gguf'"),
         (["--registry", REGISTRY, "--max-batch", "0"], "--max-batch=0"),
+        (["--registry", REGISTRY, "--max-requests", "0"], "--max-requests=0"),
         (["--registry", REGISTRY, "--kv-cache-tokens", "-1"], "--kv-cache-tokens=-1"),
         (["--registry", REGISTRY, "--set", "prefill-context-parallel-size=2"], "parallel_size=2"),
     ],
