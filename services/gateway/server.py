@@ -98,8 +98,13 @@ def create_app(pool: DecodePool, settings: GatewaySettings) -> web.Application:
     return app
 
 
+# Seconds a client is told to wait before it retries a 429 (every decode worker busy) or a 503.
+RETRY_AFTER_S = 1
+
+
 def _error_response(error: ApiError) -> web.Response:
-    return web.json_response(error.body(), status=error.status)
+    retry = {"Retry-After": str(RETRY_AFTER_S)} if error.status in (429, 503) else None
+    return web.json_response(error.body(), status=error.status, headers=retry)
 
 
 def _http_error_response(request: web.Request, exc: web.HTTPException) -> web.Response:

@@ -1,10 +1,14 @@
 """Decode workers that hold their --max-requests already, in real processes (registry, KV store, a PCP=2
 set on the tiny model, two decode workers each holding at most one request): a worker refuses one more at
 once with RESOURCE_EXHAUSTED saying it is busy; the gateway's pool sends such a request to another worker,
-and when every worker is busy answers 429."""
+and when every worker is busy the gateway answers 429 with Retry-After."""
 
 from __future__ import annotations
 
+import asyncio
+import json
+import urllib.error
+import urllib.request
 from contextlib import asynccontextmanager
 
 import grpc
@@ -22,7 +26,12 @@ PROMPT = list(range(16))
 @pytest.fixture(scope="module")
 def stack(tmp_path_factory):
     running = start_stack(
-        tmp_path_factory.mktemp("busy-workers"), pcp=2, decode=2, model="tiny", decode_max_requests=1
+        tmp_path_factory.mktemp("busy-workers"),
+        pcp=2,
+        decode=2,
+        model="tiny",
+        decode_max_requests=1,
+        gateway=True,
     )
     yield running
     running.stop()
@@ -40,6 +49,20 @@ async def holding(address: str):
     finally:
         call.cancel()
         await client.close()
+
+
+def post(gateway_url: str) -> tuple[int, str | None, dict]:
+    """An HTTP completion through the gateway: its status, Retry-After header and body."""
+    request = urllib.request.Request(
+        f"{gateway_url}/v1/completions",
+        data=json.dumps({"model": "tiny", "prompt": PROMPT, "max_tokens": 4}).encode(),
+        headers={"Content-Type": "application/json"},
+    )
+    try:
+        with urllib.request.urlopen(request, timeout=60) as answer:
+            return answer.status, answer.headers.get("Retry-After"), json.loads(answer.read())
+    except urllib.error.HTTPError as error:
+        return error.code, error.headers.get("Retry-After"), json.loads(error.read())
 
 
 async def answer(pool: DecodePool) -> int:
@@ -68,8 +91,11 @@ def test_a_busy_worker_refuses_at_once_and_the_pool_tries_the_other_then_answers
                 async with holding(second):
                     with pytest.raises(ApiError) as everywhere:
                         await answer(pool)
+                    http = await asyncio.to_thread(post, stack.stack.gateway_url)
             after = await answer(pool)  # room again once the held requests ended
             assert everywhere.value.status == 429 and BUSY in str(everywhere.value)
+            status, retry_after, body = http
+            assert (status, retry_after, body["error"]["type"]) == (429, "1", "resource_exhausted")
             return refused.value.code(), refused.value.details(), elsewhere, after
         finally:
             await pool.close()
