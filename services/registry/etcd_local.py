@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import subprocess
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -41,22 +42,32 @@ class ServerTls:
 
 class EtcdCluster:
     """`members` etcd processes forming one cluster; `endpoints` is what `--etcd` takes (https:// with tls:
-    the members then serve clients over TLS and require a client certificate from tls.ca)."""
+    the members then serve clients over TLS and require a client certificate from tls.ca). tls may be one
+    ServerTls for all or one per member, and hosts the loopback address each member serves on (default all
+    127.0.0.1), for members whose certificates name only their own address."""
 
-    def __init__(self, data_dir: Path, members: int = 3, tls: ServerTls | None = None) -> None:
+    def __init__(
+        self,
+        data_dir: Path,
+        members: int = 3,
+        tls: ServerTls | Sequence[ServerTls] | None = None,
+        hosts: Sequence[str] = (),
+    ) -> None:
         self._binary = etcd_binary()
-        self._tls = tls
+        self._tls = [tls] * members if isinstance(tls, ServerTls) else list(tls) if tls else []
+        self._hosts = list(hosts) or ["127.0.0.1"] * members
+        if len(self._hosts) != members or len(self._tls) not in (0, members):
+            raise ValueError(f"{members} members: give one host and one TLS each (or none)")
         self._data_dir = data_dir
         self._names = [f"etcd-{i}" for i in range(members)]
-        self._client_ports = [free_port() for _ in self._names]
-        self._peer_ports = [free_port() for _ in self._names]
+        self._client_ports = [free_port(host) for host in self._hosts]
+        self._peer_ports = [free_port(host) for host in self._hosts]
         self._processes: dict[str, subprocess.Popen] = {}
 
     @property
     def endpoints(self) -> str:
         """Every member's client URL, comma-separated."""
-        scheme = "https" if self._tls else "http"
-        return ",".join(f"{scheme}://127.0.0.1:{port}" for port in self._client_ports)
+        return ",".join(self._client_url(i) for i in range(len(self._names)))
 
     @property
     def pids(self) -> list[int]:
@@ -75,20 +86,20 @@ class EtcdCluster:
     def start(self, **popen: Any) -> EtcdCluster:
         """Starts every member and returns once the cluster answers a linearizable read; popen keywords
         (start_new_session, ...) go to each member's Popen."""
-        peers = zip(self._names, self._peer_ports, strict=True)
-        initial = ",".join(f"{name}=http://127.0.0.1:{port}" for name, port in peers)
-        for name, client, peer in zip(self._names, self._client_ports, self._peer_ports, strict=True):
+        peers = [f"http://{host}:{port}" for host, port in zip(self._hosts, self._peer_ports, strict=True)]
+        initial = ",".join(f"{name}={peer}" for name, peer in zip(self._names, peers, strict=True))
+        for index, (name, peer) in enumerate(zip(self._names, peers, strict=True)):
             log = self.log_path(name).open("wb")
             self._processes[name] = subprocess.Popen(
                 [
                     str(self._binary),
                     f"--name={name}",
                     f"--data-dir={self._data_dir / name}",
-                    f"--listen-client-urls={self._client_url(client)}",
-                    f"--advertise-client-urls={self._client_url(client)}",
-                    *self._server_tls_flags(),
-                    f"--listen-peer-urls=http://127.0.0.1:{peer}",
-                    f"--initial-advertise-peer-urls=http://127.0.0.1:{peer}",
+                    f"--listen-client-urls={self._client_url(index)}",
+                    f"--advertise-client-urls={self._client_url(index)}",
+                    *self._server_tls_flags(index),
+                    f"--listen-peer-urls={peer}",
+                    f"--initial-advertise-peer-urls={peer}",
                     f"--initial-cluster={initial}",
                     "--initial-cluster-state=new",
                     "--initial-cluster-token=pcpstack-local",
@@ -101,13 +112,13 @@ class EtcdCluster:
         self._wait_healthy()
         return self
 
-    def _client_url(self, port: int) -> str:
-        return f"{'https' if self._tls else 'http'}://127.0.0.1:{port}"
+    def _client_url(self, index: int) -> str:
+        return f"{'https' if self._tls else 'http'}://{self._hosts[index]}:{self._client_ports[index]}"
 
-    def _server_tls_flags(self) -> list[str]:
-        if self._tls is None:
+    def _server_tls_flags(self, index: int) -> list[str]:
+        if not self._tls:
             return []
-        tls = self._tls
+        tls = self._tls[index]
         return [
             f"--cert-file={tls.cert}",
             f"--key-file={tls.key}",
@@ -117,8 +128,8 @@ class EtcdCluster:
 
     def _wait_healthy(self, timeout: float = 30.0) -> None:
         etcdctl = self._binary.with_name("etcdctl")
-        tls = self._tls
-        # the probe shows the members' own certificate as its client certificate (it may serve either side)
+        tls = self._tls[0] if self._tls else None
+        # the probe shows the first member's certificate as its client certificate (it may serve either side)
         client = [] if tls is None else [f"--cacert={tls.ca}", f"--cert={tls.cert}", f"--key={tls.key}"]
         deadline = time.monotonic() + timeout
         while True:

@@ -99,9 +99,10 @@ def parse_endpoints(urls: str) -> list[Endpoint]:
 class EtcdTls:
     """TLS to etcd (https:// endpoints), as read from the flags' files: the CA the members' certificates
     come from (empty: the system's roots), this registry's client certificate and key (empty: none; an etcd
-    started with --client-cert-auth needs them), and the name checked in every member's certificate."""
+    started with --client-cert-auth needs them), and the name checked in every member's certificate (empty:
+    each member's own endpoint host)."""
 
-    server_name: str
+    server_name: str = ""
     ca: bytes = b""
     cert: bytes = b""
     key: bytes = field(default=b"", repr=False)
@@ -122,14 +123,6 @@ def load_tls(urls: str, ca: str = "", cert: str = "", key: str = "", server_name
             if value:
                 raise ConfigError.broken(flag, value, "needs https:// --etcd endpoints (TLS)")
         return None
-    hosts = list(dict.fromkeys(endpoint.host for endpoint in endpoints))
-    if len(hosts) > 1 and not server_name:
-        rule = (
-            f"https:// endpoints on {len(hosts)} hosts need --etcd-server-name: one channel checks one name "
-            "in every member's certificate, and a member whose certificate names only itself would be "
-            "refused once the channel fails over to it; give a name all their certificates carry"
-        )
-        raise ConfigError.broken("--etcd", urls, rule)
     if bool(cert) != bool(key):
         raise ConfigError(
             f"--etcd-cert={cert!r} --etcd-key={key!r}: a client certificate and its key are given together",
@@ -137,7 +130,7 @@ def load_tls(urls: str, ca: str = "", cert: str = "", key: str = "", server_name
             "--etcd-cert and --etcd-key are given together",
         )
     tls = EtcdTls(
-        server_name=server_name or endpoints[0].host,
+        server_name=server_name,
         ca=_read_file("--etcd-ca", ca),
         cert=_read_file("--etcd-cert", cert),
         key=_read_file("--etcd-key", key),
@@ -205,7 +198,9 @@ class _Client(aetcd.Client):
     """aetcd's client, its one channel dialled over every endpoint's addresses (gRPC's ipv4: scheme lists
     several) as they resolve when it connects; `reresolve` dials anew when they have changed. With tls the
     channel is a TLS one (aetcd dials plain text only), every member's certificate checked for
-    tls.server_name (the channel's addresses are IPs, which no certificate needs to name)."""
+    tls.server_name (the channel's addresses are IPs, which no certificate needs to name). With tls and no
+    such name, on several hosts, each member is checked for its own endpoint's name, as etcd's own client
+    does: the channel then reaches one member at a time, and `reresolve` moves it on to the next."""
 
     def __init__(self, endpoints: list[Endpoint], tls: EtcdTls | None = None) -> None:
         super().__init__(timeout=REQUEST_TIMEOUT_S)
@@ -213,10 +208,23 @@ class _Client(aetcd.Client):
         if tls is not None and not secure:
             raise ValueError("TLS settings for http:// etcd endpoints: TLS needs https:// ones")
         self._endpoints = endpoints
-        # https:// without settings: the system's roots, the first endpoint's name
-        self._tls = EtcdTls(server_name=endpoints[0].host) if secure and tls is None else tls
+        # https:// without settings: the system's roots, each member's own name
+        self._tls = EtcdTls() if secure and tls is None else tls
+        self._one_member = (
+            self._tls is not None
+            and not self._tls.server_name
+            and len({endpoint.host for endpoint in endpoints}) > 1
+        )
+        self._member = 0  # the endpoint dialled, when one member at a time is
         self.addresses: list[str] = []
         self._resolved_at = -math.inf
+
+    @property
+    def server_name(self) -> str:
+        """The name the TLS channel checks in the certificate of the member it reaches ("": plain text)."""
+        if self._tls is None:
+            return ""
+        return self._tls.server_name or self._endpoints[self._member].host
 
     async def connect(self) -> None:
         """Connects (aetcd calls this before every request); with no address yet, resolves the names first
@@ -237,7 +245,7 @@ class _Client(aetcd.Client):
         awaits, so no other task sees it half done; the handshake happens at the first request, whose
         failure reads as etcd not answering (ConnectionFailedError), as a plain channel's does."""
         # (aetcd's user-and-password authentication is not offered: nothing here sends them)
-        options = [*self._options.items(), ("grpc.ssl_target_name_override", tls.server_name)]
+        options = [*self._options.items(), ("grpc.ssl_target_name_override", self.server_name)]
         self.channel = grpc.aio.secure_channel(f"{self._host}:{self._port}", tls.credentials(), options)
         self.kvstub = aetcd.rpc.KVStub(self.channel)
         self.clusterstub = aetcd.rpc.ClusterStub(self.channel)
@@ -251,20 +259,36 @@ class _Client(aetcd.Client):
     async def reresolve(self) -> None:
         """After a request found no address answering: resolves the names again (at most every
         RESOLVE_EVERY_S) and, if their addresses changed, closes the channel so that the next request dials
-        the new ones."""
+        the new ones. When one member at a time is dialled, the next member's."""
         if time.monotonic() - self._resolved_at < RESOLVE_EVERY_S:
             return
-        before = self.addresses
-        await self._retarget()
-        if self.addresses and self.addresses != before and self._connected.is_set():
-            log.warning(
-                "etcd endpoints resolve to new addresses; reconnecting", extra={"addresses": self.addresses}
-            )
+        before = (self.addresses, self._member)
+        await self._retarget(advance=self._one_member)
+        if self.addresses and (self.addresses, self._member) != before and self._connected.is_set():
+            if self._one_member:
+                log.warning(
+                    "etcd member not answering; dialling the next", extra={"member": self.server_name}
+                )
+            else:
+                log.warning(
+                    "etcd endpoints resolve to new addresses; reconnecting",
+                    extra={"addresses": self.addresses},
+                )
             await self.close()
 
-    async def _retarget(self) -> None:
+    async def _retarget(self, advance: bool = False) -> None:
+        """Resolves the names of every endpoint, or when one member at a time is dialled, of the current
+        member's (advance: the next one's), moving on past members whose names do not resolve."""
         self._resolved_at = time.monotonic()
-        addresses = await _resolve(self._endpoints)
+        if not self._one_member:
+            addresses = await _resolve(self._endpoints)
+        else:
+            addresses, count = [], len(self._endpoints)
+            for step in range(int(advance), count + int(advance)):
+                addresses = await _resolve([self._endpoints[(self._member + step) % count]])
+                if addresses:
+                    self._member = (self._member + step) % count
+                    break
         if addresses:
             self.addresses = addresses
             # aetcd dials f"{host}:{port}"; split so that this reads "ipv4:ADDRESS,ADDRESS..."

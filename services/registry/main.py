@@ -92,7 +92,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--etcd-server-name",
         default="",
-        help="name every etcd member's certificate must carry (default: the first --etcd endpoint's host)",
+        help="one name every etcd member's certificate carries, checked in each (default: each member is "
+        "checked for its own endpoint's host, and reached one at a time)",
     )
     parser.add_argument(
         "--etcd-prefix",

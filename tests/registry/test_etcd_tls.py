@@ -154,13 +154,11 @@ def test_tls_flags_that_cannot_work_are_refused_naming_the_flag(certs, tmp_path)
         assert flag in _refusal(certs, **given).keys, given
     mismatched = _refusal(certs, etcd_cert=cert, etcd_key=other_key)  # another certificate's key
     assert mismatched.keys == ("--etcd-key",) and "is not the key of" in str(mismatched)
-    # Members on several hosts: one channel checks one name, which must then be given.
-    several = _refusal(certs, etcd="https://etcd-0.etcd:2379,https://etcd-1.etcd:2379", etcd_ca=ca)
-    assert several.keys == ("--etcd",) and "--etcd-server-name" in str(several)
-    named = RegistryConfig(
-        etcd="https://etcd-0.etcd:2379,https://etcd-1.etcd:2379", etcd_ca=ca, etcd_server_name="etcd"
-    ).etcd_tls()
-    assert named is not None and named.server_name == "etcd"
+    # Members on several hosts: each checked for its own name, or all for the one given.
+    several = "https://etcd-0.etcd:2379,https://etcd-1.etcd:2379"
+    own = RegistryConfig(etcd=several, etcd_ca=ca).etcd_tls()
+    named = RegistryConfig(etcd=several, etcd_ca=ca, etcd_server_name="etcd").etcd_tls()
+    assert own is not None and own.server_name == "" and named is not None and named.server_name == "etcd"
     unreadable = _refusal(certs, etcd_ca=str(tmp_path / "missing.pem"))
     assert unreadable.keys == ("--etcd-ca",) and "cannot be read" in str(unreadable)
     garbled = _refusal(certs, etcd_ca=str(not_pem))
@@ -171,7 +169,7 @@ def test_tls_flags_that_cannot_work_are_refused_naming_the_flag(certs, tmp_path)
     # What the flags accept: a CA alone (a server-only TLS etcd), or all three.
     assert RegistryConfig(etcd="https://127.0.0.1:2379", etcd_ca=ca).etcd_tls() is not None
     full = RegistryConfig(etcd="https://localhost:2379", etcd_ca=ca, etcd_cert=cert, etcd_key=key).etcd_tls()
-    assert full is not None and full.server_name == "localhost" and full.cert and full.key
+    assert full is not None and full.server_name == "" and full.cert and full.key
     assert "PRIVATE KEY" not in repr(full)  # a traceback or log line showing the settings
     with pytest.raises(ValueError, match="TLS needs https://"):  # what the code takes, as the flags do
         asyncio.run(EtcdStore.connect("http://127.0.0.1:2379", "/refused/", 2.0, full))
@@ -185,3 +183,41 @@ def test_a_registry_started_with_half_a_client_certificate_exits_2_naming_both_f
     lines = done.stderr.strip().splitlines()
     assert len(lines) == 1 and "config error" in lines[0]
     assert "--etcd-cert" in lines[0] and "--etcd-key" in lines[0]
+
+
+def test_members_whose_certificates_name_only_themselves_are_dialled_one_at_a_time(
+    tmp_path_factory: pytest.TempPathFactory, child_env, tmp_path
+) -> None:
+    """Three members on three loopback addresses, each certificate naming only its own: the replica checks
+    each member for its own endpoint's name, leads through the first, and when that member is killed dials
+    the next and leads on (one channel over all three with one name could not pass the second)."""
+    folder = tmp_path_factory.mktemp("member-certs")
+    hosts = ["127.0.0.1", "127.0.0.2", "127.0.0.3"]
+    write_certs(folder, names=["registry"])
+    for i, host in enumerate(hosts):
+        write_certs(folder, names=[f"etcd-{i}"], dns=[], ips=[host])
+    members = [
+        ServerTls(ca=folder / "ca.pem", cert=folder / f"etcd-{i}.pem", key=folder / f"etcd-{i}-key.pem")
+        for i in range(len(hosts))
+    ]
+    data_dir = tmp_path_factory.mktemp("etcd-members")
+
+    async def scenario(cluster: EtcdCluster) -> None:
+        port = free_port()
+        address = f"127.0.0.1:{port}"
+        log = tmp_path / "members.log"
+        process = _replica(cluster.endpoints, "/members/registry/", port, child_env, log, *_tls_flags(folder))
+        try:
+            await until(lambda: _leads(address), timeout=30)
+            cluster.kill_member(0)
+
+            async def moved_on() -> bool:
+                return "dialling the next" in log.read_text(errors="replace") and await _leads(address)
+
+            await until(moved_on, timeout=60)
+        finally:
+            _kill([process])
+
+    with EtcdCluster(data_dir, members=len(hosts), tls=members, hosts=hosts) as cluster:
+        asyncio.run(asyncio.wait_for(scenario(cluster), 85))
+    shutil.rmtree(data_dir, ignore_errors=True)
