@@ -43,7 +43,7 @@ from pcpstack.common.errors import (
     Unavailable,
 )
 from pcpstack.common.ids import check_request_id
-from pcpstack.common.logs import request_id_var
+from pcpstack.common.logs import ThrottledWarning, request_id_var
 from pcpstack.common.telemetry import latency_histogram, meter, tracer
 from pcpstack.engine.prompt import check_prompt
 from pcpstack.kvstore.client import KvStoreClient
@@ -107,6 +107,7 @@ class LeaseBounds:
         self._client = client
         self._clock = clock
         self._defaults: dict[str, tuple[float, int]] = {}  # store -> (when asked, its default lease)
+        self._failures = ThrottledWarning(log)  # a store that is down fails every request's question
 
     async def bound_ms(self, store: str, lease_ms: int) -> int:
         """lease_ms, or for 0 the store's default lease."""
@@ -118,7 +119,7 @@ class LeaseBounds:
         try:
             default = await default_lease_ms(self._client(store))
         except ServiceError as exc:
-            log.warning("could not ask %s for its default lease: %s", store, exc)
+            self._failures.warning(store, "could not ask %s for its default lease: %s", store, exc)
             return max(DEFAULT_MAX_LEASE_MS, known[1] if known else 0)
         self._defaults[store] = (self._clock(), default)
         return default
