@@ -280,6 +280,11 @@ class DrainGate:
         """Requests admitted and not finished."""
         return self._running
 
+    @property
+    def closed(self) -> bool:
+        """Whether new requests are refused (the service drains)."""
+        return self._closed
+
     @contextlib.contextmanager
     def admit(self) -> Iterator[None]:
         """Holds one request while it runs; raises Unavailable once the gate is closed."""

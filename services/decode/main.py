@@ -129,7 +129,7 @@ def gate_generate(servicer, gate: DrainGate, max_requests: int = DEFAULT_MAX_REQ
     generate = servicer.Generate
 
     async def gated(request, context) -> AsyncIterator:
-        if gate.running >= max_requests:
+        if not gate.closed and gate.running >= max_requests:  # draining: admit refuses it UNAVAILABLE
             _busy_refusals.add(1)
             raise ResourceExhausted(
                 f"{BUSY}: it holds {gate.running} requests, its --max-requests; send this one to another "

@@ -7,7 +7,7 @@ least recently, so idle workers share the work in turn. A worker whose call fail
 unhealthy for UNHEALTHY_FOR_S and chosen only when nothing else is left. When a worker fails UNAVAILABLE
 before it sent anything, or refuses the request because it holds its --max-requests already (BUSY), the
 call is made again on another worker: the client has seen nothing yet, so no answer is duplicated; when
-every worker was busy the client gets the last one's refusal, a 429. Once a token was sent a failure is the
+none served and any was busy the client gets a busy refusal, a 429. Once a token was sent a failure is the
 client's to see.
 
 A client (one gRPC channel) is kept per worker address.
@@ -139,6 +139,7 @@ class DecodePool:
         Closing the iterator cancels the call."""
         tried: set[str] = set()
         workers = await self.workers()
+        refused_busy: ApiError | None = None  # overload, not a fault, is what the client hears if any said so
         while True:
             address = self._choose(workers, tried)
             if address is None:  # unreachable: the loop only continues while an untried worker is left
@@ -157,8 +158,12 @@ class DecodePool:
                 error = self._failure(address, exc)
                 busy = _busy(exc)
                 elsewhere = busy or exc.code() == grpc.StatusCode.UNAVAILABLE
-                if not elsewhere or sent or len(tried) == len(workers):
+                if busy:
+                    refused_busy = error
+                if not elsewhere or sent:
                     raise error from None
+                if len(tried) == len(workers):
+                    raise (refused_busy or error) from None
                 if busy:  # an overloaded deployment says so for every request: not a warning each time
                     log.info("decode worker busy; trying another", extra={"worker": address})
                 else:

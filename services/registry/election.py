@@ -19,6 +19,7 @@ import time
 from collections.abc import Awaitable, Callable
 
 import aetcd
+import grpc
 
 from pcpstack.common.errors import ServiceError
 from pcpstack.common.logs import ThrottledWarning
@@ -100,9 +101,19 @@ class Election:
                 self.leader_address = ""
                 log.error("registry replica stopped leading", extra={"address": self._address.decode()})
                 self._on_deposed()
-            except (aetcd.exceptions.ClientError, ServiceError, OSError) as exc:
+            except (
+                aetcd.exceptions.ClientError,
+                ServiceError,
+                OSError,
+                asyncio.CancelledError,
+                grpc.aio.UsageError,
+            ) as exc:
+                if isinstance(exc, asyncio.CancelledError) and asyncio.current_task().cancelling():
+                    raise  # the election itself is stopped
+                # (otherwise a call on a channel closed, or being closed, under it: EtcdStore's retire)
+                error = str(exc) or "its etcd channel was replaced"
                 self._unreachable.warning(
-                    str(exc), "leader election: etcd unreachable; retrying", extra={"error": str(exc)}
+                    error, "leader election: etcd unreachable; retrying", extra={"error": error}
                 )
                 self._store.unreachable(exc)
                 await asyncio.sleep(POLL_S)

@@ -19,7 +19,11 @@ conflicts; its generated etcd v3 stubs load under protobuf 7. Several endpoints 
 channel over their addresses (pick-first), so one etcd member going down moves the channel to another. The
 names are resolved here, not by gRPC (its dns: target takes one name), when the client connects and again
 whenever a request finds no address answering, so an etcd pod that moved to a new IP is dialled there; a
-name that does not resolve yet is skipped until it does.
+name that does not resolve yet is skipped until it does. Over TLS with each member checked for its own name
+(no --etcd-server-name), the channel spans one member's addresses, and the next member is dialled after
+ROTATE_AFTER requests in a row found it not answering. A channel is replaced, never closed under its
+callers: the old one is closed RETIRE_GRACE_S later, and a call that still ends cancelled by that close is
+Unavailable to its caller, as any other failed request (the task awaiting it lives on).
 """
 
 from __future__ import annotations
@@ -58,6 +62,10 @@ MAX_TXN_OPS = 128
 # seconds: how long one name's lookup may take; how often names are looked up again while etcd is unreachable
 RESOLVE_TIMEOUT_S = 2.0
 RESOLVE_EVERY_S = 2.0
+# Requests in a row that find a member not answering before the next member is dialled (one member at a time)
+ROTATE_AFTER = 3
+# Seconds a replaced channel stays open for the calls other tasks still have on it
+RETIRE_GRACE_S = 10.0
 
 
 class Superseded(Unavailable):
@@ -216,6 +224,8 @@ class _Client(aetcd.Client):
             and len({endpoint.host for endpoint in endpoints}) > 1
         )
         self._member = 0  # the endpoint dialled, when one member at a time is
+        self._failures = 0  # requests in a row that found no member answering
+        self._retiring: set[asyncio.Task] = set()  # closing replaced channels once their calls had time
         self.addresses: list[str] = []
         self._resolved_at = -math.inf
 
@@ -229,24 +239,29 @@ class _Client(aetcd.Client):
     async def connect(self) -> None:
         """Connects (aetcd calls this before every request); with no address yet, resolves the names first
         (at most every RESOLVE_EVERY_S) and raises ConnectionFailedError while none resolves."""
-        if not self._connected.is_set() and not self.addresses:
+        if self._connected.is_set():
+            return
+        if not self.addresses:
             if time.monotonic() - self._resolved_at >= RESOLVE_EVERY_S:
                 await self._retarget()
             if not self.addresses:
                 names = ", ".join(f"{e.host}:{e.port}" for e in self._endpoints)
                 raise aetcd.exceptions.ConnectionFailedError(f"no etcd endpoint resolves ({names}); retrying")
-        if self._tls is None or self._connected.is_set():
-            await super().connect()
-        else:
-            self._open_tls_channel(self._tls)
+        if not self._connected.is_set():
+            self._open_channel()
 
-    def _open_tls_channel(self, tls: EtcdTls) -> None:
-        """What aetcd's connect sets up (the channel, its service stubs, the watcher), over TLS. Nothing here
-        awaits, so no other task sees it half done; the handshake happens at the first request, whose
-        failure reads as etcd not answering (ConnectionFailedError), as a plain channel's does."""
-        # (aetcd's user-and-password authentication is not offered: nothing here sends them)
-        options = [*self._options.items(), ("grpc.ssl_target_name_override", self.server_name)]
-        self.channel = grpc.aio.secure_channel(f"{self._host}:{self._port}", tls.credentials(), options)
+    def _open_channel(self) -> None:
+        """What aetcd's connect sets up (the channel, its service stubs, the watcher), over TLS where
+        configured (aetcd dials plain text only). Nothing here awaits, so no other task sees it half done;
+        the connection and any handshake happen at the first request, whose failure reads as etcd not
+        answering (ConnectionFailedError). aetcd's user-and-password authentication is not offered."""
+        target = f"{self._host}:{self._port}"
+        options = list(self._options.items())
+        if self._tls is None:
+            self.channel = grpc.aio.insecure_channel(target, options)
+        else:
+            options.append(("grpc.ssl_target_name_override", self.server_name))
+            self.channel = grpc.aio.secure_channel(target, self._tls.credentials(), options)
         self.kvstub = aetcd.rpc.KVStub(self.channel)
         self.clusterstub = aetcd.rpc.ClusterStub(self.channel)
         self.leasestub = aetcd.rpc.LeaseStub(self.channel)
@@ -256,25 +271,61 @@ class _Client(aetcd.Client):
         )
         self._connected.set()
 
+    def failed(self) -> None:
+        """A request found no member answering (EtcdStore.unreachable)."""
+        self._failures += 1
+
+    def answered(self) -> None:
+        """A request was answered."""
+        self._failures = 0
+
     async def reresolve(self) -> None:
         """After a request found no address answering: resolves the names again (at most every
-        RESOLVE_EVERY_S) and, if their addresses changed, closes the channel so that the next request dials
-        the new ones. When one member at a time is dialled, the next member's."""
+        RESOLVE_EVERY_S) and, if their addresses changed, dials them on a new channel. When one member at a
+        time is dialled, the next member's once ROTATE_AFTER requests in a row found this one not answering
+        (a single slow answer, or etcd's own UNAVAILABLE while it elects a leader, moves nothing)."""
         if time.monotonic() - self._resolved_at < RESOLVE_EVERY_S:
             return
         before = (self.addresses, self._member)
-        await self._retarget(advance=self._one_member)
+        await self._retarget(advance=self._one_member and self._failures >= ROTATE_AFTER)
         if self.addresses and (self.addresses, self._member) != before and self._connected.is_set():
             if self._one_member:
                 log.warning(
                     "etcd member not answering; dialling the next", extra={"member": self.server_name}
                 )
             else:
-                log.warning(
-                    "etcd endpoints resolve to new addresses; reconnecting",
-                    extra={"addresses": self.addresses},
-                )
-            await self.close()
+                log.warning("etcd endpoints resolve to new addresses", extra={"addresses": self.addresses})
+            self._failures = 0
+            self._replace_channel()
+
+    def _replace_channel(self) -> None:
+        """Dials the current addresses on a new channel; the old one is closed RETIRE_GRACE_S later. Closing
+        it now would cancel every call other tasks have on it (a channel's close cancels its calls), and with
+        them those tasks."""
+        old = (self.channel, self._watcher)
+        self._open_channel()
+        if old[0] is not None:
+            retiring = asyncio.create_task(self._retire(*old), name="etcd-channel-retire")
+            self._retiring.add(retiring)
+            retiring.add_done_callback(self._retiring.discard)
+
+    @staticmethod
+    async def _retire(channel: grpc.aio.Channel, watcher) -> None:
+        try:
+            await asyncio.sleep(RETIRE_GRACE_S)
+        finally:  # cancelled (the client closes): at once
+            with contextlib.suppress(Exception):
+                if watcher is not None:
+                    await watcher.shutdown()
+                await channel.close()
+
+    async def close(self) -> None:
+        """Closes the channel and any still being retired."""
+        retiring = list(self._retiring)
+        for task in retiring:
+            task.cancel()
+        await asyncio.gather(*retiring, return_exceptions=True)
+        await super().close()
 
     async def _retarget(self, advance: bool = False) -> None:
         """Resolves the names of every endpoint, or when one member at a time is dialled, of the current
@@ -294,6 +345,15 @@ class _Client(aetcd.Client):
             # aetcd dials f"{host}:{port}"; split so that this reads "ipv4:ADDRESS,ADDRESS..."
             host, _, port = ("ipv4:" + ",".join(addresses)).rpartition(":")
             self._host, self._port = host, int(port)
+
+
+def _raise_if_cancelled(exc: BaseException) -> None:
+    """Re-raises a CancelledError meant for the running task. One that is not (a call on a channel closed
+    under it ends cancelled; a call on one being closed raises UsageError) returns, for the caller to turn
+    into Unavailable: the task must live on and retry, not end."""
+    task = asyncio.current_task()
+    if isinstance(exc, asyncio.CancelledError) and task is not None and task.cancelling():
+        raise exc
 
 
 class EtcdStore:
@@ -342,6 +402,7 @@ class EtcdStore:
             isinstance(exc, no_answer) or (isinstance(exc, grpc.aio.AioRpcError) and exc.code() in codes)
         ):
             return
+        self._client.failed()
         if self._resolving is None or self._resolving.done():
             self._resolving = asyncio.create_task(self._client.reresolve(), name="etcd-resolve")
 
@@ -555,6 +616,9 @@ class EtcdStore:
         except (aetcd.exceptions.ClientError, grpc.aio.AioRpcError) as exc:
             self.unreachable(exc)
             raise Unavailable(f"etcd watch failed: {exc}") from None
+        except (asyncio.CancelledError, grpc.aio.UsageError) as exc:
+            _raise_if_cancelled(exc)
+            raise Unavailable("etcd watch ended: its channel was replaced") from None
         finally:
             with contextlib.suppress(aetcd.exceptions.ClientError, grpc.aio.AioRpcError):
                 await watch.cancel()
@@ -580,15 +644,24 @@ class EtcdStore:
         except grpc.aio.AioRpcError as exc:
             self.unreachable(exc)
             raise Unavailable(f"etcd lease keep-alive failed: {exc.code().name}: {exc.details()}") from None
+        except (asyncio.CancelledError, grpc.aio.UsageError) as exc:
+            _raise_if_cancelled(exc)
+            raise Unavailable("etcd lease keep-alive ended: its channel was replaced") from None
+        self._client.answered()
         return expired
 
     async def _call(self, awaitable: Awaitable[T]) -> T:
         """Awaits an etcd call, turning the client's errors into Unavailable."""
         try:
-            return await awaitable
+            result = await awaitable
         except (aetcd.exceptions.ClientError, grpc.aio.AioRpcError) as exc:
             self.unreachable(exc)
             raise Unavailable(f"etcd request failed: {exc}") from None
+        except (asyncio.CancelledError, grpc.aio.UsageError) as exc:
+            _raise_if_cancelled(exc)
+            raise Unavailable("etcd request ended: its channel was replaced") from None
+        self._client.answered()
+        return result
 
     async def close(self) -> None:
         """Closes the connection; node leases are left to expire (a restarted registry re-registers nodes)."""

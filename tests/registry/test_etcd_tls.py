@@ -7,7 +7,9 @@ refused at start-up (exit 2) naming the flag and the rule."""
 from __future__ import annotations
 
 import asyncio
+import os
 import shutil
+import signal
 import subprocess
 import sys
 from collections.abc import Iterator
@@ -17,9 +19,11 @@ import pytest
 
 from pcpstack.cli.certs import write_certs
 from pcpstack.common.config import ConfigError
+from pcpstack.common.errors import ServiceError
 from pcpstack.common.ports import free_port
+from pcpstack.registry.election import Election
 from pcpstack.registry.etcd_local import EtcdCluster, ServerTls
-from pcpstack.registry.etcd_store import EtcdStore, load_tls
+from pcpstack.registry.etcd_store import RETIRE_GRACE_S, EtcdStore, load_tls
 from pcpstack.registry.main import RegistryConfig
 from tests.registry.support import until, wait_serving
 from tests.registry.test_etcd_leader_cut import _kill, _leader_named_by, _leads, _replica
@@ -185,31 +189,111 @@ def test_a_registry_started_with_half_a_client_certificate_exits_2_naming_both_f
     assert "--etcd-cert" in lines[0] and "--etcd-key" in lines[0]
 
 
-def test_members_whose_certificates_name_only_themselves_are_dialled_one_at_a_time(
-    tmp_path_factory: pytest.TempPathFactory, child_env, tmp_path
-) -> None:
-    """Three members on three loopback addresses, each certificate naming only its own: the replica checks
-    each member for its own endpoint's name, leads through the first, and when that member is killed dials
-    the next and leads on (one channel over all three with one name could not pass the second)."""
+HOSTS = ["127.0.0.1", "127.0.0.2", "127.0.0.3"]
+
+
+@pytest.fixture(scope="module")
+def member_certs(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A CA, a client certificate for the registry, and one certificate per member naming only the member's
+    own loopback address."""
     folder = tmp_path_factory.mktemp("member-certs")
-    hosts = ["127.0.0.1", "127.0.0.2", "127.0.0.3"]
     write_certs(folder, names=["registry"])
-    for i, host in enumerate(hosts):
+    for i, host in enumerate(HOSTS):
         write_certs(folder, names=[f"etcd-{i}"], dns=[], ips=[host])
-    members = [
-        ServerTls(ca=folder / "ca.pem", cert=folder / f"etcd-{i}.pem", key=folder / f"etcd-{i}-key.pem")
-        for i in range(len(hosts))
+    return folder
+
+
+@pytest.fixture(scope="module")
+def members(tmp_path_factory: pytest.TempPathFactory, member_certs: Path) -> Iterator[EtcdCluster]:
+    """Three members on three loopback addresses, each serving with its own certificate."""
+    tls = [
+        ServerTls(
+            ca=member_certs / "ca.pem",
+            cert=member_certs / f"etcd-{i}.pem",
+            key=member_certs / f"etcd-{i}-key.pem",
+        )
+        for i in range(len(HOSTS))
     ]
     data_dir = tmp_path_factory.mktemp("etcd-members")
+    with EtcdCluster(data_dir, members=len(HOSTS), tls=tls, hosts=HOSTS) as cluster:
+        yield cluster
+    shutil.rmtree(data_dir, ignore_errors=True)
 
-    async def scenario(cluster: EtcdCluster) -> None:
+
+def test_a_member_that_hangs_is_left_for_the_next_without_ending_the_tasks_that_had_calls_on_it(
+    members, member_certs
+) -> None:
+    """Member 0 stopped (SIGSTOP: its connections stay open, calls hang until their deadline) while an
+    election leads and eight tasks read etcd in a loop: the client dials the next member on a new channel,
+    and the old one is closed only after its calls had time to end, so every task lives on (closing it at
+    once ended them all, cancelled, the election with them), and the election leads again."""
+    ca, cert, key = (str(member_certs / name) for name in ("ca.pem", "registry.pem", "registry-key.pem"))
+
+    async def scenario() -> tuple[int, bool, str, int]:
+        store = await EtcdStore.connect(
+            members.endpoints, "/hang/registry/", 3.0, load_tls(members.endpoints, ca, cert, key)
+        )
+        election = Election(store, "127.0.0.1:9", _nothing, lambda: None)
+        campaign = asyncio.create_task(election.run())
+        failed = [0]
+
+        async def read() -> None:
+            while True:
+                try:
+                    await store.node_records()
+                except ServiceError:
+                    failed[0] += 1
+                    await asyncio.sleep(0.05)
+
+        readers = [asyncio.create_task(read()) for _ in range(8)]
+        try:
+            await until(lambda: _true(election.leading), timeout=30)
+            first = store.client.server_name
+            os.kill(members.pids[0], signal.SIGSTOP)
+            try:
+                await until(lambda: _true(store.client.server_name != first), timeout=30)
+                await asyncio.sleep(RETIRE_GRACE_S + 1)  # the old channel is closed by now
+            finally:
+                os.kill(members.pids[0], signal.SIGCONT)
+            await until(lambda: _true(election.leading), timeout=30)
+            ended = sum(task.done() for task in [*readers, campaign])
+            return ended, election.leading, store.client.server_name, failed[0]
+        finally:
+            for task in [*readers, campaign]:
+                task.cancel()
+            await asyncio.gather(*readers, campaign, return_exceptions=True)
+            await store.close()
+
+    ended, leading, now, failed = asyncio.run(asyncio.wait_for(scenario(), 85))
+    assert (ended, leading) == (0, True)
+    assert now != "127.0.0.1" and failed > 0  # it moved on, after calls on member 0 failed
+
+
+async def _nothing() -> None:
+    pass
+
+
+async def _true(value: bool) -> bool:
+    return value
+
+
+def test_members_whose_certificates_name_only_themselves_are_dialled_one_at_a_time(
+    members, member_certs, child_env, tmp_path
+) -> None:
+    """The registry process against the three members, checking each for its own name: it leads through the
+    first, and when that member is killed dials the next and leads on (one channel over all three with one
+    name could not pass the second)."""
+
+    async def scenario() -> None:
         port = free_port()
         address = f"127.0.0.1:{port}"
         log = tmp_path / "members.log"
-        process = _replica(cluster.endpoints, "/members/registry/", port, child_env, log, *_tls_flags(folder))
+        process = _replica(
+            members.endpoints, "/members/registry/", port, child_env, log, *_tls_flags(member_certs)
+        )
         try:
             await until(lambda: _leads(address), timeout=30)
-            cluster.kill_member(0)
+            members.kill_member(0)
 
             async def moved_on() -> bool:
                 return "dialling the next" in log.read_text(errors="replace") and await _leads(address)
@@ -218,6 +302,4 @@ def test_members_whose_certificates_name_only_themselves_are_dialled_one_at_a_ti
         finally:
             _kill([process])
 
-    with EtcdCluster(data_dir, members=len(hosts), tls=members, hosts=hosts) as cluster:
-        asyncio.run(asyncio.wait_for(scenario(cluster), 85))
-    shutil.rmtree(data_dir, ignore_errors=True)
+    asyncio.run(asyncio.wait_for(scenario(), 85))
