@@ -64,8 +64,9 @@ RESOLVE_TIMEOUT_S = 2.0
 RESOLVE_EVERY_S = 2.0
 # Requests in a row that find a member not answering before the next member is dialled (one member at a time)
 ROTATE_AFTER = 3
-# Seconds a replaced channel stays open for the calls other tasks still have on it
-RETIRE_GRACE_S = 10.0
+# Seconds a replaced channel stays open for the calls other tasks still have on it (each ends within its
+# REQUEST_TIMEOUT_S; a watch has no deadline and ends with the channel, Unavailable to its reader)
+RETIRE_GRACE_S = REQUEST_TIMEOUT_S + 1.0
 
 
 class Superseded(Unavailable):
