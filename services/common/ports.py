@@ -18,7 +18,7 @@ def free_port(host: str = "127.0.0.1") -> int:
     (another process may still take it before it is bound)."""
     with _lock:
         for _ in range(64):
-            with socket.socket() as s:
+            with socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET) as s:
                 s.bind((host, 0))
                 port = s.getsockname()[1]
             if port not in _handed_out:

@@ -40,11 +40,16 @@ class ServerTls:
     key: Path
 
 
+def _url_host(host: str) -> str:
+    """host as a URL writes it: an IPv6 literal in brackets."""
+    return f"[{host}]" if ":" in host else host
+
+
 class EtcdCluster:
     """`members` etcd processes forming one cluster; `endpoints` is what `--etcd` takes (https:// with tls:
     the members then serve clients over TLS and require a client certificate from tls.ca). tls may be one
     ServerTls for all or one per member, and hosts the loopback address each member serves on (default all
-    127.0.0.1), for members whose certificates name only their own address."""
+    127.0.0.1; "::1" for IPv6), for members whose certificates name only their own address."""
 
     def __init__(
         self,
@@ -86,7 +91,10 @@ class EtcdCluster:
     def start(self, **popen: Any) -> EtcdCluster:
         """Starts every member and returns once the cluster answers a linearizable read; popen keywords
         (start_new_session, ...) go to each member's Popen."""
-        peers = [f"http://{host}:{port}" for host, port in zip(self._hosts, self._peer_ports, strict=True)]
+        peers = [
+            f"http://{_url_host(host)}:{port}"
+            for host, port in zip(self._hosts, self._peer_ports, strict=True)
+        ]
         initial = ",".join(f"{name}={peer}" for name, peer in zip(self._names, peers, strict=True))
         for index, (name, peer) in enumerate(zip(self._names, peers, strict=True)):
             log = self.log_path(name).open("wb")
@@ -113,7 +121,8 @@ class EtcdCluster:
         return self
 
     def _client_url(self, index: int) -> str:
-        return f"{'https' if self._tls else 'http'}://{self._hosts[index]}:{self._client_ports[index]}"
+        scheme = "https" if self._tls else "http"
+        return f"{scheme}://{_url_host(self._hosts[index])}:{self._client_ports[index]}"
 
     def _server_tls_flags(self, index: int) -> list[str]:
         if not self._tls:

@@ -82,10 +82,14 @@ class Endpoint:
     port: int
     secure: bool = False
 
+    def __str__(self) -> str:
+        host = f"[{self.host}]" if ":" in self.host else self.host  # an IPv6 literal
+        return f"{host}:{self.port}"
+
 
 def parse_endpoints(urls: str) -> list[Endpoint]:
     """Endpoints from "http://HOST:PORT[,http://HOST:PORT...]" or the same with https:// (TLS; all of one
-    scheme); raises ConfigError naming the bad one."""
+    scheme; an IPv6 HOST in brackets, http://[::1]:2379); raises ConfigError naming the bad one."""
     endpoints = []
     for url in (part.strip() for part in urls.split(",")):
         parts = urlsplit(url)
@@ -182,16 +186,15 @@ def _check_pem(tls: EtcdTls, ca: str, cert: str, key: str) -> None:
 
 
 async def _resolve(endpoints: list[Endpoint]) -> list[str]:
-    """The endpoints' IPv4 "ip:port" addresses as the names resolve now; one that does not (a Pending etcd pod
-    has no DNS record yet) is skipped with a warning."""
+    """The endpoints' addresses as the names resolve now, as one gRPC target's list: "ip:port" for IPv4,
+    "[ip]:port" for IPv6; IPv4 only where any name has an IPv4 address (one target takes one family). A
+    name that does not resolve (a Pending etcd pod has no DNS record yet) is skipped with a warning."""
     loop = asyncio.get_running_loop()
-    addresses: list[str] = []
+    found: dict[int, list[str]] = {socket.AF_INET: [], socket.AF_INET6: []}
     for endpoint in endpoints:
         try:
             infos = await asyncio.wait_for(
-                loop.getaddrinfo(
-                    endpoint.host, endpoint.port, family=socket.AF_INET, type=socket.SOCK_STREAM
-                ),
+                loop.getaddrinfo(endpoint.host, endpoint.port, type=socket.SOCK_STREAM),
                 RESOLVE_TIMEOUT_S,
             )
         except (OSError, TimeoutError) as exc:
@@ -199,14 +202,18 @@ async def _resolve(endpoints: list[Endpoint]) -> list[str]:
                 "etcd endpoint does not resolve; skipped", extra={"host": endpoint.host, "error": str(exc)}
             )
             continue
-        addresses += [f"{info[4][0]}:{endpoint.port}" for info in infos]
-    return list(dict.fromkeys(addresses))
+        for family, _, _, _, address in infos:
+            if family == socket.AF_INET:
+                found[family].append(f"{address[0]}:{endpoint.port}")
+            elif family == socket.AF_INET6:
+                found[family].append(f"[{address[0]}]:{endpoint.port}")
+    return list(dict.fromkeys(found[socket.AF_INET] or found[socket.AF_INET6]))
 
 
 class _Client(aetcd.Client):
-    """aetcd's client, its one channel dialled over every endpoint's addresses (gRPC's ipv4: scheme lists
-    several) as they resolve when it connects; `reresolve` dials anew when they have changed. With tls the
-    channel is a TLS one (aetcd dials plain text only), every member's certificate checked for
+    """aetcd's client, its one channel dialled over every endpoint's addresses (gRPC's ipv4: and ipv6:
+    schemes list several) as they resolve when it connects; `reresolve` dials anew when they have changed.
+    With tls the channel is a TLS one (aetcd dials plain text only), every member's certificate checked for
     tls.server_name (the channel's addresses are IPs, which no certificate needs to name). With tls and no
     such name, on several hosts, each member is checked for its own endpoint's name, as etcd's own client
     does: the channel then reaches one member at a time, and `reresolve` moves it on to the next."""
@@ -246,7 +253,7 @@ class _Client(aetcd.Client):
             if time.monotonic() - self._resolved_at >= RESOLVE_EVERY_S:
                 await self._retarget()
             if not self.addresses:
-                names = ", ".join(f"{e.host}:{e.port}" for e in self._endpoints)
+                names = ", ".join(str(endpoint) for endpoint in self._endpoints)
                 raise aetcd.exceptions.ConnectionFailedError(f"no etcd endpoint resolves ({names}); retrying")
         if not self._connected.is_set():
             self._open_channel()
@@ -343,8 +350,9 @@ class _Client(aetcd.Client):
                     break
         if addresses:
             self.addresses = addresses
-            # aetcd dials f"{host}:{port}"; split so that this reads "ipv4:ADDRESS,ADDRESS..."
-            host, _, port = ("ipv4:" + ",".join(addresses)).rpartition(":")
+            # aetcd dials f"{host}:{port}"; split so that this reads "ipv4:ADDRESS,ADDRESS..." (or ipv6:)
+            scheme = "ipv6:" if addresses[0].startswith("[") else "ipv4:"
+            host, _, port = (scheme + ",".join(addresses)).rpartition(":")
             self._host, self._port = host, int(port)
 
 

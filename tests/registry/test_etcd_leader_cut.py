@@ -2,7 +2,7 @@
 proxy between them stops passing data) steps down within about its lease's TTL and the other replica leads
 alone; an etcd name that does not resolve does not stop start-up, and a name that moves to a new address is
 dialled there; a replica bound to a wildcard is refused without --advertise and writes the advertised
-address as leader with it."""
+address as leader with it; etcd at an IPv6 address is reached."""
 
 from __future__ import annotations
 
@@ -241,6 +241,37 @@ def test_an_etcd_name_that_moves_to_another_address_is_dialled_there(etcd, monke
             await second.close()
 
     _run(scenario())
+
+
+def test_a_replica_reaches_etcd_at_an_ipv6_address(etcd, child_env, tmp_path):
+    """--etcd http://[::1]:PORT (etcd behind a proxy on IPv6 loopback): the replica leads through it; a
+    name that resolves to IPv6 only is dialled at that address."""
+
+    async def scenario():
+        etcd_port = int(etcd.endpoints.rpartition(":")[2])
+        proxy = await _Proxy(etcd_port, "::1", free_port("::1")).start()
+        port = free_port()
+        log = tmp_path / "v6.log"
+        process = _replica(f"http://[::1]:{proxy.port}", "/v6/registry/", port, child_env, log)
+        store = await EtcdStore.connect(f"http://etcd-v6.test:{proxy.port}", "/v6/registry/", 2.0)
+        try:
+            await until(lambda: _leads(f"127.0.0.1:{port}"), timeout=30)
+            assert store.client.addresses == [f"[::1]:{proxy.port}"]
+            leader = await store.client.get(store.key("leader"))
+            assert leader is not None and leader.value == f"127.0.0.1:{port}".encode()
+        finally:
+            _kill([process])
+            await store.close()
+            await proxy.close()
+
+    real_getaddrinfo = socket.getaddrinfo
+
+    def getaddrinfo(host, *args, **kwargs):
+        return real_getaddrinfo("::1" if host == "etcd-v6.test" else host, *args, **kwargs)
+
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(socket, "getaddrinfo", getaddrinfo)
+        _run(scenario())
 
 
 def test_a_replica_bound_to_a_wildcard_is_refused_without_advertise(child_env):
