@@ -49,7 +49,8 @@ class EtcdCluster:
     """`members` etcd processes forming one cluster; `endpoints` is what `--etcd` takes (https:// with tls:
     the members then serve clients over TLS and require a client certificate from tls.ca). tls may be one
     ServerTls for all or one per member, and hosts the loopback address each member serves on (default all
-    127.0.0.1; "::1" for IPv6), for members whose certificates name only their own address."""
+    127.0.0.1; "::1" for IPv6), for members whose certificates name only their own address; flags go to
+    every member as they are (--auth-token-ttl=2, ...)."""
 
     def __init__(
         self,
@@ -57,6 +58,7 @@ class EtcdCluster:
         members: int = 3,
         tls: ServerTls | Sequence[ServerTls] | None = None,
         hosts: Sequence[str] = (),
+        flags: Sequence[str] = (),
     ) -> None:
         self._binary = etcd_binary()
         self._tls = [tls] * members if isinstance(tls, ServerTls) else list(tls) if tls else []
@@ -68,6 +70,7 @@ class EtcdCluster:
         self._client_ports = [free_port(host) for host in self._hosts]
         self._peer_ports = [free_port(host) for host in self._hosts]
         self._processes: dict[str, subprocess.Popen] = {}
+        self._flags = list(flags)
 
     @property
     def endpoints(self) -> str:
@@ -112,6 +115,7 @@ class EtcdCluster:
                     "--initial-cluster-state=new",
                     "--initial-cluster-token=pcpstack-local",
                     "--log-level=warn",
+                    *self._flags,
                 ],
                 stdout=log,
                 stderr=subprocess.STDOUT,
@@ -162,6 +166,21 @@ class EtcdCluster:
             if time.monotonic() > deadline:
                 raise RuntimeError(f"etcd cluster not healthy after {timeout:g} s: {probe.stderr.decode()}")
             time.sleep(0.1)
+
+    def etcdctl(self, *args: str) -> str:
+        """Runs etcdctl against the cluster (its first member's TLS files as the client's); its output, or
+        RuntimeError with it when it fails."""
+        etcdctl = self._binary.with_name("etcdctl")
+        tls = self._tls[0] if self._tls else None
+        client = [] if tls is None else [f"--cacert={tls.ca}", f"--cert={tls.cert}", f"--key={tls.key}"]
+        done = subprocess.run(
+            [str(etcdctl), f"--endpoints={self.endpoints}", *client, "--command-timeout=5s", *args],
+            capture_output=True,
+            text=True,
+        )
+        if done.returncode != 0:
+            raise RuntimeError(f"etcdctl {' '.join(args)} failed: {done.stderr.strip()}")
+        return done.stdout
 
     def kill_member(self, index: int) -> None:
         """SIGKILL one member, as a crash would (the others keep quorum)."""

@@ -23,7 +23,8 @@ name that does not resolve yet is skipped until it does. Over TLS with each memb
 (no --etcd-server-name), the channel spans one member's addresses, and the next member is dialled after
 ROTATE_AFTER requests in a row found it not answering. A channel is replaced, never closed under its
 callers: the old one is closed RETIRE_GRACE_S later, and a call that still ends cancelled by that close is
-Unavailable to its caller, as any other failed request (the task awaiting it lives on).
+Unavailable to its caller, as any other failed request (the task awaiting it lives on). With a user and
+password (etcd_auth), every request carries a token, asked for again whenever etcd stops taking it.
 """
 
 from __future__ import annotations
@@ -49,6 +50,7 @@ import grpc
 
 from pcpstack.common.config import ConfigError
 from pcpstack.common.errors import Unavailable
+from pcpstack.registry.etcd_auth import EtcdAuth, Tokens
 from pcpstack.registry.membership import SNAPSHOT_VERSION
 
 log = logging.getLogger(__name__)
@@ -210,6 +212,29 @@ async def _resolve(endpoints: list[Endpoint]) -> list[str]:
     return list(dict.fromkeys(found[socket.AF_INET] or found[socket.AF_INET6]))
 
 
+class WatchRefused(aetcd.exceptions.ClientError):
+    """etcd canceled a watch (as it is created or later) with its reason: permission denied (which is also
+    what a watch sent with a token etcd no longer takes gets), or the watch stream was overloaded."""
+
+
+class _Watcher(aetcd.watcher.Watcher):
+    """aetcd's watcher, except that a watch etcd cancels ends with WatchRefused: aetcd counts a create
+    answered `created` and `canceled` at once as a watch, which then waits forever for events."""
+
+    async def _handle_response(self, response) -> None:
+        if not response.canceled:
+            return await super()._handle_response(response)
+        refused = WatchRefused(f"etcd canceled the watch: {response.cancel_reason or 'no reason given'}")
+        async with self._lock:
+            if response.created and self._new_callback is not None:
+                self._new_callback.error = refused
+                self._new_callback_ready.notify_all()
+                return
+            callback = self._callbacks.pop(response.watch_id, None)
+        if callback is not None:
+            await self._process_callback(callback, refused)
+
+
 class _Client(aetcd.Client):
     """aetcd's client, its one channel dialled over every endpoint's addresses (gRPC's ipv4: and ipv6:
     schemes list several) as they resolve when it connects; `reresolve` dials anew when they have changed.
@@ -218,9 +243,15 @@ class _Client(aetcd.Client):
     such name, on several hosts, each member is checked for its own endpoint's name, as etcd's own client
     does: the channel then reaches one member at a time, and `reresolve` moves it on to the next."""
 
-    def __init__(self, endpoints: list[Endpoint], tls: EtcdTls | None = None) -> None:
+    def __init__(
+        self, endpoints: list[Endpoint], tls: EtcdTls | None = None, auth: EtcdAuth | None = None
+    ) -> None:
         super().__init__(timeout=REQUEST_TIMEOUT_S)
         secure = endpoints[0].secure
+        # every channel's requests carry the token of auth's user (etcd_auth)
+        self._tokens = Tokens(auth, lambda: self.channel) if auth is not None else None
+        if auth is not None and not secure:
+            log.warning("the etcd password goes over plain http: https:// endpoints keep it private")
         if tls is not None and not secure:
             raise ValueError("TLS settings for http:// etcd endpoints: TLS needs https:// ones")
         self._endpoints = endpoints
@@ -262,22 +293,39 @@ class _Client(aetcd.Client):
         """What aetcd's connect sets up (the channel, its service stubs, the watcher), over TLS where
         configured (aetcd dials plain text only). Nothing here awaits, so no other task sees it half done;
         the connection and any handshake happen at the first request, whose failure reads as etcd not
-        answering (ConnectionFailedError). aetcd's user-and-password authentication is not offered."""
+        answering (ConnectionFailedError). With a user and password, each request carries the token etcd
+        hands out for them (etcd_auth.Tokens; aetcd asks for one only when it connects)."""
         target = f"{self._host}:{self._port}"
         options = list(self._options.items())
+        interceptors = self._tokens.interceptors() if self._tokens is not None else None
         if self._tls is None:
-            self.channel = grpc.aio.insecure_channel(target, options)
+            self.channel = grpc.aio.insecure_channel(target, options, interceptors=interceptors)
         else:
             options.append(("grpc.ssl_target_name_override", self.server_name))
-            self.channel = grpc.aio.secure_channel(target, self._tls.credentials(), options)
+            credentials = self._tls.credentials()
+            self.channel = grpc.aio.secure_channel(target, credentials, options, interceptors=interceptors)
         self.kvstub = aetcd.rpc.KVStub(self.channel)
         self.clusterstub = aetcd.rpc.ClusterStub(self.channel)
         self.leasestub = aetcd.rpc.LeaseStub(self.channel)
         self.maintenancestub = aetcd.rpc.MaintenanceStub(self.channel)
-        self._watcher = aetcd.watcher.Watcher(
+        self._watcher = _Watcher(
             aetcd.rpc.WatchStub(self.channel), timeout=self._timeout, metadata=self.metadata
         )
         self._connected.set()
+
+    async def watch_refused(self) -> None:
+        """After etcd refused a watch: the watch stream is opened again (the next watch's stream carries the
+        token then held, a stream keeps the one it opened with), and with a user and password the token is
+        asked for anew (a refusal for a stale token reads as permission denied)."""
+        old, self._watcher = (
+            self._watcher,
+            _Watcher(aetcd.rpc.WatchStub(self.channel), timeout=self._timeout, metadata=self.metadata),
+        )
+        if self._tokens is not None:
+            self._tokens.forget()
+        if old is not None:
+            with contextlib.suppress(Exception):
+                await old.shutdown()
 
     def failed(self) -> None:
         """A request found no member answering (EtcdStore.unreachable)."""
@@ -386,10 +434,17 @@ class EtcdStore:
         self._resolving: asyncio.Task | None = None
 
     @classmethod
-    async def connect(cls, urls: str, prefix: str, lease_s: float, tls: EtcdTls | None = None) -> EtcdStore:
-        """A store over the etcd cluster at urls (over TLS with tls: https:// urls), its keys under prefix;
-        node records live under leases of lease_s (rounded up)."""
-        client = _Client(parse_endpoints(urls), tls)
+    async def connect(
+        cls,
+        urls: str,
+        prefix: str,
+        lease_s: float,
+        tls: EtcdTls | None = None,
+        auth: EtcdAuth | None = None,
+    ) -> EtcdStore:
+        """A store over the etcd cluster at urls (over TLS with tls: https:// urls; as auth's user with
+        auth), its keys under prefix; node records live under leases of lease_s (rounded up)."""
+        client = _Client(parse_endpoints(urls), tls, auth)
         store = cls(client, prefix, max(MIN_LEASE_TTL_S, math.ceil(lease_s)))
         # an etcd that cannot be reached (or whose names do not resolve) yet is retried by every later call
         with contextlib.suppress(aetcd.exceptions.ClientError):
@@ -618,10 +673,13 @@ class EtcdStore:
         await self._call(self._client.delete_prefix(self.key("mailbox", node_id, "")))
 
     async def _watch(self, prefix: bytes, start_revision: int) -> AsyncIterator:
-        watch = await self._call(self._client.watch_prefix(prefix, start_revision=start_revision))
+        watch = await self._call(self._create_watch(prefix, start_revision))
         try:
             async for event in watch:
                 yield event
+        except WatchRefused as exc:
+            await self._client.watch_refused()
+            raise Unavailable(str(exc)) from None
         except (aetcd.exceptions.ClientError, grpc.aio.AioRpcError) as exc:
             self.unreachable(exc)
             raise Unavailable(f"etcd watch failed: {exc}") from None
@@ -631,6 +689,13 @@ class EtcdStore:
         finally:
             with contextlib.suppress(aetcd.exceptions.ClientError, grpc.aio.AioRpcError):
                 await watch.cancel()
+
+    async def _create_watch(self, prefix: bytes, start_revision: int):
+        try:
+            return await self._client.watch_prefix(prefix, start_revision=start_revision)
+        except WatchRefused:
+            await self._client.watch_refused()
+            raise
 
     async def keep_alive(self, lease_ids: list[int], timeout: float = REQUEST_TIMEOUT_S) -> list[int]:
         """Refreshes the leases over one LeaseKeepAlive stream, within timeout seconds; returns those etcd no

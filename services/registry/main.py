@@ -22,6 +22,7 @@ from pcpstack.common.startup import (
 from pcpstack.registry.membership import Settings
 
 if TYPE_CHECKING:
+    from pcpstack.registry.etcd_auth import EtcdAuth
     from pcpstack.registry.etcd_store import EtcdTls
 
 log = logging.getLogger(__name__)
@@ -96,6 +97,18 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "checked for its own endpoint's host, and reached one at a time)",
     )
     parser.add_argument(
+        "--etcd-user",
+        default="",
+        help="the etcd user this registry authenticates as, where etcd has authentication on (with "
+        "--etcd-password-file; a client certificate's name needs neither)",
+    )
+    parser.add_argument(
+        "--etcd-password-file",
+        default="",
+        metavar="FILE",
+        help="file holding the --etcd-user's password, one line (a Kubernetes Secret mounted as a file)",
+    )
+    parser.add_argument(
         "--etcd-prefix",
         default=DEFAULT_ETCD_PREFIX,
         help=f"key prefix of this registry's state in etcd (default {DEFAULT_ETCD_PREFIX})",
@@ -121,6 +134,8 @@ class RegistryConfig(ListenConfig):
     etcd_cert: str = ""
     etcd_key: str = ""
     etcd_server_name: str = ""
+    etcd_user: str = ""
+    etcd_password_file: str = ""
     verify_peer_address: bool = True
     advertise: str = ""
 
@@ -138,6 +153,12 @@ class RegistryConfig(ListenConfig):
             for flag, value in self._etcd_tls_flags().items():
                 if value:
                     raise ConfigError.broken(flag, value, "is TLS to etcd: it needs --etcd")
+            for flag, value in (
+                ("--etcd-user", self.etcd_user),
+                ("--etcd-password-file", self.etcd_password_file),
+            ):
+                if value:
+                    raise ConfigError.broken(flag, value, "is authentication to etcd: it needs --etcd")
         if _is_wildcard(self.advertise):
             raise ConfigError.broken(
                 "--advertise", self.advertise, "must be an address others can dial, not a wildcard"
@@ -169,6 +190,7 @@ class RegistryConfig(ListenConfig):
             raise ConfigError.broken("--etcd", urls, rule) from None
         parse_endpoints(urls)
         self.etcd_tls()  # its files are read and checked now
+        self.etcd_auth()
         if _is_wildcard(self.host) and not self.advertise:
             # the leader's address is written for the other replicas to dial: a wildcard is no address
             raise ConfigError(
@@ -193,6 +215,14 @@ class RegistryConfig(ListenConfig):
         from pcpstack.registry.etcd_store import load_tls
 
         return load_tls(self.etcd, self.etcd_ca, self.etcd_cert, self.etcd_key, self.etcd_server_name)
+
+    def etcd_auth(self) -> EtcdAuth | None:
+        """The etcd user and password as the flags give them (None: none, or no --etcd), the file read."""
+        if self.etcd is None:
+            return None
+        from pcpstack.registry.etcd_auth import load_auth
+
+        return load_auth(self.etcd_user, self.etcd_password_file)
 
     @property
     def advertised_host(self) -> str:
@@ -224,6 +254,7 @@ async def start(config: RegistryConfig) -> Serving:
         config.etcd_prefix,
         advertised_host=config.advertised_host,
         etcd_tls=config.etcd_tls(),
+        etcd_auth=config.etcd_auth(),
     )
     log.info("registry serving", extra={"address": registry.address, "lease_s": settings.lease_s})
     return Serving.grpc(registry.running, registry.stop)

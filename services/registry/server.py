@@ -56,6 +56,7 @@ from pcpstack.v1 import registry_pb2, registry_pb2_grpc
 
 if TYPE_CHECKING:
     from pcpstack.registry.election import Election
+    from pcpstack.registry.etcd_auth import EtcdAuth
     from pcpstack.registry.etcd_sessions import EtcdSessions, SessionRecord
     from pcpstack.registry.etcd_store import EtcdStore, EtcdTls
 
@@ -735,10 +736,12 @@ async def start_registry(
     elect: bool = True,
     advertised_host: str = "",
     etcd_tls: EtcdTls | None = None,
+    etcd_auth: EtcdAuth | None = None,
 ) -> RegistryServer:
     """Starts a registry. With a snapshot_path, an existing snapshot is read (the restore grace then ends
     as soon as its sets' members are back) and a missing one means a cold start with no grace at all.
-    With etcd_endpoints ("http://HOST:PORT,...", or https:// with etcd_tls), membership state is kept in
+    With etcd_endpoints ("http://HOST:PORT,...", or https:// with etcd_tls; as etcd_auth's user with
+    etcd_auth), membership state is kept in
     that etcd cluster instead, under etcd_prefix, with the same restart rules (etcd_store), and the
     registry is one of possibly several replicas: it campaigns (election) and assembles only while it
     leads, forwarding reads to the leader and holding the sessions it accepts through etcd meanwhile
@@ -753,7 +756,7 @@ async def start_registry(
         # imported here: aetcd is needed only with --etcd
         from pcpstack.registry.etcd_store import EtcdStore
 
-        etcd = await EtcdStore.connect(etcd_endpoints, etcd_prefix, settings.lease_s, etcd_tls)
+        etcd = await EtcdStore.connect(etcd_endpoints, etcd_prefix, settings.lease_s, etcd_tls, etcd_auth)
         # a replica that campaigns loads the state when it is elected
         snapshot = await etcd.load() if not elect else None
     else:
