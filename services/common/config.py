@@ -37,6 +37,10 @@ ROLE_SECTIONS = {
 }
 DEFAULT_BLOCK_SIZE = 128
 DEFAULT_MASTER_PORT = 7001
+# Largest parallel size or block size, and most ranks one set may have (PCP x TP): far past any cluster,
+# small enough that a registry can list a set's ranks
+MAX_SIZE = 4096
+MAX_SET_RANKS = 4096
 TRANSFER_MODES = ("whole", "layerwise")
 # PCPSTACK_CPU_KERNELS, read by engine/cpu_kernels.py; named here so that a node refuses a bad value at
 # start-up, before it imports torch or starts a rank process that would read it.
@@ -254,6 +258,11 @@ class EngineConfig:
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
                 raise ConfigError(f"{name}={value!r} must be an integer >= 1", (name,), "sizes are >= 1")
+            if value > MAX_SIZE:
+                # a registry builds a set's rank lists from these: an absurd size must not take its memory
+                raise ConfigError(
+                    f"{name}={value} must be at most {MAX_SIZE}", (name,), f"sizes are <= {MAX_SIZE}"
+                )
         if not 0 < self.master_port < 65536:
             raise ConfigError(
                 f"master_port={self.master_port} must be a TCP port in 1..65535",
@@ -273,6 +282,13 @@ class EngineConfig:
             self.decode_context_parallel_size,
             self.tensor_parallel_size,
         )
+        if pcp * tp > MAX_SET_RANKS:
+            raise ConfigError(
+                f"prefill_context_parallel_size={pcp} x tensor_parallel_size={tp} = {pcp * tp} ranks: a set "
+                f"has at most {MAX_SET_RANKS}",
+                ("prefill_context_parallel_size", "tensor_parallel_size"),
+                f"pcp x tp <= {MAX_SET_RANKS}",
+            )
         if pcp > 1 and dcp > 1:
             raise ConfigError(
                 f"prefill_context_parallel_size={pcp} and decode_context_parallel_size={dcp}: PCP and DCP "
@@ -414,9 +430,7 @@ class EngineConfig:
             nnodes=msg.nnodes or 1,
             master_port=msg.master_port or DEFAULT_MASTER_PORT,
             block_size=block,
-            kv_transfer_mode="layerwise"
-            if msg.kv_transfer_mode == common_pb2.KV_TRANSFER_MODE_LAYERWISE
-            else "whole",
+            kv_transfer_mode=_transfer_mode_of(msg.kv_transfer_mode),
             num_kv_heads=num_kv_heads,
         )
         return config.validate()
@@ -424,6 +438,23 @@ class EngineConfig:
     def with_model_shape(self, num_kv_heads: int) -> EngineConfig:
         """Re-validates once the model's KV head count is known (the GQA DCP rule needs it)."""
         return replace(self, num_kv_heads=num_kv_heads).validate()
+
+
+def _transfer_mode_of(value: int) -> str:
+    """The transfer mode a wire enum value names; ConfigError for a value this version does not know (a
+    newer peer's mode must not be served as another)."""
+    modes = {
+        common_pb2.KV_TRANSFER_MODE_UNSPECIFIED: "whole",
+        common_pb2.KV_TRANSFER_MODE_WHOLE: "whole",
+        common_pb2.KV_TRANSFER_MODE_LAYERWISE: "layerwise",
+    }
+    if value not in modes:
+        raise ConfigError(
+            f"kv_transfer_mode={value} is not a known KvTransferMode (0, 1 or 2)",
+            ("kv_transfer_mode",),
+            "known transfer mode",
+        )
+    return modes[value]
 
 
 def settable_keys() -> set[str]:

@@ -2,8 +2,9 @@
 
 Servers: `start_server` installs `ErrorInterceptor`, so a servicer method (or a core it calls) simply raises a
 ServiceError and the caller receives its status and message; a servicer that has already streamed part of an
-answer may also call `abort(context, error)`. Clients: `error_from_rpc` turns a failed call back into the
-same kind.
+answer may also call `abort(context, error)`. A message that would not fit gRPC's metadata limits (one
+quoting a huge bad value) is cut short, so that the caller still gets its status. Clients: `error_from_rpc`
+turns a failed call back into the same kind.
 """
 
 from __future__ import annotations
@@ -22,6 +23,32 @@ from pcpstack.common.errors import ServiceError, error_of_code
 log = logging.getLogger(__name__)
 
 
+# Bytes a status message may take on the wire (grpc-message is percent-encoded: a byte outside printable
+# ASCII takes three). gRPC drops a response whose metadata passes 8 KiB (its soft limit, at random up to the
+# hard 16 KiB), and the caller then reads RESOURCE_EXHAUSTED instead of the error: a message that quotes a
+# huge bad value is cut well below that.
+MAX_MESSAGE_WIRE_BYTES = 4096
+
+
+def _wire_bytes(text: str) -> int:
+    return sum(1 if 0x20 <= byte <= 0x7E and byte != 0x25 else 3 for byte in text.encode())
+
+
+def clipped(message: str, limit: int = MAX_MESSAGE_WIRE_BYTES) -> str:
+    """message as it may travel as a status message: whole when it fits limit bytes on the wire, else its
+    beginning and how much was left out."""
+    if _wire_bytes(message) <= limit:
+        return message
+    kept, size = [], 0
+    budget = limit - 64  # room for the note of what was left out
+    for char in message:
+        size += _wire_bytes(char)
+        if size > budget:
+            break
+        kept.append(char)
+    return f"{''.join(kept)}... ({len(message) - len(kept)} more characters left out)"
+
+
 def status_of(error: ServiceError) -> grpc.StatusCode:
     """The gRPC status an error travels as."""
     known = error.code in grpc.StatusCode.__members__
@@ -36,7 +63,7 @@ async def abort(context: grpc.aio.ServicerContext, error: ServiceError) -> NoRet
     if context.done() or (remaining is not None and remaining <= 0):
         log.info("the call ended before its answer (%s: %s)", error.code, error)
         raise asyncio.CancelledError
-    await context.abort(status_of(error), str(error))
+    await context.abort(status_of(error), clipped(str(error)))
 
 
 def error_from_rpc(exc: grpc.aio.AioRpcError) -> ServiceError:

@@ -28,6 +28,7 @@ token blocks from the segments and the new objects alike (decode.kv_ranges plans
 from __future__ import annotations
 
 import asyncio
+import functools
 import itertools
 import logging
 import time
@@ -84,6 +85,10 @@ from pcpstack.v1 import common_pb2, prefill_pb2
 
 T = TypeVar("T")
 log = logging.getLogger(__name__)
+# Prompts with more characters than this are tokenized on a thread: the tokenizer releases the GIL, and a
+# long text (a megabyte takes about half a second) must not hold up the worker's loop, which decodes and
+# heartbeats for every other request.
+TOKENIZE_ON_THREAD_CHARS = 16_384
 _tracer = tracer(__name__)
 _meter = meter("pcpstack.decode")
 _requests = _meter.create_counter("pcpstack.decode.requests", description="Generate requests by outcome")
@@ -200,6 +205,15 @@ class DecodeSettings:
     kv_lease_ms: int = 0
 
 
+def _prompt_chars(prompt: Prompt) -> int:
+    """Characters of a text or chat prompt (0 for token ids)."""
+    if isinstance(prompt, TextPrompt):
+        return len(prompt.text)
+    if isinstance(prompt, ChatPrompt):
+        return sum(len(message.content) for message in prompt.messages)
+    return 0
+
+
 class GeneratePipeline:
     """Serves requests on one decode worker: the engine's batch, a set router and the peers' clients."""
 
@@ -263,6 +277,13 @@ class GeneratePipeline:
         kind = "text" if isinstance(prompt, TextPrompt) else "chat"
         if tokenizer is None:
             raise InvalidArgument(f"{kind}: this model has no tokenizer; send token_ids")
+        chars = _prompt_chars(prompt)
+        longest = self._longest_token_bytes
+        if chars > self._limits.max_seq_len * longest:
+            raise InvalidArgument(
+                f"{kind}: {chars} characters cannot fit the context of {self._limits.max_seq_len} tokens: no "
+                f"token of this model stands for more than {longest} bytes, and a character is at least one"
+            )
         if isinstance(prompt, TextPrompt):
             return (tokenizer.encode(prompt.text) if prompt.text else []), kind
         if not prompt.messages:
@@ -276,6 +297,13 @@ class GeneratePipeline:
         except Exception as exc:
             raise InvalidArgument(f"chat: the chat template failed: {exc}") from exc
         return tokenizer.encode(rendered, add_special_tokens=False), kind
+
+    @functools.cached_property
+    def _longest_token_bytes(self) -> int:
+        """The most bytes one token stands for: no text of more than max_seq_len times this many characters
+        fits the context, and such a text is refused before it is tokenized."""
+        tokenizer = self.engine.tokenizer
+        return max(len(tokenizer.token_bytes(token)) for token in range(tokenizer.vocab_size)) or 1
 
     def validate(self, request: GenerateInput) -> tuple[list[int], GenerateInput]:
         """The prompt's token ids once the whole request is known to be servable here, and the request (its
@@ -372,7 +400,10 @@ class GeneratePipeline:
         self, span: trace.Span, request: GenerateInput, request_id: str, arrived: float, deadline: float
     ) -> AsyncIterator[Delta | Summary]:
         """generate's work: check, prefill, then the decoded tokens."""
-        ids, request = self.validate(request)
+        if request.prompt is not None and _prompt_chars(request.prompt) > TOKENIZE_ON_THREAD_CHARS:
+            ids, request = await asyncio.to_thread(self.validate, request)
+        else:
+            ids, request = self.validate(request)
         span.set_attribute("pcpstack.prompt_tokens", len(ids))
         reply = await self._prefill(request_id, ids, request.sampling, deadline, request.cache_salt)
         _prefill_time.record(time.monotonic() - arrived)

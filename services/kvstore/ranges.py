@@ -79,7 +79,8 @@ def selection_bytes(ranges: Sequence[ByteRange]) -> int:
 
 def check_ranges(ranges: Sequence[ByteRange], total_bytes: int, field: str = "ranges") -> int:
     """The bytes the ranges select from an object of total_bytes; InvalidArgument naming the field when a
-    range is empty, reaches beyond the object or the selection is larger than the object."""
+    range is empty, reaches beyond the object, steps further than its size, or the selection is larger than
+    the object."""
     if len(ranges) > MAX_RANGES:
         raise InvalidArgument(f"{field}: {len(ranges)} ranges; at most {MAX_RANGES}")
     for i, byte_range in enumerate(ranges):
@@ -94,6 +95,12 @@ def check_ranges(ranges: Sequence[ByteRange], total_bytes: int, field: str = "ra
             if repeat.stride == 0 and repeat.count > 1:
                 raise InvalidArgument(
                     f"{name}.repeats[{j}].stride=0 with count={repeat.count}: would repeat one piece"
+                )
+            if repeat.stride > total_bytes:
+                # even with count 1 (where it moves nothing): no layout of this object has such a step
+                raise InvalidArgument(
+                    f"{name}.repeats[{j}].stride={repeat.stride}: larger than the object's "
+                    f"total_bytes={total_bytes}"
                 )
         # Python integers do not wrap, so offsets near 2**64 land here rather than wrapping into range.
         if byte_range.end > total_bytes:

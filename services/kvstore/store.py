@@ -47,6 +47,7 @@ from pcpstack.kvstore.errors import (
 )
 
 MAX_KEY_BYTES = 512
+MAX_FINGERPRINT_BYTES = 256  # a fingerprint is a sha256 hex digest (64); not charged with the object
 MAX_BLOCK_KEYS = 65_536  # a 1M-token prompt in blocks of 16; bounds the work of one put or lookup
 MAX_BLOCK_KEY_BYTES = 128
 # A lookup answers its tokens in 32 bits: MAX_BLOCK_KEYS blocks of this many still fit (65535; prefill's
@@ -247,6 +248,9 @@ class KvStore:
             check_key(key)
             if not fingerprint:
                 raise InvalidArgument("fingerprint is required")
+            if len(fingerprint.encode()) > MAX_FINGERPRINT_BYTES:
+                size = len(fingerprint.encode())
+                raise InvalidArgument(f"fingerprint is {size} bytes; at most {MAX_FINGERPRINT_BYTES} allowed")
             if total_bytes < 0:
                 raise InvalidArgument(f"total_bytes must be >= 0, got {total_bytes}")
             self._check_lease(lease_ms)
@@ -527,6 +531,8 @@ class KvStore:
     def _lookup(self, key: str) -> StoredObject:
         obj = self._objects.get(key)
         if obj is None:
+            if len(key.encode()) > MAX_KEY_BYTES:
+                raise InvalidArgument(f"key is {len(key.encode())} bytes; at most {MAX_KEY_BYTES} allowed")
             raise NotFound(f"no object with key {key!r}")
         return obj
 

@@ -81,6 +81,20 @@ class Settings:
     warmup_s: float = 5.0
 
 
+# The longest each string of a registration may be: every one is kept, written to etcd and sent in each
+# Resolve answer, whose size gRPC limits for all nodes together.
+MAX_FIELD_CHARS = {
+    "node_id": 256,
+    "address": 512,
+    "dist_host": 512,
+    "host_id": 256,
+    "kv_fingerprint": 256,
+    "engine_config.model": 4096,
+}
+# The most of a rank's failure report a registry keeps (it is logged and named in the set's break reason).
+MAX_STATUS_ERROR_CHARS = 2048
+
+
 @dataclass(frozen=True)
 class Registration:
     """What a node announces. engine_config is None for a KV store."""
@@ -306,10 +320,14 @@ def _all_ranks(carried: Assignment) -> tuple[Assignment, ...]:
 
 def validate(reg: Registration) -> None:
     """Refuses a registration that is wrong on its own, whatever the registry holds: InvalidArgument for
-    a missing or malformed identity (common.config.NODE_ID_CHARS), role, address or engine config, or a
-    carried generation above MAX_GENERATION; FailedPrecondition for too few devices."""
+    a missing, malformed or overlong identity (common.config.NODE_ID_CHARS), role, address or engine
+    config, or a carried generation above MAX_GENERATION; FailedPrecondition for too few devices."""
     if not reg.node_id:
         raise InvalidArgument("node_id is required (a stable identity of the node)")
+    for name, limit in MAX_FIELD_CHARS.items():
+        value = reg.model if name == "engine_config.model" else getattr(reg, name)
+        if len(value) > limit:
+            raise InvalidArgument(f"{name} is {len(value)} characters; at most {limit}")
     try:
         check_node_id("node_id", reg.node_id)
     except ConfigError as exc:
@@ -425,6 +443,9 @@ class Membership:
         nodes report with an empty set_id and generation 0."""
         node = self._live_node(node_id)
         node.last_seen = now
+        if len(error) > MAX_STATUS_ERROR_CHARS:
+            left_out = len(error) - MAX_STATUS_ERROR_CHARS
+            error = f"{error[:MAX_STATUS_ERROR_CHARS]}... ({left_out} characters left out)"
         node.last_error = error
         current = node.assignment.generation if node.assignment else 0
         if node.registration.role != "prefill":

@@ -463,14 +463,15 @@ class RegistryServicer(registry_pb2_grpc.RegistryServiceServicer):
             registration = convert.registration_from_proto(request, peer_identity(context))
         except ConfigError as exc:
             raise FailedPrecondition(f"engine_config: {exc}") from None
-        # The core names a missing identity first; a node that has one must advertise its own host.
-        if self._verify_peer_address and registration.node_id and registration.role:
+        # What the core would refuse of this node alone is named first (also here, where a follower holds
+        # the node: its peers are checked by the leader); then it must advertise its own host, which
+        # costs a name lookup that a malformed address must not get.
+        validate(registration)
+        if self._verify_peer_address:
             await self._check_advertised(registration, context)
         try:
             if held_here:
                 assert self.etcd_sessions is not None
-                # what the leader's core would refuse of this node alone is refused here (peers: there)
-                validate(registration)
                 await self.etcd_sessions.register(request, peer_identity(context), self._clock())
                 log.info("registered through etcd", extra={"node_id": request.node_id})
                 return registry_pb2.RegisterResponse(

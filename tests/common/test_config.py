@@ -138,6 +138,14 @@ def test_rule_layerwise_transfer_refused_with_pcp() -> None:
         ({"pipeline_parallel_size": 2}, "unknown engine_config key 'pipeline_parallel_size'"),
         ({"master_port": 70000}, "master_port=70000"),
         ({"kv_transfer_mode": "magic"}, "kv_transfer_mode='magic'"),
+        (
+            {"prefill_context_parallel_size": 2**32 - 1},
+            "prefill_context_parallel_size=4294967295 must be at most",
+        ),
+        (
+            {"prefill_context_parallel_size": 512, "tensor_parallel_size": 16},
+            "= 8192 ranks: a set has at most",
+        ),
     ],
 )
 def test_malformed_values_are_refused_with_the_key_named(values: dict, needle: str) -> None:
@@ -154,6 +162,13 @@ def test_overrides_apply_on_top_and_are_validated() -> None:
 def test_proto_round_trip_keeps_every_value() -> None:
     config = prefill(prefill_context_parallel_size=4, nnodes=2, block_size=64, master_port=7100)
     assert EngineConfig.from_proto(config.to_proto(), role="prefill") == config
+
+
+def test_a_transfer_mode_this_version_does_not_know_is_refused_not_served_as_another() -> None:
+    message = prefill().to_proto()
+    message.kv_transfer_mode = 77
+    with pytest.raises(ConfigError, match="kv_transfer_mode=77 is not a known KvTransferMode"):
+        EngineConfig.from_proto(message, role="prefill")
 
 
 def test_config_check_cli_prints_resolution_and_exits_2_on_violation(tmp_path, child_env) -> None:

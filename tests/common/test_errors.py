@@ -37,12 +37,14 @@ def _register(server: grpc.aio.Server) -> None:
     )
 
 
-async def _calls() -> tuple[grpc.aio.AioRpcError, list[bytes], grpc.aio.AioRpcError]:
+async def _calls(
+    field: bytes = b"x",
+) -> tuple[grpc.aio.AioRpcError, list[bytes], grpc.aio.AioRpcError]:
     running = await start_server(_register, [SERVICE], ServerOptions(port=0))
     try:
         async with grpc.aio.insecure_channel(running.address) as channel:
             with pytest.raises(grpc.aio.AioRpcError) as unary:
-                await channel.unary_unary(f"/{SERVICE}/Unary")(b"x")
+                await channel.unary_unary(f"/{SERVICE}/Unary")(field)
             received = []
             with pytest.raises(grpc.aio.AioRpcError) as streaming:
                 async for message in channel.unary_stream(f"/{SERVICE}/Streaming")(b""):
@@ -50,6 +52,15 @@ async def _calls() -> tuple[grpc.aio.AioRpcError, list[bytes], grpc.aio.AioRpcEr
         return unary.value, received, streaming.value
     finally:
         await running.stop(0)
+
+
+@pytest.mark.parametrize("char", ["x", "\u00e9"], ids=["ascii", "percent-encoded"])
+def test_an_error_quoting_a_huge_value_still_reaches_the_caller_as_its_status(char: str) -> None:
+    # Whole, the message would pass gRPC's metadata limit and the caller would read RESOURCE_EXHAUSTED.
+    unary, _, _ = asyncio.run(_calls((char * 20_000).encode()))
+    assert unary.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert unary.details().startswith(f"field={char * 100}")
+    assert unary.details().endswith("more characters left out)") and len(unary.details()) < 4096
 
 
 def test_service_errors_travel_as_their_grpc_status_and_come_back_as_the_same_kind() -> None:

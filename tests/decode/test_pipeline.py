@@ -18,7 +18,15 @@ from pcpstack.common.errors import FailedPrecondition, InvalidArgument, Resource
 from pcpstack.common.ids import MAX_REQUEST_ID_CHARS
 from pcpstack.common.ports import free_port
 from pcpstack.decode.batcher import Batcher
-from pcpstack.decode.pipeline import DecodeSettings, GenerateInput, GeneratePipeline, TokenPrompt
+from pcpstack.decode.pipeline import (
+    ChatMessage,
+    ChatPrompt,
+    DecodeSettings,
+    GenerateInput,
+    GeneratePipeline,
+    TextPrompt,
+    TokenPrompt,
+)
 from pcpstack.decode.router import SetRouter
 from pcpstack.engine.engine import Engine
 from pcpstack.kvstore.client import KvStoreClient
@@ -95,6 +103,28 @@ def test_bad_prompt_is_refused_before_any_peer_works(stack, pipeline, ids, sampl
     with pytest.raises(InvalidArgument) as info:
         stack.run(answer(pipeline, GenerateInput(TokenPrompt(ids), sampling)))
     assert needle in str(info.value)
+    assert pipeline.prefills_in_flight == 0
+
+
+@pytest.mark.slow
+def test_a_text_that_cannot_fit_the_context_is_refused_before_it_is_tokenized(
+    stack, pipeline, monkeypatch
+) -> None:
+    # ten megabytes once took the worker's loop for ten seconds, and its registry session with it
+    longest = max(
+        len(pipeline.engine.tokenizer.token_bytes(t)) for t in range(pipeline.engine.tokenizer.vocab_size)
+    )
+    text = "a" * (pipeline.engine.args.max_seq_len * longest + 1)
+
+    def no_encoding(*args, **kwargs):
+        raise AssertionError("tokenized")
+
+    monkeypatch.setattr(pipeline.engine.tokenizer, "encode", no_encoding)
+    with pytest.raises(InvalidArgument, match=f"text: {len(text)} characters cannot fit the context"):
+        stack.run(answer(pipeline, GenerateInput(TextPrompt(text), greedy(2))))
+    chat = ChatPrompt((ChatMessage("system", text[:10]), ChatMessage("user", text)))
+    with pytest.raises(InvalidArgument, match=f"chat: {len(text) + 10} characters cannot fit"):
+        stack.run(answer(pipeline, GenerateInput(chat, greedy(2))))
     assert pipeline.prefills_in_flight == 0
 
 

@@ -113,8 +113,17 @@ def test_ranged_stream_chunks_carry_the_selection_with_checksums_combining_to_th
         ([ByteRange(0, 8, (ByteRepeat(0, 3),))], "ranges[0].repeats[0].stride=0"),
         ([ByteRange(2**64 - 8, 16)], "ranges[0]: offset=18446744073709551608"),
         ([ByteRange(0, 8, (ByteRepeat(8, 2**63), ByteRepeat(2**62, 4)))], "ranges[0]"),
+        ([ByteRange(0, 8, (ByteRepeat(2**63, 1),))], "ranges[0].repeats[0].stride=9223372036854775808"),
     ],
-    ids=["beyond", "zero-length", "zero-count", "zero-stride", "offset-overflow", "repeat-overflow"],
+    ids=[
+        "beyond",
+        "zero-length",
+        "zero-count",
+        "zero-stride",
+        "offset-overflow",
+        "repeat-overflow",
+        "huge-stride",
+    ],
 )
 def test_bad_range_is_invalid_argument_naming_the_field(ranges, field):
     async def body():

@@ -187,6 +187,17 @@ def test_bad_keys_are_refused_naming_the_rule(key, message):
         store.begin_put(key, "fp", 1, 0, b"")
 
 
+def test_an_oversized_fingerprint_or_read_key_is_refused_naming_the_limit():
+    store, _ = make_store()
+    with pytest.raises(InvalidArgument, match="fingerprint is 257 bytes; at most 256"):
+        store.begin_put("k", "f" * 257, 1, 0, b"")
+    # a key no put could have written: refused as such, not looked for
+    with pytest.raises(InvalidArgument, match="key is 513 bytes; at most 512"):
+        store.begin_get("x" * 513, "fp", "capability")
+    with pytest.raises(InvalidArgument, match="key is 513 bytes"):
+        store.release("x" * 513, "capability")
+
+
 def test_config_names_the_bad_option():
     with pytest.raises(ValueError, match="capacity_bytes"):
         StoreConfig(0)

@@ -193,6 +193,39 @@ def test_a_node_id_outside_the_allowed_characters_is_refused_naming_it(node_id: 
     _run(scenario())
 
 
+def test_overlong_strings_and_absurd_sizes_are_refused_and_resolve_keeps_answering():
+    """Each string a registration carries is kept and sent in every Resolve answer: two nodes with 40 MB
+    fingerprints made every Resolve fail for everybody (an answer past gRPC's size limit), and a PCP size of
+    2**22 made the registry build millions of ranks on its loop."""
+
+    async def scenario():
+        registry = await start_registry(FAST)
+        try:
+            async with open_channel(registry.address) as channel:
+                stub = registry_pb2_grpc.RegistryServiceStub(channel)
+                fat = _kvstore("fat-store")
+                fat.kv_fingerprint = "f" * 300
+                assert (await _refused(stub, fat)) == "kv_fingerprint is 300 characters; at most 256"
+                long_id = _kvstore("n" * 257)
+                assert (await _refused(stub, long_id)).startswith("node_id is 257 characters; at most 256")
+                far = _kvstore("far-store")
+                far.address = "h" * 600 + ":9600"
+                assert (await _refused(stub, far)).startswith("address is 605 characters; at most 512")
+                huge = _carrying(1)
+                huge.node_id, huge.engine_config.prefill_context_parallel_size = "huge", 2**22
+                with pytest.raises(grpc.aio.AioRpcError) as caught:
+                    await stub.Register(huge, timeout=10)
+                assert caught.value.code() == grpc.StatusCode.FAILED_PRECONDITION  # as any bad engine_config
+                assert "prefill_context_parallel_size=4194304 must be at most 4096" in caught.value.details()
+                await stub.Register(_kvstore("fine-store"), timeout=10)
+                resolved = await stub.Resolve(registry_pb2.ResolveRequest(), timeout=10)
+                assert [store.node_id for store in resolved.kvstore] == ["fine-store"]
+        finally:
+            await registry.stop()
+
+    _run(scenario())
+
+
 def test_the_ids_services_give_by_default_and_deployments_set_are_accepted():
     ids = [
         f"{socket.gethostname()}-kvstore-50053",  # the default of each service: hostname-role-port
