@@ -28,7 +28,6 @@ token blocks from the segments and the new objects alike (decode.kv_ranges plans
 from __future__ import annotations
 
 import asyncio
-import functools
 import itertools
 import logging
 import time
@@ -278,7 +277,7 @@ class GeneratePipeline:
         if tokenizer is None:
             raise InvalidArgument(f"{kind}: this model has no tokenizer; send token_ids")
         chars = _prompt_chars(prompt)
-        longest = self._longest_token_bytes
+        longest = tokenizer.longest_token_bytes
         if chars > self._limits.max_seq_len * longest:
             raise InvalidArgument(
                 f"{kind}: {chars} characters cannot fit the context of {self._limits.max_seq_len} tokens: no "
@@ -297,13 +296,6 @@ class GeneratePipeline:
         except Exception as exc:
             raise InvalidArgument(f"chat: the chat template failed: {exc}") from exc
         return tokenizer.encode(rendered, add_special_tokens=False), kind
-
-    @functools.cached_property
-    def _longest_token_bytes(self) -> int:
-        """The most bytes one token stands for: no text of more than max_seq_len times this many characters
-        fits the context, and such a text is refused before it is tokenized."""
-        tokenizer = self.engine.tokenizer
-        return max(len(tokenizer.token_bytes(token)) for token in range(tokenizer.vocab_size)) or 1
 
     def validate(self, request: GenerateInput) -> tuple[list[int], GenerateInput]:
         """The prompt's token ids once the whole request is known to be servable here, and the request (its

@@ -73,6 +73,11 @@ def _raise_exception(message: str) -> None:
     raise jinja2.TemplateError(message)
 
 
+# Texts longer than this are encoded without holding the GIL (a megabyte takes about a second), so that a
+# service tokenizing one on a thread keeps its event loop running.
+RELEASE_GIL_CHARS = 4096
+
+
 class Tokenizer:
     """Text <-> token ids, special tokens, and the model's chat template."""
 
@@ -96,6 +101,13 @@ class Tokenizer:
     def _added_ids(self) -> frozenset[int]:
         """Ids of the added tokens (specials): their text is theirs, not the byte-level alphabet's."""
         return frozenset(self.backend.get_added_tokens_decoder())
+
+    @functools.cached_property
+    def longest_token_bytes(self) -> int:
+        """The most bytes one token stands for: a text of more than n times this many characters (a
+        character is at least a byte) is more than n tokens, which services use to refuse a text too long
+        for the context before they tokenize it."""
+        return max((len(self.token_bytes(token)) for token in range(self.vocab_size)), default=1) or 1
 
     @property
     def vocab_size(self) -> int:
@@ -121,7 +133,11 @@ class Tokenizer:
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
         """Token ids of `text`; special tokens written in the text are kept whole. `add_special_tokens` adds
         the BOS token when the model asks for one."""
-        ids = self.backend.encode(text, add_special_tokens=False).ids
+        if len(text) > RELEASE_GIL_CHARS:
+            # the same ids; encode_batch lets go of the GIL while it works, encode holds it throughout
+            ids = self.backend.encode_batch([text], add_special_tokens=False)[0].ids
+        else:
+            ids = self.backend.encode(text, add_special_tokens=False).ids
         if add_special_tokens and self.add_bos_token and self.bos_token_id is not None:
             ids.insert(0, self.bos_token_id)
         return ids

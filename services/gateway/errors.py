@@ -27,6 +27,8 @@ _PARAM_OF_FIELD = {
     "model": "model",
 }
 _FIELD = re.compile(r"[A-Za-z_][\w.]*")
+# An error message quotes at most this much of a bad value: enough to recognise it, never a 10 MB echo.
+QUOTED_CHARS = 100
 
 
 class ApiError(Exception):
@@ -63,6 +65,18 @@ class ApiError(Exception):
 def bad_request(param: str, message: str) -> ApiError:
     """A 400 about one request parameter; the message should say the value and the rule."""
     return ApiError(400, message, param=param)
+
+
+def clipped(text: str) -> str:
+    """text for an error message: cut to QUOTED_CHARS characters, with its full length said."""
+    if len(text) <= QUOTED_CHARS:
+        return text
+    return f"{text[:QUOTED_CHARS]}… ({len(text)} characters)"
+
+
+def quoted(value: object) -> str:
+    """repr(value) for an error message, clipped."""
+    return clipped(repr(value))
 
 
 def service_unavailable(message: str) -> ApiError:

@@ -10,7 +10,8 @@ Every field of a body must be one the models know: a parameter this server canno
 response_format, ...) is refused with a 400 naming it rather than silently ignored. A validation failure
 becomes an OpenAI-style 400 whose `param` is the top-level field. Value rules the engine owns (the context
 length, token ids below the vocabulary size, ...) are left to the decode worker, whose message the gateway
-passes on with the parameter it names.
+passes on with the parameter it names; only prompt text longer than any context could hold (MAX_PROMPT_CHARS)
+is refused here, before decode spends seconds tokenizing it. A message quotes only the start of a bad value.
 
 `n` > 1 asks for independent samples: sample i is its own Generate call, and with a seed it uses seed + i,
 so a request with a seed gives the same n answers each time while its samples still differ.
@@ -20,6 +21,7 @@ from __future__ import annotations
 
 import json
 import math
+import re
 import struct
 from dataclasses import dataclass, field
 from typing import Annotated, Any, Literal, TypeVar
@@ -33,9 +35,10 @@ from pydantic import (
     field_validator,
     model_validator,
 )
+from pydantic_core import ErrorDetails
 
 from pcpstack.decode.client import build_request
-from pcpstack.gateway.errors import ApiError, bad_request
+from pcpstack.gateway.errors import ApiError, bad_request, clipped, quoted
 from pcpstack.v1 import decode_pb2
 
 # OpenAI's default for /v1/completions.
@@ -44,6 +47,12 @@ COMPLETION_DEFAULT_MAX_TOKENS = 16
 # (this, or completions' 16) travels with GenerateRequest.fit_max_tokens, and decode cuts it to the room the
 # prompt leaves, so a default never makes a request that fits fail.
 CHAT_DEFAULT_MAX_TOKENS = 256
+# Prompt text longer than this is refused before it is passed on (16 Mi characters). The gateway does not
+# know the served model's context; the longest the families served here offer (Llama 3.1, Qwen2.5 with
+# YaRN) is 128 Ki tokens, and no token of their vocabularies stands for more than 128 bytes, so no prompt
+# that fits any of them is longer. Decode refuses a text past its own model's exact bound
+# (Tokenizer.longest_token_bytes) before tokenizing it too.
+MAX_PROMPT_CHARS = 128 * 1024 * 128
 # More samples than this in one request is refused: each is a Generate call (OpenAI allows up to 128).
 MAX_N = 128
 # OpenAI's limits on alternatives per token.
@@ -136,9 +145,9 @@ class _Sampling(StrictModel):
             for name, unused in _UNSUPPORTED.items():
                 if name in body:
                     value = body[name]
-                    if value is not None and value not in unused:
+                    if value is not None and not any(_same_json(value, u) for u in unused):
                         raise _Refused(
-                            name, f"{name}={value!r} is not supported by this server; leave it out"
+                            name, f"{name}={quoted(value)} is not supported by this server; leave it out"
                         )
                     body = {k: v for k, v in body.items() if k != name}
         return body
@@ -161,8 +170,11 @@ class _Sampling(StrictModel):
     @classmethod
     def _token_id_keys(cls, bias: dict[str, float] | None) -> dict[str, float] | None:
         for key in bias or {}:
-            if not key.isdigit() or int(key) >= _UINT32:
-                raise ValueError(f"logit_bias keys must be token ids (integers >= 0 as strings), not {key!r}")
+            # ASCII digits only: str.isdigit() also takes "²" and "１", which int() then fails on.
+            if not re.fullmatch(r"[0-9]{1,10}", key) or int(key) >= _UINT32:
+                raise ValueError(
+                    f"logit_bias keys must be token ids (integers >= 0 as strings), not {quoted(key)}"
+                )
         return bias
 
     @model_validator(mode="after")
@@ -225,7 +237,8 @@ class ChatMessage(StrictModel):
             kind = part.get("type") if isinstance(part, dict) else None
             if isinstance(kind, str) and kind != "text":
                 raise ValueError(
-                    f"messages: content parts of type {kind!r} are not supported (this model reads text)"
+                    f"messages: content parts of type {quoted(kind)} are not supported (this model reads "
+                    "text)"
                 )
         return content
 
@@ -254,6 +267,11 @@ class ChatCompletionRequest(_Sampling):
         if self.top_logprobs and not self.logprobs:
             raise _Refused("top_logprobs", "top_logprobs needs logprobs=true")
         return self
+
+
+def _same_json(value: Any, unused: object) -> bool:
+    """Whether value is `unused` as JSON: type-strict, so true is not 1 and 0 is not false."""
+    return json.dumps(value, sort_keys=True) == json.dumps(unused, sort_keys=True)
 
 
 class _Refused(ValueError):
@@ -338,7 +356,9 @@ def load_body(raw: bytes, charset: str | None = None) -> Any:
     try:
         text = raw.decode(charset or "utf-8")
     except LookupError:
-        raise bad_request("body", f"charset={charset!r} is unknown; send the body as UTF-8 JSON") from None
+        raise bad_request(
+            "body", f"charset={quoted(charset)} is unknown; send the body as UTF-8 JSON"
+        ) from None
     except UnicodeDecodeError as exc:
         raise bad_request(
             "body", f"the request body is not valid {charset or 'utf-8'} at byte {exc.start}: send UTF-8 JSON"
@@ -378,7 +398,7 @@ def _check_values(body: Any) -> None:
                 if isinstance(key, str):
                     _check_text(key, param)
                 # The top-level key names the OpenAI parameter a message should point at.
-                pending.append((item, depth + 1, param or (key if isinstance(key, str) else None)))
+                pending.append((item, depth + 1, param or (clipped(key) if isinstance(key, str) else None)))
 
 
 def _check_text(text: str, param: str | None) -> None:
@@ -404,11 +424,11 @@ def validate(model: type[_M], body: Any) -> _M:
 
 
 def _api_error(exc: ValidationError) -> ApiError:
-    error = exc.errors()[0]
+    error = _most_relevant(exc.errors())
     cause = error.get("ctx", {}).get("error")
     if isinstance(cause, _Refused):
         return bad_request(cause.param, cause.message)
-    loc = [str(part) for part in error["loc"] if not _is_type_name(part)]
+    loc = [clipped(str(part)) for part in error["loc"] if not _is_type_name(part)]
     param = loc[0] if loc else "body"
     where = (
         loc[0] + "".join(f"[{part}]" if part.isdigit() else f".{part}" for part in loc[1:]) if loc else param
@@ -422,7 +442,24 @@ def _api_error(exc: ValidationError) -> ApiError:
     message = str(error["msg"]).removeprefix("Value error, ")
     if error["type"] == "value_error":
         return bad_request(param, message)
-    return bad_request(param, f"{where}={error.get('input')!r}: {message[:1].lower()}{message[1:]}")
+    return bad_request(param, f"{where}={quoted(error.get('input'))}: {message[:1].lower()}{message[1:]}")
+
+
+def _most_relevant(errors: list[ErrorDetails]) -> ErrorDetails:
+    """The error to report: the first, or where that is one branch of a union, the branch that got furthest
+    into the value (for prompt=[-1], list[int]'s "must be >= 0" rather than str's "must be a string")."""
+    first = errors[0]
+    union = next((i for i, part in enumerate(first["loc"]) if _is_type_name(part)), None)
+    if union is None:
+        return first
+    branches = [
+        error
+        for error in errors
+        if error["loc"][:union] == first["loc"][:union]
+        and len(error["loc"]) > union
+        and _is_type_name(error["loc"][union])
+    ]
+    return max(branches, key=lambda error: len(error["loc"]))  # the first among equals
 
 
 def _is_type_name(part: int | str) -> bool:
@@ -434,10 +471,12 @@ def parse_completion(body: Any, served_model: str) -> ParsedRequest:
     """A /v1/completions body; raises ApiError (400, naming the parameter) or 404 for another model."""
     request = validate(CompletionRequest, body)
     prompt = request.prompt
+    if isinstance(prompt, str):
+        check_prompt_chars("prompt", len(prompt), MAX_PROMPT_CHARS)
     return ParsedRequest(
         chat=False,
         prompt=prompt,
-        max_tokens=_or(request.max_tokens, COMPLETION_DEFAULT_MAX_TOKENS),
+        max_tokens=_or(request.max_tokens, _default_max_tokens(COMPLETION_DEFAULT_MAX_TOKENS, request)),
         max_tokens_given=request.max_tokens is not None,
         logprobs=request.logprobs is not None,
         top_logprobs=request.logprobs or 0,
@@ -450,15 +489,33 @@ def parse_chat(body: Any, served_model: str) -> ParsedRequest:
     request = validate(ChatCompletionRequest, body)
     max_tokens = _or(request.max_completion_tokens, request.max_tokens)
     messages = [message.as_prompt() for message in request.messages]
+    check_prompt_chars("messages", sum(len(message["content"]) for message in messages), MAX_PROMPT_CHARS)
     return ParsedRequest(
         chat=True,
         prompt=messages,
-        max_tokens=_or(max_tokens, CHAT_DEFAULT_MAX_TOKENS),
+        max_tokens=_or(max_tokens, _default_max_tokens(CHAT_DEFAULT_MAX_TOKENS, request)),
         max_tokens_given=max_tokens is not None,
         logprobs=bool(request.logprobs),
         top_logprobs=request.top_logprobs or 0,
         **_common(request, served_model),
     )
+
+
+def check_prompt_chars(param: str, chars: int, limit: int) -> None:
+    """Refuses prompt text of more than `limit` characters (400 naming `param`) before anything tokenizes
+    it."""
+    if chars > limit:
+        raise bad_request(
+            param,
+            f"{param} is {chars} characters long; at most {limit} are accepted (text that long cannot fit "
+            "the model's context)",
+        )
+
+
+def _default_max_tokens(default: int, request: _Sampling) -> int:
+    """The endpoint's default max_tokens, raised to min_tokens: decode refuses min_tokens > max_tokens, and
+    the client asked for no maximum (decode still cuts a default to the room the prompt leaves)."""
+    return max(default, _or(request.min_tokens, 0))
 
 
 def _or(value: _T | None, default: _T) -> _T:
@@ -470,7 +527,7 @@ def _common(request: _Sampling, served_model: str) -> dict[str, Any]:
     if request.model is not None and request.model != served_model:
         raise ApiError(
             404,
-            f"model={request.model!r} does not exist here; this server serves {served_model!r} "
+            f"model={quoted(request.model)} does not exist here; this server serves {served_model!r} "
             "(see /v1/models)",
             param="model",
             code="model_not_found",

@@ -18,15 +18,17 @@ import time
 import uuid
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
+from typing import Any
 
 from aiohttp import web
+from aiohttp.http_exceptions import ContentEncodingError
 from opentelemetry import propagate, trace
 
 from pcpstack.common.errors import InvalidArgument
 from pcpstack.common.ids import check_request_id
 from pcpstack.common.logs import request_id_var
 from pcpstack.common.telemetry import current_trace_id, tracer
-from pcpstack.gateway.errors import ApiError, bad_request, service_unavailable
+from pcpstack.gateway.errors import ApiError, bad_request, quoted, service_unavailable
 from pcpstack.gateway.http_security import HttpSecurity
 from pcpstack.gateway.metrics import CONTENT_TYPE, GatewayMetrics
 from pcpstack.gateway.openai_requests import ParsedRequest, load_body, parse_chat, parse_completion
@@ -108,9 +110,11 @@ def _error_response(error: ApiError) -> web.Response:
 
 
 def _http_error_response(request: web.Request, exc: web.HTTPException) -> web.Response:
-    """aiohttp's own refusal (404 no route, 405 wrong method) in the OpenAI shape; a 405 keeps its Allow
-    header (RFC 9110 requires it) and names the methods the route takes."""
-    message, allow = exc.reason, exc.headers.get("Allow")
+    """aiohttp's own refusal (404 no route, 405 wrong method, 413 body too large) in the OpenAI shape; a 405
+    keeps its Allow header (RFC 9110 requires it) and names the methods the route takes."""
+    allow = exc.headers.get("Allow")
+    # aiohttp's text is "404: Not Found" unless it says more ("Maximum request body size ... exceeded").
+    message = exc.reason if exc.text == f"{exc.status}: {exc.reason}" else f"{exc.reason}: {exc.text}"
     if allow:
         message = f"{exc.reason}: {request.method} {request.path} takes {allow}"
     response = _error_response(ApiError(exc.status, message, error_type="invalid_request_error"))
@@ -119,14 +123,27 @@ def _http_error_response(request: web.Request, exc: web.HTTPException) -> web.Re
     return response
 
 
+async def _answer(request: web.Request, handler: Callable) -> tuple[web.StreamResponse, str | None]:
+    """The handler's response, or the OpenAI-shaped answer to what it raised; with the error type, if any."""
+    try:
+        return await handler(request), None
+    except ApiError as exc:
+        return _error_response(exc), exc.error_type
+    except web.HTTPException as exc:
+        if exc.status < 400:
+            raise
+        return _http_error_response(request, exc), "invalid_request_error"
+    except Exception:
+        log.exception("unexpected error serving %s", request.path)
+        return _error_response(ApiError(500, "internal error", error_type="server_error")), "server_error"
+
+
 @web.middleware
 async def _observe(request: web.Request, handler: Callable) -> web.StreamResponse:
-    """Server span (continuing the caller's trace), OpenAI-shaped errors and metrics for /v1 routes."""
+    """Server span (continuing the caller's trace) and metrics for /v1 routes; OpenAI-shaped errors for
+    every route."""
     if not request.path.startswith("/v1/"):
-        try:
-            return await handler(request)
-        except ApiError as exc:  # /tokenize and /detokenize answer errors in the OpenAI shape too
-            return _error_response(exc)
+        return (await _answer(request, handler))[0]
     metrics = request.app[_METRICS]
     resource = request.match_info.route.resource
     endpoint = resource.canonical if resource is not None else "unmatched"
@@ -139,21 +156,13 @@ async def _observe(request: web.Request, handler: Callable) -> web.StreamRespons
         span.set_attribute("url.path", request.path)
         request[_TRACE_ID] = current_trace_id()
         try:
-            response = await handler(request)
+            response, error_type = await _answer(request, handler)
         except asyncio.CancelledError:
             # The client hung up (aiohttp then cancels the handler): still counted and logged, as 499.
             _account(request, endpoint, CLIENT_CLOSED_STATUS, started)
             raise
-        except ApiError as exc:
-            response = _error_response(exc)
-            metrics.error(endpoint, exc.error_type)
-        except web.HTTPException as exc:
-            response = _http_error_response(request, exc)
-            metrics.error(endpoint, "invalid_request_error")
-        except Exception:
-            log.exception("unexpected error serving %s", request.path)
-            response = _error_response(ApiError(500, "internal error", error_type="server_error"))
-            metrics.error(endpoint, "server_error")
+        if error_type is not None:
+            metrics.error(endpoint, error_type)
         span.set_attribute("http.response.status_code", response.status)
         if response.status >= 500:
             span.set_status(trace.StatusCode.ERROR)
@@ -207,7 +216,7 @@ async def _generate(
     request_id = _request_id(request)
     request[_REQUEST_ID] = request_id  # before the body is read: a refused body's answer and log carry it too
     request_id_var.set(request_id)
-    parsed = parse(load_body(await request.read(), request.charset), settings.model_name)
+    parsed = parse(await _read_body(request), settings.model_name)
     detokenize = None
     if parsed.include_stop_str_in_output and parsed.stop:
         detokenize = await request.app[_TOKENIZATION].detokenizer("include_stop_str_in_output")
@@ -341,21 +350,42 @@ async def _model(request: web.Request) -> web.Response:
     if request.match_info["model"] != card["id"]:
         raise ApiError(
             404,
-            f"model {request.match_info['model']!r} does not exist",
+            f"model {quoted(request.match_info['model'])} does not exist",
             param="model",
             code="model_not_found",
         )
     return web.json_response(card)
 
 
+async def _read_body(request: web.Request) -> Any:
+    """The request's JSON body (load_body); a body that cannot be read, such as one that is not the gzip
+    its Content-Encoding says, is a 400 naming the body."""
+    try:
+        raw = await request.read()
+    except web.RequestPayloadError as exc:
+        # The rest cannot be read: marked read, so that aiohttp does not drain it after the answer (and
+        # log this error again as unhandled); the connection closes once the answer is sent.
+        request.content.feed_eof()
+        request.protocol.close()
+        cause = exc.__cause__
+        if isinstance(cause, ContentEncodingError):
+            encoding = quoted(request.headers.get("Content-Encoding", ""))
+            message = (
+                f"could not decode the request body as its Content-Encoding {encoding} says: send it "
+                "compressed that way, or uncompressed without the header"
+            )
+        else:
+            message = f"the request body could not be read: {getattr(cause, 'message', None) or exc}"
+        raise bad_request("body", message) from None
+    return load_body(raw, request.charset)
+
+
 async def _tokenize(request: web.Request) -> web.Response:
-    body = load_body(await request.read(), request.charset)
-    return web.json_response(await request.app[_TOKENIZATION].tokenize(body))
+    return web.json_response(await request.app[_TOKENIZATION].tokenize(await _read_body(request)))
 
 
 async def _detokenize(request: web.Request) -> web.Response:
-    body = load_body(await request.read(), request.charset)
-    return web.json_response(await request.app[_TOKENIZATION].detokenize(body))
+    return web.json_response(await request.app[_TOKENIZATION].detokenize(await _read_body(request)))
 
 
 async def _version(request: web.Request) -> web.Response:

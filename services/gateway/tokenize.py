@@ -2,7 +2,9 @@
 
 The gateway reads only the tokenizer of the model (a GGUF's metadata, a Hugging Face folder's
 tokenizer.json), never its weights (but the tiny test model's few KB), and only when the first such request
-comes.
+comes. The tokenizer's work runs in a worker thread, off the event loop that answers every other request, and
+text longer than the context times the longest token's bytes, which cannot fit, is refused before it is
+tokenized.
 Text and chat messages are tokenized exactly as decode tokenizes a prompt (services/decode/pipeline.py):
 plain text with the model's BOS token when it asks for one, chat rendered with the template and encoded
 without adding special tokens, so `count` equals the `prompt_tokens` a completion of that prompt reports.
@@ -25,8 +27,14 @@ from typing import Any
 
 from pydantic import Field
 
-from pcpstack.gateway.errors import ApiError, bad_request
-from pcpstack.gateway.openai_requests import ChatMessage, StrictModel, TokenId, validate
+from pcpstack.gateway.errors import ApiError, bad_request, quoted
+from pcpstack.gateway.openai_requests import (
+    ChatMessage,
+    StrictModel,
+    TokenId,
+    check_prompt_chars,
+    validate,
+)
 
 TINY = "tiny"
 
@@ -74,10 +82,12 @@ class DetokenizeResponse(StrictModel):
 
 @dataclass(frozen=True)
 class LoadedTokenizer:
-    """A tokenizer and the model's context length."""
+    """A tokenizer, the model's context length and the model's vocabulary size (which may exceed the
+    tokenizer's: ids past the tokenizer's have no text, but the model takes and samples them)."""
 
     tokenizer: Any  # pcpstack.engine.tokenizer.Tokenizer
     max_model_len: int
+    vocab_size: int
 
 
 def load_tokenizer(source: str) -> LoadedTokenizer:
@@ -94,18 +104,29 @@ def load_tokenizer(source: str) -> LoadedTokenizer:
         from pcpstack.engine.weights import load_model
 
         loaded = load_model(TINY, device="cpu")
-        return LoadedTokenizer(loaded.tokenizer, loaded.args.max_seq_len)
+        return LoadedTokenizer(loaded.tokenizer, loaded.args.max_seq_len, loaded.args.vocab_size)
     path = Path(source) if source else default_model_path()
     if path.is_dir():
         config = json.loads((path / "config.json").read_text())
         eos = config.get("eos_token_id")
         eos_ids = eos if isinstance(eos, list) else [] if eos is None else [eos]
         tokenizer = Tokenizer.from_hf_folder(path, eos_ids)
-        return LoadedTokenizer(tokenizer, int(config.get("max_position_embeddings", ModelArgs.max_seq_len)))
-    meta = read_gguf(path).meta
-    context = meta.get(f"{meta['general.architecture']}.context_length")
+        return LoadedTokenizer(
+            tokenizer,
+            int(config.get("max_position_embeddings", ModelArgs.max_seq_len)),
+            int(config.get("vocab_size") or tokenizer.vocab_size),
+        )
+    gguf = read_gguf(path)
+    meta, arch = gguf.meta, gguf.meta["general.architecture"]
+    tokenizer = Tokenizer.from_gguf_metadata(meta)
+    context = meta.get(f"{arch}.context_length")
+    # The rows of the embedding, as the engine counts the model's vocabulary.
+    embedding = next((t for t in gguf.tensors if t.name == "token_embd.weight"), None)
+    width = meta.get(f"{arch}.embedding_length")
     return LoadedTokenizer(
-        Tokenizer.from_gguf_metadata(meta), int(context) if context else ModelArgs.max_seq_len
+        tokenizer,
+        int(context) if context else ModelArgs.max_seq_len,
+        embedding.n_elements // width if embedding is not None and width else tokenizer.vocab_size,
     )
 
 
@@ -163,7 +184,7 @@ class Tokenization:
         if model is not None and model != self._served_model:
             raise ApiError(
                 404,
-                f"model={model!r} does not exist here; this server serves {self._served_model!r}",
+                f"model={quoted(model)} does not exist here; this server serves {self._served_model!r}",
                 param="model",
                 code="model_not_found",
             )
@@ -177,32 +198,48 @@ class Tokenization:
             request = validate(TokenizeTextRequest, body)
         self._check_model(request.model)
         loaded = await self._tokenizer()
-        tokenizer = loaded.tokenizer
+        # no text of more characters fits the context: refused as decode refuses it, before tokenizing
+        limit = loaded.max_model_len * await asyncio.to_thread(lambda: loaded.tokenizer.longest_token_bytes)
         if isinstance(request, TokenizeChatRequest):
-            messages = [message.as_prompt() for message in request.messages]
-            try:
-                text = tokenizer.apply_chat_template(
-                    messages, add_generation_prompt=request.add_generation_prompt
-                )
-            except ValueError as exc:
-                raise bad_request("messages", str(exc)) from None
+            chars = sum(len(message.text()) for message in request.messages)
+            check_prompt_chars("messages", chars, limit)
         else:
-            text = request.prompt
-        tokens = tokenizer.encode(text, add_special_tokens=request.add_special_tokens)
-        strs = [tokenizer.token_text(t) for t in tokens] if request.return_token_strs else None
-        answer = TokenizeResponse(
-            count=len(tokens), max_model_len=loaded.max_model_len, tokens=tokens, token_strs=strs
-        )
+            check_prompt_chars("prompt", len(request.prompt), limit)
+        answer = await asyncio.to_thread(_tokenize, loaded, request)
         return answer.model_dump()
 
     async def detokenize(self, body: Any) -> dict:
-        """The answer to a /detokenize body."""
+        """The answer to a /detokenize body; ids the model has but the tokenizer does not come out as decode
+        writes them when generated (the tokenizer gives them no text)."""
         request = validate(DetokenizeRequest, body)
         self._check_model(request.model)
-        tokenizer = (await self._tokenizer()).tokenizer
-        bad = next((t for t in request.tokens if t >= tokenizer.vocab_size), None)
+        loaded = await self._tokenizer()
+        bad = next((t for t in request.tokens if t >= loaded.vocab_size), None)
         if bad is not None:
             raise bad_request(
-                "tokens", f"token id {bad} is not below the vocabulary size {tokenizer.vocab_size}"
+                "tokens", f"token id {bad} is not below the vocabulary size {loaded.vocab_size}"
             )
-        return DetokenizeResponse(prompt=tokenizer.decode(request.tokens)).model_dump()
+        text = await asyncio.to_thread(loaded.tokenizer.decode, request.tokens)
+        return DetokenizeResponse(prompt=text).model_dump()
+
+
+def _tokenize(
+    loaded: LoadedTokenizer, request: TokenizeTextRequest | TokenizeChatRequest
+) -> TokenizeResponse:
+    """The tokens of a /tokenize request (the work a worker thread does)."""
+    tokenizer = loaded.tokenizer
+    if isinstance(request, TokenizeChatRequest):
+        messages = [message.as_prompt() for message in request.messages]
+        try:
+            text = tokenizer.apply_chat_template(
+                messages, add_generation_prompt=request.add_generation_prompt
+            )
+        except ValueError as exc:
+            raise bad_request("messages", str(exc)) from None
+    else:
+        text = request.prompt
+    tokens = tokenizer.encode(text, add_special_tokens=request.add_special_tokens)
+    strs = [tokenizer.token_text(t) for t in tokens] if request.return_token_strs else None
+    return TokenizeResponse(
+        count=len(tokens), max_model_len=loaded.max_model_len, tokens=tokens, token_strs=strs
+    )

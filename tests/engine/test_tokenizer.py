@@ -1,8 +1,12 @@
-"""Tokenizer pieces that do not need a reference: incremental detokenization and chat templates."""
+"""Tokenizer pieces that do not need a reference: incremental detokenization, chat templates, and long texts
+encoded without holding the GIL."""
+
+import threading
+import time
 
 import pytest
 
-from pcpstack.engine.tokenizer import IncrementalDecoder, Tokenizer
+from pcpstack.engine.tokenizer import RELEASE_GIL_CHARS, IncrementalDecoder, Tokenizer
 
 
 @pytest.fixture(scope="module")
@@ -48,3 +52,31 @@ def test_the_bytes_of_a_byte_level_vocabularys_tokens_join_into_the_text(smollm)
     assert b"".join(smollm.tokenizer.token_bytes(i) for i in ids) == text.encode()
     im_end = smollm.tokenizer.encode("<|im_end|>")
     assert [smollm.tokenizer.token_bytes(i) for i in im_end] == [b"<|im_end|>"]
+
+
+def test_a_long_text_is_encoded_to_the_same_ids_while_other_threads_run(smollm):
+    """Past RELEASE_GIL_CHARS the tokenizer lets go of the GIL while it encodes (a service tokenizes a long
+    prompt on a thread; its event loop must keep running meanwhile); the ids are the same as held."""
+    tokenizer = smollm.tokenizer
+    text = "The quick brown fox jumps over the lazy dog; <|im_end|> 12345 ünïcödé\n" * 12_000
+    assert len(text) > RELEASE_GIL_CHARS
+    held = tokenizer.backend.encode(text, add_special_tokens=False).ids
+    ticks, done = [], threading.Event()
+
+    def tick() -> None:
+        while not done.is_set():
+            ticks.append(time.perf_counter())
+            time.sleep(0.001)
+
+    ticker = threading.Thread(target=tick)
+    ticker.start()
+    try:
+        started = time.perf_counter()
+        assert tokenizer.encode(text, add_special_tokens=False) == held
+        took = time.perf_counter() - started
+    finally:
+        done.set()
+        ticker.join()
+    during = [t for t in ticks if started <= t <= started + took]
+    # the ticker runs about every millisecond; holding the GIL, it would not run at all for the whole encode
+    assert took > 0.05 and len(during) > took / 0.01, (took, len(during))

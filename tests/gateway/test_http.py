@@ -4,8 +4,11 @@ unreachable, and the Prometheus exposition."""
 from __future__ import annotations
 
 import asyncio
+import logging
 
+import pytest
 from aiohttp.test_utils import TestClient, TestServer
+from yarl import URL
 
 from pcpstack.common.ports import free_port
 from pcpstack.gateway.server import GatewaySettings, create_app
@@ -82,5 +85,52 @@ def test_unknown_route_is_an_openai_shaped_404() -> None:
     async def check(client: TestClient) -> None:
         answer = await client.post("/v1/embeddings", json={})
         assert answer.status == 404 and "error" in await answer.json()
+
+    _with_client(check)
+
+
+@pytest.mark.parametrize("path", ["/v1/completions", "/v1/chat/completions", "/tokenize", "/detokenize"])
+def test_a_body_that_is_not_the_gzip_it_claims_is_a_400_naming_the_body(caplog, path: str) -> None:
+    async def check(client: TestClient) -> None:
+        headers = {"Content-Type": "application/json", "Content-Encoding": "gzip"}
+        answer = await client.post(path, data=b'{"prompt": "not gzip"}', headers=headers)
+        assert answer.status == 400
+        error = (await answer.json())["error"]
+        assert error["param"] == "body" and "could not decode the request body" in error["message"]
+        assert "'gzip'" in error["message"]
+
+    with caplog.at_level(logging.ERROR):
+        _with_client(check)
+    assert not [record for record in caplog.records if record.levelno >= logging.ERROR]
+
+
+@pytest.mark.parametrize(
+    ("method", "path", "status", "allow"),
+    [
+        ("GET", "/tokenize", 405, "POST"),
+        ("POST", "/health", 405, "GET,HEAD"),
+        ("POST", "//v1/completions", 404, None),
+        ("GET", "/no/such/route", 404, None),
+    ],
+)
+def test_an_error_outside_v1_comes_in_the_openai_shape(method: str, path: str, status: int, allow) -> None:
+    async def check(client: TestClient) -> None:
+        # Built with the path as it is: "//v1/..." must not be read as a host.
+        url = URL.build(scheme="http", host=client.host, port=client.port, path=path, encoded=True)
+        answer = await client.session.request(method, url, json={})
+        assert answer.status == status and answer.content_type == "application/json"
+        error = (await answer.json())["error"]
+        assert error["type"] == "invalid_request_error" and error["message"]
+        assert answer.headers.get("Allow") == allow
+
+    _with_client(check)
+
+
+def test_a_body_over_the_size_limit_is_an_openai_shaped_413_outside_v1_too() -> None:
+    async def check(client: TestClient) -> None:
+        too_large = b" " * (64 * 1024 * 1024 + 1)
+        answer = await client.post("/tokenize", data=too_large, headers={"Content-Type": "application/json"})
+        assert answer.status == 413 and answer.content_type == "application/json"
+        assert "Maximum request body size" in (await answer.json())["error"]["message"]
 
     _with_client(check)

@@ -10,6 +10,7 @@ from pcpstack.gateway.openai_requests import (
     CHAT_DEFAULT_MAX_TOKENS,
     COMPLETION_DEFAULT_MAX_TOKENS,
     MAX_JSON_DEPTH,
+    MAX_PROMPT_CHARS,
     load_body,
     parse_chat,
     parse_completion,
@@ -126,6 +127,9 @@ def test_batch_of_one_prompt_is_unwrapped() -> None:
         ({"prompt": "x", "logprobs": 21}, "logprobs"),
         ({"prompt": "x", "logprobs": True}, "logprobs"),
         ({"prompt": "x", "echo": True}, "echo"),
+        ({"prompt": "x", "echo": 0}, "echo"),
+        ({"prompt": "x", "best_of": True}, "best_of"),
+        ({"prompt": "x", "best_of": 1.0}, "best_of"),
         ({"prompt": "x", "presence_penalty": 2.5}, "presence_penalty"),
         ({"prompt": "x", "frequency_penalty": -3}, "frequency_penalty"),
         ({"prompt": "x", "repetition_penalty": 0}, "repetition_penalty"),
@@ -266,3 +270,76 @@ def test_cache_salt_reaches_the_request_and_cached_tokens_come_back_in_the_usage
     assert parse_chat({**body, "cache_salt": None}, MODEL).to_generate_request("r").cache_salt == ""
     summary = decode_pb2.GenerateSummary(prompt_tokens=300, completion_tokens=2, cached_prompt_tokens=256)
     assert usage([summary]).prompt_tokens_details.cached_tokens == 256
+
+
+def test_a_default_max_tokens_is_raised_to_min_tokens() -> None:
+    chat = parse_chat({"messages": USER, "min_tokens": 300}, MODEL).to_generate_request("r")
+    assert (chat.sampling.max_tokens, chat.sampling.min_tokens) == (300, 300) and chat.fit_max_tokens
+    completion = parse_completion({"prompt": "x", "min_tokens": 20}, MODEL)
+    assert completion.max_tokens == 20 and not completion.max_tokens_given
+    # A max_tokens the client gives is theirs: decode refuses it if it is below min_tokens.
+    assert parse_completion({"prompt": "x", "min_tokens": 20, "max_tokens": 5}, MODEL).max_tokens == 5
+
+
+def test_an_echoed_bad_value_is_clipped_to_a_short_prefix() -> None:
+    error = _refused(parse_completion, {"prompt": "a", "max_tokens": "a" * 10_000_000})
+    assert error.param == "max_tokens" and len(error.message) < 300
+    assert "(10000002 characters)" in error.message and "valid integer" in error.message
+    error = _refused(parse_completion, {"prompt": "a", "tools": ["t" * 1_000_000]})
+    assert error.param == "tools" and len(error.message) < 300
+
+
+@pytest.mark.parametrize(
+    ("parse", "body", "words"),
+    [
+        (parse_completion, {"prompt": [-1]}, "prompt[0]=-1: input should be greater than or equal to 0"),
+        (parse_completion, {"prompt": [1, 2**32]}, "prompt[1]=4294967296: input should be less than"),
+        (
+            parse_chat,
+            {"messages": [{"role": "user", "content": [{"type": "text", "text": "a", "extra": 1}]}]},
+            "messages[0].content[0].extra is not supported",
+        ),
+        (
+            parse_chat,
+            {"messages": [{"role": "user", "content": [{"type": "text", "text": 5}]}]},
+            "messages[0].content[0].text=5: input should be a valid string",
+        ),
+    ],
+)
+def test_a_union_error_states_the_rule_of_the_branch_the_value_took(parse, body: dict, words: str) -> None:
+    error = _refused(parse, body)
+    assert error.status == 400 and words in error.message
+
+
+@pytest.mark.parametrize("key", ["\u00b2", "\uff11", "-1", "1.5", "1" * 11])
+def test_a_logit_bias_key_that_is_not_ascii_digits_is_refused_by_the_rule(key: str) -> None:
+    error = _refused(parse_completion, {"prompt": "x", "logit_bias": {key: 1}})
+    assert error.param == "logit_bias" and "must be token ids" in error.message
+
+
+@pytest.mark.parametrize(
+    ("parse", "body", "param"),
+    [
+        (parse_completion, {"prompt": "a" * (MAX_PROMPT_CHARS + 1)}, "prompt"),
+        (parse_completion, {"prompt": ["a" * (MAX_PROMPT_CHARS + 1)]}, "prompt"),
+        (
+            parse_chat,
+            {
+                "messages": [
+                    {"role": "system", "content": "a" * (MAX_PROMPT_CHARS // 2)},
+                    {
+                        "role": "user",
+                        "content": [{"type": "text", "text": "a" * (MAX_PROMPT_CHARS // 2 + 1)}],
+                    },
+                ]
+            },
+            "messages",
+        ),
+    ],
+)
+def test_prompt_text_longer_than_any_context_holds_is_refused(parse, body: dict, param: str) -> None:
+    error = _refused(parse, body)
+    assert (error.status, error.param) == (400, param)
+    assert f"at most {MAX_PROMPT_CHARS}" in error.message and str(MAX_PROMPT_CHARS + 1) in error.message
+    fits = {"prompt": "a" * MAX_PROMPT_CHARS} if parse is parse_completion else {"messages": USER}
+    assert parse(fits, MODEL).stream is False
