@@ -34,6 +34,8 @@ log = logging.getLogger(__name__)
 AUTHENTICATE_METHOD = b"/etcdserverpb.Auth/Authenticate"
 # Seconds between two Authenticate calls after one was refused (a wrong password, an unknown user).
 AUTH_RETRY_S = 5.0
+# Seconds before asking again after an Authenticate that got no answer (etcd down or unreachable).
+UNANSWERED_RETRY_S = 1.0
 # Seconds one Authenticate call may take.
 AUTH_TIMEOUT_S = 5.0
 
@@ -79,6 +81,11 @@ def token_refused(code: grpc.StatusCode, details: str) -> bool:
     return code == grpc.StatusCode.INVALID_ARGUMENT and any(text in details for text in stale)
 
 
+def _refused(exc: grpc.aio.AioRpcError) -> bool:
+    """Whether etcd answered an Authenticate with a refusal of the user or password (not: no answer)."""
+    return exc.code() in (grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.PERMISSION_DENIED)
+
+
 def _with_token(details: grpc.aio.ClientCallDetails, token: str) -> grpc.aio.ClientCallDetails:
     if not token:
         return details
@@ -100,20 +107,23 @@ class Tokens:
         self._token = ""
         self._auth_off = False  # etcd answered that authentication is off: requests go without a token
         self._lock = asyncio.Lock()
-        self._refused: grpc.aio.AioRpcError | None = None
-        self._refused_at = -math.inf
+        self._failure: grpc.aio.AioRpcError | None = None  # the last Authenticate's, until one succeeds
+        self._failed_at = -math.inf
         self._checks: set[asyncio.Task] = set()
         self._forgotten_at = -math.inf
 
     async def token(self, stale: str | None = None) -> str:
         """The token to send ("" with authentication off): the one held, or a new one when none is held
         yet or etcd refused the held one (stale). Raises the refusal of the user or password, for
-        AUTH_RETRY_S after it came, without asking again."""
+        AUTH_RETRY_S after it came, without asking again; and the failure of an Authenticate that got no
+        answer, for UNANSWERED_RETRY_S (the tasks waiting here fail together, not one timeout each)."""
         async with self._lock:
             if (self._token or self._auth_off) and self._token != stale:
                 return self._token
-            if self._refused is not None and time.monotonic() - self._refused_at < AUTH_RETRY_S:
-                raise self._refused
+            if self._failure is not None:
+                wait = AUTH_RETRY_S if _refused(self._failure) else UNANSWERED_RETRY_S
+                if time.monotonic() - self._failed_at < wait:
+                    raise self._failure
             request = aetcd.rpc.AuthenticateRequest(name=self._auth.user, password=self._auth.password)
             try:
                 reply = await aetcd.rpc.AuthStub(self._channel()).Authenticate(
@@ -129,11 +139,9 @@ class Tokens:
                         )
                     self._token, self._auth_off = "", True
                     return ""
-                if exc.code() in (grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.PERMISSION_DENIED):
-                    # the user or the password is refused: not asked again for a while
-                    self._refused, self._refused_at = exc, time.monotonic()
+                self._failure, self._failed_at = exc, time.monotonic()
                 raise
-            self._token, self._auth_off, self._refused = reply.token, False, None
+            self._token, self._auth_off, self._failure = reply.token, False, None
             return self._token
 
     def forget(self) -> None:

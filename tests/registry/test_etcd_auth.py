@@ -159,6 +159,46 @@ def test_a_refused_password_is_not_sent_again_on_every_request(etcd, monkeypatch
     _run(scenario())
 
 
+def test_tasks_waiting_for_a_token_from_an_etcd_that_does_not_answer_fail_together(monkeypatch):
+    """Eight requests at once, etcd silent (it accepts connections and says nothing): one Authenticate
+    times out and the seven tasks queued behind it fail with its error, rather than each waiting out an
+    Authenticate of its own one after another."""
+    sent = []
+    real_stub = aetcd.rpc.AuthStub
+
+    class CountingStub:
+        def __init__(self, channel) -> None:
+            self._stub = real_stub(channel)
+
+        async def Authenticate(self, request, **kwargs):
+            sent.append(request.name)
+            return await self._stub.Authenticate(request, **kwargs)
+
+    monkeypatch.setattr(etcd_auth.aetcd.rpc, "AuthStub", CountingStub)
+    monkeypatch.setattr(etcd_auth, "AUTH_TIMEOUT_S", 0.5)
+
+    async def scenario():
+        async def silent(reader, writer):
+            await asyncio.sleep(60)
+
+        server = await asyncio.start_server(silent, "127.0.0.1", 0)
+        port = server.sockets[0].getsockname()[1]
+        store = await EtcdStore.connect(
+            f"http://127.0.0.1:{port}", "/auth/silent/", 2.0, auth=EtcdAuth("u", "p")
+        )
+        try:
+            outcomes = await asyncio.gather(
+                *(store.post([("n", b"x")]) for _ in range(8)), return_exceptions=True
+            )
+            assert all(isinstance(outcome, ServiceError) for outcome in outcomes), outcomes
+            assert sent == ["u"]
+        finally:
+            await store.close()
+            server.close()
+
+    _run(scenario())
+
+
 def test_authentication_flags_that_cannot_work_are_refused_naming_the_flag(tmp_path):
     good = _password_file(tmp_path, PASSWORD)
     empty = tmp_path / "empty"
