@@ -21,7 +21,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from aiohttp import web
-from aiohttp.http_exceptions import ContentEncodingError
+from aiohttp.http_exceptions import ContentEncodingError, HttpProcessingError
 from opentelemetry import propagate, trace
 
 from pcpstack.common.errors import InvalidArgument
@@ -72,8 +72,30 @@ _REQUEST_ID = web.RequestKey("request_id", str)
 _TRACE_ID = web.RequestKey("trace_id", str)
 
 
+class _MalformedHttpAtInfo(logging.Filter):
+    """aiohttp logs a request it cannot parse (a client's malformed HTTP: a bad chunk size or
+    Content-Length) as an ERROR with a traceback, though it is the client's fault and answered 400: such a
+    record becomes one INFO line, so that clients cannot fill the log with tracebacks or trip alerts."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        exc = record.exc_info[1] if record.exc_info else None
+        if isinstance(exc, HttpProcessingError) and 400 <= (exc.code or 0) < 500:
+            reason = (exc.message or "").strip().splitlines()[0] if exc.message else ""
+            record.levelno, record.levelname = logging.INFO, logging.getLevelName(logging.INFO)
+            record.msg, record.args = "malformed HTTP request refused with %d: %s", (exc.code, reason)
+            record.exc_info = record.exc_text = None
+        return True
+
+
+def _log_malformed_http_at_info() -> None:
+    server_log = logging.getLogger("aiohttp.server")
+    if not any(isinstance(existing, _MalformedHttpAtInfo) for existing in server_log.filters):
+        server_log.addFilter(_MalformedHttpAtInfo())
+
+
 def create_app(pool: DecodePool, settings: GatewaySettings) -> web.Application:
     """The aiohttp application; the pool is closed when the app shuts down."""
+    _log_malformed_http_at_info()
     app = web.Application(middlewares=[_observe], client_max_size=64 * 1024 * 1024)
     app[_SETTINGS] = settings
     app[_POOL] = pool

@@ -134,3 +134,26 @@ def test_a_body_over_the_size_limit_is_an_openai_shaped_413_outside_v1_too() -> 
         assert "Maximum request body size" in (await answer.json())["error"]["message"]
 
     _with_client(check)
+
+
+@pytest.mark.parametrize(
+    "head",
+    [
+        b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nTransfer-Encoding: chunked\r\n\r\nzz\r\n",
+        b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Length: abc\r\n\r\n",
+    ],
+    ids=["chunk-size", "content-length"],
+)
+def test_malformed_http_is_a_400_logged_in_one_info_line_not_an_error_with_a_traceback(caplog, head) -> None:
+    async def check(client: TestClient) -> None:
+        reader, writer = await asyncio.open_connection(client.host, client.port)
+        writer.write(head)
+        await writer.drain()
+        assert (await asyncio.wait_for(reader.read(64), 5)).startswith(b"HTTP/1.0 400")
+        writer.close()
+
+    with caplog.at_level(logging.INFO):
+        _with_client(check)
+    server = [record for record in caplog.records if record.name == "aiohttp.server"]
+    assert [(record.levelno, record.exc_info) for record in server] == [(logging.INFO, None)]
+    assert server[0].getMessage().startswith("malformed HTTP request refused with 400: Invalid character")
