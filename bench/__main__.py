@@ -14,6 +14,7 @@ import sys
 from pathlib import Path
 
 from bench.report import RESULTS_DIR
+from pcpstack.cli.main import DefaultsHelpFormatter
 from pcpstack.common.tunables import ensure_glibc_tunables
 
 AREAS = ("engine", "registry", "kv", "prefill", "decode", "peers", "e2e", "isa", "all")
@@ -36,7 +37,7 @@ def build_parser(argv: list[str]) -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="pcpstack bench", description=__doc__.splitlines()[0])
     sub = parser.add_subparsers(dest="area", required=True)
     for area in AREAS:  # all.py runs each area in its own process, then the report
-        area_parser = sub.add_parser(area, help=f"benchmark {area}")
+        area_parser = sub.add_parser(area, help=f"benchmark {area}", formatter_class=DefaultsHelpFormatter)
         area_parser.add_argument("--json", action="store_true", help="print the results as JSON")
         area_parser.add_argument(
             "--out", default=str(RESULTS_DIR), help=f"folder for the JSON results (default {RESULTS_DIR})"
@@ -44,7 +45,11 @@ def build_parser(argv: list[str]) -> argparse.ArgumentParser:
         area_parser.set_defaults(handler=_run_area)
         if argv[:1] == [area]:
             importlib.import_module(f"bench.{area}").add_arguments(area_parser)
-    report_parser = sub.add_parser("report", help="regenerate BENCHMARKS.md and plots from the results")
+    report_parser = sub.add_parser(
+        "report",
+        help="regenerate BENCHMARKS.md and plots from the results",
+        formatter_class=DefaultsHelpFormatter,
+    )
     if argv[:1] == ["report"]:
         from bench import report
 

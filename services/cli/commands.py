@@ -305,6 +305,10 @@ def run_up(args: argparse.Namespace) -> int:
                 print(f"openai    {stack.gateway_url}/v1   (OpenAI-compatible HTTP API)")
             for name, url in stack.metrics_urls.items():
                 print(f"metrics   {url}   ({name})")
+            watch = f"pcpstack status --registry {stack.registry_address}"
+            if stack.gateway_url:
+                watch += f" --gateway {stack.gateway_url}"
+            print(f"status    {watch}   (nodes, sets, KV stores, the gateway)")
             print(f"logs      {stack.log_dir}   (one NAME.log per service, kept after the stack stops)")
             print("press Ctrl-C to stop", flush=True)
             stop = asyncio.Event()

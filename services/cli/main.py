@@ -12,6 +12,7 @@ import copy
 import importlib
 import importlib.metadata
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -64,6 +65,13 @@ class DefaultsHelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
 def add_parser(sub: argparse._SubParsersAction, name: str, **kwargs) -> argparse.ArgumentParser:
     """A subcommand's parser, with the defaults in its help."""
     return sub.add_parser(name, formatter_class=DefaultsHelpFormatter, **kwargs)
+
+
+def _first_sentence(text: str) -> str:
+    """A docstring's first sentence, in one line, without its final period (a subcommand's help)."""
+    joined = " ".join(text.split())
+    sentence = joined.split(". ", 1)[0].split("; ", 1)[0].rstrip(".")
+    return sentence[:1].lower() + sentence[1:]
 
 
 def _module_or_none(name: str):
@@ -230,7 +238,7 @@ def build_parser(argv: list[str]) -> argparse.ArgumentParser:
     for command, module_name in (("status", "pcpstack.cli.status"),):
         module = _module_or_none(module_name)
         if module is not None:
-            command_parser = add_parser(sub, command, help=(module.__doc__ or command).splitlines()[0])
+            command_parser = add_parser(sub, command, help=_first_sentence(module.__doc__ or command))
             module.add_arguments(command_parser)
             command_parser.set_defaults(handler=module.run)
 
@@ -256,3 +264,8 @@ def main(argv: list[str] | None = None) -> int:
     except security.SecurityConfigError as error:  # PCPSTACK_TLS_*, PCPSTACK_TOKEN*: it names the variable
         print(f"pcpstack {argv[0]}: {' '.join(str(error).split())}", file=sys.stderr, flush=True)
         return 2
+    except BrokenPipeError:
+        # The reader left (`pcpstack status --watch | head`): stop quietly, as other command-line tools do;
+        # stdout is pointed at /dev/null so that Python's flush at exit does not fail once more.
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return 0

@@ -212,6 +212,29 @@ class Service:
         return messages
 
 
+def _stop_step(name: str) -> int:
+    """When a stack's process stops (LocalStack.stop): 0 the gateway and decode workers, 1 the prefill
+    nodes, 2 the KV store, 3 the registries (which every other service deregisters from)."""
+    kind = name.split("-", 1)[0]
+    return {"gateway": 0, "decode": 0, "prefill": 1, "kvstore": 2}.get(kind, 3)
+
+
+async def _stop_all(services: list[Service], grace_s: float) -> None:
+    """SIGTERM to each service's process group, then SIGKILL to those still running after grace_s."""
+    for service in services:
+        if service.process.poll() is None:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(service.process.pid, signal.SIGTERM)
+    deadline = time.monotonic() + grace_s
+    for service in services:
+        while service.process.poll() is None and time.monotonic() < deadline:
+            await asyncio.sleep(0.05)
+        if service.process.poll() is None:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(service.process.pid, signal.SIGKILL)
+            service.process.wait()
+
+
 class LocalStack:
     """Starts and stops a local stack; use as an async context manager."""
 
@@ -259,7 +282,9 @@ class LocalStack:
         log_path = self._log_dir / f"{name}.log"
         metrics_url = ""
         if service_name == "gateway":
-            metrics_url = f"http://{address}/metrics"
+            # the gateway's own port: HTTPS when the stack runs with TLS
+            scheme = "https" if self._gateway_tls is not None else "http"
+            metrics_url = f"{scheme}://{address}/metrics"
         elif self.options.metrics:
             metrics_address = f"127.0.0.1:{free_port()}"
             args = [*args, "--metrics", metrics_address]
@@ -528,20 +553,13 @@ class LocalStack:
         return await asyncio.to_thread(probe)
 
     async def stop(self) -> None:
-        """Stops every service: SIGTERM, then SIGKILL after a grace period."""
-        for service in reversed(self.services):
-            if service.process.poll() is None:
-                with contextlib.suppress(ProcessLookupError):
-                    os.killpg(service.process.pid, signal.SIGTERM)
-        # A draining decode worker is never killed mid-drain.
-        deadline = time.monotonic() + self.options.decode_drain_s + STOP_MARGIN_S
-        for service in self.services:
-            while service.process.poll() is None and time.monotonic() < deadline:
-                await asyncio.sleep(0.1)
-            if service.process.poll() is None:
-                with contextlib.suppress(ProcessLookupError):
-                    os.killpg(service.process.pid, signal.SIGKILL)
-                service.process.wait()
+        """Stops every service, front to back: the gateway and the decode workers first (they drain, and
+        their running requests still need the rest; a decode worker deregisters from the registry), then
+        the prefill nodes, then the KV store, then the registry. Each step: SIGTERM, then SIGKILL after a
+        grace period (a draining decode worker is never killed mid-drain)."""
+        drain_s = self.options.decode_drain_s + STOP_MARGIN_S
+        for step, grace_s in enumerate((drain_s, STOP_MARGIN_S, STOP_MARGIN_S, STOP_MARGIN_S)):
+            await _stop_all([s for s in self.services if _stop_step(s.name) == step], grace_s)
 
     async def __aenter__(self) -> LocalStack:
         try:

@@ -146,6 +146,7 @@ def add_node_arguments(parser: argparse.ArgumentParser, role: str) -> None:
         "--device",
         default="",
         choices=("", *DEVICE_KINDS),
+        metavar="{" + ",".join(DEVICE_KINDS) + "}",
         help="where the model runs: cpu, cuda or npu (default: an NPU, else a GPU, else the CPU)",
     )
 

@@ -74,7 +74,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         default=DEFAULT_KV_CACHE_TOKENS,
         help="K/V tokens each rank's cache holds: the longest prompt the set takes (each PCP rank keeps it "
         "whole); a longer one is refused with RESOURCE_EXHAUSTED. SmolLM2-135M takes 46,080 bytes a token "
-        "in fp32, 23,040 in bf16 (the default: 720 MiB a rank on the CPU)",
+        "in fp32, the CPU's dtype (the default 16,384 tokens: 720 MiB a rank), 23,040 in bf16",
     )
     parser.add_argument(
         "--prefill-chunk-tokens",

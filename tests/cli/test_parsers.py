@@ -14,6 +14,7 @@ from pathlib import Path
 import pytest
 import yaml
 
+from bench import __main__ as bench_main
 from pcpstack.cli import main as cli
 from pcpstack.cli.launch import cli_command
 from pcpstack.registry.main import DEFAULT_PORT as REGISTRY_PORT
@@ -26,6 +27,8 @@ def subcommand_parsers() -> Iterator[tuple[str, argparse.ArgumentParser]]:
     for service in cli.SERVICES:
         yield from _leaves("pcpstack", cli.build_parser(["serve", service]), only=f"serve {service}")
     yield from _leaves("pcpstack", cli.build_parser(["certs", "config"]), skip=("serve", "bench"))
+    for area in (*bench_main.AREAS, "report"):  # `pcpstack bench AREA` is `python -m bench AREA`
+        yield from _leaves("pcpstack bench", bench_main.build_parser([area]), only=f"bench {area}")
 
 
 def _leaves(prefix: str, parser: argparse.ArgumentParser, only: str = "", skip: tuple[str, ...] = ()):

@@ -108,6 +108,11 @@ def test_up_prints_endpoints_serves_and_stops_cleanly_on_ctrl_c(tmp_path, child_
         assert not any("\r" in line or "\x1b" in line for line in progress)
         time.sleep(0.5)
         assert [pid for pid in services if _alive(pid)] == []
+        # stopped front to back: each node deregistered from a registry still running
+        logs = {path.stem: path.read_text(errors="replace") for path in tmp_path.glob("*.log")}
+        assert [name for name, text in logs.items() if "deregister failed" in text] == []
+        registry = logs["registry"]
+        assert '"deregistered", "node_id": "decode-0"' in registry and '"node_id": "kvstore-0"' in registry
     finally:
         if up.poll() is None:
             up.kill()

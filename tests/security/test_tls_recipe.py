@@ -5,7 +5,7 @@ variables, `pcpstack up`, then a request through the CLI and one through the Ope
     export PCPSTACK_TLS_CA=certs/ca.pem PCPSTACK_TLS_CERT=certs/registry.pem \\
            PCPSTACK_TLS_KEY=certs/registry-key.pem PCPSTACK_TOKEN=$(openssl rand -hex 32)
     pcpstack up --pcp 2
-    pcpstack generate --target 127.0.0.1:PORT "Hello"
+    pcpstack generate --target 127.0.0.1:PORT --chat "Hello"
 
 The stack used to say ready while every request failed "Hostname Verification Check failed": its prefill
 sets bound 127.0.0.x addresses the default certificates do not name. Now every service of a local stack
@@ -54,12 +54,13 @@ def _recipe_environment() -> dict[str, str]:
 
 
 def _wait_for_endpoints(up: subprocess.Popen, stdout: Path, stderr: Path) -> dict[str, str]:
-    """The addresses `pcpstack up` prints once the stack is ready ({"decode": ..., "openai": ...})."""
+    """The addresses `pcpstack up` prints once the stack is ready ({"decode": ..., "openai": ...,
+    "metrics": ...})."""
     deadline = time.monotonic() + READY_TIMEOUT_S
     while time.monotonic() < deadline:
         text = stdout.read_text()
         if "press Ctrl-C" in text:
-            return {m[0]: m[1] for m in re.findall(r"^(decode|openai)\s+(\S+)", text, re.MULTILINE)}
+            return {m[0]: m[1] for m in re.findall(r"^(decode|openai|metrics)\s+(\S+)", text, re.MULTILINE)}
         if up.poll() is not None:
             break
         time.sleep(1)
@@ -92,7 +93,9 @@ def test_the_documented_tls_recipe_serves_requests(tmp_path: Path) -> None:
     try:
         endpoints = _wait_for_endpoints(up, stdout, stderr)
         answer = subprocess.run(
-            _pcpstack("generate", "--target", endpoints["decode"], "--max-tokens", "4", "--json", "Hello"),
+            _pcpstack(
+                "generate", "--target", endpoints["decode"], "--max-tokens", "4", "--json", "--chat", "Hello"
+            ),
             cwd=tmp_path,
             env=env,
             capture_output=True,
@@ -112,6 +115,10 @@ def test_the_documented_tls_recipe_serves_requests(tmp_path: Path) -> None:
         with urllib.request.urlopen(request, timeout=300, context=ca) as reply:
             assert reply.status == 200
             assert json.loads(reply.read())["usage"]["completion_tokens"] > 0
+        # the metrics line names the gateway's scheme too
+        assert endpoints["metrics"].startswith("https://")
+        with urllib.request.urlopen(endpoints["metrics"], timeout=60, context=ca) as reply:
+            assert reply.status == 200 and b"pcpstack" in reply.read()
     finally:
         with contextlib.suppress(ProcessLookupError):
             os.killpg(up.pid, signal.SIGINT)  # `up` stops its services on Ctrl-C
