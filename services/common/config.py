@@ -16,6 +16,7 @@ durations, model sources), so every service words them the same way.
 
 from __future__ import annotations
 
+import ipaddress
 import json
 import math
 import os
@@ -37,6 +38,7 @@ ROLE_SECTIONS = {
 }
 DEFAULT_BLOCK_SIZE = 128
 DEFAULT_MASTER_PORT = 7001
+MAX_UINT32 = 2**32 - 1  # the largest value of a uint32 field (a lease in ms, a token count)
 # Largest parallel size or block size, and most ranks one set may have (PCP x TP): far past any cluster,
 # small enough that a registry can list a set's ranks
 MAX_SIZE = 4096
@@ -135,14 +137,15 @@ def env_choice(name: str, meanings: dict[str, str]) -> str:
 
 
 def check_address(key: str, value: str, required: bool = False) -> None:
-    """A peer to dial, HOST:PORT with a port in 1..65535; empty is allowed unless required."""
+    """A peer to dial, HOST:PORT with a port in 1..65535 (an IPv6 host in brackets: [::1]:7000); empty is
+    allowed unless required."""
     if not value:
         if required:
             raise ConfigError.broken(key, value, "is required (HOST:PORT)")
         return
-    host, sep, port = value.rpartition(":")
-    if not sep or not host or not port.isdigit() or not 0 < int(port) < 65536:
-        raise ConfigError.broken(key, value, "must be HOST:PORT with a port in 1..65535")
+    problem = _address_problem(value)
+    if problem:
+        raise ConfigError.broken(key, value, problem)
 
 
 def check_addresses(key: str, value: str, required: bool = False) -> None:
@@ -151,11 +154,44 @@ def check_addresses(key: str, value: str, required: bool = False) -> None:
         check_address(key, value, required)
         return
     for address in value.split(","):
-        host, sep, port = address.strip().rpartition(":")
-        if not sep or not host or not port.isdigit() or not 0 < int(port) < 65536:
-            raise ConfigError.broken(
-                key, value, f"address {address.strip()!r} must be HOST:PORT with a port in 1..65535"
-            )
+        problem = _address_problem(address.strip())
+        if problem:
+            raise ConfigError.broken(key, value, f"address {address.strip()!r} {problem}")
+
+
+def _address_problem(address: str) -> str:
+    """What is wrong with a HOST:PORT to dial ("" for nothing)."""
+    host, sep, port = address.rpartition(":")
+    if not sep or not host or not port.isdigit() or not 0 < int(port) < 65536:
+        return "must be HOST:PORT with a port in 1..65535"
+    if ":" in host and not (host.startswith("[") and host.endswith("]")):
+        # "::1:7000" reads as an address of its own, not ::1 and a port
+        return "must put an IPv6 host in brackets: [::1]:PORT"
+    if any(char.isspace() for char in host) or not host.isprintable():
+        return "must have a host without spaces or control characters"
+    return ""
+
+
+def join_host_port(host: str, port: int) -> str:
+    """HOST:PORT as gRPC and URLs write it: an IPv6 host in brackets."""
+    return f"[{host}]:{port}" if ":" in host and not host.startswith("[") else f"{host}:{port}"
+
+
+def is_wildcard(host: str) -> bool:
+    """True for a bind-to-every-interface host (0.0.0.0, ::), which no peer can dial."""
+    try:
+        return ipaddress.ip_address(host.strip("[]")).is_unspecified
+    except ValueError:
+        return False
+
+
+def check_dialable_host(key: str, host: str) -> None:
+    """A host others dial this node at (--advertise, or the bound --host without it): not a wildcard,
+    without spaces; ConfigError naming key otherwise."""
+    if is_wildcard(host):
+        raise ConfigError.broken(key, host, "is no address others can dial: give --advertise HOST")
+    if not host or any(char.isspace() for char in host) or not host.isprintable():
+        raise ConfigError.broken(key, host, "must be a host name or IP without spaces")
 
 
 HOST_ID_MAX_CHARS = 253  # a DNS name's longest
@@ -552,12 +588,33 @@ def load_configs(
 def load_config_file(path: str | Path, overrides: dict[str, Any] | None = None) -> dict[str, EngineConfig]:
     """Reads a seed-style JSON file; see load_configs."""
     try:
-        document = json.loads(Path(path).read_text())
+        document = json.loads(Path(path).read_text(), object_pairs_hook=_no_repeated_keys)
     except OSError as exc:
         raise ConfigError.broken("config", str(path), f"cannot be read ({exc.strerror or exc})") from None
     except (json.JSONDecodeError, UnicodeDecodeError) as exc:
         raise ConfigError.broken("config", str(path), f"must hold valid JSON ({exc})") from None
+    except RecursionError:
+        raise ConfigError.broken("config", str(path), "nests too deeply to be a configuration") from None
+    except _RepeatedKey as exc:
+        rule = f"gives {exc.key!r} twice in one object (JSON would keep only the last)"
+        raise ConfigError.broken("config", str(path), rule) from None
     return load_configs(document, overrides)
+
+
+class _RepeatedKey(ValueError):
+    def __init__(self, key: str) -> None:
+        super().__init__(key)
+        self.key = key
+
+
+def _no_repeated_keys(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
+    """A JSON object's dict, refusing a key given twice (json keeps the last one without a word)."""
+    seen: dict[str, Any] = {}
+    for key, value in pairs:
+        if key in seen:
+            raise _RepeatedKey(key)
+        seen[key] = value
+    return seen
 
 
 DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"

@@ -79,6 +79,8 @@ def resolve_model(model: str | None) -> str | Path | None:
         return TINY
     path = Path(model)
     if path.is_dir():
+        if not (path / "config.json").is_file():
+            raise ModelNotFound("names a folder without config.json: not a Hugging Face model folder")
         return path
     if path.suffix == ".gguf":
         if not path.is_file() or not os.access(path, os.R_OK):

@@ -19,7 +19,7 @@ from grpc_health.v1.health import aio as health_aio
 from grpc_reflection.v1alpha import reflection
 
 from pcpstack.common import security as security_mod
-from pcpstack.common.config import ConfigError, check_non_negative, check_port, unbindable
+from pcpstack.common.config import ConfigError, check_non_negative, check_port, join_host_port, unbindable
 from pcpstack.common.ports import check_bindable
 from pcpstack.common.request_decoding import DecodingInterceptor
 from pcpstack.common.rpc_errors import ErrorInterceptor
@@ -29,14 +29,17 @@ DEFAULT_MAX_MESSAGE_BYTES = 64 * 1024 * 1024
 # Every service's messages (a prompt's token ids, a registry's answer, a KV chunk and its framing) need
 # room: a limit below this is a mistake, not a tuning (the KV store's own floor is higher).
 MIN_MESSAGE_BYTES = 64 * 1024
+MAX_MESSAGE_BYTES = 2**31 - 1  # gRPC keeps its message limits in a C int
 
 
 def check_max_message_bytes(key: str, value: object) -> None:
-    """A gRPC message size limit: at least MIN_MESSAGE_BYTES."""
+    """A gRPC message size limit: at least MIN_MESSAGE_BYTES, at most what gRPC takes (a C int)."""
     if not isinstance(value, int) or isinstance(value, bool) or value < MIN_MESSAGE_BYTES:
         raise ConfigError.broken(
             key, value, f"must be at least {MIN_MESSAGE_BYTES} (64 KiB) for any service's messages to fit"
         )
+    if value > MAX_MESSAGE_BYTES:
+        raise ConfigError.broken(key, value, f"must be at most {MAX_MESSAGE_BYTES} (2 GiB - 1, gRPC's limit)")
 
 
 @dataclass(frozen=True)
@@ -79,7 +82,7 @@ class RunningServer:
     @property
     def address(self) -> str:
         """host:port clients dial."""
-        return f"{self.host}:{self.port}"
+        return join_host_port(self.host, self.port)
 
     async def set_serving(self, service: str, serving: bool) -> None:
         """Reports one service (or "" for the whole server) as SERVING or NOT_SERVING."""
@@ -129,7 +132,7 @@ async def start_server(
         [*names, health_pb2.DESCRIPTOR.services_by_name["Health"].full_name, reflection.SERVICE_NAME], server
     )
     credentials = security.server_credentials()
-    bind = f"{options.host}:{options.port}"
+    bind = join_host_port(options.host, options.port)
     if options.port:
         try:
             check_bindable(options.host, options.port)

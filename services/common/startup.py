@@ -38,6 +38,7 @@ from pcpstack.common.config import (
     ConfigError,
     EngineConfig,
     check_addresses,
+    check_dialable_host,
     check_host_id,
     check_model_source,
     check_node_id,
@@ -196,6 +197,8 @@ class NodeConfig(ListenConfig):
     def __post_init__(self) -> None:
         super().__post_init__()
         check_addresses("--registry", self.registry, required=True)
+        # the address the node registers: the registry refuses a wildcard, and the node would retry forever
+        check_dialable_host("--advertise" if self.advertise else "--host", self.advertised_host)
         check_node_id("--node-id", self.node_id)
         check_host_id("--host-id", self.host_id)
         check_model_source("model", self.engine.model)

@@ -27,6 +27,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, ClassVar
 
 from pcpstack.common.config import (
+    MAX_UINT32,
     ConfigError,
     check_non_negative,
     check_positive,
@@ -119,6 +120,10 @@ class DecodeConfig(NodeConfig):
         check_positive("--kv-cache-tokens", self.kv_cache_tokens)
         check_positive("--prefill-timeout", self.prefill_timeout)
         check_non_negative("--kv-lease-ms", self.kv_lease_ms, "0: the store's default")
+        if self.kv_lease_ms > MAX_UINT32:
+            raise ConfigError.broken(
+                "--kv-lease-ms", self.kv_lease_ms, f"must be at most {MAX_UINT32} (32 bits)"
+            )
         check_positive("--collective-timeout", self.collective_timeout)
         check_non_negative("--drain-seconds", self.drain_seconds)
 
@@ -146,9 +151,11 @@ def gate_generate(servicer, gate: DrainGate, max_requests: int = DEFAULT_MAX_REQ
 def load_engine(config: DecodeConfig) -> Engine | TensorParallelEngine:
     """The worker's engine: the plain Engine, or with tensor_parallel_size = T > 1 a TP engine whose T-1
     follower processes this one leads. A model, device or TP size that cannot work is a ConfigError."""
-    from pcpstack.engine.device import device_for_rank, pick_device
+    import torch
+
+    from pcpstack.engine.device import default_dtype, device_for_rank, pick_device
     from pcpstack.engine.engine import Engine
-    from pcpstack.engine.kv_cache import blocks_needed
+    from pcpstack.engine.kv_cache import KvLayout, blocks_needed, check_cache_fits
     from pcpstack.engine.parallel import TP_SPLIT_RULE, TensorParallelShard
     from pcpstack.engine.tp_engine import TensorParallelEngine
     from pcpstack.engine.weights import describe_model
@@ -165,14 +172,22 @@ def load_engine(config: DecodeConfig) -> Engine | TensorParallelEngine:
             "tensor_parallel_size <= devices present",
         ) from None
     num_blocks = blocks_needed(config.kv_cache_tokens, engine_config.block_size)
-    if tp > 1:  # from the model's header, before any rank process starts or any weight loads
+    try:  # from the model's header, before any rank process starts or any weight loads
+        described = describe_model(engine_config.model or None)
+    except (OSError, ValueError) as exc:
+        raise ConfigError.broken("model", engine_config.model, f"cannot be loaded ({exc})") from None
+    if tp > 1:
         try:
-            args = describe_model(engine_config.model or None).args
-            TensorParallelShard(0, tp).check(args)
-        except (OSError, ValueError) as exc:
+            TensorParallelShard(0, tp).check(described.args)
+        except ValueError as exc:
             raise ConfigError(str(exc), ("tensor_parallel_size",), TP_SPLIT_RULE) from None
         # DCP's GQA rule needs the model's K/V heads: a ConfigError naming the keys and the rule.
-        engine_config.with_model_shape(args.n_kv_heads)
+        engine_config.with_model_shape(described.args.n_kv_heads)
+    layout = KvLayout.for_model(
+        described.model_id, described.args, default_dtype(torch.device(kind)), engine_config.block_size
+    )
+    # the TP ranks' shares of the K/V heads add up to one whole cache (about: a share may repeat a head)
+    check_cache_fits("--kv-cache-tokens", num_blocks * engine_config.block_size, layout, 1, kind)
     try:
         if tp == 1:
             return Engine.load(

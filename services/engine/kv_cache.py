@@ -7,11 +7,13 @@ KV bytes produced by a different model, dtype or block size.
 
 import hashlib
 import json
+import os
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass
 
 import torch
 
+from pcpstack.common.config import ConfigError
 from pcpstack.engine.config import ModelArgs
 from pcpstack.engine.device import dtype_name
 
@@ -41,6 +43,12 @@ class KvLayout:
         return cls(model_id, args.n_layers, args.n_kv_heads, args.head_dim, dtype_name(dtype), block_size)
 
     @property
+    def bytes_per_token(self) -> int:
+        """Bytes one token's K and V take in every layer."""
+        element = torch.empty((), dtype=self.torch_dtype).element_size()
+        return self.num_layers * 2 * self.num_kv_heads * self.head_dim * element
+
+    @property
     def torch_dtype(self) -> torch.dtype:
         """The layout's dtype as a torch dtype."""
         return getattr(torch, self.dtype)
@@ -48,6 +56,23 @@ class KvLayout:
     def fingerprint(self) -> str:
         """sha256 hex of the layout; identical in every process that uses the same model and settings."""
         return hashlib.sha256(json.dumps(asdict(self), sort_keys=True).encode()).hexdigest()
+
+
+def check_cache_fits(flag: str, tokens: int, layout: KvLayout, copies: int, device_kind: str) -> None:
+    """Refuses a K/V cache of `tokens` tokens (`copies` of it on this node: each PCP rank keeps its own)
+    that this machine's memory could not hold even alone: ConfigError naming the flag, rather than a
+    process the kernel kills as it fills the cache. On the CPU only; an accelerator's allocator reports
+    its own shortage."""
+    if device_kind != "cpu":
+        return
+    need = tokens * layout.bytes_per_token * copies
+    memory = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    if need > memory:
+        rule = (
+            f"needs {need / 2**30:.1f} GiB of K/V cache on this node ({copies} x {tokens} tokens x "
+            f"{layout.bytes_per_token} bytes), more than its {memory / 2**30:.1f} GiB of memory"
+        )
+        raise ConfigError.broken(flag, tokens, rule)
 
 
 def blocks_needed(num_tokens: int, block_size: int) -> int:

@@ -95,6 +95,10 @@ def decode_addresses(values: list[str]) -> list[str]:
     return [address.strip() for value in values for address in value.split(",") if address.strip()]
 
 
+# The longest --request-timeout: a gRPC deadline further out overflows its arithmetic (11.6 days).
+MAX_REQUEST_TIMEOUT_S = 1_000_000
+
+
 @dataclass(frozen=True)
 class GatewayConfig:
     """The gateway process's configuration, validated when built; errors name the flag."""
@@ -124,8 +128,30 @@ class GatewayConfig:
         if not self.model_name.strip():
             raise ConfigError.broken("--model-name", self.model_name, "must not be empty")
         check_positive("--request-timeout", self.request_timeout)
+        if self.request_timeout > MAX_REQUEST_TIMEOUT_S:
+            # gRPC's deadline arithmetic overflows past this: every call would fail at once
+            raise ConfigError.broken(
+                "--request-timeout",
+                self.request_timeout,
+                f"must be at most {MAX_REQUEST_TIMEOUT_S:,} seconds",
+            )
+        if not self.host.strip():
+            raise ConfigError.broken(
+                "--host", self.host, "must not be empty (0.0.0.0 listens on every address)"
+            )
+        if self.api_key != self.api_key.strip() or (self.api_key and not self.api_key.isprintable()):
+            # HTTP drops a header value's surrounding spaces: such a key could never be presented
+            raise ConfigError(
+                "--api-key: has spaces around it or control characters; no client could present it",
+                ("--api-key",),
+                "printable, no surrounding spaces",
+            )
         if self.tokenizer is not None and self.tokenizer != TINY:
             check_model_source("--tokenizer", self.tokenizer)
+            folder = Path(self.tokenizer)
+            if folder.is_dir() and not (folder / "tokenizer.json").is_file():
+                rule = "names a model folder without tokenizer.json: /tokenize would have no tokenizer"
+                raise ConfigError.broken("--tokenizer", self.tokenizer, rule)
         if self.api_key and self.api_key_file:
             raise ConfigError(
                 "--api-key and --api-key-file are both given: give one",

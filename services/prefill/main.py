@@ -18,6 +18,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, ClassVar
 
 from pcpstack.common.config import (
+    MAX_UINT32,
     ConfigError,
     EngineConfig,
     check_address,
@@ -130,6 +131,10 @@ class PrefillConfig(NodeConfig):
             )
         check_positive("--threads-per-rank", self.threads_per_rank)
         check_non_negative("--kv-lease-ms", self.kv_lease_ms, "0: the store's default")
+        if self.kv_lease_ms > MAX_UINT32:
+            raise ConfigError.broken(
+                "--kv-lease-ms", self.kv_lease_ms, f"must be at most {MAX_UINT32} (32 bits)"
+            )
         check_positive("--collective-timeout", self.collective_timeout)
         check_positive("--kv-cache-tokens", self.kv_cache_tokens)
         check_non_negative("--prefill-chunk-tokens", self.prefill_chunk_tokens, "0: one forward")
@@ -333,6 +338,8 @@ def device_slots(config: PrefillConfig) -> int:
 
 async def start(config: PrefillConfig) -> Serving:
     """Checks the devices, reads the model's shape (the GQA and TP rules need it), then starts the node."""
+    from pcpstack.engine.device import pick_device
+    from pcpstack.engine.kv_cache import check_cache_fits
     from pcpstack.engine.parallel import TP_SPLIT_RULE, TensorParallelShard
     from pcpstack.kvstore import copy_crc
     from pcpstack.prefill.node import ModelInfo
@@ -349,6 +356,11 @@ async def start(config: PrefillConfig) -> Serving:
     except ValueError as exc:
         rule = TP_SPLIT_RULE
         raise ConfigError(str(exc), ("tensor_parallel_size",), rule) from None
+    # each of this node's PCP ranks keeps a whole replica (its TP ranks' shares add up to one)
+    kind = config.device or pick_device().type
+    check_cache_fits(
+        "--kv-cache-tokens", config.kv_cache_tokens, info.layout, engine.pcp_ranks_per_node, kind
+    )
     return await PrefillNode(config, engine.with_model_shape(info.num_kv_heads), info, device_count).start()
 
 

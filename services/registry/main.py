@@ -3,14 +3,13 @@
 from __future__ import annotations
 
 import argparse
-import ipaddress
 import logging
 import os
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from pcpstack.common.config import ConfigError, check_non_negative, check_positive
+from pcpstack.common.config import ConfigError, check_non_negative, check_positive, is_wildcard
 from pcpstack.common.server import DEFAULT_MAX_MESSAGE_BYTES
 from pcpstack.common.startup import (
     ListenConfig,
@@ -159,7 +158,7 @@ class RegistryConfig(ListenConfig):
             ):
                 if value:
                     raise ConfigError.broken(flag, value, "is authentication to etcd: it needs --etcd")
-        if _is_wildcard(self.advertise):
+        if is_wildcard(self.advertise):
             raise ConfigError.broken(
                 "--advertise", self.advertise, "must be an address others can dial, not a wildcard"
             )
@@ -191,7 +190,7 @@ class RegistryConfig(ListenConfig):
         parse_endpoints(urls)
         self.etcd_tls()  # its files are read and checked now
         self.etcd_auth()
-        if _is_wildcard(self.host) and not self.advertise:
+        if is_wildcard(self.host) and not self.advertise:
             # the leader's address is written for the other replicas to dial: a wildcard is no address
             raise ConfigError(
                 f"--host={self.host!r} with --etcd: the leader's address must be one other replicas can "
@@ -237,7 +236,12 @@ class RegistryConfig(ListenConfig):
     def settings(self) -> Settings:
         """The registry core's timing."""
         grace = 2 * self.lease if self.restore_grace is None else self.restore_grace
-        return Settings(lease_s=self.lease, assembly_timeout_s=self.assembly_timeout, restore_grace_s=grace)
+        return Settings(
+            lease_s=self.lease,
+            assembly_timeout_s=self.assembly_timeout,
+            restore_grace_s=grace,
+            restore_grace_given=self.restore_grace is not None,
+        )
 
 
 async def start(config: RegistryConfig) -> Serving:
@@ -258,14 +262,6 @@ async def start(config: RegistryConfig) -> Serving:
     )
     log.info("registry serving", extra={"address": registry.address, "lease_s": settings.lease_s})
     return Serving.grpc(registry.running, registry.stop)
-
-
-def _is_wildcard(host: str) -> bool:
-    """True for a bind-to-every-interface host (0.0.0.0, ::), which no peer can dial."""
-    try:
-        return ipaddress.ip_address(host.strip("[]")).is_unspecified
-    except ValueError:
-        return False
 
 
 def run(args: argparse.Namespace) -> int:

@@ -76,6 +76,9 @@ class Settings:
     lease_s: float = 3.0
     assembly_timeout_s: float = 60.0
     restore_grace_s: float = 6.0
+    # whether restore_grace_s was asked for (--restore-grace): then it holds even on a cold start, which
+    # otherwise has none (no stored sets to wait for)
+    restore_grace_given: bool = False
     dead_retention_s: float = 600.0
     # after a (re)start, how long live nodes may take to come back (their sessions retry every 2 s at most)
     warmup_s: float = 5.0

@@ -307,7 +307,7 @@ class RegistryServicer(registry_pb2_grpc.RegistryServiceServicer):
         assert self._etcd is not None
         snapshot = await self._etcd.load()
         settings = self._membership.settings
-        if snapshot is None:
+        if snapshot is None and not settings.restore_grace_given:
             settings = replace(settings, restore_grace_s=0.0)
         self._membership = Membership(settings, self._clock(), snapshot)
         self._saved_revision = None
@@ -740,7 +740,8 @@ async def start_registry(
     etcd_auth: EtcdAuth | None = None,
 ) -> RegistryServer:
     """Starts a registry. With a snapshot_path, an existing snapshot is read (the restore grace then ends
-    as soon as its sets' members are back) and a missing one means a cold start with no grace at all.
+    as soon as its sets' members are back) and a missing one means a cold start with no grace at all
+    (unless settings.restore_grace_given).
     With etcd_endpoints ("http://HOST:PORT,...", or https:// with etcd_tls; as etcd_auth's user with
     etcd_auth), membership state is kept in
     that etcd cluster instead, under etcd_prefix, with the same restart rules (etcd_store), and the
@@ -762,7 +763,8 @@ async def start_registry(
         snapshot = await etcd.load() if not elect else None
     else:
         snapshot = read_snapshot(snapshot_path) if snapshot_path is not None else None
-    if (snapshot_path is not None or (etcd is not None and not elect)) and snapshot is None:
+    cold = (snapshot_path is not None or (etcd is not None and not elect)) and snapshot is None
+    if cold and not settings.restore_grace_given:
         settings = replace(settings, restore_grace_s=0.0)
     membership = Membership(settings, time.monotonic(), snapshot)
     servicer = RegistryServicer(membership, time.monotonic, snapshot_path, verify_peer_address, etcd)

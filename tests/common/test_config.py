@@ -253,7 +253,8 @@ def test_shared_rules_accept_valid_values(tmp_path) -> None:
     check_addresses("--registry", "10.0.0.1:7000, 10.0.0.2:7000")  # registry replicas
     check_model_source("--model", "")
     check_model_source("--model", "tiny")
-    check_model_source("--model", str(tmp_path))  # a model folder
+    (tmp_path / "config.json").write_text("{}")
+    check_model_source("--model", str(tmp_path))  # a model folder: its config.json is what makes it one
 
 
 @pytest.mark.parametrize(
@@ -278,6 +279,15 @@ def test_a_config_file_that_cannot_be_read_or_parsed_is_a_config_error(tmp_path)
     broken.write_text("{not json")
     with pytest.raises(ConfigError, match="must hold valid JSON"):
         load_config_file(broken)
+    deep = tmp_path / "deep.json"
+    deep.write_text("[" * 100_000 + "]" * 100_000)
+    with pytest.raises(ConfigError, match="nests too deeply"):
+        load_config_file(deep)
+    twice = tmp_path / "twice.json"
+    section = '{"engine_config": {"master_port": 7100, "master_port": 7200}}'
+    twice.write_text('{"motor_engine_prefill_config": ' + section + "}")
+    with pytest.raises(ConfigError, match="gives 'master_port' twice in one object"):
+        load_config_file(twice)
 
 
 def test_config_check_refuses_a_tp_the_named_model_cannot_split_and_notes_a_model_it_cannot_see(

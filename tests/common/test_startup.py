@@ -146,6 +146,7 @@ def test_prefill_refuses_an_unparsable_config_file(child_env, tmp_path: Path) ->
         (["--registry", REGISTRY, "--max-batch", "0"], "--max-batch=0"),
         (["--registry", REGISTRY, "--max-requests", "0"], "--max-requests=0"),
         (["--registry", REGISTRY, "--kv-cache-tokens", "-1"], "--kv-cache-tokens=-1"),
+        (["--registry", REGISTRY, "--model", "tiny", "--kv-cache-tokens", "10000000000"], "GiB of K/V cache"),
         (["--registry", REGISTRY, "--set", "prefill-context-parallel-size=2"], "parallel_size=2"),
     ],
 )
@@ -218,6 +219,64 @@ def test_a_service_that_stops_by_itself_is_drained_without_a_signal() -> None:
 def test_registry_restore_grace_defaults_to_twice_the_lease() -> None:
     assert RegistryConfig(lease=1.5).settings().restore_grace_s == 3.0
     assert RegistryConfig(lease=1.5, restore_grace=0.0).settings().restore_grace_s == 0.0
+
+
+def test_an_explicit_restore_grace_holds_on_a_cold_start_with_a_new_snapshot(tmp_path: Path) -> None:
+    # a cold start has no grace by default (no stored sets to wait for); one asked for is kept
+    from pcpstack.registry.server import start_registry
+
+    async def grace(config: RegistryConfig) -> float:
+        registry = await start_registry(config.settings(), snapshot_path=config.snapshot)
+        try:
+            return registry.servicer._membership.settings.restore_grace_s
+        finally:
+            await registry.stop()
+
+    snapshot = tmp_path / "registry.snapshot"
+    assert asyncio.run(grace(RegistryConfig(snapshot=snapshot, restore_grace=30.0))) == 30.0
+    assert asyncio.run(grace(RegistryConfig(snapshot=snapshot))) == 0.0
+
+
+@pytest.mark.parametrize(
+    ("build", "named"),
+    [
+        (lambda: RegistryConfig(max_message_bytes=2**31), "--max-message-bytes=2147483648: must be at most"),
+        (lambda: _node(advertise="0.0.0.0"), "--advertise='0.0.0.0': is no address others can dial"),
+        (lambda: _node(host="0.0.0.0"), "--host='0.0.0.0': is no address others can dial"),
+        (lambda: _node(advertise="a b"), "--advertise='a b': must be a host name or IP without spaces"),
+        (lambda: _node(registry="::1:7000"), "must put an IPv6 host in brackets"),
+        (lambda: _node(kv_lease_ms=2**32), "--kv-lease-ms=4294967296: must be at most 4294967295"),
+        (
+            lambda: _gateway(request_timeout=1e10),
+            "--request-timeout=10000000000.0: must be at most 1,000,000",
+        ),
+        (lambda: _gateway(host=""), "--host='': must not be empty"),
+        (lambda: _gateway(api_key=" "), "--api-key: has spaces around it"),
+        (lambda: _gateway(decode=("::1:5",)), "must put an IPv6 host in brackets"),
+    ],
+)
+def test_values_no_service_could_use_are_refused_naming_the_flag(build, named: str) -> None:
+    with pytest.raises(ConfigError) as refused:
+        build()
+    assert named in str(refused.value)
+
+
+def test_a_tokenizer_folder_must_hold_a_tokenizer_and_a_model_folder_its_config(tmp_path: Path) -> None:
+    with pytest.raises(ConfigError, match=r"without config\.json"):
+        _gateway(tokenizer=str(tmp_path))
+    (tmp_path / "config.json").write_text("{}")
+    with pytest.raises(ConfigError, match=r"without tokenizer\.json"):
+        _gateway(tokenizer=str(tmp_path))
+
+
+def _node(**fields) -> PrefillConfig:
+    return PrefillConfig(**{"registry": REGISTRY, "engine": EngineConfig(), **fields})
+
+
+def _gateway(**fields):
+    from pcpstack.gateway.main import GatewayConfig
+
+    return GatewayConfig(**{"model_name": "tiny", "registry": REGISTRY, **fields})
 
 
 def test_a_node_config_checks_the_shared_node_rules_before_its_own() -> None:
