@@ -47,6 +47,8 @@ TRANSFER_MODES = ("whole", "layerwise")
 # PCPSTACK_CPU_KERNELS, read by engine/cpu_kernels.py; named here so that a node refuses a bad value at
 # start-up, before it imports torch or starts a rank process that would read it.
 CPU_KERNELS_ENV = "PCPSTACK_CPU_KERNELS"
+# How much faster than torch's dense matmul the C kernels must be to be used (default 1.0: not slower).
+KERNEL_MIN_SPEEDUP_ENV = "PCPSTACK_KERNEL_MIN_SPEEDUP"
 CPU_KERNELS_CHOICES = {
     "": "use the CPU kernels where they beat plain PyTorch",
     "0": "never use them",
@@ -133,6 +135,21 @@ def env_choice(name: str, meanings: dict[str, str]) -> str:
     if value not in meanings:
         takes = ", ".join(f"{choice or 'unset'} ({meaning})" for choice, meaning in meanings.items())
         raise ConfigError.broken(name, os.environ[name], f"must be one of: {takes}")
+    return value
+
+
+def env_positive_float(name: str, default: float) -> float:
+    """Environment variable `name` as a finite number > 0 (default when unset or empty); a ConfigError
+    naming the variable otherwise."""
+    raw = os.environ.get(name, "").strip()
+    if not raw:
+        return default
+    try:
+        value = float(raw)
+    except ValueError:
+        value = math.nan
+    if not (math.isfinite(value) and value > 0):
+        raise ConfigError.broken(name, os.environ[name], "must be a number > 0")
     return value
 
 

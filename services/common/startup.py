@@ -34,6 +34,7 @@ from pcpstack.common.config import (
     DENSE_MATMUL_CHOICES,
     DENSE_MATMUL_ENV,
     DEVICE_KINDS,
+    KERNEL_MIN_SPEEDUP_ENV,
     ROLE_SECTIONS,
     ConfigError,
     EngineConfig,
@@ -44,6 +45,7 @@ from pcpstack.common.config import (
     check_node_id,
     check_port,
     env_choice,
+    env_positive_float,
     parse_overrides,
     role_config,
 )
@@ -208,6 +210,7 @@ class NodeConfig(ListenConfig):
         env_choice(CPU_KERNELS_ENV, CPU_KERNELS_CHOICES)
         env_choice(DENSE_MATMUL_ENV, DENSE_MATMUL_CHOICES)
         env_choice(COPY_CRC_ENV, COPY_CRC_CHOICES)
+        env_positive_float(KERNEL_MIN_SPEEDUP_ENV, 1.0)
         # Settings the config rules accept (`pcpstack config check` validates the seeds' shapes) but no
         # service acts on yet: refused here rather than accepted and silently ignored.
         not_yet = [("kv_transfer_mode", self.engine.kv_transfer_mode, "whole", "a layerwise KV transfer")]

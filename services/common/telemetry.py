@@ -214,6 +214,7 @@ def setup_telemetry(
             if os.environ.get(METRICS_EXPORTER_ENV, "otlp").strip().lower() != "none":
                 readers.append(PeriodicExportingMetricReader(OTLPMetricExporter()))
         if trace_file := os.environ.get(TRACE_FILE_ENV):
+            _check_trace_file(trace_file)
             # Simple (synchronous) so that a process killed right after a request still wrote its spans.
             provider.add_span_processor(SimpleSpanProcessor(JsonLinesSpanExporter(trace_file)))
         trace.set_tracer_provider(provider)
@@ -225,6 +226,14 @@ def setup_telemetry(
         # patched constructors; blocking channels (none of pcpstack's own) keep OpenTelemetry's patch
         _server_filter = not_noise
         GrpcInstrumentorClient(filter_=not_noise).instrument()
+
+
+def _check_trace_file(path: str) -> None:
+    """Refuses a PCPSTACK_TRACE_FILE that no span could be written to (a folder, or a file in a folder that
+    is missing or read-only): each span would log a traceback instead."""
+    where = Path(path)
+    if where.is_dir() or not where.parent.is_dir() or not os.access(where.parent, os.W_OK | os.X_OK):
+        raise ConfigError.broken(TRACE_FILE_ENV, path, "must be a file in a folder this process can write")
 
 
 def server_interceptors() -> list[grpc.aio.ServerInterceptor]:

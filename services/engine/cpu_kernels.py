@@ -34,7 +34,13 @@ from pathlib import Path
 import torch
 
 from pcpstack.common import native
-from pcpstack.common.config import CPU_KERNELS_CHOICES, CPU_KERNELS_ENV, env_choice
+from pcpstack.common.config import (
+    CPU_KERNELS_CHOICES,
+    CPU_KERNELS_ENV,
+    KERNEL_MIN_SPEEDUP_ENV,
+    env_choice,
+    env_positive_float,
+)
 
 log = logging.getLogger(__name__)
 
@@ -43,7 +49,7 @@ ENABLE_ENV = CPU_KERNELS_ENV
 CACHE_ENV = native.CACHE_ENV
 ARCH_ENV = "PCPSTACK_KERNEL_ARCH"
 # How much faster than torch's dense matmul the kernels must be to be used (1.0: at least as fast).
-MIN_SPEEDUP_ENV = "PCPSTACK_KERNEL_MIN_SPEEDUP"
+MIN_SPEEDUP_ENV = KERNEL_MIN_SPEEDUP_ENV
 # GCC tunings a first build tries (-mtune; "": the one -march implies), the faster kept (_chosen_tuning). On
 # an AMD EPYC without AVX-512 (Zen 3: -march=native is znver3) the batch-16 Q4_1 matmul took 560 us with the
 # CPU's own tuning against 430 with the generic one, batch 1 equal (117 / 118 us), and decode at 16 streams
@@ -230,7 +236,7 @@ def library() -> ctypes.CDLL | None:
 def _verdict(lib: ctypes.CDLL) -> dict:
     """Whether the kernels beat torch's dense matmul here: read from beside the library, else measured once
     and written there (atomically: processes starting together may both measure; either answer stands)."""
-    min_speedup = float(os.environ.get(MIN_SPEEDUP_ENV) or 1.0)
+    min_speedup = env_positive_float(MIN_SPEEDUP_ENV, 1.0)
     path = Path(f"{lib._pcpstack_path}.speed.json")  # type: ignore[attr-defined]
     kept = native.kept_verdict(path, min_speedup)
     if kept is not None:

@@ -113,6 +113,15 @@ class KvStoreConfig(ListenConfig):
             )
         check_positive("--reap-interval-s", self.reap_interval_s)
         check_addresses("--registry", self.registry)
+        if not self.registry:
+            # what the store tells a registry: without one, nobody would read it
+            for flag, value in (
+                ("--advertise", self.advertise),
+                ("--node-id", self.node_id),
+                ("--host-id", self.host_id),
+            ):
+                if value:
+                    raise ConfigError.broken(flag, value, "is what the store registers: it needs --registry")
         env_choice(COPY_CRC_ENV, COPY_CRC_CHOICES)
         if not os.path.isdir(self.shm_dir) or not os.access(self.shm_dir, os.W_OK | os.X_OK):
             raise ConfigError.broken("--shm-dir", self.shm_dir, "must be a writable folder (a tmpfs)")

@@ -158,6 +158,13 @@ class RegistryConfig(ListenConfig):
             ):
                 if value:
                     raise ConfigError.broken(flag, value, "is authentication to etcd: it needs --etcd")
+            if self.advertise:
+                rule = "is where the other registry replicas reach this one while it leads: it needs --etcd"
+                raise ConfigError.broken("--advertise", self.advertise, rule)
+            if self.etcd_prefix != DEFAULT_ETCD_PREFIX:
+                raise ConfigError.broken(
+                    "--etcd-prefix", self.etcd_prefix, "is where in etcd: it needs --etcd"
+                )
         if is_wildcard(self.advertise):
             raise ConfigError.broken(
                 "--advertise", self.advertise, "must be an address others can dial, not a wildcard"

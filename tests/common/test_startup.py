@@ -253,6 +253,10 @@ def test_an_explicit_restore_grace_holds_on_a_cold_start_with_a_new_snapshot(tmp
         (lambda: _gateway(host=""), "--host='': must not be empty"),
         (lambda: _gateway(api_key=" "), "--api-key: has spaces around it"),
         (lambda: _gateway(decode=("::1:5",)), "must put an IPv6 host in brackets"),
+        (lambda: RegistryConfig(advertise="registry-1"), "--advertise='registry-1': is where the other"),
+        (lambda: RegistryConfig(etcd_prefix="/mine/"), "--etcd-prefix='/mine/': is where in etcd: it needs"),
+        (lambda: _kvstore(node_id="store-1"), "--node-id='store-1': is what the store registers: it needs"),
+        (lambda: _kvstore(advertise="store"), "--advertise='store': is what the store registers"),
     ],
 )
 def test_values_no_service_could_use_are_refused_naming_the_flag(build, named: str) -> None:
@@ -267,6 +271,20 @@ def test_a_tokenizer_folder_must_hold_a_tokenizer_and_a_model_folder_its_config(
     (tmp_path / "config.json").write_text("{}")
     with pytest.raises(ConfigError, match=r"without tokenizer\.json"):
         _gateway(tokenizer=str(tmp_path))
+
+
+def test_environment_settings_no_service_could_use_are_refused_naming_the_variable(child_env, monkeypatch):
+    monkeypatch.setenv("PCPSTACK_KERNEL_MIN_SPEEDUP", "abc")
+    with pytest.raises(ConfigError, match="PCPSTACK_KERNEL_MIN_SPEEDUP='abc': must be a number > 0"):
+        _node()
+    line = refusal(child_env, "registry", "--port", "0", env={"PCPSTACK_TRACE_FILE": "/tmp"})
+    assert "PCPSTACK_TRACE_FILE='/tmp': must be a file in a folder this process can write" in line
+
+
+def _kvstore(**fields):
+    from pcpstack.kvstore.main import KvStoreConfig
+
+    return KvStoreConfig(**fields)
 
 
 def _node(**fields) -> PrefillConfig:
