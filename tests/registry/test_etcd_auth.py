@@ -127,18 +127,7 @@ def test_a_lapsed_token_is_replaced_for_requests_and_for_watches(etcd):
 
 
 def test_a_refused_password_is_not_sent_again_on_every_request(etcd, monkeypatch):
-    sent = []
-    real_stub = aetcd.rpc.AuthStub
-
-    class CountingStub:
-        def __init__(self, channel) -> None:
-            self._stub = real_stub(channel)
-
-        async def Authenticate(self, request, **kwargs):
-            sent.append(request.name)
-            return await self._stub.Authenticate(request, **kwargs)
-
-    monkeypatch.setattr(etcd_auth.aetcd.rpc, "AuthStub", CountingStub)
+    sent = _count_authenticates(monkeypatch)
 
     async def scenario():
         store = await EtcdStore.connect(
@@ -163,18 +152,7 @@ def test_tasks_waiting_for_a_token_from_an_etcd_that_does_not_answer_fail_togeth
     """Eight requests at once, etcd silent (it accepts connections and says nothing): one Authenticate
     times out and the seven tasks queued behind it fail with its error, rather than each waiting out an
     Authenticate of its own one after another."""
-    sent = []
-    real_stub = aetcd.rpc.AuthStub
-
-    class CountingStub:
-        def __init__(self, channel) -> None:
-            self._stub = real_stub(channel)
-
-        async def Authenticate(self, request, **kwargs):
-            sent.append(request.name)
-            return await self._stub.Authenticate(request, **kwargs)
-
-    monkeypatch.setattr(etcd_auth.aetcd.rpc, "AuthStub", CountingStub)
+    sent = _count_authenticates(monkeypatch)
     monkeypatch.setattr(etcd_auth, "AUTH_TIMEOUT_S", 0.5)
 
     async def scenario():
@@ -197,6 +175,23 @@ def test_tasks_waiting_for_a_token_from_an_etcd_that_does_not_answer_fail_togeth
             server.close()
 
     _run(scenario())
+
+
+def _count_authenticates(monkeypatch) -> list[str]:
+    """The user names of the Authenticate calls the client sends from now on, in order."""
+    sent = []
+    real_stub = aetcd.rpc.AuthStub
+
+    class CountingStub:
+        def __init__(self, channel) -> None:
+            self._stub = real_stub(channel)
+
+        async def Authenticate(self, request, **kwargs):
+            sent.append(request.name)
+            return await self._stub.Authenticate(request, **kwargs)
+
+    monkeypatch.setattr(etcd_auth.aetcd.rpc, "AuthStub", CountingStub)
+    return sent
 
 
 def test_authentication_flags_that_cannot_work_are_refused_naming_the_flag(tmp_path):
