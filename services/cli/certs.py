@@ -19,6 +19,7 @@ import argparse
 import datetime
 import ipaddress
 import os
+import re
 import sys
 from collections.abc import Mapping, Sequence
 from pathlib import Path
@@ -29,12 +30,21 @@ from cryptography.hazmat.primitives.asymmetric import ec
 from cryptography.x509.oid import ExtendedKeyUsageOID, NameOID
 
 from pcpstack.common import security
+from pcpstack.common.config import ConfigError
 
 DEFAULT_NAMES = ("registry", "kvstore", "prefill", "decode", "gateway")
 DEFAULT_DNS = ("localhost",)
 DEFAULT_IPS = ("127.0.0.1",)
 # The one address every service of a local stack (`pcpstack up`) binds and advertises.
 LOCAL_STACK_HOST = "127.0.0.1"
+# Longest --days, a century: far more would push the expiry date past the last one Python can hold.
+MAX_DAYS = 36_500
+# The CA's own files in --out (ca.pem, ca-key.pem): a service named after them would overwrite the CA.
+CA_NAMES = ("ca", "ca-key")
+# A DNS name: labels of letters, digits and inner hyphens, 1..63 characters each, joined by dots.
+_LABEL = r"(?!-)[A-Za-z0-9-]{1,63}(?<!-)"
+_DNS_NAME = re.compile(rf"{_LABEL}(\.{_LABEL})*")
+DNS_NAME_MAX_CHARS = 253
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -44,7 +54,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--name",
         action="append",
         default=None,
-        help=f"a service to make a certificate for; repeat (default: {', '.join(DEFAULT_NAMES)})",
+        help="a service to make a certificate for, a host name other than ca; repeat "
+        f"(default: {', '.join(DEFAULT_NAMES)})",
     )
     parser.add_argument(
         "--dns",
@@ -55,7 +66,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--ip", action="append", default=None, help=f"IP every certificate covers (default: {DEFAULT_IPS[0]})"
     )
-    parser.add_argument("--days", type=int, default=365, help="validity in days (default 365)")
+    parser.add_argument(
+        "--days", type=int, default=365, help=f"validity in days, at most {MAX_DAYS} (default 365)"
+    )
 
 
 def _key() -> ec.EllipticCurvePrivateKey:
@@ -200,6 +213,49 @@ def _load_or_make_ca(out: Path, days: int) -> tuple[x509.Certificate, ec.Ellipti
     return cert, key
 
 
+def is_dns_name(name: str) -> bool:
+    """Whether name is a host name a certificate can cover: letters, digits, hyphens and dots."""
+    return len(name) <= DNS_NAME_MAX_CHARS and _DNS_NAME.fullmatch(name) is not None
+
+
+def check_certs_arguments(names: Sequence[str], dns: Sequence[str], ips: Sequence[str], days: int) -> None:
+    """Raises ConfigError naming the flag (--name, --dns, --ip, --days), its value and the rule."""
+    if not 0 < days <= MAX_DAYS:
+        raise ConfigError.broken("--days", days, f"must be in 1..{MAX_DAYS}")
+    for name in names:
+        # A service's name is its files' name and a DNS name its certificate covers.
+        if not is_dns_name(name):
+            raise ConfigError.broken("--name", name, "must be a host name: letters, digits, '-' and '.'")
+        if name.lower() in CA_NAMES:  # lower: a folder may not tell CA.pem from ca.pem
+            raise ConfigError.broken("--name", name, "would overwrite the CA's ca.pem or ca-key.pem")
+        if name.endswith("-key") and name.removesuffix("-key") in names:
+            rule = f"would overwrite the key of --name={name.removesuffix('-key')!r}"
+            raise ConfigError.broken("--name", name, rule)
+    for name in dns:
+        if not is_dns_name(name.removeprefix("*.")):
+            rule = "must be a host name: letters, digits, '-' and '.', optionally after '*.'"
+            raise ConfigError.broken("--dns", name, rule)
+    for ip in ips:
+        try:
+            ipaddress.ip_address(ip)
+        except ValueError:
+            raise ConfigError.broken("--ip", ip, "must be an IPv4 or IPv6 address") from None
+
+
+def _make_out(out: Path) -> None:
+    """Makes the --out folder (and its parents) unless it is there; ConfigError naming --out when it
+    cannot be made or written."""
+    try:
+        out.mkdir(parents=True, exist_ok=True)
+    except OSError as exc:
+        reason = exc.strerror or type(exc).__name__
+        raise ConfigError.broken(
+            "--out", str(out), f"must be a folder, or where one can be made ({reason})"
+        ) from None
+    if not os.access(out, os.W_OK | os.X_OK):
+        raise ConfigError.broken("--out", str(out), "must be a folder this process can write")
+
+
 def write_certs(
     out: Path,
     names: Sequence[str] = DEFAULT_NAMES,
@@ -207,15 +263,10 @@ def write_certs(
     ips: Sequence[str] = DEFAULT_IPS,
     days: int = 365,
 ) -> list[Path]:
-    """Writes the CA (unless out has one) and each service's certificate and key; returns the paths."""
-    for ip in ips:
-        ipaddress.ip_address(ip)  # ValueError names the bad value
-    if days <= 0:
-        raise ValueError(f"--days={days} must be > 0")
-    for name in names:
-        if not name or "/" in name or name.startswith("."):
-            raise ValueError(f"--name={name!r} must be a plain file name")
-    out.mkdir(parents=True, exist_ok=True)
+    """Writes the CA (unless out has one) and each service's certificate and key; returns the paths.
+    Raises ConfigError naming the flag of the first value that breaks a rule, before writing anything."""
+    check_certs_arguments(names, dns, ips, days)
+    _make_out(out)
     ca_cert, ca_key = _load_or_make_ca(out, days)
     written = [out / "ca.pem"]
     for name in names:
@@ -237,7 +288,7 @@ def run(args: argparse.Namespace) -> int:
             days=args.days,
         )
     except (ValueError, OSError) as exc:
-        print(f"certs: {exc}", file=sys.stderr)
+        print(f"pcpstack certs: {exc}", file=sys.stderr)
         return 2
     for path in written:
         print(path)

