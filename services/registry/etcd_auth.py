@@ -7,8 +7,8 @@ change ("revision of auth store is old"). aetcd asks for a token once, when it c
 so a registry would lose etcd for good after an outage of five minutes. Here every channel the client
 opens carries `Tokens`, an interceptor that adds the current token to each request, and when etcd refuses
 it as stale asks for a new one (one task at a time; the others wait for it) and sends a one-shot request
-again. A stream refused for its token (a watch, a lease keep-alive) ends Unavailable as before; the next
-one gets the new token.
+again. A stream cannot be sent again: a watch etcd refuses for a stale token ends WatchRefused, and the
+store asks for a new token before the next one (etcd_store).
 
 A password etcd refuses is asked about again at most every AUTH_RETRY_S: every failed request would
 otherwise make etcd hash a password (bcrypt, deliberately slow) several times a second.
@@ -109,7 +109,6 @@ class Tokens:
         self._lock = asyncio.Lock()
         self._failure: grpc.aio.AioRpcError | None = None  # the last Authenticate's, until one succeeds
         self._failed_at = -math.inf
-        self._checks: set[asyncio.Task] = set()
         self._forgotten_at = -math.inf
 
     async def token(self, stale: str | None = None) -> str:
@@ -169,30 +168,10 @@ class Tokens:
         return call
 
     async def open_stream(self, continuation, client_call_details, request):
-        """A stream with the token; one that ends refused for it drops the token (see _watch)."""
-        token = await self.token()
-        call = await continuation(_with_token(client_call_details, token), request)
-        self._watch(call, token)
-        return call
-
-    def _watch(self, call, token: str) -> None:
-        """When the stream ends refused for its token, drops that token so that the next request gets a
-        new one (a stream cannot be sent again: its caller retries, as after any failure)."""
-
-        loop = asyncio.get_running_loop()
-
-        def ended(done) -> None:
-            check = loop.create_task(self._check(done, token), name="etcd-token-check")
-            self._checks.add(check)
-            check.add_done_callback(self._checks.discard)
-
-        call.add_done_callback(ended)
-
-    async def _check(self, call, token: str) -> None:
-        if token_refused(await call.code(), await call.details() or ""):
-            async with self._lock:
-                if self._token == token:
-                    self._token = ""
+        """A stream with the token. A stream cannot be sent again: a watch etcd refuses for a stale token
+        ends WatchRefused, and the store then asks for a new one (forget); a lease keep-alive is not checked
+        for a token by etcd."""
+        return await continuation(_with_token(client_call_details, await self.token()), request)
 
 
 class _UnaryUnary(grpc.aio.UnaryUnaryClientInterceptor):
