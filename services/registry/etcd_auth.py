@@ -11,7 +11,9 @@ again. A stream cannot be sent again: a watch etcd refuses for a stale token end
 store asks for a new token before the next one (etcd_store).
 
 A password etcd refuses is asked about again at most every AUTH_RETRY_S: every failed request would
-otherwise make etcd hash a password (bcrypt, deliberately slow) several times a second.
+otherwise make etcd hash a password (bcrypt, deliberately slow) several times a second. The password file is
+read again before each Authenticate, so a password changed in etcd and in the file (a rotated Kubernetes
+Secret) is taken without a restart.
 """
 
 from __future__ import annotations
@@ -28,6 +30,7 @@ import aetcd.rpc
 import grpc
 
 from pcpstack.common.config import ConfigError
+from pcpstack.common.logs import ThrottledWarning
 
 log = logging.getLogger(__name__)
 
@@ -42,15 +45,32 @@ AUTH_TIMEOUT_S = 5.0
 
 @dataclass(frozen=True)
 class EtcdAuth:
-    """The etcd user this registry authenticates as, and its password (kept out of the repr)."""
+    """The etcd user this registry authenticates as, and its password (kept out of the repr) as read at
+    start-up from password_file ("": given directly, never read again)."""
 
     user: str
     password: str = field(repr=False)
+    password_file: str = ""
+
+
+def read_password(path: str) -> str:
+    """The password a file holds (one line; a trailing newline is not part of it); ValueError with the rule
+    the file breaks."""
+    try:
+        password = Path(path).read_text().rstrip("\r\n")
+    except (OSError, UnicodeDecodeError) as exc:
+        reason = exc.strerror if isinstance(exc, OSError) and exc.strerror else str(exc)
+        raise ValueError(f"must be readable text: {reason}") from None
+    if not password:
+        raise ValueError("is empty: it must hold the password")
+    if "\n" in password:
+        raise ValueError("must hold one line, the password")
+    return password
 
 
 def load_auth(user: str = "", password_file: str = "") -> EtcdAuth | None:
-    """The authentication the flags describe (None: none), the password read now from its file (one line;
-    a trailing newline is not part of it); raises ConfigError naming the flag and the rule."""
+    """The authentication the flags describe (None: none), the password read now from its file (read_password;
+    Tokens reads it again before each Authenticate); raises ConfigError naming the flag and the rule."""
     if not user and not password_file:
         return None
     if not user:
@@ -60,16 +80,10 @@ def load_auth(user: str = "", password_file: str = "") -> EtcdAuth | None:
         rule = "needs --etcd-password-file: a file holding the user's password (never a flag: ps shows flags)"
         raise ConfigError.broken("--etcd-user", user, rule)
     try:
-        password = Path(password_file).read_text().rstrip("\r\n")
-    except (OSError, UnicodeDecodeError) as exc:
-        reason = exc.strerror if isinstance(exc, OSError) and exc.strerror else str(exc)
-        rule = f"must be readable text: {reason}"
-        raise ConfigError.broken("--etcd-password-file", password_file, rule) from None
-    if not password:
-        raise ConfigError.broken("--etcd-password-file", password_file, "is empty: it must hold the password")
-    if "\n" in password:
-        raise ConfigError.broken("--etcd-password-file", password_file, "must hold one line, the password")
-    return EtcdAuth(user, password)
+        password = read_password(password_file)
+    except ValueError as exc:
+        raise ConfigError.broken("--etcd-password-file", password_file, str(exc)) from None
+    return EtcdAuth(user, password, password_file)
 
 
 def token_refused(code: grpc.StatusCode, details: str) -> bool:
@@ -103,6 +117,8 @@ class Tokens:
 
     def __init__(self, auth: EtcdAuth, channel: Callable[[], grpc.aio.Channel]) -> None:
         self._auth = auth
+        self._password = auth.password  # the last one the password file held
+        self._file_warnings = ThrottledWarning(log, interval_s=60.0)
         self._channel = channel
         self._token = ""
         self._auth_off = False  # etcd answered that authentication is off: requests go without a token
@@ -123,7 +139,7 @@ class Tokens:
                 wait = AUTH_RETRY_S if _refused(self._failure) else UNANSWERED_RETRY_S
                 if time.monotonic() - self._failed_at < wait:
                     raise self._failure
-            request = aetcd.rpc.AuthenticateRequest(name=self._auth.user, password=self._auth.password)
+            request = aetcd.rpc.AuthenticateRequest(name=self._auth.user, password=self._current_password())
             try:
                 reply = await aetcd.rpc.AuthStub(self._channel()).Authenticate(
                     request, timeout=AUTH_TIMEOUT_S
@@ -142,6 +158,28 @@ class Tokens:
                 raise
             self._token, self._auth_off, self._failure = reply.token, False, None
             return self._token
+
+    def _current_password(self) -> str:
+        """The password as the password file holds it now: a password changed in etcd and in the file (a
+        Kubernetes Secret mounted as a file is updated in place) is taken without a restart. A file that
+        no longer holds one keeps the last password it held, with a warning once a minute."""
+        path = self._auth.password_file
+        if not path:
+            return self._password
+        try:
+            password = read_password(path)
+        except ValueError as exc:
+            self._file_warnings.warning(
+                "unreadable",
+                "etcd password file %s %s; authenticating with the password it held before",
+                path,
+                exc,
+            )
+            return self._password
+        if password != self._password:
+            log.info("etcd password file %s holds a new password: authenticating with it", path)
+            self._password = password
+        return password
 
     def forget(self) -> None:
         """Drops the token held, at most once every AUTH_RETRY_S, so that the next request asks for a new

@@ -167,14 +167,15 @@ class EtcdCluster:
                 raise RuntimeError(f"etcd cluster not healthy after {timeout:g} s: {probe.stderr.decode()}")
             time.sleep(0.1)
 
-    def etcdctl(self, *args: str) -> str:
-        """Runs etcdctl against the cluster (its first member's TLS files as the client's); its output, or
-        RuntimeError with it when it fails."""
+    def etcdctl(self, *args: str, stdin: str = "") -> str:
+        """Runs etcdctl against the cluster (its first member's TLS files as the client's), stdin given to it
+        (a password `--interactive=false` reads); its output, or RuntimeError with it when it fails."""
         etcdctl = self._binary.with_name("etcdctl")
         tls = self._tls[0] if self._tls else None
         client = [] if tls is None else [f"--cacert={tls.ca}", f"--cert={tls.cert}", f"--key={tls.key}"]
         done = subprocess.run(
             [str(etcdctl), f"--endpoints={self.endpoints}", *client, "--command-timeout=5s", *args],
+            input=stdin,
             capture_output=True,
             text=True,
         )

@@ -105,7 +105,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--etcd-password-file",
         default="",
         metavar="FILE",
-        help="file holding the --etcd-user's password, one line (a Kubernetes Secret mounted as a file)",
+        help="file holding the --etcd-user's password, one line (a Kubernetes Secret mounted as a file); "
+        "read again before each sign-in to etcd, so a rotated password needs no restart",
     )
     parser.add_argument(
         "--etcd-prefix",

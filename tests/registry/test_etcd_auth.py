@@ -1,8 +1,8 @@
 """Registry replicas on a real one-member etcd with authentication on (users, a role with read and write on
 one prefix, simple tokens that lapse after two idle seconds): a replica given a user and its password file
 leads; one with a wrong password keeps running, never leads, says why, and does not ask etcd again on every
-request; a token etcd stopped taking is replaced, for one-shot requests and for watches; flags that cannot
-work are refused naming the flag."""
+request; a token etcd stopped taking is replaced, for one-shot requests and for watches; a password rotated
+in etcd and in its file is taken without a restart; flags that cannot work are refused naming the flag."""
 
 from __future__ import annotations
 
@@ -177,6 +177,38 @@ def test_tasks_waiting_for_a_token_from_an_etcd_that_does_not_answer_fail_togeth
     _run(scenario())
 
 
+def test_a_password_changed_in_etcd_and_in_its_file_is_taken_without_a_restart(etcd, tmp_path, monkeypatch):
+    """A rotation as an operator does it: the user's password changed in etcd (every token stops working),
+    then the Secret the password file comes from. Requests fail while the file holds the old password and
+    work again once it holds the new one, with the same client."""
+    root = "--user=root:root-pw"
+    etcd.etcdctl(root, "user", "add", "rotating", "--new-user-password=first-pw")
+    etcd.etcdctl(root, "user", "grant-role", "rotating", "registry")
+    path = _password_file(tmp_path, "first-pw")
+    monkeypatch.setattr(etcd_auth, "AUTH_RETRY_S", 0.0)
+
+    async def scenario():
+        store = await EtcdStore.connect(
+            etcd.endpoints, "/auth/rotate/", 2.0, auth=etcd_auth.load_auth("rotating", str(path))
+        )
+        try:
+            await store.post([("n", b"before")])
+            etcd.etcdctl(root, "user", "passwd", "rotating", "--interactive=false", stdin="second-pw\n")
+            with pytest.raises(ServiceError, match="invalid user ID or password"):
+                await store.post([("n", b"between")])
+            path.write_text("not a password\nin two lines\n")  # a file half written: the old one is kept
+            with pytest.raises(ServiceError, match="invalid user ID or password"):
+                await store.post([("n", b"between")])
+            _password_file(tmp_path, "second-pw")
+            await store.post([("n", b"after")])
+            messages, _ = await store.mailbox("n")
+            assert [message for _, message in messages] == [b"before", b"after"]
+        finally:
+            await store.close()
+
+    _run(scenario())
+
+
 def _count_authenticates(monkeypatch) -> list[str]:
     """The user names of the Authenticate calls the client sends from now on, in order."""
     sent = []
@@ -220,4 +252,4 @@ def test_authentication_flags_that_cannot_work_are_refused_naming_the_flag(tmp_p
         RegistryConfig(etcd_user="registry", etcd_password_file=str(good))
     config = RegistryConfig(etcd=etcd, etcd_user="registry", etcd_password_file=str(good))
     auth = config.etcd_auth()
-    assert auth == EtcdAuth("registry", PASSWORD) and PASSWORD not in repr(auth)
+    assert auth == EtcdAuth("registry", PASSWORD, str(good)) and PASSWORD not in repr(auth)
