@@ -24,7 +24,9 @@ name that does not resolve yet is skipped until it does. Over TLS with each memb
 ROTATE_AFTER requests in a row found it not answering. A channel is replaced, never closed under its
 callers: the old one is closed RETIRE_GRACE_S later, and a call that still ends cancelled by that close is
 Unavailable to its caller, as any other failed request (the task awaiting it lives on). With a user and
-password (etcd_auth), every request carries a token, asked for again whenever etcd stops taking it.
+password (etcd_auth), every request carries a token, asked for again whenever etcd stops taking it. TLS
+files are looked at again every TLS_CHECK_S before a request: a certificate rotated on disk is dialled with
+on a new channel, without a restart.
 """
 
 from __future__ import annotations
@@ -34,6 +36,7 @@ import contextlib
 import json
 import logging
 import math
+import os
 import socket
 import time
 from collections.abc import AsyncIterator, Awaitable, Mapping
@@ -50,6 +53,7 @@ import grpc
 
 from pcpstack.common.config import ConfigError
 from pcpstack.common.errors import Unavailable
+from pcpstack.common.logs import ThrottledWarning
 from pcpstack.registry.etcd_auth import EtcdAuth, Tokens
 from pcpstack.registry.membership import SNAPSHOT_VERSION
 
@@ -66,6 +70,8 @@ RESOLVE_TIMEOUT_S = 2.0
 RESOLVE_EVERY_S = 2.0
 # Requests in a row that find a member not answering before the next member is dialled (one member at a time)
 ROTATE_AFTER = 3
+# Seconds between two looks at the TLS files' stamps (a rotated certificate is dialled with within this)
+TLS_CHECK_S = 10.0
 # Seconds a replaced channel stays open for the calls other tasks still have on it (each ends within its
 # REQUEST_TIMEOUT_S; a watch has no deadline and ends with the channel, Unavailable to its reader)
 RETIRE_GRACE_S = REQUEST_TIMEOUT_S + 1.0
@@ -121,6 +127,8 @@ class EtcdTls:
     ca: bytes = b""
     cert: bytes = b""
     key: bytes = field(default=b"", repr=False)
+    # the files ca, cert and key were read from ("" for none): read again when they change (_TlsFiles)
+    files: tuple[str, str, str] = ("", "", "")
 
     def credentials(self) -> grpc.ChannelCredentials:
         """The channel credentials gRPC dials with."""
@@ -144,14 +152,64 @@ def load_tls(urls: str, ca: str = "", cert: str = "", key: str = "", server_name
             ("--etcd-cert", "--etcd-key"),
             "--etcd-cert and --etcd-key are given together",
         )
+    return _read_tls(server_name, ca, cert, key)
+
+
+def _read_tls(server_name: str, ca: str, cert: str, key: str) -> EtcdTls:
+    """TLS from the files ca, cert and key, read and checked now; ConfigError naming the flag and the rule."""
     tls = EtcdTls(
         server_name=server_name,
         ca=_read_file("--etcd-ca", ca),
         cert=_read_file("--etcd-cert", cert),
         key=_read_file("--etcd-key", key),
+        files=(ca, cert, key),
     )
     _check_pem(tls, ca, cert, key)
     return tls
+
+
+def _file_stamps(paths: tuple[str, ...]) -> tuple:
+    """What tells that the files changed: each one's inode, modification time and size (None: missing). A
+    Kubernetes Secret volume swaps a symbolic link to a new folder, which gives the same paths new inodes."""
+    stamps = []
+    for path in paths:
+        try:
+            stat = os.stat(path) if path else None
+        except OSError:
+            stat = None
+        stamps.append(None if stat is None else (stat.st_ino, stat.st_mtime_ns, stat.st_size))
+    return tuple(stamps)
+
+
+class _TlsFiles:
+    """Watches the files of the TLS to etcd: `changed()`, called before requests, looks at them at most every
+    TLS_CHECK_S and returns the TLS they hold once that differs from what the channel dials with, checked as
+    at start-up (a pair that does not match yet, mid-rotation, is logged and looked at again when the files
+    change next)."""
+
+    def __init__(self, tls: EtcdTls) -> None:
+        self._tls = tls
+        self._stamps = _file_stamps(tls.files)
+        self._checked_at = time.monotonic()
+        self._warnings = ThrottledWarning(log, interval_s=60.0)
+
+    def changed(self) -> EtcdTls | None:
+        if not any(self._tls.files) or time.monotonic() - self._checked_at < TLS_CHECK_S:
+            return None
+        self._checked_at = time.monotonic()
+        stamps = _file_stamps(self._tls.files)
+        if stamps == self._stamps:
+            return None
+        self._stamps = stamps
+        try:
+            tls = _read_tls(self._tls.server_name, *self._tls.files)
+        except ConfigError as exc:
+            self._warnings.warning("unusable", "etcd TLS files changed but cannot be used yet: %s", exc)
+            return None
+        if (tls.ca, tls.cert, tls.key) == (self._tls.ca, self._tls.cert, self._tls.key):
+            return None
+        self._tls = tls
+        return tls
 
 
 def _read_file(flag: str, path: str) -> bytes:
@@ -257,6 +315,7 @@ class _Client(aetcd.Client):
         self._endpoints = endpoints
         # https:// without settings: the system's roots, each member's own name
         self._tls = EtcdTls() if secure and tls is None else tls
+        self._tls_files = _TlsFiles(self._tls) if self._tls is not None else None
         self._one_member = (
             self._tls is not None
             and not self._tls.server_name
@@ -277,7 +336,9 @@ class _Client(aetcd.Client):
 
     async def connect(self) -> None:
         """Connects (aetcd calls this before every request); with no address yet, resolves the names first
-        (at most every RESOLVE_EVERY_S) and raises ConnectionFailedError while none resolves."""
+        (at most every RESOLVE_EVERY_S) and raises ConnectionFailedError while none resolves. TLS files that
+        changed on disk (a rotated certificate) are dialled with on a new channel."""
+        self._reload_tls()
         if self._connected.is_set():
             return
         if not self.addresses:
@@ -312,6 +373,15 @@ class _Client(aetcd.Client):
             aetcd.rpc.WatchStub(self.channel), timeout=self._timeout, metadata=self.metadata
         )
         self._connected.set()
+
+    def _reload_tls(self) -> None:
+        tls = self._tls_files.changed() if self._tls_files is not None else None
+        if tls is None:
+            return
+        self._tls = tls
+        log.info("etcd TLS files changed: new requests go over a channel that uses them")
+        if self._connected.is_set():
+            self._replace_channel()
 
     async def watch_refused(self) -> None:
         """After etcd refused a watch: the watch stream is opened again (the next watch's stream carries the

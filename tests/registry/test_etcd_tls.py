@@ -21,6 +21,7 @@ from pcpstack.cli.certs import write_certs
 from pcpstack.common.config import ConfigError
 from pcpstack.common.errors import ServiceError
 from pcpstack.common.ports import free_port
+from pcpstack.registry import etcd_store
 from pcpstack.registry.election import Election
 from pcpstack.registry.etcd_local import EtcdCluster, ServerTls
 from pcpstack.registry.etcd_store import RETIRE_GRACE_S, EtcdStore, load_tls
@@ -134,6 +135,61 @@ def test_a_replica_etcd_does_not_trust_or_that_does_not_trust_etcd_keeps_running
             _kill(processes)
 
     asyncio.run(asyncio.wait_for(scenario(), 75))
+
+
+def test_a_client_certificate_rotated_on_disk_is_dialled_with_without_a_restart(
+    etcd, certs, tmp_path, monkeypatch, caplog
+):
+    """The client's certificate files replaced where the flags point (as the kubelet updates a Secret
+    volume: a new folder, a link swapped): the next requests go over a channel with the new ones. From one
+    etcd refuses (another CA's; an expired one is refused the same way) to one it takes; then a pair whose
+    key belongs to another certificate, which is logged and not used."""
+    monkeypatch.setattr(etcd_store, "TLS_CHECK_S", 0.0)
+    monkeypatch.setattr(etcd_store, "RETIRE_GRACE_S", 0.5)
+
+    def mount(source: Path, version: str, key_from: Path | None = None) -> None:
+        """source's files (the key from key_from) in a new folder, `..data` swapped to it: a Secret volume."""
+        folder = tmp_path / version
+        folder.mkdir()
+        shutil.copy(certs / "ca.pem", folder / "ca.pem")
+        shutil.copy(source / "registry.pem", folder / "registry.pem")
+        shutil.copy((key_from or source) / "registry-key.pem", folder / "registry-key.pem")
+        for name in ("ca.pem", "registry.pem", "registry-key.pem"):
+            if not (tmp_path / name).is_symlink():
+                (tmp_path / name).symlink_to(Path("..data") / name)
+        (tmp_path / "..data.new").symlink_to(version)
+        os.replace(tmp_path / "..data.new", tmp_path / "..data")
+
+    async def scenario():
+        mount(certs / "other", "v1")
+        tls = load_tls(
+            etcd.endpoints, *(str(tmp_path / name) for name in ("ca.pem", "registry.pem", "registry-key.pem"))
+        )
+        store = await EtcdStore.connect(etcd.endpoints, "/rotated/", 2.0, tls)
+        try:
+            with pytest.raises(ServiceError):
+                await store.post([("n", b"refused")])
+            mount(certs, "v2")
+            await until(lambda: _posts(store, b"taken"), timeout=15)
+            messages, _ = await store.mailbox("n")
+            assert [message for _, message in messages] == [b"taken"]
+            # a certificate with another one's key: not used, said why; the channel in use goes on
+            mount(certs, "v3", key_from=certs / "other")
+            with caplog.at_level("WARNING", logger="pcpstack.registry.etcd_store"):
+                await store.post([("n", b"still")])
+            assert "cannot be used yet" in caplog.text and "is not the key of" in caplog.text
+        finally:
+            await store.close()
+
+    asyncio.run(asyncio.wait_for(scenario(), 60))
+
+
+async def _posts(store: EtcdStore, message: bytes) -> bool:
+    try:
+        await store.post([("n", message)])
+    except ServiceError:
+        return False
+    return True
 
 
 def _refusal(certs: Path, **flags: str) -> ConfigError:
