@@ -116,7 +116,8 @@ class NodeOptions:
 class _RankProcess:
     process: mp.Process  # type: ignore[name-defined]
     conn: Connection
-    progress: object
+    progress: object  # the time of the group's last step or layer, as this rank saw it
+    running_at: object  # the time the process last ran at all (rank._keep_running_stamp)
     global_rank: int
     ready: bool = False
 
@@ -159,6 +160,9 @@ class RankSupervisor:
         self._on_failure = on_failure
         self._ctx = mp.get_context("spawn")
         self._job_lock = asyncio.Lock()
+        # Held while a set's ranks stop: a set started meanwhile (the registry re-forms a failed set at once)
+        # would find the old ranks still holding its ports.
+        self._stop_lock = asyncio.Lock()
         self.waiting = 0
         # Jobs not yet handed to the set, oldest first.
         self._queue: list[_Waiting] = []
@@ -196,10 +200,13 @@ class RankSupervisor:
             )
             parent, child = self._ctx.Pipe()
             progress = self._ctx.Value("d", 0.0, lock=False)
-            process = self._ctx.Process(target=rank_main, args=(spec, child, progress), daemon=True)
+            running_at = self._ctx.Value("d", time.time(), lock=False)
+            process = self._ctx.Process(
+                target=rank_main, args=(spec, child, progress, running_at), daemon=True
+            )
             process.start()
             child.close()
-            ranks.append(_RankProcess(process, parent, progress, global_rank))
+            ranks.append(_RankProcess(process, parent, progress, running_at, global_rank))
         running = RunningSet(assignment, ranks)
         self.current = running
         for rank in ranks:
@@ -257,7 +264,10 @@ class RankSupervisor:
         self._on_failure(running, reason)
 
     def check_progress(self, stale_after_s: float) -> None:
-        """Fails the set when a rank died or its group made no progress for stale_after_s seconds."""
+        """Fails the set when a rank died, its process stopped running (stopped or frozen: even mid-job, so
+        the job fails over now rather than when the group's collective timeout ends it) or, while no job
+        runs, its group made no progress for stale_after_s seconds. A job's own steps are not timed: one
+        layer of a long prompt, or a push to a slow store, may take longer."""
         running = self.current
         if running is None or running.failed or not running.ready.is_set():
             return
@@ -265,6 +275,13 @@ class RankSupervisor:
         for rank in running.ranks:
             if not rank.process.is_alive():
                 self._fail(running, f"rank {rank.global_rank} exited (code {rank.process.exitcode})")
+                return
+            if now - rank.running_at.value > stale_after_s:
+                self._fail(
+                    running,
+                    f"rank {rank.global_rank} has not run for {now - rank.running_at.value:.1f} s (its "
+                    "process is stopped or frozen)",
+                )
                 return
             if now - rank.progress.value > stale_after_s and (
                 running.pending is None or running.pending.done()
@@ -348,22 +365,25 @@ class RankSupervisor:
             waiting.result.set_result((running, outcome))
 
     async def stop(self, reason: str) -> None:
-        """Stops the local ranks (politely through rank 0 if possible, then by force)."""
-        running, self.current = self.current, None
-        if running is None:
-            return
-        log.info("stopping set %s: %s", running.assignment.set_id, reason)
-        if running.pending is not None and not running.pending.done():
-            running.pending.set_exception(SetUnavailable(f"set stopped: {reason}"))
-        for rank in running.ranks:
-            if rank.global_rank == 0 and rank.process.is_alive():
-                with contextlib.suppress(OSError):
-                    rank.conn.send(None)
-        deadline = time.monotonic() + 5
-        for rank in running.ranks:
-            while rank.process.is_alive() and time.monotonic() < deadline:
-                await asyncio.sleep(0.05)
-            if rank.process.is_alive():
-                rank.process.kill()
-            rank.process.join(timeout=5)
-            rank.conn.close()
+        """Stops the local ranks: politely through rank 0 if the set works, by force at once if it failed
+        (its ranks are gone, stuck or frozen). Returns once they have exited; a start() waits for it."""
+        async with self._stop_lock:
+            running, self.current = self.current, None
+            if running is None:
+                return
+            log.info("stopping set %s: %s", running.assignment.set_id, reason)
+            if running.pending is not None and not running.pending.done():
+                running.pending.set_exception(SetUnavailable(f"set stopped: {reason}"))
+            if not running.failed:
+                for rank in running.ranks:
+                    if rank.global_rank == 0 and rank.process.is_alive():
+                        with contextlib.suppress(OSError):
+                            rank.conn.send(None)
+            deadline = time.monotonic() + (0 if running.failed else 5)
+            for rank in running.ranks:
+                while rank.process.is_alive() and time.monotonic() < deadline:
+                    await asyncio.sleep(0.05)
+                if rank.process.is_alive():
+                    rank.process.kill()
+                await asyncio.to_thread(rank.process.join, 5)
+                rank.conn.close()

@@ -40,6 +40,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import os
+import threading
 import time
 from collections.abc import Callable, Coroutine
 from dataclasses import dataclass
@@ -619,8 +620,21 @@ def _use_device(device: torch.device) -> None:
         getattr(torch, device.type).set_device(device)
 
 
-def rank_main(spec: RankSpec, conn: Connection, progress: Synchronized) -> None:
-    """Entry point of a rank process (a multiprocessing target); exits on stop or when the group fails."""
+def _keep_running_stamp(running: Synchronized, every_s: float) -> None:
+    """Writes the time into running every every_s, from a thread of its own: it stops only when the whole
+    process does (stopped, frozen), never because the rank computes or waits in a collective."""
+    while True:
+        running.value = time.time()
+        time.sleep(every_s)
+
+
+def rank_main(spec: RankSpec, conn: Connection, progress: Synchronized, running: Synchronized) -> None:
+    """Entry point of a rank process (a multiprocessing target); exits on stop or when the group fails.
+    progress: the time of the group's last step, or of the forward's last layer; running: the time this
+    process last ran at all (_keep_running_stamp). The node's watchdog reads both (node.check_progress)."""
+    threading.Thread(
+        target=_keep_running_stamp, args=(running, spec.idle_tick_s), name="running-stamp", daemon=True
+    ).start()
     torch.set_num_threads(spec.threads)
     setup_logging(f"prefill-rank-{spec.global_rank}", spec.log_level)
     exit_with_spawning_process(f"prefill rank {spec.global_rank}")

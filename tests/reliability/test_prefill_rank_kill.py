@@ -144,6 +144,34 @@ def test_killed_headless_rank_fails_over_and_its_set_reforms(stack) -> None:
     wait_store_unpinned(stack)
 
 
+def test_a_frozen_headless_rank_is_noticed_mid_job_and_the_request_fails_over(stack) -> None:
+    """The headless rank stopped (SIGSTOP) and left so, the way a frozen process is: the set in flight is
+    failed by its node's watchdog within its stale bound (10 s), not by the collective timeout (120 s), the
+    request answers from the other set, and the node replaces the frozen rank (it is killed)."""
+    wait_until("both sets to be ready", lambda: len(ready_sets(stack)) == 2, timeout=60)
+    before = ready_sets(stack)
+    expected = stack.run(generate(stack.decode, PROMPT)).token_ids
+    ranks = headless_ranks(stack)
+    wait_prefill_idle(stack)
+    signal_all(list(ranks.values()), signal.SIGSTOP)
+    answer = in_thread(generate(stack.decode, PROMPT, timeout=DEADLINE_S))
+    victim = wait_prefill_in_flight(stack)
+    survivor = next(node for node in ranks if node != victim)
+    signal_all([ranks[survivor]], signal.SIGCONT)
+
+    assert answer.result(timeout=DEADLINE_S + 15).token_ids == expected
+    reformed = wait_until(
+        f"the set of {victim} to re-form with a newer generation",
+        lambda: (s := ready_sets(stack).get(victim)) and s.generation > before[victim].generation and s,
+        timeout=60,
+    )
+    assert reformed.dp_rank == before[victim].dp_rank
+    assert ranks[victim] not in rank_pids(service(stack, victim))  # the frozen one was replaced
+    assert "has not run for" in (stack.stack.log_dir / f"{victim}.log").read_text(errors="replace")
+    assert stack.run(generate(stack.decode, PROMPT)).token_ids == expected
+    wait_store_unpinned(stack)
+
+
 def test_with_no_other_ready_set_the_request_fails_unavailable_before_its_deadline(stack) -> None:
     wait_until("both sets to be ready", lambda: len(ready_sets(stack)) == 2, timeout=60)
     ranks = list(headless_ranks(stack).values())
