@@ -42,6 +42,10 @@ class RegistryProcess:
         )
         return self
 
+    def signal(self, number: int) -> None:
+        """Sends a signal to the running registry (SIGSTOP freezes it: connections stay up, unanswered)."""
+        self._processes[-1].send_signal(number)
+
     def kill(self) -> None:
         """SIGKILL, as a crash would."""
         for process in self._processes:

@@ -5,16 +5,19 @@ process killed and restarted."""
 from __future__ import annotations
 
 import asyncio
+import signal
 import sys
+import time
 
 import grpc
 import pytest
 
 from pcpstack.common.channel import open_channel
 from pcpstack.common.config import EngineConfig
-from pcpstack.common.errors import FailedPrecondition
+from pcpstack.common.errors import FailedPrecondition, Unavailable
 from pcpstack.registry.client import NodeSession, Resolver
 from pcpstack.registry.membership import Membership, NodeState, Registration, Settings
+from pcpstack.registry.resolver import CACHED_WAIT_S
 from pcpstack.registry.server import RegistryServicer, start_registry
 from pcpstack.v1 import common_pb2, registry_pb2, registry_pb2_grpc
 from tests.registry.support import RegistryProcess, until
@@ -302,6 +305,50 @@ def test_a_killed_and_restarted_registry_gets_the_same_sets_back_without_relaunc
 
     with RegistryProcess(child_env) as registry:
         _run(scenario(registry))
+
+
+def test_a_frozen_registry_holds_a_resolve_only_briefly_and_the_cached_endpoints_serve(child_env):
+    """A registry that is stopped (SIGSTOP), not gone: its connection stays up and every Resolve would wait
+    out its whole 5 s deadline. With an answer cached, a caller waits at most CACHED_WAIT_S while one ask
+    runs in the background; then the cache serves at once until the registry answers again."""
+
+    async def scenario(registry: RegistryProcess):
+        resolver = Resolver(registry.address, ttl_s=0.0)
+        try:
+            known = await until(lambda: _resolved(resolver), timeout=15)
+            registry.signal(signal.SIGSTOP)
+            frozen_at = time.monotonic()
+            try:
+                waits = []
+                for _ in range(6):
+                    started = time.monotonic()
+                    assert await resolver.resolve() == known
+                    waits.append(time.monotonic() - started)
+                # the first caller waits CACHED_WAIT_S, later ones not at all (each waited 5 s before)
+                assert waits[0] < 2 * CACHED_WAIT_S + 1.0 and max(waits[1:]) < 0.5, waits
+            finally:
+                registry.signal(signal.SIGCONT)
+            # answered again: the same resolver's cache is refreshed from the registry
+            await until(lambda: _refreshed_after(resolver, frozen_at), timeout=15)
+        finally:
+            await resolver.close()
+
+    with RegistryProcess(child_env) as registry:
+        _run(scenario(registry))
+
+
+async def _resolved(resolver: Resolver) -> object:
+    """The resolver's answer, None while the registry does not listen yet."""
+    try:
+        return await resolver.resolve()
+    except Unavailable:
+        return None
+
+
+async def _refreshed_after(resolver: Resolver, moment: float) -> bool:
+    """Whether the resolver's cached answer came from the registry after moment (monotonic)."""
+    await resolver.resolve()
+    return resolver._cache[""].fetched_at > moment
 
 
 def test_a_clock_tick_that_comes_late_extends_the_leases_instead_of_declaring_nodes_dead():
