@@ -519,7 +519,9 @@ class GeneratePipeline:
                     span.set_attribute("pcpstack.set_id", chosen.set_id)
                     span.set_attribute("pcpstack.kvstore_address", store)
             except NoReadySet as exc:
-                raise Unavailable(f"{exc}{'; ' + last_error if last_error else ''}") from None
+                if last_error:  # the failure first: the only set(s) failed, not "none was ready"
+                    raise Unavailable(f"{last_error}; no other ready set to retry on") from None
+                raise Unavailable(str(exc)) from None
             tried.add(chosen.set_id)
             tried_stores.add(store)
             remaining = deadline - time.monotonic()
@@ -529,7 +531,13 @@ class GeneratePipeline:
                 return await self._prefill_on(chosen, store, request_id, ids, sampling, remaining, cache_salt)
             except (grpc.aio.AioRpcError, ServiceError) as exc:
                 error = error_from_rpc(exc) if isinstance(exc, grpc.aio.AioRpcError) else exc
+                if isinstance(exc, grpc.aio.AioRpcError) and exc.code() == grpc.StatusCode.CANCELLED:
+                    # Not cancelled here (that ends this task): the set's server ended the call, as a
+                    # stopping node's does once its grace runs out. Another set may serve it.
+                    error = Unavailable(f"the set ended the call ({exc.details() or 'cancelled'})")
                 last_error = f"set {chosen.set_id} failed: {error.code}: {error}"
+                if not store:
+                    last_error += " (the registry named no live KV store; the set used its own --kvstore)"
                 # The set's refusal of a lease names the field first. The request's kv_lease_ms is this
                 # worker's --kv-lease-ms: not the client's fault.
                 lease = self.settings.kv_lease_ms

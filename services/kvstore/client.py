@@ -38,7 +38,7 @@ from dataclasses import dataclass, field
 import grpc
 
 from pcpstack.common.channel import open_channel
-from pcpstack.common.errors import ServiceError
+from pcpstack.common.errors import ServiceError, Unavailable
 from pcpstack.common.rpc_errors import error_from_rpc
 from pcpstack.common.server import DEFAULT_MAX_MESSAGE_BYTES
 from pcpstack.kvstore.errors import (
@@ -72,6 +72,10 @@ DEFAULT_RECEIVE_POOL_BYTES = 512 << 20  # buffers of finished gets a client keep
 # The longest a put's announcement (prepare_put) may take: a local store answers in milliseconds, and a
 # prefill rank waits for it before its forward (its set's other ranks wait in the forward's collectives).
 ANNOUNCE_TIMEOUT_S = 2.0
+# Seconds one step of a call may wait on the store (an answer, a chunk taken or sent, a one-shot call): a
+# store answers each at once, so past this it is frozen, overloaded or cut off, and the call fails
+# Unavailable, however long the whole transfer may take.
+STALL_S = 15.0
 
 
 def make_key(request_id: str, fingerprint: str) -> str:
@@ -141,6 +145,7 @@ class KvStoreClient:
         chunk_bytes: int = DEFAULT_CHUNK_BYTES,
         deadline_s: float = 60.0,
         receive_pool_bytes: int = DEFAULT_RECEIVE_POOL_BYTES,
+        stall_s: float = STALL_S,
     ) -> None:
         if receive_pool_bytes < 0:
             raise ValueError(f"receive_pool_bytes must be >= 0 (0: no reuse), got {receive_pool_bytes}")
@@ -149,6 +154,7 @@ class KvStoreClient:
         self._buffers = ReceiveBuffers(receive_pool_bytes)
         self._prefer_shm = prefer_shm
         self._chunk_bytes = chunk_bytes
+        self._stall_s = stall_s
         self._channel = open_channel(
             address, default_deadline=deadline_s, max_message_bytes=DEFAULT_MAX_MESSAGE_BYTES
         )
@@ -247,8 +253,8 @@ class KvStoreClient:
         self._last_put_bytes = total_bytes
         call = self._put()
         try:
-            await call.write(pb.PutRequest(header=header))
-            accepted = await self._read(call, "accepted")
+            await self._step(call.write(pb.PutRequest(header=header)), "the put's header")
+            accepted = await self._step(self._read(call, "accepted"), "the put's acceptance")
             if use_shm:
                 crc = 0
                 if accepted.accepted.shm_name:
@@ -256,13 +262,13 @@ class KvStoreClient:
                     crc = await to_thread_to_the_end(self._segments.fill, accepted.accepted.shm_name, view)
             else:
                 crc = await self._send_chunks(call, view)
-            await call.write(pb.PutRequest(commit=pb.PutCommit(crc32c=crc)))
-            await call.done_writing()
-            committed = (await self._read(call, "committed")).committed
+            await self._step(call.write(pb.PutRequest(commit=pb.PutCommit(crc32c=crc))), "the put's commit")
+            await self._step(call.done_writing(), "the put's end")
+            committed = (await self._step(self._read(call, "committed"), "the put's commit")).committed
             if use_shm:
                 self._prefetch(committed.standby_shm_name)
             # Read to the end of the stream so the call (and its trace span) completes rather than being cut.
-            await call.read()
+            await self._step(call.read(), "the put's end")
             return StoredReplica(
                 committed.key, committed.total_bytes, committed.lease_expires_unix_ms, committed.capability
             )
@@ -327,7 +333,7 @@ class KvStoreClient:
     async def _send_chunks(self, call, view: memoryview) -> int:
         sender = ChunkSender(view.nbytes, self._chunk_bytes)
         for offset, length in sender.spans():
-            await call.write(sender.encode(offset, view[offset : offset + length]))
+            await self._step(call.write(sender.encode(offset, view[offset : offset + length])), "a chunk")
         return sender.crc32c
 
     @staticmethod
@@ -369,8 +375,8 @@ class KvStoreClient:
         )
         call = self._get()
         try:
-            await call.write(request)
-            header = (await self._read(call, "header")).header
+            await self._step(call.write(request), "the get's request")
+            header = (await self._step(self._read(call, "header"), "the get's header")).header
             if ranges and header.selected_bytes != selection_bytes(ranges):
                 raise ProtocolError(
                     f"store announced {header.selected_bytes} selected bytes of {key!r}; the ranges asked "
@@ -413,7 +419,7 @@ class KvStoreClient:
             return copy_with_crc(data[offset : offset + len(chunk)], [chunk])
 
         receiver = ChunkReceiver(key, size, chunk_size, copy, malformed=ProtocolError)
-        while (message := await call.read()) is not grpc.aio.EOF:
+        while (message := await self._step(call.read(), "a chunk")) is not grpc.aio.EOF:
             if body_of(message) != "chunk":
                 raise ProtocolError(f"store sent {body_of(message)} among the chunks of {key!r}")
             receiver.add(chunk_of(message))
@@ -454,9 +460,24 @@ class KvStoreClient:
         """The store's gauges and counters, and key's state when given, present and capability is its own."""
         return await self._unary(self._stub.Stat, pb.StatRequest(key=key, capability=capability))
 
-    @staticmethod
-    async def _unary(method, request):
+    async def _unary(self, method, request):
         try:
-            return await method(request)
+            return await method(request, timeout=self._stall_s)
         except grpc.aio.AioRpcError as exc:
+            if exc.code() == grpc.StatusCode.DEADLINE_EXCEEDED:
+                raise self._stalled(type(request).__name__.removesuffix("Request")) from exc
             raise _store_error(exc) from exc
+
+    async def _step(self, awaitable, what: str):
+        """awaitable (one step of a stream) if the store takes or answers it within stall_s; Unavailable
+        naming the store and the step if not."""
+        try:
+            return await asyncio.wait_for(awaitable, self._stall_s)
+        except TimeoutError:
+            raise self._stalled(what) from None
+
+    def _stalled(self, what: str) -> Unavailable:
+        return Unavailable(
+            f"the KV store at {self.address} did not answer within {self._stall_s:g} s ({what}): it is "
+            "frozen, overloaded or cut off"
+        )

@@ -284,8 +284,10 @@ class PrefillNode:
         async def before_stop() -> None:
             for task in tasks:
                 task.cancel()
+            # First: the registry dissolves the set at once ("member ... deregistered") and routers stop
+            # picking it, instead of sending it work until this node's lease runs out.
+            await self.registry.close(deregister=True)
             await self.supervisor.stop("node shutting down")
-            await self.registry.close()
             await self.resolver.close()
             await servicer.close()
 

@@ -112,7 +112,8 @@ def test_up_prints_endpoints_serves_and_stops_cleanly_on_ctrl_c(tmp_path, child_
         logs = {path.stem: path.read_text(errors="replace") for path in tmp_path.glob("*.log")}
         assert [name for name, text in logs.items() if "deregister failed" in text] == []
         registry = logs["registry"]
-        assert '"deregistered", "node_id": "decode-0"' in registry and '"node_id": "kvstore-0"' in registry
+        for node in ("decode-0", "prefill-0", "kvstore-0"):
+            assert f'"deregistered", "node_id": "{node}"' in registry, node
     finally:
         if up.poll() is None:
             up.kill()

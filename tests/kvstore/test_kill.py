@@ -13,6 +13,7 @@ import textwrap
 import pytest
 
 from pcpstack.cli.launch import spawn_and_wait_listening
+from pcpstack.common.errors import Unavailable
 from pcpstack.kvstore.client import KvStoreClient
 from pcpstack.kvstore.shm import SegmentStore
 from tests.kvstore.conftest import running_store, segment_files
@@ -130,6 +131,47 @@ def test_an_announcement_to_a_frozen_store_gives_up_after_its_timeout_and_the_pu
                 stored = await client.put("after", "fp", bytes(16 << 20))
                 data, _ = await client.get("after", "fp", stored.capability)
                 assert data.nbytes == 16 << 20
+
+        asyncio.run(body())
+    finally:
+        store.send_signal(signal.SIGKILL)
+        store.wait()
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("prefer_shm", [False, True], ids=["grpc", "shm"])
+def test_a_frozen_store_fails_a_put_and_a_get_unavailable_after_the_stall_bound_then_serves(
+    prefer_shm: bool, child_env
+):
+    """A store stopped (SIGSTOP) mid-service keeps its connections open and answers nothing: every call
+    would wait out the client's 60 s deadline, and a prefill set's requests with it. Each step of a call
+    waits at most stall_s; the call fails Unavailable naming the store, and the same client works once the
+    store runs again."""
+    store, address = spawn_and_wait_listening("kvstore", ["--port", "0"], env=child_env)
+    try:
+
+        async def body() -> None:
+            async with KvStoreClient(address, prefer_shm=prefer_shm, stall_s=1.0) as client:
+                assert await client.uses_shm() == prefer_shm
+                stored = await client.put("before", "fp", bytes(16 << 20))
+                store.send_signal(signal.SIGSTOP)
+                try:
+                    for name, call in (
+                        ("put", client.put("frozen", "fp", bytes(16 << 20))),
+                        ("get", client.get("before", "fp", stored.capability)),
+                        ("stat", client.stat()),
+                    ):
+                        started = asyncio.get_running_loop().time()
+                        with pytest.raises(
+                            Unavailable, match=f"KV store at {address} did not answer within 1 s"
+                        ):
+                            await call
+                        assert asyncio.get_running_loop().time() - started < 10, name
+                finally:
+                    store.send_signal(signal.SIGCONT)
+                data, _ = await client.get("before", "fp", stored.capability)
+                assert data.nbytes == 16 << 20
+                await client.put("after", "fp", bytes(16 << 20))
 
         asyncio.run(body())
     finally:
