@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import signal
 from collections.abc import Iterator
+from concurrent.futures import Future
 
 import grpc
 import pytest
@@ -114,17 +115,34 @@ def ready_sets(stack: RunningStack) -> dict[str, registry_pb2.PcpSet]:
     return {s.member_node_ids[0]: s for s in list_sets(stack) if s.state == registry_pb2.SET_STATE_READY}
 
 
-def test_killed_headless_rank_fails_over_and_its_set_reforms(stack) -> None:
-    expected = stack.run(generate(stack.decode, PROMPT)).token_ids
-    before = ready_sets(stack)
-    assert len(before) == 2
-    ranks = headless_ranks(stack)
+def hold_in_one_set(stack: RunningStack, ranks: dict[str, int]) -> tuple[Future, str, str]:
+    """Freezes both sets' headless ranks, sends a request and waits until one set holds it, then lets the
+    other set's rank run again: the answer's future, the node of the set holding it, the other node."""
     wait_prefill_idle(stack)
     signal_all(list(ranks.values()), signal.SIGSTOP)
     answer = in_thread(generate(stack.decode, PROMPT, timeout=DEADLINE_S))
     victim = wait_prefill_in_flight(stack)
     survivor = next(node for node in ranks if node != victim)
     signal_all([ranks[survivor]], signal.SIGCONT)
+    return answer, victim, survivor
+
+
+def wait_reformed(stack: RunningStack, node: str, before: dict[str, registry_pb2.PcpSet]) -> None:
+    """Waits until the set of node is ready again with a newer generation, in the same slot."""
+    reformed = wait_until(
+        f"the set of {node} to re-form with a newer generation",
+        lambda: (s := ready_sets(stack).get(node)) and s.generation > before[node].generation and s,
+        timeout=60,
+    )
+    assert reformed.dp_rank == before[node].dp_rank
+
+
+def test_killed_headless_rank_fails_over_and_its_set_reforms(stack) -> None:
+    expected = stack.run(generate(stack.decode, PROMPT)).token_ids
+    before = ready_sets(stack)
+    assert len(before) == 2
+    ranks = headless_ranks(stack)
+    answer, victim, survivor = hold_in_one_set(stack, ranks)
     signal_all([ranks[victim]], signal.SIGKILL)
 
     assert answer.result(timeout=DEADLINE_S + 15).token_ids == expected
@@ -133,12 +151,7 @@ def test_killed_headless_rank_fails_over_and_its_set_reforms(stack) -> None:
     wait_until(
         f"the set of {victim} to leave routing", lambda: ready_sets(stack).get(victim) is None, timeout=30
     )
-    reformed = wait_until(
-        f"the set of {victim} to re-form with a newer generation",
-        lambda: (s := ready_sets(stack).get(victim)) and s.generation > before[victim].generation and s,
-        timeout=60,
-    )
-    assert reformed.dp_rank == before[victim].dp_rank
+    wait_reformed(stack, victim, before)
     assert ready_sets(stack)[survivor].generation == before[survivor].generation
     assert stack.run(generate(stack.decode, PROMPT)).token_ids == expected
     wait_store_unpinned(stack)
@@ -152,20 +165,10 @@ def test_a_frozen_headless_rank_is_noticed_mid_job_and_the_request_fails_over(st
     before = ready_sets(stack)
     expected = stack.run(generate(stack.decode, PROMPT)).token_ids
     ranks = headless_ranks(stack)
-    wait_prefill_idle(stack)
-    signal_all(list(ranks.values()), signal.SIGSTOP)
-    answer = in_thread(generate(stack.decode, PROMPT, timeout=DEADLINE_S))
-    victim = wait_prefill_in_flight(stack)
-    survivor = next(node for node in ranks if node != victim)
-    signal_all([ranks[survivor]], signal.SIGCONT)
+    answer, victim, _ = hold_in_one_set(stack, ranks)
 
     assert answer.result(timeout=DEADLINE_S + 15).token_ids == expected
-    reformed = wait_until(
-        f"the set of {victim} to re-form with a newer generation",
-        lambda: (s := ready_sets(stack).get(victim)) and s.generation > before[victim].generation and s,
-        timeout=60,
-    )
-    assert reformed.dp_rank == before[victim].dp_rank
+    wait_reformed(stack, victim, before)
     assert ranks[victim] not in rank_pids(service(stack, victim))  # the frozen one was replaced
     assert "has not run for" in (stack.stack.log_dir / f"{victim}.log").read_text(errors="replace")
     assert stack.run(generate(stack.decode, PROMPT)).token_ids == expected
