@@ -472,7 +472,8 @@ class KvStoreClient:
         """awaitable (one step of a stream) if the store takes or answers it within stall_s; Unavailable
         naming the store and the step if not."""
         try:
-            return await asyncio.wait_for(awaitable, self._stall_s)
+            async with asyncio.timeout(self._stall_s):  # no task per step, unlike wait_for (27 us a chunk)
+                return await awaitable
         except TimeoutError:
             raise self._stalled(what) from None
 
