@@ -185,7 +185,8 @@ class PrefillNode:
         assignment = running.assignment
         await self._set_health(False)
         await self.registry.report_status(assignment.set_id, assignment.generation, ready=False, error=reason)
-        await self.supervisor.stop(reason)
+        # Only that set: the registry may have re-formed it, and a newer one started, meanwhile.
+        await self.supervisor.stop(reason, only=running)
 
     async def _set_health(self, serving: bool) -> None:
         from pcpstack.prefill.server import SERVICE_NAME

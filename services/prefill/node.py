@@ -364,10 +364,13 @@ class RankSupervisor:
         for waiting, outcome in zip(batch, outcomes, strict=True):
             waiting.result.set_result((running, outcome))
 
-    async def stop(self, reason: str) -> None:
+    async def stop(self, reason: str, only: RunningSet | None = None) -> None:
         """Stops the local ranks: politely through rank 0 if the set works, by force at once if it failed
-        (its ranks are gone, stuck or frozen). Returns once they have exited; a start() waits for it."""
+        (its ranks are gone, stuck or frozen). Returns once they have exited; a start() waits for it. With
+        only, stops nothing unless that set is still the current one (a newer one may have started)."""
         async with self._stop_lock:
+            if only is not None and self.current is not only:
+                return
             running, self.current = self.current, None
             if running is None:
                 return
