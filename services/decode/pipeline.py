@@ -88,6 +88,8 @@ log = logging.getLogger(__name__)
 # long text (a megabyte takes about half a second) must not hold up the worker's loop, which decodes and
 # heartbeats for every other request.
 TOKENIZE_ON_THREAD_CHARS = 16_384
+# Seconds a request waits for its replica's release before its tokens go on (the release goes on behind).
+RELEASE_WAIT_S = 1.0
 _tracer = tracer(__name__)
 _meter = meter("pcpstack.decode")
 _requests = _meter.create_counter("pcpstack.decode.requests", description="Generate requests by outcome")
@@ -434,8 +436,9 @@ class GeneratePipeline:
             if fetch is not None and not fetch.done():
                 fetch.cancel()
                 await asyncio.gather(fetch, return_exceptions=True)
-            # The one release of this replica: loaded, not needed, failed or cancelled alike.
-            await asyncio.shield(self._release(reply.kv))
+            # The one release of this replica: loaded, not needed, failed or cancelled alike. Waited for
+            # (done in milliseconds) at most RELEASE_WAIT_S: a store that stalls must not hold the tokens.
+            await asyncio.wait({self._in_background(self._release(reply.kv))}, timeout=RELEASE_WAIT_S)
         if kv is not None:
             async with aclosing(self._join_batch(request_id, ids, request, checker, kv)) as events:
                 async for event in events:
@@ -619,11 +622,12 @@ class GeneratePipeline:
         else:
             self._in_background(self._release(call.result().kv))
 
-    def _in_background(self, work: Awaitable[None]) -> None:
-        """Runs a clean-up in a task of its own, kept until done (close waits for it)."""
+    def _in_background(self, work: Awaitable[None]) -> asyncio.Future:
+        """Runs a clean-up in a task of its own, kept until done (close waits for it); the task."""
         task = asyncio.ensure_future(work)
         self._background.add(task)
         task.add_done_callback(self._background.discard)
+        return task
 
     async def _abandon(self, client: PrefillClient, abandon_token: str) -> None:
         try:

@@ -38,7 +38,7 @@ from dataclasses import dataclass, field
 import grpc
 
 from pcpstack.common.channel import open_channel
-from pcpstack.common.errors import ServiceError, Unavailable
+from pcpstack.common.errors import ServiceError
 from pcpstack.common.rpc_errors import error_from_rpc
 from pcpstack.common.server import DEFAULT_MAX_MESSAGE_BYTES
 from pcpstack.kvstore.errors import (
@@ -47,6 +47,7 @@ from pcpstack.kvstore.errors import (
     ChecksumMismatch,
     FingerprintMismatch,
     ProtocolError,
+    StoreStalled,
 )
 from pcpstack.kvstore.ranges import ByteRange, ByteRepeat, selection_bytes
 from pcpstack.kvstore.shm import (
@@ -145,7 +146,7 @@ class KvStoreClient:
         chunk_bytes: int = DEFAULT_CHUNK_BYTES,
         deadline_s: float = 60.0,
         receive_pool_bytes: int = DEFAULT_RECEIVE_POOL_BYTES,
-        stall_s: float = STALL_S,
+        stall_s: float | None = None,
     ) -> None:
         if receive_pool_bytes < 0:
             raise ValueError(f"receive_pool_bytes must be >= 0 (0: no reuse), got {receive_pool_bytes}")
@@ -154,7 +155,7 @@ class KvStoreClient:
         self._buffers = ReceiveBuffers(receive_pool_bytes)
         self._prefer_shm = prefer_shm
         self._chunk_bytes = chunk_bytes
-        self._stall_s = stall_s
+        self._stall_s = STALL_S if stall_s is None else stall_s
         self._channel = open_channel(
             address, default_deadline=deadline_s, max_message_bytes=DEFAULT_MAX_MESSAGE_BYTES
         )
@@ -477,8 +478,8 @@ class KvStoreClient:
         except TimeoutError:
             raise self._stalled(what) from None
 
-    def _stalled(self, what: str) -> Unavailable:
-        return Unavailable(
+    def _stalled(self, what: str) -> StoreStalled:
+        return StoreStalled(
             f"the KV store at {self.address} did not answer within {self._stall_s:g} s ({what}): it is "
             "frozen, overloaded or cut off"
         )

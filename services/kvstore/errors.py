@@ -18,6 +18,7 @@ from pcpstack.common.errors import (
     NotFound,
     PermissionDenied,
     ResourceExhausted,
+    Unavailable,
 )
 
 __all__ = [
@@ -30,6 +31,7 @@ __all__ = [
     "InvalidArgument",
     "NotFound",
     "ProtocolError",
+    "StoreStalled",
 ]
 
 
@@ -51,3 +53,8 @@ class CapabilityDenied(PermissionDenied):
 
 class ProtocolError(Internal):
     """The peer broke the stream's protocol (a message out of order, bytes missing)."""
+
+
+class StoreStalled(Unavailable):
+    """A store that took or answered nothing of a call for the client's stall bound (frozen, overloaded, cut
+    off): a new channel would wait as long, so a caller does not retry on one."""

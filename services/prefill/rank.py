@@ -73,6 +73,7 @@ from pcpstack.engine.sampling import (
 )
 from pcpstack.engine.weights import load_model
 from pcpstack.kvstore.client import KvStoreClient
+from pcpstack.kvstore.errors import StoreStalled
 from pcpstack.kvstore.prefix import PREFIX_BLOCK_TOKENS, segment_range
 from pcpstack.kvstore.ranges import ByteRange
 from pcpstack.kvstore.shm import reusable_for
@@ -207,8 +208,8 @@ class ReplicaPusher:
         try:
             return self._run(self._push(address, key, fingerprint, data, lease_ms, block_keys, block_tokens))
         except Exception as exc:
-            if getattr(exc, "code", "") in _REFUSALS:
-                raise
+            if getattr(exc, "code", "") in _REFUSALS or isinstance(exc, StoreStalled):
+                raise  # refused, or frozen: a new channel would be refused or wait the same
             # A store that restarted leaves the cached channel broken: retry once on a fresh channel.
             log.warning("KV push to %s failed (%s); retrying on a new channel", address, exc)
             stale = self._clients.pop(address, None)

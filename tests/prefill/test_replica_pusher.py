@@ -7,12 +7,15 @@ from __future__ import annotations
 import asyncio
 import gc
 import logging
+import signal
 from collections.abc import Iterator
 
 import pytest
 
 from pcpstack.cli.launch import spawn_and_wait_listening
 from pcpstack.common.errors import AlreadyExists, ResourceExhausted
+from pcpstack.kvstore import client as client_module
+from pcpstack.kvstore.errors import StoreStalled
 from pcpstack.prefill.rank import ReplicaPusher, repeating_push
 
 FINGERPRINT = "f" * 64
@@ -47,6 +50,24 @@ def test_a_refused_push_raises_the_store_error_and_leaves_no_pending_task(
     gc.collect()
     assert "Task was destroyed" not in caplog.text
     assert "retrying on a new channel" not in caplog.text
+
+
+def test_a_push_to_a_frozen_store_fails_stalled_without_a_retry_on_a_new_channel(caplog, monkeypatch) -> None:
+    """A store stopped (SIGSTOP) answers nothing on any channel: the push fails once its stall bound passes,
+    not again after a second one on a fresh channel (the retry is for a store that restarted)."""
+    monkeypatch.setattr(client_module, "STALL_S", 1.0)
+    process, address = spawn_and_wait_listening("kvstore", ["--port", "0"])
+    pusher = ReplicaPusher()
+    try:
+        assert pusher.push(address, "before/ffff", FINGERPRINT, memoryview(bytearray(1024)), 0)
+        process.send_signal(signal.SIGSTOP)
+        with caplog.at_level(logging.WARNING), pytest.raises(StoreStalled, match="did not answer within 1 s"):
+            pusher.push(address, "frozen/ffff", FINGERPRINT, memoryview(bytearray(1024)), 0)
+        assert "retrying on a new channel" not in caplog.text
+        assert pending_tasks(pusher) == []
+    finally:
+        process.send_signal(signal.SIGKILL)
+        process.wait(timeout=30)
 
 
 def test_the_standby_readied_between_forwards_holds_either_repeating_size() -> None:
