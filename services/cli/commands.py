@@ -337,6 +337,10 @@ def add_up_arguments(parser: argparse.ArgumentParser) -> None:
     )
 
 
+# Seconds between two looks at the local stack's processes while `up` runs.
+EXIT_POLL_S = 1.0
+
+
 def run_up(args: argparse.Namespace) -> int:
     """Starts a local stack, prints its endpoints and keeps it up until Ctrl-C."""
     try:
@@ -373,7 +377,7 @@ def run_up(args: argparse.Namespace) -> int:
 
             for sig in (signal.SIGINT, signal.SIGTERM):
                 loop.add_signal_handler(sig, stop.set)
-            await stop.wait()
+            await _report_exits(stack, stop)
             printer.step("stopping...")
 
     try:
@@ -388,6 +392,32 @@ def run_up(args: argparse.Namespace) -> int:
         printer.finish()
         return 130
     return 0
+
+
+async def _report_exits(stack: LocalStack, stop: asyncio.Event) -> None:
+    """Until stop: says on stderr when a service of the stack exits (reaping it), with its exit status and
+    log; the others keep running (`up` restarts nothing: the log says why it ended)."""
+    import signal
+
+    reported: set[int] = set()
+    while not stop.is_set():
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(stop.wait(), EXIT_POLL_S)
+        for service in stack.services:
+            code = service.process.poll()
+            if code is None or service.process.pid in reported or stop.is_set():
+                continue
+            reported.add(service.process.pid)
+            how = f"exit status {code}"
+            if code < 0:
+                with contextlib.suppress(ValueError):
+                    how = f"killed by {signal.Signals(-code).name}"
+            print(
+                f"pcpstack up: {service.name} exited ({how}); its log: {service.log_path}. The other "
+                "services keep running; Ctrl-C stops them.",
+                file=sys.stderr,
+                flush=True,
+            )
 
 
 def add_generate_arguments(parser: argparse.ArgumentParser) -> None:

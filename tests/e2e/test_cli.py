@@ -9,6 +9,7 @@ import os
 import signal
 import subprocess
 import time
+from pathlib import Path
 
 import pytest
 
@@ -98,9 +99,19 @@ def test_up_prints_endpoints_serves_and_stops_cleanly_on_ctrl_c(tmp_path, child_
             timeout=120,
         )
         assert run.returncode != 0 and "sampling.max_tokens=64 with 4090 prompt tokens exceeds" in run.stderr
+        # A service that dies is reaped and reported on stderr; the others keep running.
+        (gateway,) = [pid for pid in services if b"gateway" in Path(f"/proc/{pid}/cmdline").read_bytes()]
+        os.kill(gateway, signal.SIGKILL)
+        deadline = time.monotonic() + 30
+        while Path(f"/proc/{gateway}").exists() and time.monotonic() < deadline:
+            time.sleep(0.2)  # a zombie until `up` reaps it
+        assert not Path(f"/proc/{gateway}").exists(), "up left the killed gateway unreaped"
         up.send_signal(signal.SIGINT)
         assert up.wait(timeout=60) == 0
         progress = up.stderr.read().splitlines()
+        assert any(
+            line.startswith("pcpstack up: gateway exited (killed by SIGKILL); its log: ") for line in progress
+        ), progress
         # stderr is a pipe here, not a terminal: plain lines, a step per service's model load.
         assert "decode-0: loading model tiny on cpu" in progress
         assert any(line.startswith("prefill-0: model tiny loaded in ") for line in progress)
