@@ -62,6 +62,9 @@ def test_kvstore_killed_fails_in_flight_requests_cleanly_and_later_ones_succeed(
             future.result(timeout=DEADLINE_S + 15)
         # UNAVAILABLE, not DEADLINE_EXCEEDED: they failed before their deadline
         assert info.value.code() == grpc.StatusCode.UNAVAILABLE, info.value.details()
+        # the set's failure first, not "no ready prefill set" (it was ready; it failed)
+        assert info.value.details().startswith("set "), info.value.details()
+        assert "no other ready set to retry on" in info.value.details()
     assert len(streaming.result(timeout=DEADLINE_S + 15).token_ids) == 1500
 
     restart_service(stack, victim)
